@@ -1,0 +1,54 @@
+# braid: one-command setup, test and benchmark.  `make test`, `make bench`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+NPROC ?= 2
+BUILD_DIR ?= build/cmake
+
+.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check clean
+
+all: install
+
+$(VENV)/.deps: Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+	$(PIP) install "$(TORCH_SPEC)" numpy triton pytest pytest-benchmark pytest-timeout ninja matplotlib
+	touch $@
+
+deps: $(VENV)/.deps
+
+install: deps
+	$(PIP) install --no-build-isolation --no-deps -e .
+
+test: install test-cpp test-py
+
+test-py:
+	$(PY) -m pytest tests -q
+
+test-cpp:
+	@if command -v cmake >/dev/null 2>&1; then \
+	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+	  cmake --build $(BUILD_DIR) -j $(NPROC) && \
+	  ctest --test-dir $(BUILD_DIR) --output-on-failure; \
+	else echo "cmake not found: C++ core tests skipped"; fi
+
+sanitize:
+	cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DBRAID_SANITIZE=address >/dev/null
+	cmake --build build/asan -j $(NPROC)
+	ctest --test-dir build/asan --output-on-failure
+	cmake -S . -B build/tsan -DCMAKE_BUILD_TYPE=Debug -DBRAID_SANITIZE=thread >/dev/null
+	cmake --build build/tsan -j $(NPROC)
+	ctest --test-dir build/tsan --output-on-failure
+
+bench: install
+	mkdir -p results
+	$(PY) -m braid.bench collectives --nproc 2 --json results/collectives.json --plot results/collectives.png
+
+bench-peers:
+	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev
+	$(PIP) install mpi4py
+
+clean:
+	rm -rf build dist *.egg-info results

@@ -1,0 +1,13 @@
+"""braid.comm: collective communication for PyTorch (shared-memory CPU collectives).
+
+    from braid import comm
+    c = comm.init()                  # torchrun environment or the default process group
+    c.all_reduce(t)                  # in place; op="sum" | "avg" | "max" | "min" | "prod"
+"""
+import torch  # noqa: F401  (the extension links against torch: load it first)
+
+from .communicator import Communicator, Work, init
+from .errors import CollectiveMismatch, CommClosed, CommError, CommTimeout, PeerError
+
+__all__ = ["Communicator", "Work", "init", "CommError", "CommTimeout", "PeerError",
+           "CollectiveMismatch", "CommClosed"]

@@ -1,0 +1,292 @@
+"""The braid communicator: bootstrap through a torch.distributed Store, collectives on CPU tensors."""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import weakref
+from datetime import timedelta
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .errors import CommError, CommTimeout
+
+Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+
+# Codes understood by the core (csrc/core/dtype.h, ReduceOp).
+_OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
+_DIST_OPS = {
+    dist.ReduceOp.SUM: 0,
+    dist.ReduceOp.AVG: 1,
+    dist.ReduceOp.MAX: 2,
+    dist.ReduceOp.MIN: 3,
+    dist.ReduceOp.PRODUCT: 4,
+}
+_instances = itertools.count()
+
+
+def _op_code(op: Op) -> int:
+    if isinstance(op, str):
+        code = _OP_CODES.get(op.lower())
+    else:
+        try:
+            code = _DIST_OPS.get(op)
+        except TypeError:
+            code = None
+    if code is None:
+        raise ValueError(f"op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
+                         f"torch.distributed.ReduceOp, got {op!r}")
+    return code
+
+
+def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout") -> float:
+    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not secs > 0:
+        raise ValueError(f"{name} must be positive, got {timeout!r}")
+    return secs
+
+
+def host_identity() -> str:
+    """What makes two processes able to share memory: same machine boot and same /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        st = os.stat("/dev/shm")
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = "?"
+    return f"{socket.gethostname()}|{boot}|{shm}"
+
+
+class Work:
+    """Handle of an async collective: ``wait()``, ``is_completed()``, ``get_future()``."""
+
+    __slots__ = ("_w",)
+
+    def __init__(self, w):
+        self._w = w
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the collective is done; raises its error. With ``timeout`` (seconds)
+        returns False if it is still running then."""
+        return self._w.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._w.is_completed()
+
+    def is_success(self) -> bool:
+        return self._w.is_success()
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed by braid's progress thread with the list of output
+        tensors (as ``torch.distributed``'s Work), or with the error."""
+        return self._w.get_future()
+
+
+def _wrap(w):
+    return None if w is None else Work(w)
+
+
+class Communicator:
+    """A group of ranks running braid collectives on CPU tensors.
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by all ranks (TCPStore, FileStore, ...).
+        rank, world_size: this process's rank and the number of ranks.
+        timeout: deadline of every wait (``timedelta`` or seconds). Reaching it raises
+            ``CommTimeout`` naming the ranks that did not arrive.
+        prefix: store key prefix; by default communicators are numbered in creation order, so
+            every rank must create its communicators in the same order.
+        algo, oneshot_max_bytes, slot_bytes, nslots, spin_us, yield_us: tunables; ``None`` takes
+            the ``BRAID_*`` environment variable or the built-in default (see README).
+
+    All ranks must currently share one host (POSIX shared memory transport).
+    """
+
+    def __init__(self, store: "dist.Store", rank: int, world_size: int, *,
+                 timeout: Union[timedelta, float] = timedelta(seconds=300),
+                 device: Optional[Union[str, torch.device]] = None,
+                 prefix: Optional[str] = None,
+                 algo: Optional[str] = None,
+                 oneshot_max_bytes: Optional[int] = None,
+                 slot_bytes: Optional[int] = None,
+                 nslots: Optional[int] = None,
+                 spin_us: Optional[float] = None,
+                 yield_us: Optional[float] = None):
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}")
+        self._timeout_s = _seconds(timeout)
+        tun = _C.Tunables.from_env()
+        for name, value in (("algo", algo), ("oneshot_max_bytes", oneshot_max_bytes),
+                            ("slot_bytes", slot_bytes), ("nslots", nslots),
+                            ("spin_us", spin_us), ("yield_us", yield_us)):
+            if value is not None:
+                setattr(tun, name, value)
+        self._rank = rank
+        self._world_size = world_size
+        self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
+        self._store = store
+        self._c = _C.Communicator(rank, world_size, tun, self._timeout_s)
+        self._finalizer = weakref.finalize(self, self._c.close)
+        try:
+            self._bootstrap()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # -- bootstrap -------------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _gather(self, name: str, value: str, what: str) -> list:
+        """Publishes ``value`` under name/rank and returns every rank's value."""
+        self._store.set(self._key(f"{name}/{self._rank}"), value)
+        keys = [self._key(f"{name}/{r}") for r in range(self._world_size)]
+        self._wait(keys, what)
+        return [self._store.get(k).decode() for k in keys]
+
+    def _wait(self, keys: Sequence[str], what: str) -> None:
+        try:
+            self._store.wait(list(keys), timedelta(seconds=self._timeout_s))
+        except Exception as e:  # the store raises its own timeout type
+            missing = [k.rsplit("/", 1)[-1] for k in keys if not self._store.check([k])]
+            raise CommTimeout(f"rank {self._rank}: ranks [{', '.join(missing)}] did not {what} within "
+                              f"{self._timeout_s:g} s ({e})") from None
+
+    def _bootstrap(self) -> None:
+        if self._world_size == 1:
+            return
+        hosts = self._gather("host", host_identity(), "join the communicator")
+        if len(set(hosts)) != 1:
+            groups = {}
+            for r, h in enumerate(hosts):
+                groups.setdefault(h.split("|")[0], []).append(r)
+            raise CommError(f"ranks span several hosts ({groups}); braid's shared-memory transport "
+                            "needs all ranks on one host until the TCP transport exists")
+        me = f"{self._c.segment_name()}|{os.getpid()}|{socket.gethostname()}"
+        peers = []
+        for entry in self._gather("seg", me, "publish their shared memory"):
+            name, pid, host = entry.split("|", 2)
+            peers.append((name, int(pid), host))
+        self._c.attach(peers)
+        # Unlink once every rank has mapped every segment: nothing can leak after this point.
+        if self._store.add(self._key("attached"), 1) == self._world_size:
+            self._store.set(self._key("attached_all"), "1")
+        self._wait([self._key("attached_all")], "map the shared memory")
+        self._c.unlink_own()
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank among the ranks of this host (all ranks share one host for now)."""
+        return self._rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    def all_reduce_algorithm(self, nbytes: int) -> str:
+        """Name of the algorithm all_reduce uses for a message of ``nbytes`` bytes."""
+        return self._c.all_reduce_algo(nbytes)
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False) -> Optional[Work]:
+        """Reduces ``tensor`` across ranks in place. Results are bitwise identical on every rank."""
+        return _wrap(self._c.all_reduce(tensor, _op_code(op), async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
+                       async_op: bool = False) -> Optional[Work]:
+        """Reduces ``input`` (world_size * output.numel() elements) across ranks; rank r receives
+        the reduced r-th slice in ``output``."""
+        return _wrap(self._c.reduce_scatter(output, input, _op_code(op), async_op))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
+        """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
+        return _wrap(self._c.all_gather(output, input, async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
+        """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        if not isinstance(src, int):
+            raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+        return _wrap(self._c.broadcast(tensor, src, async_op))
+
+    def barrier(self, async_op: bool = False) -> Optional[Work]:
+        """Returns once every rank has called barrier()."""
+        return _wrap(self._c.barrier(async_op))
+
+    def close(self) -> None:
+        """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs
+        on garbage collection and at interpreter exit."""
+        self._finalizer()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<braid.comm.Communicator rank={self._rank} world_size={self._world_size} {state}>"
+
+
+def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
+         world_size: Optional[int] = None, **kwargs) -> Communicator:
+    """Builds a communicator from what the launcher provides.
+
+    In order: the explicit ``store``/``rank``/``world_size``; the default process group's store
+    when ``torch.distributed`` is initialized; the torchrun environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). Keyword arguments go to :class:`Communicator`.
+    """
+    if store is None and dist.is_available() and dist.is_initialized():
+        store = dist.PrefixStore("braid/", dist.distributed_c10d._get_default_store())
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    if rank is None:
+        rank = int(_env("RANK"))
+    if world_size is None:
+        world_size = int(_env("WORLD_SIZE"))
+    if store is None:
+        timeout = kwargs.get("timeout", timedelta(seconds=300))
+        use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(_env("MASTER_ADDR"), int(_env("MASTER_PORT")), world_size,
+                              is_master=(rank == 0 and not use_agent),
+                              timeout=timedelta(seconds=_seconds(timeout)))
+        store = dist.PrefixStore("braid/", store)
+    return Communicator(store, rank, world_size, **kwargs)
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"{name} is not set: pass store, rank and world_size, initialize "
+                         "torch.distributed, or launch with torchrun")
+    return value

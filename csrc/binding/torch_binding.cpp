@@ -1,0 +1,309 @@
+// The only file that includes torch: argument checks at the boundary, tensors to raw pointers,
+// futures for async work, and core errors mapped to braid.comm's Python exception classes.
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/communicator.h"
+#include "../core/reduce.h"
+#include "../core/tunables.h"
+
+namespace py = pybind11;
+
+namespace braid {
+namespace {
+
+const char* kErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch", "CommClosed"};
+
+DType to_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    default:
+      throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) +
+                           "; braid supports float32, float64, float16, bfloat16, int32 and int64");
+  }
+}
+
+ReduceOp to_op(int op) {
+  if (op < 0 || op >= kNumReduceOps) throw py::value_error("op code out of range: " + std::to_string(op));
+  return static_cast<ReduceOp>(op);
+}
+
+at::Tensor as_tensor(const py::handle& obj, const char* arg) {
+  if (!THPVariable_Check(obj.ptr()))
+    throw py::type_error(std::string(arg) + " must be a torch.Tensor, got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  at::Tensor t = THPVariable_Unpack(obj.ptr());
+  if (t.layout() != at::kStrided) throw py::value_error(std::string(arg) + " must be a dense (strided) tensor");
+  if (!t.device().is_cpu())
+    throw py::value_error(std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
+  return t;
+}
+
+// Tensors whose memory ranges overlap without being the same range are rejected; an exact
+// in-place alias (NCCL-style) is handled by the algorithms.
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto* a0 = static_cast<const char*>(a.data_ptr());
+  auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+struct Staged {
+  at::Tensor user;     // what the caller passed
+  at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)
+  bool copy_back() const { return !buffer.is_same(user); }
+};
+
+Staged stage(const at::Tensor& t) { return Staged{t, t.is_contiguous() ? t : t.contiguous()}; }
+
+// Python-facing handle of an async collective.
+class PyWork {
+ public:
+  PyWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
+
+  bool wait(py::object timeout) {
+    std::chrono::nanoseconds ns{0};
+    if (!timeout.is_none()) {
+      double s = timeout.cast<double>();
+      if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
+      ns = std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
+    }
+    py::gil_scoped_release nogil;
+    return work_->wait(ns);
+  }
+  bool is_completed() const { return work_->is_completed(); }
+  bool is_success() const { return work_->succeeded(); }
+  py::object exception_message() const {
+    if (!work_->is_completed() || work_->succeeded()) return py::none();
+    return py::str(work_->error_message());
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> future() {
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      auto fut = future_;
+      auto outs = outputs_;
+      work_->on_complete([fut, outs](const Work& w) {
+        if (w.succeeded()) {
+          c10::List<at::Tensor> list;
+          for (const auto& t : outs) list.push_back(t);
+          fut->markCompleted(c10::IValue(list));
+        } else {
+          const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
+          fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
+        }
+      });
+    }
+    return future_;
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// Sends a request to the core; returns a PyWork for async calls, None otherwise.
+py::object dispatch(Communicator& c, Request req, bool async, std::vector<Staged> staged,
+                    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs) {
+  bool need_copy = false;
+  for (const auto& s : staged) need_copy = need_copy || s.copy_back();
+  if (need_copy) {
+    req.epilogue = [staged] {
+      for (const auto& s : staged)
+        if (s.copy_back()) s.user.copy_(s.buffer);
+    };
+  }
+  if (!async) {
+    py::gil_scoped_release nogil;
+    c.submit(std::move(req), false);
+    return py::none();
+  }
+  auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(inputs));
+  for (const auto& s : staged) keep->push_back(s.buffer);
+  req.keepalive = keep;
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = c.submit(std::move(req), true);
+  }
+  return py::cast(std::make_shared<PyWork>(std::move(w), std::move(outputs)));
+}
+
+py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
+  at::Tensor t = as_tensor(tensor, "tensor");
+  Request r;
+  r.kind = CollKind::kAllReduce;
+  r.dtype = to_dtype(t.scalar_type(), "tensor");
+  r.op = to_op(op);
+  r.count = static_cast<size_t>(t.numel());
+  Staged s = stage(t);
+  r.in = s.buffer.data_ptr();
+  r.out = s.buffer.data_ptr();
+  return dispatch(c, std::move(r), async, {s}, {t}, {});
+}
+
+py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
+  at::Tensor out = as_tensor(output, "output");
+  at::Tensor in = as_tensor(input, "input");
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                         " and " + c10::toString(in.scalar_type()));
+  const int64_t n = c.world_size();
+  if (in.numel() != n * out.numel())
+    throw py::value_error("input.numel() must be world_size * output.numel() (" + std::to_string(n) + " * " +
+                          std::to_string(out.numel()) + "), got " + std::to_string(in.numel()));
+  Request r;
+  r.kind = CollKind::kReduceScatter;
+  r.dtype = to_dtype(out.scalar_type(), "output");
+  r.op = to_op(op);
+  r.count = static_cast<size_t>(out.numel());
+  at::Tensor in_c = in.contiguous();
+  Staged s = stage(out);
+  const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
+                        s.buffer.data_ptr() == static_cast<char*>(in_c.data_ptr()) + c.rank() * s.buffer.nbytes();
+  if (!in_place && overlaps(s.buffer, in_c))
+    throw py::value_error("output overlaps input; the only overlap allowed is output being input's own slice (rank * output.numel())");
+  r.in = in_c.data_ptr();
+  r.out = s.buffer.data_ptr();
+  return dispatch(c, std::move(r), async, {s}, {out}, {in_c});
+}
+
+py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async) {
+  at::Tensor out = as_tensor(output, "output");
+  at::Tensor in = as_tensor(input, "input");
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                         " and " + c10::toString(in.scalar_type()));
+  const int64_t n = c.world_size();
+  if (out.numel() != n * in.numel())
+    throw py::value_error("output.numel() must be world_size * input.numel() (" + std::to_string(n) + " * " +
+                          std::to_string(in.numel()) + "), got " + std::to_string(out.numel()));
+  Request r;
+  r.kind = CollKind::kAllGather;
+  r.dtype = to_dtype(out.scalar_type(), "output");
+  r.count = static_cast<size_t>(in.numel());
+  Staged s = stage(out);
+  at::Tensor in_c = in.contiguous();
+  const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
+                        in_c.data_ptr() == static_cast<char*>(s.buffer.data_ptr()) + c.rank() * in_c.nbytes();
+  if (!in_place && overlaps(s.buffer, in_c))
+    throw py::value_error("output overlaps input; the only overlap allowed is input being output's own slice (rank * input.numel())");
+  r.in = in_c.data_ptr();
+  r.out = s.buffer.data_ptr();
+  return dispatch(c, std::move(r), async, {s}, {out}, {in_c});
+}
+
+py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
+  at::Tensor t = as_tensor(tensor, "tensor");
+  if (src < 0 || src >= c.world_size())
+    throw py::value_error("src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
+  Request r;
+  r.kind = CollKind::kBroadcast;
+  r.dtype = to_dtype(t.scalar_type(), "tensor");
+  r.count = static_cast<size_t>(t.numel());
+  r.root = src;
+  Staged s = stage(t);
+  r.in = s.buffer.data_ptr();
+  r.out = s.buffer.data_ptr();
+  return dispatch(c, std::move(r), async, {s}, {t}, {});
+}
+
+py::object barrier(Communicator& c, bool async) {
+  Request r;
+  r.kind = CollKind::kBarrier;
+  return dispatch(c, std::move(r), async, {}, {}, {});
+}
+
+// Reduces `inputs` (same shape and dtype, contiguous) into a new tensor with the core kernel, in
+// list order: lets tests check the kernel against torch without a communicator.
+at::Tensor reduce_tensors(const std::vector<at::Tensor>& inputs, int op, int world_size) {
+  if (inputs.empty()) throw py::value_error("inputs must not be empty");
+  std::vector<at::Tensor> cs;
+  std::vector<Operand> srcs;
+  for (const auto& t : inputs) {
+    if (!t.device().is_cpu()) throw py::value_error("inputs must be CPU tensors");
+    if (t.sizes() != inputs[0].sizes() || t.scalar_type() != inputs[0].scalar_type())
+      throw py::value_error("inputs must share shape and dtype");
+    cs.push_back(t.contiguous());
+    srcs.push_back({cs.back().data_ptr(), false});
+  }
+  at::Tensor out = at::empty_like(cs[0]);
+  reduce_n(to_dtype(out.scalar_type(), "inputs"), to_op(op), srcs.data(), static_cast<int>(srcs.size()),
+           out.data_ptr(), false, nullptr, static_cast<size_t>(out.numel()), world_size, true);
+  return out;
+}
+
+}  // namespace
+}  // namespace braid
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace braid;
+  m.doc() = "braid core: shared-memory collectives (torch binding)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CommError& e) {
+      py::object errors = py::module_::import("braid.comm.errors");
+      py::object cls = errors.attr(kErrorClass[static_cast<int>(e.kind())]);
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  py::class_<Tunables>(m, "Tunables")
+      .def(py::init<>())
+      .def_static("from_env", &Tunables::from_env)
+      .def_property(
+          "algo", [](const Tunables& t) { return std::string(algo_name(t.algo)); },
+          [](Tunables& t, const std::string& s) { t.algo = parse_algo(s); })
+      .def_readwrite("oneshot_max_bytes", &Tunables::oneshot_max_bytes)
+      .def_readwrite("slot_bytes", &Tunables::slot_bytes)
+      .def_readwrite("nslots", &Tunables::nslots)
+      .def_readwrite("spin_us", &Tunables::spin_us)
+      .def_readwrite("yield_us", &Tunables::yield_us);
+
+  py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")
+      .def("wait", &PyWork::wait, py::arg("timeout") = py::none())
+      .def("is_completed", &PyWork::is_completed)
+      .def("is_success", &PyWork::is_success)
+      .def("exception_message", &PyWork::exception_message)
+      .def("get_future", [](PyWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init<int, int, Tunables, double>(), py::arg("rank"), py::arg("world_size"), py::arg("tunables"),
+           py::arg("timeout_s"))
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world_size", &Communicator::world_size)
+      .def_property_readonly("seq", &Communicator::seq)
+      .def_property_readonly("closed", &Communicator::closed)
+      .def_property_readonly("tunables", &Communicator::tunables)
+      .def("segment_name", &Communicator::segment_name)
+      .def("attach",
+           [](Communicator& c, const std::vector<std::tuple<std::string, int, std::string>>& peers) {
+             std::vector<PeerInfo> infos;
+             for (const auto& [seg, pid, host] : peers) infos.push_back(PeerInfo{seg, static_cast<pid_t>(pid), host});
+             py::gil_scoped_release nogil;
+             c.attach(infos);
+           })
+      .def("unlink_own", &Communicator::unlink_own)
+      .def("all_reduce_algo", [](const Communicator& c, size_t bytes) { return std::string(algo_name(c.all_reduce_algo(bytes))); })
+      .def("all_reduce", &all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"))
+      .def("reduce_scatter", &reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))
+      .def("all_gather", &all_gather, py::arg("output"), py::arg("input"), py::arg("async_op"))
+      .def("broadcast", &broadcast, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
+      .def("barrier", &barrier, py::arg("async_op"))
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>());
+
+  m.def("reduce_tensors", &reduce_tensors, py::arg("inputs"), py::arg("op"), py::arg("world_size") = 1);
+}

@@ -1,0 +1,31 @@
+// Collective algorithms over a shared-memory rank group. Every algorithm starts with an arrival
+// step in which all ranks post the same step number and compare descriptors (ShmGroup::arrive),
+// so ranks that picked different collectives or algorithms detect it before touching data.
+#pragma once
+
+#include <cstddef>
+
+#include "../dtype.h"
+#include "../transport/shm_group.h"
+
+namespace braid {
+
+// Elements per piece so that `parts` pieces of `elem_bytes` fit a slot; multiples of 16 elements
+// (64-byte lines for float32) when there is room.
+size_t slot_elems(size_t slot_bytes, size_t parts, size_t elem_bytes);
+
+// One-shot: data rides with the arrival step in the per-parity buffers.
+void oneshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void oneshot_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void oneshot_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void oneshot_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
+void barrier(ShmGroup& g, const CollectiveDesc& d);
+
+// Pipelined through the slots, several rounds per message.
+void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void ring_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void pipelined_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void pipelined_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
+
+}  // namespace braid

@@ -1,0 +1,164 @@
+// Communicator: turns requests into collective descriptors, picks algorithms, poisons itself on
+// the first communication error and tells the peers about it.
+#include "communicator.h"
+
+#include <cstring>
+#include <stdexcept>
+
+#include "algorithms/algorithms.h"
+#include "reduce.h"
+
+namespace braid {
+
+Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s)
+    : rank_(rank), world_(world_size), tun_(tunables) {
+  if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
+  if (rank < 0 || rank >= world_size) throw std::invalid_argument("rank must be in [0, world_size)");
+  if (world_size > kMaxLocalRanks)
+    throw std::invalid_argument("world_size must be at most " + std::to_string(kMaxLocalRanks) +
+                                " on one host");
+  if (!(timeout_s > 0)) throw std::invalid_argument("timeout must be positive");
+  tun_.resolve(world_size);
+  tun_.validate();
+  if (world_ > 1) {
+    ShmLayout layout{tun_.oneshot_max_bytes, tun_.slot_bytes, tun_.nslots};
+    WaitPolicy policy;
+    policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
+    policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
+    policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
+    group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy);
+  }
+}
+
+Communicator::~Communicator() { close(); }
+
+std::string Communicator::segment_name() const { return group_ ? group_->segment_name() : std::string(); }
+
+void Communicator::attach(const std::vector<PeerInfo>& peers) {
+  if (!group_) return;
+  if (static_cast<int>(peers.size()) != world_)
+    throw std::invalid_argument("attach needs one PeerInfo per rank");
+  group_->attach(peers);
+}
+
+void Communicator::unlink_own() {
+  if (group_) group_->unlink_own();
+}
+
+Algo Communicator::all_reduce_algo(size_t bytes) const {
+  if (tun_.algo != Algo::kAuto) return tun_.algo;
+  return bytes <= tun_.oneshot_max_bytes ? Algo::kOneShot : Algo::kTwoShot;
+}
+
+void Communicator::check_open() const {
+  if (closed_.load()) throw CommError(ErrorKind::kClosed, "communicator used after close()");
+}
+
+void Communicator::check_not_poisoned() {
+  std::lock_guard<std::mutex> lk(poison_mu_);
+  if (poison_kind_ != ErrorKind::kNone)
+    throw CommError(poison_kind_, "communicator is unusable after an earlier error (rebuild it): " + poison_msg_);
+}
+
+std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
+  check_open();
+  check_not_poisoned();
+  auto work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
+  if (!async) {
+    engine_.run_blocking(work);
+    return nullptr;
+  }
+  engine_.enqueue(work);
+  return work;
+}
+
+void Communicator::execute_local(Request& r) {
+  const size_t bytes = r.count * dtype_size(r.dtype);
+  if (r.kind == CollKind::kBarrier || r.kind == CollKind::kBroadcast) return;
+  if (r.out != r.in && bytes > 0) std::memmove(r.out, r.in, bytes);
+}
+
+void Communicator::execute(Request& r) {
+  check_not_poisoned();
+  CollectiveDesc d;
+  d.seq = ++seq_;
+  d.count = r.count;
+  d.kind = static_cast<uint32_t>(r.kind);
+  d.dtype = static_cast<uint32_t>(r.dtype);
+  d.op = static_cast<uint32_t>(r.op);
+  d.root = static_cast<uint32_t>(r.root);
+  try {
+    if (!group_) {
+      execute_local(r);
+    } else {
+      const size_t es = dtype_size(r.dtype);
+      const size_t n = static_cast<size_t>(world_);
+      switch (r.kind) {
+        case CollKind::kAllReduce: {
+          const Algo a = all_reduce_algo(r.count * es);
+          d.algo = static_cast<uint32_t>(a);
+          // One-shot needs the message to fit its buffer even when forced.
+          if (a == Algo::kOneShot && r.count * es <= tun_.oneshot_max_bytes) {
+            oneshot_all_reduce(*group_, d, r.in, r.out);
+          } else if (a == Algo::kRing) {
+            ring_all_reduce(*group_, d, r.in, r.out);
+          } else {
+            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
+            twoshot_all_reduce(*group_, d, r.in, r.out);
+          }
+          break;
+        }
+        case CollKind::kReduceScatter:
+          if (r.count * es * n <= tun_.oneshot_max_bytes) {
+            d.algo = static_cast<uint32_t>(Algo::kOneShot);
+            oneshot_reduce_scatter(*group_, d, r.in, r.out);
+          } else {
+            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
+            pipelined_reduce_scatter(*group_, d, r.in, r.out);
+          }
+          break;
+        case CollKind::kAllGather:
+          if (r.count * es <= tun_.oneshot_max_bytes) {
+            d.algo = static_cast<uint32_t>(Algo::kOneShot);
+            oneshot_all_gather(*group_, d, r.in, r.out);
+          } else {
+            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
+            pipelined_all_gather(*group_, d, r.in, r.out);
+          }
+          break;
+        case CollKind::kBroadcast:
+          if (r.count * es <= tun_.oneshot_max_bytes) {
+            d.algo = static_cast<uint32_t>(Algo::kOneShot);
+            oneshot_broadcast(*group_, d, r.out);
+          } else {
+            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
+            pipelined_broadcast(*group_, d, r.out);
+          }
+          break;
+        case CollKind::kBarrier:
+          barrier(*group_, d);
+          break;
+      }
+    }
+    if (r.epilogue) r.epilogue();
+  } catch (const CommError& e) {
+    {
+      std::lock_guard<std::mutex> lk(poison_mu_);
+      if (poison_kind_ == ErrorKind::kNone) {
+        poison_kind_ = e.kind();
+        poison_msg_ = e.what();
+      }
+    }
+    if (group_) group_->publish_failure(e.kind(), e.what());
+    throw;
+  }
+}
+
+void Communicator::close() {
+  if (closed_.exchange(true)) return;
+  engine_.shutdown();
+  if (group_) group_->mark_left();
+  group_.reset();
+}
+
+}  // namespace braid

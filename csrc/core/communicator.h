@@ -1,0 +1,83 @@
+// The torch-free communicator: sequence numbers, algorithm choice, error poisoning, issue-order
+// execution (inline or on the progress thread) over a shared-memory rank group.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+#include "errors.h"
+#include "progress_engine.h"
+#include "transport/shm_group.h"
+#include "tunables.h"
+#include "work.h"
+
+namespace braid {
+
+// One collective call, by raw pointers. `in` and `out` may be equal (in place).
+struct Request {
+  CollKind kind = CollKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
+                     // all_gather: input elements
+  int root = 0;
+  const void* in = nullptr;
+  void* out = nullptr;
+  // Runs on the executing thread after the data moved (e.g. copies a staged result back).
+  std::function<void()> epilogue;
+  // Whatever must outlive the call (tensors of an async call); released at completion.
+  std::shared_ptr<void> keepalive;
+};
+
+class Communicator {
+ public:
+  Communicator(int rank, int world_size, Tunables tunables, double timeout_s);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  const Tunables& tunables() const { return tun_; }
+
+  // Bootstrap (single host): publish segment_name(), attach everyone's, then unlink_own() once
+  // every rank has attached. Not needed when world_size == 1.
+  std::string segment_name() const;
+  void attach(const std::vector<PeerInfo>& peers);
+  void unlink_own();
+
+  // Blocking when `async` is false (returns null); otherwise returns the queued Work.
+  std::shared_ptr<Work> submit(Request req, bool async);
+
+  // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark).
+  Algo all_reduce_algo(size_t bytes) const;
+  uint64_t seq() const { return seq_; }
+
+  // Runs queued work, leaves the group (peers still waiting get PeerError) and frees resources.
+  void close();
+  bool closed() const { return closed_.load(); }
+
+ private:
+  void execute(Request& r);
+  void execute_local(Request& r);
+  void check_open() const;
+  void check_not_poisoned();
+
+  int rank_;
+  int world_;
+  Tunables tun_;
+  std::unique_ptr<ShmGroup> group_;
+  ProgressEngine engine_;
+  uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)
+  std::atomic<bool> closed_{false};
+  std::mutex poison_mu_;
+  ErrorKind poison_kind_ = ErrorKind::kNone;
+  std::string poison_msg_;
+};
+
+}  // namespace braid

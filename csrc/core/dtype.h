@@ -1,0 +1,48 @@
+// Element types and reduction operators understood by the torch-free core.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace braid {
+
+// Values are part of the binding ABI (the Python layer passes them as ints).
+enum class DType : uint32_t {
+  kFloat32 = 0,
+  kFloat64 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+};
+constexpr int kNumDTypes = 6;
+
+enum class ReduceOp : uint32_t {
+  kSum = 0,
+  kAvg = 1,
+  kMax = 2,
+  kMin = 3,
+  kProd = 4,
+};
+constexpr int kNumReduceOps = 5;
+
+inline size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat64: return 8;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+  }
+  return 0;
+}
+
+// Half types travel as themselves but accumulate in float32; other types accumulate in place.
+inline bool dtype_is_half(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
+inline size_t acc_size(DType t) { return dtype_is_half(t) ? 4 : dtype_size(t); }
+
+const char* dtype_name(DType t);
+const char* reduce_op_name(ReduceOp op);
+
+}  // namespace braid

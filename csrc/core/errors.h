@@ -1,0 +1,32 @@
+// Typed communication errors thrown by the core; the binding maps each kind to a Python class.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace braid {
+
+// Values are part of the binding ABI and of the shared-memory status record.
+enum class ErrorKind : uint32_t {
+  kNone = 0,
+  kGeneric = 1,    // CommError
+  kTimeout = 2,    // CommTimeout: a deadline passed while waiting for named ranks
+  kPeer = 3,       // PeerError: a peer exited, closed or failed
+  kMismatch = 4,   // CollectiveMismatch: ranks called different collectives
+  kClosed = 5,     // CommClosed: use after close()
+};
+
+class CommError : public std::runtime_error {
+ public:
+  CommError(ErrorKind kind, const std::string& msg) : std::runtime_error(msg), kind_(kind) {}
+  ErrorKind kind() const { return kind_; }
+
+ private:
+  ErrorKind kind_;
+};
+
+// Thrown for errno-carrying system call failures during setup.
+[[noreturn]] void throw_system_error(const std::string& what, int err);
+
+}  // namespace braid

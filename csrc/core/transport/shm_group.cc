@@ -1,0 +1,330 @@
+// Shared-memory rank group: counters in separate cache lines, a host-wide futex doorbell that
+// posters ring only when someone sleeps, and waits that escalate from spinning to yielding to a
+// futex sleep with a deadline, periodic peer liveness checks (pidfd) and abort propagation.
+#include "shm_group.h"
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <sstream>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define BRAID_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define BRAID_CPU_RELAX() asm volatile("yield" ::: "memory")
+#else
+#define BRAID_CPU_RELAX() ((void)0)
+#endif
+
+namespace braid {
+
+namespace {
+constexpr uint64_t kMagic = 0x6272616964736d31ull;  // "braidsm1"
+constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
+constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint64_t total_bytes;
+  uint64_t oneshot_bytes;
+  uint64_t slot_bytes;
+  uint32_t nslots;
+  int32_t rank;
+  int32_t world_size;
+  int32_t pid;
+  alignas(kLine) std::atomic<uint64_t> step;
+  // Doorbell and abort epoch: only rank 0's copy is used (the "hub").
+  alignas(kLine) std::atomic<uint32_t> bell;
+  std::atomic<uint32_t> sleepers;
+  alignas(kLine) std::atomic<uint32_t> abort_epoch;
+  // Indexed by seq & 1: a peer cannot reach seq + 2 before this rank has finished seq, because
+  // every collective waits for every rank at least once.
+  alignas(kLine) CollectiveDesc desc[2];
+  alignas(kLine) std::atomic<uint32_t> state;
+  uint32_t error_kind;
+  char error_msg[496];
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared counters must be lock-free");
+
+const char* coll_kind_name(CollKind k) {
+  switch (k) {
+    case CollKind::kAllReduce: return "all_reduce";
+    case CollKind::kReduceScatter: return "reduce_scatter";
+    case CollKind::kAllGather: return "all_gather";
+    case CollKind::kBroadcast: return "broadcast";
+    case CollKind::kBarrier: return "barrier";
+  }
+  return "unknown";
+}
+
+bool CollectiveDesc::operator==(const CollectiveDesc& o) const {
+  return seq == o.seq && count == o.count && kind == o.kind && dtype == o.dtype && op == o.op &&
+         root == o.root && algo == o.algo;
+}
+
+std::string CollectiveDesc::describe() const {
+  std::ostringstream s;
+  const auto k = static_cast<CollKind>(kind);
+  s << coll_kind_name(k) << " #" << seq;
+  if (k == CollKind::kBarrier) return s.str();
+  s << " (" << dtype_name(static_cast<DType>(dtype)) << ", count " << count;
+  if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
+    s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
+  if (k == CollKind::kBroadcast) s << ", src " << root;
+  s << ", algo " << algo << ")";
+  return s.str();
+}
+
+size_t ShmLayout::oneshot_offset() const { return round_up(sizeof(SegmentHeader), 4096); }
+size_t ShmLayout::slots_offset() const { return oneshot_offset() + 2 * round_up(oneshot_bytes, 4096); }
+size_t ShmLayout::total_bytes() const {
+  return slots_offset() + static_cast<size_t>(nslots) * round_up(slot_bytes, 4096);
+}
+
+ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy)
+    : rank_(rank), world_(world_size), layout_(layout), policy_(policy) {
+  own_ = ShmSegment::create(layout_.total_bytes());
+  auto* h = new (own_.data()) SegmentHeader();
+  h->magic = kMagic;
+  h->total_bytes = layout_.total_bytes();
+  h->oneshot_bytes = layout_.oneshot_bytes;
+  h->slot_bytes = layout_.slot_bytes;
+  h->nslots = static_cast<uint32_t>(layout_.nslots);
+  h->rank = rank;
+  h->world_size = world_size;
+  h->pid = static_cast<int32_t>(::getpid());
+  headers_.assign(world_, nullptr);
+  bases_.assign(world_, nullptr);
+  pidfds_.assign(world_, -1);
+  headers_[rank_] = h;
+  bases_[rank_] = static_cast<char*>(own_.data());
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) all_peers_.push_back(r);
+}
+
+ShmGroup::~ShmGroup() {
+  for (int fd : pidfds_)
+    if (fd >= 0) ::close(fd);
+}
+
+void ShmGroup::attach(const std::vector<PeerInfo>& peers) {
+  info_ = peers;
+  peers_.resize(world_);
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    peers_[r] = ShmSegment::attach(peers[r].segment, layout_.total_bytes());
+    auto* h = static_cast<SegmentHeader*>(peers_[r].data());
+    if (h->magic != kMagic || h->rank != r || h->world_size != world_ ||
+        h->total_bytes != layout_.total_bytes() || h->oneshot_bytes != layout_.oneshot_bytes ||
+        h->slot_bytes != layout_.slot_bytes || h->nslots != static_cast<uint32_t>(layout_.nslots))
+      throw CommError(ErrorKind::kGeneric,
+                      "rank " + std::to_string(r) + "'s shared memory does not match this rank's "
+                      "layout: all ranks must use the same braid version and the same BRAID_* tunables");
+    headers_[r] = h;
+    bases_[r] = static_cast<char*>(peers_[r].data());
+#ifdef SYS_pidfd_open
+    pidfds_[r] = static_cast<int>(::syscall(SYS_pidfd_open, peers[r].pid, 0));
+#endif
+  }
+  hub_ = headers_[0];
+}
+
+uint64_t ShmGroup::post_next() {
+  ++step_;
+  // seq_cst store + seq_cst load of `sleepers`: either the sleeper sees the new step before it
+  // sleeps, or this poster sees the sleeper and rings the bell (Dekker-style handshake).
+  header(rank_)->step.store(step_, std::memory_order_seq_cst);
+  if (hub_->sleepers.load(std::memory_order_seq_cst) != 0) wake_all();
+  return step_;
+}
+
+void ShmGroup::wake_all() noexcept {
+  hub_->bell.fetch_add(1, std::memory_order_seq_cst);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool ShmGroup::reached(const int* peers, int npeers, uint64_t step) const {
+  for (int i = 0; i < npeers; ++i)
+    if (headers_[peers[i]]->step.load(std::memory_order_acquire) < step) return false;
+  return true;
+}
+
+void ShmGroup::wait_all(uint64_t step) {
+  if (reached(all_peers_.data(), static_cast<int>(all_peers_.size()), step)) return;
+  wait_slow(all_peers_.data(), static_cast<int>(all_peers_.size()), step);
+}
+
+void ShmGroup::wait_peer(int peer, uint64_t step) {
+  if (headers_[peer]->step.load(std::memory_order_acquire) >= step) return;
+  wait_slow(&peer, 1, step);
+}
+
+void ShmGroup::check_abort() {
+  if (hub_->abort_epoch.load(std::memory_order_acquire) != 0) raise_abort();
+}
+
+void ShmGroup::raise_abort() {
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    SegmentHeader* h = headers_[r];
+    if (h->state.load(std::memory_order_acquire) != kStateFailed) continue;
+    auto kind = static_cast<ErrorKind>(h->error_kind);
+    std::string msg(h->error_msg, strnlen(h->error_msg, sizeof(h->error_msg)));
+    if (kind != ErrorKind::kTimeout && kind != ErrorKind::kMismatch && kind != ErrorKind::kPeer)
+      kind = ErrorKind::kPeer;
+    throw CommError(kind, msg + " [reported by rank " + std::to_string(r) + "]");
+  }
+  throw CommError(ErrorKind::kPeer, "a peer aborted the communicator");
+}
+
+std::string ShmGroup::rank_label(int r) const {
+  std::ostringstream s;
+  s << "rank " << r;
+  if (r < static_cast<int>(info_.size())) s << " (pid " << info_[r].pid << " on " << info_[r].host << ")";
+  return s.str();
+}
+
+std::string ShmGroup::missing_ranks(const int* peers, int npeers, uint64_t step) const {
+  std::string out;
+  for (int i = 0; i < npeers; ++i) {
+    if (headers_[peers[i]]->step.load(std::memory_order_acquire) >= step) continue;
+    if (!out.empty()) out += ", ";
+    out += rank_label(peers[i]);
+  }
+  return out;
+}
+
+void ShmGroup::check_peers_alive(const int* peers, int npeers, uint64_t step) {
+  const std::string during = current_ ? " during " + current_->describe() : "";
+  for (int i = 0; i < npeers; ++i) {
+    const int r = peers[i];
+    SegmentHeader* h = headers_[r];
+    if (h->step.load(std::memory_order_acquire) >= step) continue;  // only those we still need
+    if (h->state.load(std::memory_order_acquire) == kStateLeft)
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + during +
+                                            " while rank " + std::to_string(rank_) + " waited for it");
+    bool dead = false;
+    if (pidfds_[r] >= 0) {
+      struct pollfd p{pidfds_[r], POLLIN, 0};
+      dead = ::poll(&p, 1, 0) > 0;
+    } else if (r < static_cast<int>(info_.size()) && info_[r].pid > 0) {
+      dead = ::kill(info_[r].pid, 0) != 0 && errno == ESRCH;
+    }
+    // A peer may post its last step and exit at once: look at the counter again before blaming it.
+    if (dead && h->step.load(std::memory_order_acquire) < step)
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + during);
+  }
+}
+
+void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {
+  check_abort();
+  const auto start = Clock::now();
+  // Phase 1: spin. Cheap when peers are running on other cores and about to post.
+  for (uint32_t i = 0;; ++i) {
+    for (int k = 0; k < 16; ++k) {
+      BRAID_CPU_RELAX();
+      if (reached(peers, npeers, step)) return;
+    }
+    if ((i & 15) == 0) {
+      check_abort();
+      if (Clock::now() - start >= policy_.spin) break;
+    }
+  }
+  // Phase 2: yield the core; with more ranks than cores the peer we wait for may need it.
+  while (Clock::now() - start < policy_.spin + policy_.yield) {
+    ::sched_yield();
+    if (reached(peers, npeers, step)) return;
+    check_abort();
+  }
+  // Phase 3: sleep on the host doorbell, bounded by the deadline; check peer liveness regularly.
+  const auto deadline = start + policy_.timeout;
+  auto last_liveness = Clock::time_point{};
+  hub_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  struct SleeperGuard {
+    SegmentHeader* hub;
+    ~SleeperGuard() { hub->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+  } guard{hub_};
+  for (;;) {
+    const uint32_t bell = hub_->bell.load(std::memory_order_seq_cst);
+    if (reached(peers, npeers, step)) return;
+    check_abort();
+    const auto now = Clock::now();
+    if (now - last_liveness >= kLivenessPeriod) {
+      check_peers_alive(peers, npeers, step);
+      last_liveness = now;
+    }
+    if (now >= deadline) {
+      const double secs = std::chrono::duration<double>(policy_.timeout).count();
+      std::ostringstream s;
+      s << "rank " << rank_ << " timed out after " << secs << " s"
+        << (current_ ? " in " + current_->describe() : std::string()) << " waiting for "
+        << missing_ranks(peers, npeers, step) << ", which did not arrive";
+      throw CommError(ErrorKind::kTimeout, s.str());
+    }
+    const auto slice = std::min<Clock::duration>(deadline - now, kLivenessPeriod);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
+    struct timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAIT, bell, &ts, nullptr, 0);
+  }
+}
+
+uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
+  SegmentHeader* me = header(rank_);
+  me->desc[d.seq & 1] = d;
+  current_ = &me->desc[d.seq & 1];
+  const uint64_t s = post_next();
+  wait_all(s);
+  for (int r : all_peers_) {
+    const CollectiveDesc& theirs = header(r)->desc[d.seq & 1];
+    if (!(theirs == d))
+      throw CommError(ErrorKind::kMismatch, "collective mismatch: rank " + std::to_string(rank_) +
+                                                " called " + d.describe() + " but rank " +
+                                                std::to_string(r) + " called " + theirs.describe());
+  }
+  return s;
+}
+
+char* ShmGroup::oneshot(int rank, uint64_t seq) const {
+  return bases_[rank] + layout_.oneshot_offset() + (seq & 1) * round_up(layout_.oneshot_bytes, 4096);
+}
+
+char* ShmGroup::slot(int rank, int k) const {
+  return bases_[rank] + layout_.slots_offset() + static_cast<size_t>(k) * round_up(layout_.slot_bytes, 4096);
+}
+
+void ShmGroup::publish_failure(ErrorKind kind, const std::string& msg) noexcept {
+  SegmentHeader* me = header(rank_);
+  if (me->state.load(std::memory_order_acquire) != kStateAlive || hub_ == nullptr) return;
+  me->error_kind = static_cast<uint32_t>(kind);
+  std::memset(me->error_msg, 0, sizeof(me->error_msg));
+  std::memcpy(me->error_msg, msg.data(), std::min(msg.size(), sizeof(me->error_msg) - 1));
+  me->state.store(kStateFailed, std::memory_order_release);
+  hub_->abort_epoch.fetch_add(1, std::memory_order_seq_cst);
+  wake_all();
+}
+
+void ShmGroup::mark_left() noexcept {
+  SegmentHeader* me = header(rank_);
+  if (me->state.load(std::memory_order_acquire) != kStateAlive || hub_ == nullptr) return;
+  me->state.store(kStateLeft, std::memory_order_release);
+  wake_all();
+}
+
+}  // namespace braid

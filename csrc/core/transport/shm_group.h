@@ -1,0 +1,133 @@
+// The ranks of one host joined through one shared-memory segment per rank: progress counters,
+// collective descriptors, data slots, and the waiting machinery (spin, yield, futex, deadline,
+// peer liveness, abort propagation).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../dtype.h"
+#include "../errors.h"
+#include "shm_segment.h"
+
+namespace braid {
+
+constexpr int kMaxLocalRanks = 64;
+
+enum class CollKind : uint32_t {
+  kAllReduce = 1,
+  kReduceScatter = 2,
+  kAllGather = 3,
+  kBroadcast = 4,
+  kBarrier = 5,
+};
+const char* coll_kind_name(CollKind k);
+
+// What a rank is about to do; every rank compares its own with every peer's before moving data.
+struct CollectiveDesc {
+  uint64_t seq = 0;      // 1-based count of collectives issued on this communicator
+  uint64_t count = 0;    // elements per rank (all_reduce, broadcast: of the tensor)
+  uint32_t kind = 0;     // CollKind
+  uint32_t dtype = 0;    // DType
+  uint32_t op = 0;       // ReduceOp (0 where no reduction)
+  uint32_t root = 0;     // broadcast source
+  uint32_t algo = 0;     // Algo chosen by the tuner; differing choices must not meet
+  uint32_t pad = 0;
+  bool operator==(const CollectiveDesc& o) const;
+  std::string describe() const;
+};
+
+struct PeerInfo {
+  std::string segment;
+  pid_t pid = 0;
+  std::string host;
+};
+
+struct ShmLayout {
+  size_t oneshot_bytes;  // capacity of each of the two one-shot buffers
+  size_t slot_bytes;     // capacity of each pipeline slot
+  int nslots;            // pipeline depth
+  size_t oneshot_offset() const;
+  size_t slots_offset() const;
+  size_t total_bytes() const;
+};
+
+struct WaitPolicy {
+  std::chrono::nanoseconds spin{std::chrono::microseconds(20)};   // busy-poll before yielding
+  std::chrono::nanoseconds yield{std::chrono::microseconds(50)};  // sched_yield before futex sleep
+  std::chrono::nanoseconds timeout{std::chrono::seconds(300)};
+};
+
+struct SegmentHeader;
+
+class ShmGroup {
+ public:
+  ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  const std::string& segment_name() const { return own_.name(); }
+  size_t segment_bytes() const { return layout_.total_bytes(); }
+  // Maps every peer's segment (peers[rank] describes this rank and is skipped) and opens pidfds.
+  void attach(const std::vector<PeerInfo>& peers);
+  // Removes this rank's segment name: call once every rank has attached.
+  void unlink_own() { own_.unlink(); }
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  const ShmLayout& layout() const { return layout_; }
+
+  // Progress counter: each call posts the next step; peers wait on step values.
+  uint64_t step() const { return step_; }
+  uint64_t post_next();
+  void wait_all(uint64_t step);
+  void wait_peer(int peer, uint64_t step);
+
+  // Publishes `d` with the data already written (one-shot), posts the next step, waits for all
+  // peers to do the same and checks that every peer announced the same collective.
+  // Returns the step value of that arrival.
+  uint64_t arrive(const CollectiveDesc& d);
+
+  char* oneshot(int rank, uint64_t seq) const;
+  char* slot(int rank, int k) const;
+
+  // Publishes this rank's failure so that every peer's waits end at once with the same error.
+  void publish_failure(ErrorKind kind, const std::string& msg) noexcept;
+  // Announces a normal departure: peers still waiting on this rank fail with PeerError.
+  void mark_left() noexcept;
+
+ private:
+  SegmentHeader* header(int rank) const { return headers_[rank]; }
+  bool reached(const int* peers, int npeers, uint64_t step) const;
+  void wait_slow(const int* peers, int npeers, uint64_t step);
+  void check_abort();
+  [[noreturn]] void raise_abort();
+  void check_peers_alive(const int* peers, int npeers, uint64_t step);
+  std::string rank_label(int r) const;
+  std::string missing_ranks(const int* peers, int npeers, uint64_t step) const;
+  void wake_all() noexcept;
+
+  int rank_;
+  int world_;
+  ShmLayout layout_;
+  WaitPolicy policy_;
+  ShmSegment own_;
+  std::vector<ShmSegment> peers_;   // index = rank; this rank's entry stays empty
+  std::vector<SegmentHeader*> headers_;
+  std::vector<char*> bases_;
+  std::vector<PeerInfo> info_;
+  std::vector<int> pidfds_;         // -1 where pidfd_open is unavailable
+  std::vector<int> all_peers_;
+  uint64_t step_ = 0;
+  const CollectiveDesc* current_ = nullptr;  // for error messages
+  SegmentHeader* hub_ = nullptr;   // rank 0's header: host doorbell and abort epoch
+};
+
+}  // namespace braid

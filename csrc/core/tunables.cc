@@ -1,0 +1,88 @@
+// Parsing and validation of the BRAID_* environment knobs.
+#include "tunables.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+
+namespace braid {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+size_t env_size(const char* name, size_t dflt) {
+  const char* v = env(name);
+  if (v == nullptr) return dflt;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v || *end != '\0') throw std::invalid_argument(std::string(name) + " must be an integer, got '" + v + "'");
+  return static_cast<size_t>(x);
+}
+
+double env_double(const char* name, double dflt) {
+  const char* v = env(name);
+  if (v == nullptr) return dflt;
+  char* end = nullptr;
+  double x = std::strtod(v, &end);
+  if (end == v || *end != '\0') throw std::invalid_argument(std::string(name) + " must be a number, got '" + v + "'");
+  return x;
+}
+
+int usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+}  // namespace
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::kAuto: return "auto";
+    case Algo::kOneShot: return "oneshot";
+    case Algo::kTwoShot: return "twoshot";
+    case Algo::kRing: return "ring";
+  }
+  return "unknown";
+}
+
+Algo parse_algo(const std::string& s) {
+  if (s == "auto" || s.empty()) return Algo::kAuto;
+  if (s == "oneshot") return Algo::kOneShot;
+  if (s == "twoshot") return Algo::kTwoShot;
+  if (s == "ring") return Algo::kRing;
+  throw std::invalid_argument("BRAID_ALGO must be one of auto, oneshot, twoshot, ring; got '" + s + "'");
+}
+
+Tunables Tunables::from_env() {
+  Tunables t;
+  if (const char* a = env("BRAID_ALGO")) t.algo = parse_algo(a);
+  t.oneshot_max_bytes = env_size("BRAID_ONESHOT_MAX_BYTES", t.oneshot_max_bytes);
+  t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
+  t.nslots = static_cast<int>(env_size("BRAID_NSLOTS", static_cast<size_t>(t.nslots)));
+  t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
+  t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
+  return t;
+}
+
+void Tunables::resolve(int local_world_size) {
+  if (spin_us < 0) spin_us = local_world_size > usable_cores() ? 0.0 : 20.0;
+}
+
+void Tunables::validate() const {
+  if (slot_bytes < 1024 || slot_bytes > (size_t(1) << 30))
+    throw std::invalid_argument("slot_bytes (BRAID_SLOT_BYTES) must be between 1 KiB and 1 GiB");
+  if (oneshot_max_bytes > (size_t(1) << 30))
+    throw std::invalid_argument("oneshot_max_bytes (BRAID_ONESHOT_MAX_BYTES) must be at most 1 GiB");
+  if (nslots < 1 || nslots > 64) throw std::invalid_argument("nslots (BRAID_NSLOTS) must be between 1 and 64");
+  if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
+}
+
+}  // namespace braid

@@ -1,0 +1,40 @@
+// Every BRAID_* knob of the core, with its default and the reason for it, in one place.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace braid {
+
+enum class Algo : uint32_t {
+  kAuto = 0,
+  kOneShot = 1,  // every rank publishes its input, every rank reduces all inputs
+  kTwoShot = 2,  // pipelined reduce-scatter + all-gather through shared-memory slots
+  kRing = 3,     // ring reduce-scatter + all-gather between neighbours (the TCP-ready algorithm)
+};
+const char* algo_name(Algo a);
+Algo parse_algo(const std::string& s);  // throws std::invalid_argument
+
+struct Tunables {
+  // BRAID_ALGO: auto | oneshot | twoshot | ring (all_reduce only; the others pick by size).
+  Algo algo = Algo::kAuto;
+  // BRAID_ONESHOT_MAX_BYTES: largest message (bytes a rank publishes) sent one-shot.
+  size_t oneshot_max_bytes = 32 * 1024;
+  // BRAID_SLOT_BYTES: capacity of one pipeline slot. Small enough that the slots of all ranks
+  // stay in the last-level cache while data flows through them.
+  size_t slot_bytes = 256 * 1024;
+  // BRAID_NSLOTS: pipeline depth (slots in flight per rank).
+  int nslots = 4;
+  // BRAID_SPIN_US / BRAID_YIELD_US: busy-poll, then sched_yield, before a futex sleep. When a
+  // host runs more ranks than it has cores, the spin defaults to 0 so waiting ranks give their
+  // core to the ranks that compute.
+  double spin_us = -1.0;  // -1: decided from the number of ranks and cores
+  double yield_us = 50.0;
+
+  static Tunables from_env();
+  // Fills in what depends on the host: the spin budget.
+  void resolve(int local_world_size);
+  void validate() const;  // throws std::invalid_argument naming the knob
+};
+
+}  // namespace braid

@@ -1,0 +1,86 @@
+// Work state machine: pending -> done | failed, with callbacks run outside the lock.
+#include "work.h"
+
+#include <exception>
+#include <utility>
+
+namespace braid {
+
+void Work::run() noexcept {
+  try {
+    body_();
+  } catch (const CommError& e) {
+    return finish(e.kind(), e.what());
+  } catch (const std::exception& e) {
+    return finish(ErrorKind::kGeneric, e.what());
+  } catch (...) {
+    return finish(ErrorKind::kGeneric, "unknown error");
+  }
+  finish(ErrorKind::kNone, {});
+}
+
+void Work::fail(ErrorKind kind, const std::string& msg) noexcept { finish(kind, msg); }
+
+void Work::finish(ErrorKind kind, std::string msg) noexcept {
+  std::vector<std::function<void(const Work&)>> cbs;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_) return;
+    kind_ = kind;
+    msg_ = std::move(msg);
+    done_ = true;
+    cbs.swap(callbacks_);
+    body_ = nullptr;  // releases what the body kept alive (tensors)
+  }
+  cv_.notify_all();
+  for (auto& cb : cbs) cb(*this);
+}
+
+bool Work::is_completed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+bool Work::succeeded() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_ && kind_ == ErrorKind::kNone;
+}
+
+ErrorKind Work::error_kind() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return kind_;
+}
+
+std::string Work::error_message() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return msg_;
+}
+
+bool Work::wait(std::chrono::nanoseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout.count() > 0) {
+    if (!cv_.wait_for(lk, timeout, [&] { return done_; })) return false;
+  } else {
+    cv_.wait(lk, [&] { return done_; });
+  }
+  if (kind_ != ErrorKind::kNone) throw CommError(kind_, msg_);
+  return true;
+}
+
+void Work::rethrow() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  throw CommError(kind_, msg_);
+}
+
+void Work::on_complete(std::function<void(const Work&)> cb) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!done_) {
+      callbacks_.push_back(std::move(cb));
+      return;
+    }
+  }
+  cb(*this);
+}
+
+}  // namespace braid

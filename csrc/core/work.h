@@ -1,0 +1,50 @@
+// A unit of work executed in issue order: its state, its error and its completion callbacks.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+
+namespace braid {
+
+class Work {
+ public:
+  explicit Work(std::function<void()> body) : body_(std::move(body)) {}
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  // Runs the body once and records the outcome; called by the progress engine.
+  void run() noexcept;
+  // Marks the work failed without running it.
+  void fail(ErrorKind kind, const std::string& msg) noexcept;
+
+  bool is_completed() const;
+  bool succeeded() const;
+  // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
+  // work's error if it failed.
+  bool wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds(0));
+  [[noreturn]] void rethrow() const;
+  ErrorKind error_kind() const;
+  std::string error_message() const;
+
+  // Called exactly once, on the completing thread, after the state is final (at once if it is).
+  void on_complete(std::function<void(const Work&)> cb);
+
+ private:
+  void finish(ErrorKind kind, std::string msg) noexcept;
+
+  std::function<void()> body_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  ErrorKind kind_ = ErrorKind::kNone;
+  std::string msg_;
+  std::vector<std::function<void(const Work&)>> callbacks_;
+};
+
+}  // namespace braid

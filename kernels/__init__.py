@@ -1,0 +1,1 @@
+"""braid.kernels: compute kernels (the Triton fused attention lives here)."""

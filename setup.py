@@ -1,0 +1,62 @@
+"""Build braid: the torch-free C++ core plus its torch binding as braid.comm._C.
+
+CUDA sources (csrc/cuda/*.cu) join the build only when torch has CUDA and nvcc is found.
+Knobs: BRAID_FORCE_CPU=1 (skip CUDA), MAX_JOBS (parallel compile jobs, read by ninja),
+TORCH_CUDA_ARCH_LIST (defaults to 9.0 when no GPU is visible), BRAID_MARCH (-march value for
+the CPU kernels, default "native"; set it to "" for a portable build).
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def want_cuda():
+    if os.environ.get("BRAID_FORCE_CPU", "0") not in ("", "0"):
+        return False
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"))
+    return torch.version.cuda is not None and bool(nvcc) and os.path.exists(nvcc)
+
+
+def extension():
+    march = os.environ.get("BRAID_MARCH", "native")
+    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"]
+    if march:
+        cxx.append(f"-march={march}")
+    core = sources("csrc/core/**/*.cc")
+    binding = sources("csrc/binding/*.cpp")
+    cuda = sources("csrc/cuda/**/*.cu")
+    if want_cuda() and cuda:
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        return CUDAExtension(
+            "braid.comm._C",
+            core + binding + cuda,
+            define_macros=[("BRAID_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+        )
+    return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx})
+
+
+setup(
+    name="braid",
+    version="0.1.0",
+    description="Collective communication and kernels for PyTorch training",
+    python_requires=">=3.9",
+    package_dir={"braid.comm": "comm", "braid.kernels": "kernels", "braid.bench": "bench"},
+    packages=["braid.comm", "braid.kernels", "braid.bench"],
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["braid-bench=braid.bench.__main__:main"]},
+    zip_safe=False,
+)
