@@ -25,17 +25,18 @@ _DIST_OPS = {
     dist.ReduceOp.MIN: 3,
     dist.ReduceOp.PRODUCT: 4,
 }
+_ALGOS = ("auto", "oneshot", "twoshot", "ring")
 _instances = itertools.count()
 
 
 def _op_code(op: Op) -> int:
+    code = None
     if isinstance(op, str):
         code = _OP_CODES.get(op.lower())
-    else:
-        try:
-            code = _DIST_OPS.get(op)
-        except TypeError:
-            code = None
+    elif isinstance(op, dist.ReduceOp.RedOpType):
+        code = _DIST_OPS.get(op)
+    elif isinstance(op, dist.ReduceOp):  # what torch's Backend API passes (ReduceOp(RedOpType))
+        code = _DIST_OPS.get(op.op)
     if code is None:
         raise ValueError(f"op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
                          f"torch.distributed.ReduceOp, got {op!r}")
@@ -129,11 +130,21 @@ class Communicator:
             raise ValueError(f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}")
         self._timeout_s = _seconds(timeout)
         tun = _C.Tunables.from_env()
-        for name, value in (("algo", algo), ("oneshot_max_bytes", oneshot_max_bytes),
-                            ("slot_bytes", slot_bytes), ("nslots", nslots),
-                            ("spin_us", spin_us), ("yield_us", yield_us)):
-            if value is not None:
-                setattr(tun, name, value)
+        if algo is not None:
+            if algo not in _ALGOS:
+                raise ValueError(f"algo must be one of {', '.join(_ALGOS)}, got {algo!r}")
+            tun.algo = algo
+        for name, value, kind in (("oneshot_max_bytes", oneshot_max_bytes, int),
+                                  ("slot_bytes", slot_bytes, int), ("nslots", nslots, int),
+                                  ("spin_us", spin_us, float), ("yield_us", yield_us, float)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+                raise TypeError(f"{name} must be {'a number' if kind is float else 'an int'}, "
+                                f"got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+            setattr(tun, name, value)
         self._rank = rank
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
@@ -234,8 +245,10 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
-        if not isinstance(src, int):
+        if isinstance(src, bool) or not isinstance(src, int):
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
+        if not 0 <= src < self._world_size:
+            raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
         return _wrap(self._c.broadcast(tensor, src, async_op))
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:

@@ -2,7 +2,9 @@
 // futures for async work, and core errors mapped to braid.comm's Python exception classes.
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -64,7 +66,14 @@ struct Staged {
   bool copy_back() const { return !buffer.is_same(user); }
 };
 
-Staged stage(const at::Tensor& t) { return Staged{t, t.is_contiguous() ? t : t.contiguous()}; }
+// Outputs are written through a contiguous buffer; one whose elements share memory (expand())
+// cannot hold distinct results.
+Staged stage(const at::Tensor& t, const char* arg) {
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
+    throw py::value_error(std::string(arg) + " has elements that share memory (e.g. from expand()); "
+                          "pass a tensor with distinct elements");
+  return Staged{t, t.is_contiguous() ? t : t.contiguous()};
+}
 
 // Python-facing handle of an async collective.
 class PyWork {
@@ -76,7 +85,7 @@ class PyWork {
     if (!timeout.is_none()) {
       double s = timeout.cast<double>();
       if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
-      ns = std::chrono::nanoseconds(static_cast<int64_t>(s * 1e9));
+      ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
     py::gil_scoped_release nogil;
     return work_->wait(ns);
@@ -147,7 +156,7 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   r.dtype = to_dtype(t.scalar_type(), "tensor");
   r.op = to_op(op);
   r.count = static_cast<size_t>(t.numel());
-  Staged s = stage(t);
+  Staged s = stage(t, "tensor");
   r.in = s.buffer.data_ptr();
   r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, {s}, {t}, {});
@@ -169,7 +178,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   r.op = to_op(op);
   r.count = static_cast<size_t>(out.numel());
   at::Tensor in_c = in.contiguous();
-  Staged s = stage(out);
+  Staged s = stage(out, "output");
   const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
                         s.buffer.data_ptr() == static_cast<char*>(in_c.data_ptr()) + c.rank() * s.buffer.nbytes();
   if (!in_place && overlaps(s.buffer, in_c))
@@ -193,7 +202,7 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
   r.kind = CollKind::kAllGather;
   r.dtype = to_dtype(out.scalar_type(), "output");
   r.count = static_cast<size_t>(in.numel());
-  Staged s = stage(out);
+  Staged s = stage(out, "output");
   at::Tensor in_c = in.contiguous();
   const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
                         in_c.data_ptr() == static_cast<char*>(s.buffer.data_ptr()) + c.rank() * in_c.nbytes();
@@ -213,7 +222,7 @@ py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   r.dtype = to_dtype(t.scalar_type(), "tensor");
   r.count = static_cast<size_t>(t.numel());
   r.root = src;
-  Staged s = stage(t);
+  Staged s = stage(t, "tensor");
   r.in = s.buffer.data_ptr();
   r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, {s}, {t}, {});

@@ -46,8 +46,12 @@ void Communicator::unlink_own() {
 }
 
 Algo Communicator::all_reduce_algo(size_t bytes) const {
-  if (tun_.algo != Algo::kAuto) return tun_.algo;
-  return bytes <= tun_.oneshot_max_bytes ? Algo::kOneShot : Algo::kTwoShot;
+  const bool fits = bytes <= tun_.oneshot_max_bytes;  // one-shot needs the message to fit its buffer
+  switch (tun_.algo) {
+    case Algo::kAuto: return fits ? Algo::kOneShot : Algo::kTwoShot;
+    case Algo::kOneShot: return fits ? Algo::kOneShot : Algo::kTwoShot;
+    default: return tun_.algo;
+  }
 }
 
 void Communicator::check_open() const {
@@ -97,15 +101,12 @@ void Communicator::execute(Request& r) {
         case CollKind::kAllReduce: {
           const Algo a = all_reduce_algo(r.count * es);
           d.algo = static_cast<uint32_t>(a);
-          // One-shot needs the message to fit its buffer even when forced.
-          if (a == Algo::kOneShot && r.count * es <= tun_.oneshot_max_bytes) {
+          if (a == Algo::kOneShot)
             oneshot_all_reduce(*group_, d, r.in, r.out);
-          } else if (a == Algo::kRing) {
+          else if (a == Algo::kRing)
             ring_all_reduce(*group_, d, r.in, r.out);
-          } else {
-            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
+          else
             twoshot_all_reduce(*group_, d, r.in, r.out);
-          }
           break;
         }
         case CollKind::kReduceScatter:

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace braid {
 namespace {
@@ -46,11 +47,15 @@ template <> struct Traits<F16> {
 };
 
 // NaN propagates through max/min as in torch (x != x is false for integers and folds away).
+// Integers wrap on overflow as in torch: computed in the unsigned type, where wrapping is defined.
+template <class A, bool = std::is_integral_v<A>> struct WrapT { using type = A; };
+template <class A> struct WrapT<A, true> { using type = std::make_unsigned_t<A>; };
+template <class A> using Wrap = typename WrapT<A>::type;
 struct SumOp {
-  template <class A> static A apply(A a, A b) { return a + b; }
+  template <class A> static A apply(A a, A b) { return static_cast<A>(Wrap<A>(a) + Wrap<A>(b)); }
 };
 struct ProdOp {
-  template <class A> static A apply(A a, A b) { return a * b; }
+  template <class A> static A apply(A a, A b) { return static_cast<A>(Wrap<A>(a) * Wrap<A>(b)); }
 };
 struct MaxOp {
   template <class A> static A apply(A a, A b) { return (a >= b || a != a) ? a : b; }

@@ -81,7 +81,7 @@ void Tunables::validate() const {
     throw std::invalid_argument("slot_bytes (BRAID_SLOT_BYTES) must be between 1 KiB and 1 GiB");
   if (oneshot_max_bytes > (size_t(1) << 30))
     throw std::invalid_argument("oneshot_max_bytes (BRAID_ONESHOT_MAX_BYTES) must be at most 1 GiB");
-  if (nslots < 1 || nslots > 64) throw std::invalid_argument("nslots (BRAID_NSLOTS) must be between 1 and 64");
+  if (nslots < 2 || nslots > 64) throw std::invalid_argument("nslots (BRAID_NSLOTS) must be between 2 and 64");
   if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace braid {
@@ -23,7 +24,8 @@ struct Tunables {
   // BRAID_SLOT_BYTES: capacity of one pipeline slot. Small enough that the slots of all ranks
   // stay in the last-level cache while data flows through them.
   size_t slot_bytes = 256 * 1024;
-  // BRAID_NSLOTS: pipeline depth (slots in flight per rank).
+  // BRAID_NSLOTS: pipeline depth (slots in flight per rank). At least 2: the ring writes slot
+  // p while its right neighbour still reads slot p - 1.
   int nslots = 4;
   // BRAID_SPIN_US / BRAID_YIELD_US: busy-poll, then sched_yield, before a futex sleep. When a
   // host runs more ranks than it has cores, the spin defaults to 0 so waiting ranks give their

@@ -2,7 +2,6 @@
 // Each round: publish (step A), wait, consume (step G). A slot is reused only after every
 // reader posted G for the round that last used it.
 #include <algorithm>
-#include <cstring>
 
 #include "../reduce.h"
 #include "algorithms.h"
@@ -30,7 +29,7 @@ void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* 
     if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
     char* my_slot = g.slot(me, k);
     for (int j = 0; j < n; ++j)
-      if (j != me) std::memcpy(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
+      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
     g.post_next();  // A
     g.wait_all(step_a);
     for (int r = 0; r < n; ++r)
@@ -56,14 +55,14 @@ void pipelined_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, 
     const int k = static_cast<int>(round % nslots);
     const uint64_t step_a = base + 2 * round + 1;
     if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
-    std::memcpy(g.slot(me, k), src + off * es, len * es);
+    copy_bytes(g.slot(me, k), src + off * es, len * es);
     g.post_next();  // A
     // Own part while the peers publish theirs (skipped when in-place).
     char* own = dst + (me * m + off) * es;
-    if (own != src + off * es) std::memcpy(own, src + off * es, len * es);
+    if (own != src + off * es) copy_bytes(own, src + off * es, len * es);
     g.wait_all(step_a);
     for (int j = 0; j < n; ++j)
-      if (j != me) std::memcpy(dst + (j * m + off) * es, g.slot(j, k), len * es);
+      if (j != me) copy_bytes(dst + (j * m + off) * es, g.slot(j, k), len * es);
     g.post_next();  // G
   }
 }
@@ -83,13 +82,13 @@ void pipelined_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data) {
     const uint64_t step_a = base + 2 * round + 1;
     if (me == root) {
       if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
-      std::memcpy(g.slot(root, k), buf + off * es, len * es);
+      copy_bytes(g.slot(root, k), buf + off * es, len * es);
       g.post_next();  // A
       g.post_next();  // G (the root reads nothing; keeps every rank's counter in step)
     } else {
       g.post_next();  // A (nothing to publish)
       g.wait_peer(root, step_a);
-      std::memcpy(buf + off * es, g.slot(root, k), len * es);
+      copy_bytes(buf + off * es, g.slot(root, k), len * es);
       g.post_next();  // G
     }
   }

@@ -13,7 +13,6 @@
 // phase p into slot p % nslots, reads the left's phase p-1 after its post, and reuses a slot only
 // once the right neighbour has finished phase p - nslots + 1 (it read the old contents then).
 #include <algorithm>
-#include <cstring>
 
 #include "../reduce.h"
 #include "algorithms.h"
@@ -58,8 +57,8 @@ void ring_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void*
         }
       } else {
         const int c = ((me - (j - n)) % n + n) % n;
-        std::memcpy(dst + chunk_begin(c) * es, from_left, chunk_len(c) * es);
-        if (writes) std::memcpy(to_right, from_left, chunk_len(c) * es);
+        copy_bytes(dst + chunk_begin(c) * es, from_left, chunk_len(c) * es);
+        if (writes) copy_bytes(to_right, from_left, chunk_len(c) * es);
       }
       g.post_next();
     }

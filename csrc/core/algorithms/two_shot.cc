@@ -10,7 +10,6 @@
 //   step G: wait for every R; copy each peer's out piece into my output; post (slot free).
 // Before reusing slot k in round i a rank waits for every peer's G of round i - nslots.
 #include <algorithm>
-#include <cstring>
 
 #include "../reduce.h"
 #include "algorithms.h"
@@ -48,7 +47,7 @@ void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
 
     char* my_slot = g.slot(me, k);
     for (int j = 0; j < n; ++j)
-      if (j != me) std::memcpy(my_slot + j * chunk * es, src + (off + part_begin(j)) * es, part_len(j) * es);
+      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (off + part_begin(j)) * es, part_len(j) * es);
     g.post_next();  // A
     g.wait_all(step_a);
 
@@ -60,7 +59,7 @@ void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
     g.wait_all(step_a + 1);
 
     for (int j = 0; j < n; ++j)
-      if (j != me) std::memcpy(dst + (off + part_begin(j)) * es, g.slot(j, k) + out_piece, part_len(j) * es);
+      if (j != me) copy_bytes(dst + (off + part_begin(j)) * es, g.slot(j, k) + out_piece, part_len(j) * es);
     g.post_next();  // G
   }
 }

@@ -291,6 +291,9 @@ uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
   current_ = &me->desc[d.seq & 1];
   const uint64_t s = post_next();
   wait_all(s);
+  // A peer that failed (e.g. timed out) before this rank arrived must not be answered with
+  // success here while it reported an error.
+  check_abort();
   for (int r : all_peers_) {
     const CollectiveDesc& theirs = header(r)->desc[d.seq & 1];
     if (!(theirs == d))

@@ -1,0 +1,235 @@
+// Reduction kernels (braid::reduce_n, finalize_avg) against the scalar references, bit for bit.
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "check.h"
+#include "core/reduce.h"
+#include "reference.h"
+
+using braid::DType;
+using braid::Operand;
+using braid::ReduceOp;
+using namespace braid_test;
+
+namespace {
+
+// Counts around the kernel's 512-element block, and ones that are not multiples of it.
+constexpr size_t kCounts[] = {0, 1, 7, 511, 512, 513, 1000, 1537};
+
+// Random values of the element type: any float in [-4, 4] (products of five stay far from
+// overflow), integers small enough that no sum or product of five overflows. Every 97th element
+// of the second source is NaN so that propagation is checked too.
+template <class R>
+std::vector<typename R::T> random_elems(std::mt19937_64& rng, size_t count, ReduceOp op, bool with_nan) {
+  std::vector<typename R::T> v(count);
+  for (size_t i = 0; i < count; ++i) {
+    using T = typename R::T;
+    using Acc = typename R::Acc;
+    if constexpr (std::is_floating_point_v<Acc>) {
+      Acc x = std::uniform_real_distribution<Acc>(-4, 4)(rng);
+      if (with_nan && i % 97 == 5) x = std::numeric_limits<Acc>::quiet_NaN();
+      v[i] = R::store(x);
+    } else {
+      const T bound = op == ReduceOp::kProd ? 5 : 100000;
+      v[i] = std::uniform_int_distribution<T>(-bound, bound)(rng);
+    }
+  }
+  return v;
+}
+
+// Partial results (the accumulator type) as the ring produces them: not representable in a
+// half type, which is what they are for.
+template <class R>
+std::vector<typename R::Acc> random_accs(std::mt19937_64& rng, size_t count, ReduceOp op) {
+  using Acc = typename R::Acc;
+  std::vector<Acc> v(count);
+  for (auto& x : v) {
+    if constexpr (std::is_floating_point_v<Acc>) {
+      x = std::uniform_real_distribution<Acc>(-4, 4)(rng);
+    } else {
+      const Acc bound = op == ReduceOp::kProd ? 5 : 100000;
+      x = std::uniform_int_distribution<Acc>(-bound, bound)(rng);
+    }
+  }
+  return v;
+}
+
+enum class Variant {
+  kPlain,     // element-type sources and destination
+  kFinalize,  // the last step of avg (division by the world size) applied
+  kAccIn,     // the first source holds partial results in the accumulator type
+  kAccOut,    // the destination receives the accumulator type (a partial result)
+  kDst2,      // a second destination receives the same values
+  kInPlace,   // the destination is the last source
+};
+constexpr Variant kVariants[] = {Variant::kPlain, Variant::kFinalize, Variant::kAccIn,
+                                 Variant::kAccOut, Variant::kDst2, Variant::kInPlace};
+
+template <class R>
+void check_reduce(DType dt, ReduceOp op, int nsrc, size_t count, Variant variant, std::mt19937_64& rng) {
+  using T = typename R::T;
+  using Acc = typename R::Acc;
+  constexpr int kWorld = 3;  // avg divides by 3: inexact in binary, so the rounding shows
+  const bool acc_in = variant == Variant::kAccIn, acc_out = variant == Variant::kAccOut;
+  const bool finalize = variant == Variant::kFinalize;
+
+  std::vector<std::vector<T>> elems(nsrc);
+  std::vector<Acc> accs;
+  std::vector<Operand> srcs(nsrc);
+  for (int j = 0; j < nsrc; ++j) {
+    if (j == 0 && acc_in) {
+      accs = random_accs<R>(rng, count, op);
+      srcs[j] = {accs.data(), true};
+    } else {
+      elems[j] = random_elems<R>(rng, count, op, j == 1);
+      srcs[j] = {elems[j].data(), false};
+    }
+  }
+
+  // Left to right in the accumulator type, rounded once at the end.
+  std::vector<Acc> want_acc(count);
+  for (size_t i = 0; i < count; ++i) {
+    Acc a = srcs[0].acc ? accs[i] : R::load(elems[0][i]);
+    for (int j = 1; j < nsrc; ++j) a = ref_apply(op, a, R::load(elems[j][i]));
+    if (finalize && op == ReduceOp::kAvg) a = a / static_cast<Acc>(kWorld);
+    want_acc[i] = a;
+  }
+
+  const std::string where = std::string(braid::dtype_name(dt)) + " " + braid::reduce_op_name(op) +
+                            " nsrc " + std::to_string(nsrc) + " count " + std::to_string(count) +
+                            " variant " + std::to_string(static_cast<int>(variant));
+  if (acc_out) {
+    std::vector<Acc> got(count + 1);
+    braid::reduce_n(dt, op, srcs.data(), nsrc, got.data(), true, nullptr, count, kWorld, false);
+    // The accumulator of a half type is float32, of the others the element type itself.
+    const DType acc_dt = std::is_same_v<Acc, float> ? DType::kFloat32 : dt;
+    const std::string diff = compare(acc_dt, got.data(), want_acc.data(), count);
+    CHECK_MSG(diff.empty(), where + ": " + diff);
+    return;
+  }
+  std::vector<T> want(count + 1);
+  for (size_t i = 0; i < count; ++i) want[i] = R::store(want_acc[i]);
+
+  std::vector<T> got(count + 1), got2(count + 1);
+  void* dst = got.data();
+  if (variant == Variant::kInPlace && nsrc > 1) dst = elems[nsrc - 1].data();
+  braid::reduce_n(dt, op, srcs.data(), nsrc, dst, false, variant == Variant::kDst2 ? got2.data() : nullptr, count,
+                  kWorld, finalize);
+  const std::string diff = compare(dt, dst, want.data(), count);
+  CHECK_MSG(diff.empty(), where + ": " + diff);
+  if (variant == Variant::kDst2) {
+    const std::string diff2 = compare(dt, got2.data(), want.data(), count);
+    CHECK_MSG(diff2.empty(), where + " (dst2): " + diff2);
+  }
+}
+
+uint16_t bits16(const Buffer& b, size_t i) {
+  uint16_t v;
+  std::memcpy(&v, static_cast<const char*>(b.data()) + 2 * i, 2);
+  return v;
+}
+
+// Reduces the given per-source scalars (one element each) and returns the result element.
+Buffer reduce_scalars(DType dt, ReduceOp op, const std::vector<double>& values, int world, bool finalize) {
+  std::vector<Buffer> ins;
+  for (double v : values) {
+    ins.emplace_back(dt, 1);
+    ins.back().set(0, v);
+  }
+  std::vector<Operand> srcs;
+  for (auto& b : ins) srcs.push_back({b.data(), false});
+  Buffer out(dt, 1);
+  braid::reduce_n(dt, op, srcs.data(), static_cast<int>(srcs.size()), out.data(), false, nullptr, 1, world, finalize);
+  return out;
+}
+
+}  // namespace
+
+// The references themselves, on values whose rounding is known by hand.
+BRAID_TEST(half_references_round_to_nearest_even) {
+  CHECK_EQ(ref_f32_to_f16(65504.0f), 0x7BFF);            // largest finite
+  CHECK_EQ(ref_f32_to_f16(65519.0f), 0x7BFF);            // below the halfway point to 2^16
+  CHECK_EQ(ref_f32_to_f16(65520.0f), 0x7C00);            // halfway: rounds to even, which is inf
+  CHECK_EQ(ref_f32_to_f16(1.0f + 0x1p-11f), 0x3C00);      // tie, even neighbour below
+  CHECK_EQ(ref_f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3C02);  // tie, even neighbour above
+  CHECK_EQ(ref_f32_to_f16(0x1p-24f), 0x0001);             // smallest subnormal
+  CHECK_EQ(ref_f32_to_f16(0x1p-25f), 0x0000);             // tie with zero: even is zero
+  CHECK_EQ(ref_f32_to_f16(-2.0f), 0xC000);
+  CHECK_EQ(ref_f32_to_bf16(1.0f + 0x1p-8f), 0x3F80);
+  CHECK_EQ(ref_f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3F82);
+  CHECK_EQ(ref_f32_to_bf16(3.3895314e38f), 0x7F7F);       // largest finite bf16 stays finite
+  CHECK_EQ(ref_f32_to_bf16(std::numeric_limits<float>::max()), 0x7F80);
+  CHECK_EQ(ref_f32_to_bf16(-std::numeric_limits<float>::quiet_NaN()), 0x7FC0);
+  // Every finite half value survives the round trip.
+  int bad_f16 = 0, bad_bf16 = 0;
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) {
+    const auto x = static_cast<uint16_t>(h);
+    if ((x & 0x7C00) != 0x7C00 && ref_f32_to_f16(ref_f16_to_f32(x)) != x) ++bad_f16;
+    if ((x & 0x7F80) != 0x7F80 && ref_f32_to_bf16(ref_bf16_to_f32(x)) != x) ++bad_bf16;
+  }
+  CHECK_EQ(bad_f16, 0);
+  CHECK_EQ(bad_bf16, 0);
+}
+
+BRAID_TEST(reduce_n_matches_reference_for_every_dtype_and_op) {
+  std::mt19937_64 rng(1234);
+  for (DType dt : kAllDTypes)
+    for (ReduceOp op : kAllOps)
+      for (int nsrc : {1, 2, 3, 5})
+        for (size_t count : kCounts)
+          for (Variant v : kVariants)
+            visit_dtype(dt, [&](auto r) { check_reduce<decltype(r)>(dt, op, nsrc, count, v, rng); });
+}
+
+// Rounding each partial sum to the half type would lose the +1s; float32 accumulation keeps them.
+BRAID_TEST(half_types_accumulate_in_float32_and_round_once) {
+  const Buffer bf = reduce_scalars(DType::kBFloat16, ReduceOp::kSum, {256, 1, 1}, 3, true);
+  CHECK_EQ(bf.get(0), 258.0);  // stepwise bf16: 256 + 1 -> 256 (tie to even), + 1 -> 256
+  const Buffer h = reduce_scalars(DType::kFloat16, ReduceOp::kSum, {2048, 1, 1}, 3, true);
+  CHECK_EQ(h.get(0), 2050.0);
+  // avg divides the float32 sum, then rounds: 5 / 3 = 1.66666663f -> bf16 1.6640625 (0x3FD5).
+  const Buffer avg = reduce_scalars(DType::kBFloat16, ReduceOp::kAvg, {1, 2, 2}, 3, true);
+  CHECK_EQ(bits16(avg, 0), 0x3FD5);
+}
+
+BRAID_TEST(bfloat16_nan_becomes_0x7FC0) {
+  std::vector<uint16_t> a = {0xFFC1, 0x7F80, 0x3F80}, b = {0x3F80, 0xFF80, 0x7FA0};  // -NaN, inf/-inf, sNaN
+  const Operand srcs[2] = {{a.data(), false}, {b.data(), false}};
+  std::vector<uint16_t> out(3);
+  braid::reduce_n(DType::kBFloat16, ReduceOp::kSum, srcs, 2, out.data(), false, nullptr, 3, 2, true);
+  for (uint16_t v : out) CHECK_EQ(v, 0x7FC0);
+}
+
+BRAID_TEST(finalize_avg_divides_by_world_size) {
+  std::mt19937_64 rng(99);
+  for (DType dt : kAllDTypes)
+    for (size_t count : kCounts)
+      visit_dtype(dt, [&](auto r) {
+        using R = decltype(r);
+        using Acc = typename R::Acc;
+        auto data = random_elems<R>(rng, count, ReduceOp::kSum, false);
+        std::vector<typename R::T> want(count + 1);
+        for (size_t i = 0; i < count; ++i) want[i] = R::store(R::load(data[i]) / static_cast<Acc>(3));
+        braid::finalize_avg(dt, data.data(), count, 3);
+        const std::string diff = compare(dt, data.data(), want.data(), count);
+        CHECK_MSG(diff.empty(), std::string(braid::dtype_name(dt)) + " count " + std::to_string(count) + ": " + diff);
+      });
+}
+
+// Integer sums wrap around like torch's. Signed overflow is undefined behaviour in C++, so the
+// kernel must not rely on it: UBSan (make sanitize) reports it when it does.
+BRAID_TEST(integer_sum_wraps_on_overflow) {
+  const int32_t a32[2] = {std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
+  const int32_t b32[2] = {1, -1};
+  const Operand s32[2] = {{a32, false}, {b32, false}};
+  int32_t o32[2];
+  braid::reduce_n(DType::kInt32, ReduceOp::kSum, s32, 2, o32, false, nullptr, 2, 2, true);
+  CHECK_EQ(o32[0], std::numeric_limits<int32_t>::min());
+  CHECK_EQ(o32[1], std::numeric_limits<int32_t>::max());
+  const int64_t a64[1] = {std::numeric_limits<int64_t>::max()}, b64[1] = {1};
+  const Operand s64[2] = {{a64, false}, {b64, false}};
+  int64_t o64[1];
+  braid::reduce_n(DType::kInt64, ReduceOp::kSum, s64, 2, o64, false, nullptr, 1, 2, true);
+  CHECK_EQ(o64[0], std::numeric_limits<int64_t>::min());
+}

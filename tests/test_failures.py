@@ -1,0 +1,303 @@
+"""Failure handling (DESIGN section 5): dead peers, mismatched collectives, deadlines, poisoning and
+shared-memory leaks. Ranks that die or get killed run in fresh processes; the rest use the pool.
+
+Each failing rank reports what it saw (exception type, message, seconds until it was raised) and
+the test process checks it, so a rank that hangs or succeeds shows up as a failure, not a hang.
+"""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from braid import comm
+from helpers import braid_segments, make_input
+from helpers.ranks import FreshRanks, make_comm, new_store_path, open_store, run_ranks
+
+# Tiny slots: the messages below take the pipelined paths with several rounds.
+TINY = {"slot_bytes": 1024, "oneshot_max_bytes": 256, "nslots": 2}
+# A dead or departed peer must be noticed "within about a second", long before any deadline.
+DETECTION_LIMIT_S = 2.0
+# Deadline for tests where the error must come from something else than the deadline.
+LONG_TIMEOUT_S = 30.0
+# Deadline for tests that wait for it to pass: short, yet far above scheduling noise on 2 cores.
+SHORT_TIMEOUT_S = 1.0
+
+
+def _raised(fn, *args, **kwargs) -> dict:
+    """Runs a call expected to raise; returns what was raised and after how long."""
+    start = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test process judges the type
+        return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start,
+                "at": time.monotonic()}
+    return {"type": None, "message": "returned normally", "elapsed": time.monotonic() - start}
+
+
+def _poisoned(c) -> dict:
+    """After an error every call must fail at once: a sync call, an async call, a barrier."""
+    t = torch.ones(4)
+    return {"sync": _raised(c.all_reduce, t), "async": _raised(c.all_reduce, t, async_op=True),
+            "barrier": _raised(c.barrier)}
+
+
+def _assert_raised(seen: dict, error: type, limit_s: float, *fragments: str) -> None:
+    assert seen["type"] == error.__name__, seen
+    assert seen["elapsed"] < limit_s, seen
+    for fragment in fragments:
+        assert fragment in seen["message"], (fragment, seen)
+
+
+def _assert_poisoned(poisoned: dict, error: type) -> None:
+    for what, seen in poisoned.items():
+        # "At once": no communication happens, so well under the detection limit.
+        _assert_raised(seen, error, DETECTION_LIMIT_S)
+        assert "unusable after an earlier error" in seen["message"], (what, seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions.
+
+def peer_exits(rank, n, store_path, victim):
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S, **TINY)
+    t = make_input(0, rank, 1000, torch.float32)
+    c.all_reduce(t)  # every rank is up and has finished one collective
+    if rank == victim:
+        os._exit(3)  # no close(): nothing tells the peers but the process ending
+    seen = _raised(c.all_reduce, t)
+    return {"seen": seen, "poisoned": _poisoned(c), "leaked": braid_segments([os.getpid()])}
+
+
+def killed_while_waiting(rank, n, store_path, victim):
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S, **TINY)
+    store = open_store(store_path)
+    c.all_reduce(make_input(0, rank, 1000, torch.float32))
+    if rank == victim:
+        store.set("victim_ready", str(os.getpid()))
+        store.wait(["never_set"])  # blocks until the test process SIGKILLs this rank
+        raise AssertionError("the victim was not killed")
+    return {"seen": _raised(c.all_reduce, make_input(0, rank, 1000, torch.float32))}
+
+
+def all_killed_in_collective(rank, n, store_path):
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S, **TINY)
+    c.all_reduce(make_input(0, rank, 1000, torch.float32))
+    store = open_store(store_path)
+    store.set(f"ready{rank}", "1")
+    if rank == n - 1:
+        store.wait(["never_set"])  # the others wait for this rank inside the all_reduce
+    c.all_reduce(make_input(0, rank, 1000, torch.float32))
+    raise AssertionError("the all_reduce finished without the last rank")
+
+
+def _mismatched_call(c, case, rank, n):
+    """The collective ``case`` makes each rank issue; the last rank deviates."""
+    odd = rank == n - 1
+    x = torch.ones(1000)
+    if case == "count":
+        return lambda: c.all_reduce(torch.ones(11 if odd else 10))
+    if case == "count_pipelined":
+        return lambda: c.all_reduce(torch.ones(1001 if odd else 1000))
+    if case == "dtype":
+        return lambda: c.all_reduce(torch.ones(10, dtype=torch.int32 if odd else torch.float32))
+    if case == "op":
+        return lambda: c.all_reduce(x, op="max" if odd else "sum")
+    if case == "kind":
+        if odd:
+            return lambda: c.all_gather(torch.empty(n * 10), torch.ones(10))
+        return lambda: c.all_reduce(torch.ones(10))
+    if case == "barrier_vs_all_reduce":
+        return c.barrier if odd else (lambda: c.all_reduce(x))
+    if case == "src":
+        return lambda: c.broadcast(x, src=1 if odd else 0)
+    if case == "algo":
+        return lambda: c.all_reduce(x)  # the communicators differ (see collective_mismatch)
+    raise ValueError(case)
+
+
+def collective_mismatch(rank, n, store_path, case):
+    algo = ("ring" if rank == n - 1 else "twoshot") if case == "algo" else None
+    c = make_comm(rank, n, store_path, algo=algo, **TINY)
+    c.barrier()  # a matching collective first (a barrier: the communicators may differ in algo)
+    seen = _raised(_mismatched_call(c, case, rank, n))
+    return {"seen": seen, "poisoned": _poisoned(c), "leaked": braid_segments([os.getpid()])}
+
+
+def absent_rank(rank, n, store_path, absent, async_op):
+    c = make_comm(rank, n, store_path, timeout=SHORT_TIMEOUT_S, **TINY)
+    store = open_store(store_path)
+    c.barrier()
+    if rank == absent:
+        # Stays alive and in the group (closing would be a PeerError for the others) until the
+        # others have seen their deadline pass.
+        store.wait(["others_done"], timedelta(seconds=30))
+        c.close()
+        return {"pid": os.getpid()}
+    t = make_input(0, rank, 1000, torch.float32)
+    result = {}
+    if async_op:
+        start = time.monotonic()
+        work = c.all_reduce(t, async_op=True)
+        fut = work.get_future()
+        result["early_wait"] = work.wait(timeout=0.2)  # the deadline is 1 s away: still running
+        result["early_completed"] = work.is_completed()
+        seen = _raised(work.wait)
+        seen["elapsed"] = time.monotonic() - start
+        result["completed"], result["success"] = work.is_completed(), work.is_success()
+        result["future"] = _raised(fut.wait)
+    else:
+        seen = _raised(c.all_reduce, t)
+    result.update(seen=seen, poisoned=_poisoned(c), leaked=braid_segments([os.getpid()]))
+    if store.add("others_failed", 1) == n - 1:
+        store.set("others_done", "1")
+    return result
+
+
+def peer_closes(rank, n, store_path):
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S, **TINY)
+    c.barrier()
+    if rank == n - 1:
+        c.close()  # leaves while the others start a collective
+        return None
+    return {"seen": _raised(c.all_reduce, torch.ones(1000)), "poisoned": _poisoned(c)}
+
+
+def no_segments_after_setup(rank, n, store_path):
+    before = braid_segments([os.getpid()])
+    c = make_comm(rank, n, store_path, **TINY)
+    after_init = braid_segments([os.getpid()])
+    c.all_reduce(torch.ones(1000))
+    c.close()
+    return {"before": before, "after_init": after_init, "after_close": braid_segments([os.getpid()])}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_peer_exit_raises_peer_error_on_every_survivor(n):
+    """A rank that exits without close() while the others wait in all_reduce: every survivor raises
+    PeerError naming it (rank and pid) within 2 s, not at the 30 s deadline; the communicator is
+    poisoned and no segment is left."""
+    victim = n // 2
+    with FreshRanks(n) as ranks:
+        ranks.start(peer_exits, victim)
+        outcomes = ranks.outcomes()
+        assert outcomes[victim] == ("died", 3), outcomes[victim]
+        for r in range(n):
+            if r == victim:
+                continue
+            kind, result = outcomes[r]
+            assert kind == "ok", result
+            _assert_raised(result["seen"], comm.PeerError, DETECTION_LIMIT_S,
+                           f"rank {victim} (pid {ranks.pids[victim]}")
+            _assert_poisoned(result["poisoned"], comm.PeerError)
+            assert result["leaked"] == []
+        assert braid_segments(ranks.pids) == []
+
+
+def test_sigkill_while_peers_wait_raises_peer_error():
+    """A rank SIGKILLed while the others are blocked in all_reduce: they raise PeerError within 2 s of
+    the kill."""
+    n, victim = 3, 1
+    with FreshRanks(n) as ranks:
+        ranks.start(killed_while_waiting, victim)
+        store = open_store(ranks.store_path)
+        store.wait(["victim_ready"], timedelta(seconds=60))
+        killed_at = time.monotonic()
+        ranks.kill(victim)
+        outcomes = ranks.outcomes()
+    assert outcomes[victim][0] == "died", outcomes[victim]
+    for r in (0, 2):
+        kind, result = outcomes[r]
+        assert kind == "ok", result
+        seen = result["seen"]
+        assert seen["type"] == "PeerError", seen
+        assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
+        # CLOCK_MONOTONIC is one clock for every process of the machine.
+        assert seen["at"] - killed_at < DETECTION_LIMIT_S, seen
+
+
+def test_sigkill_of_every_rank_leaves_no_segment():
+    """SIGKILL of all ranks in the middle of a collective leaves nothing in /dev/shm: the segments
+    were unlinked as soon as every rank had mapped them."""
+    n = 3
+    with FreshRanks(n) as ranks:
+        ranks.start(all_killed_in_collective)
+        open_store(ranks.store_path).wait([f"ready{r}" for r in range(n)], timedelta(seconds=60))
+        assert braid_segments(ranks.pids) == []
+        for r in range(n):
+            ranks.kill(r)
+        outcomes = ranks.outcomes()
+    assert all(kind == "died" for kind, _ in outcomes.values()), outcomes
+    assert braid_segments(ranks.pids) == []
+
+
+MISMATCHES = ("count", "count_pipelined", "dtype", "op", "kind", "barrier_vs_all_reduce", "src", "algo")
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_mismatched_collectives_raise_on_every_rank(case, n):
+    """The last rank issues a different collective (count, dtype, op, kind, broadcast source or
+    algorithm): every rank, including those that agree with each other, raises CollectiveMismatch at
+    once and stays poisoned; no data is reduced with the wrong partner."""
+    for r, result in enumerate(run_ranks(collective_mismatch, n, case)):
+        _assert_raised(result["seen"], comm.CollectiveMismatch, DETECTION_LIMIT_S)
+        _assert_poisoned(result["poisoned"], comm.CollectiveMismatch)
+        assert result["leaked"] == [], r
+
+
+@pytest.mark.parametrize("async_op", (False, True), ids=("sync", "async"))
+def test_absent_rank_times_out_naming_it(async_op):
+    """A rank that never calls all_reduce: the others raise CommTimeout after their 1 s deadline (not
+    before, not long after) naming that rank and its pid, and only it. Async: wait(timeout) reports
+    False while it runs, the future fails with the error, and the Work reports failure."""
+    n, absent = 3, 1
+    results = run_ranks(absent_rank, n, absent, async_op)
+    pid = results[absent]["pid"]
+    for r in (0, 2):
+        result = results[r]
+        seen = result["seen"]
+        _assert_raised(seen, comm.CommTimeout, SHORT_TIMEOUT_S + DETECTION_LIMIT_S,
+                       f"rank {absent} (pid {pid}")
+        # A rank may learn of the timeout from the other one, but never before a deadline passed.
+        assert seen["elapsed"] > SHORT_TIMEOUT_S / 2, seen
+        assert "rank 0 (pid" not in seen["message"] and "rank 2 (pid" not in seen["message"], seen
+        _assert_poisoned(result["poisoned"], comm.CommTimeout)
+        assert result["leaked"] == []
+        if async_op:
+            assert result["early_wait"] is False and result["early_completed"] is False, result
+            assert result["completed"] is True and result["success"] is False, result
+            fut = result["future"]
+            assert fut["type"] is not None and "CommTimeout" in fut["message"], fut
+            assert f"rank {absent} (pid {pid}" in fut["message"], fut
+
+
+def test_bootstrap_timeout_names_missing_rank_and_leaks_nothing():
+    """A communicator whose peer never joins raises CommTimeout naming the missing rank after the
+    timeout, and its freshly created segment is removed."""
+    store = open_store(new_store_path())
+    start = time.monotonic()
+    with pytest.raises(comm.CommTimeout, match=r"ranks \[1\]"):
+        comm.Communicator(store, 0, 2, timeout=0.5, prefix="alone/")
+    assert time.monotonic() - start < 0.5 + DETECTION_LIMIT_S
+    assert braid_segments([os.getpid()]) == []
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_peer_close_raises_peer_error(n):
+    """A rank that closes its communicator while the others start a collective: they raise PeerError
+    ("closed its communicator") within 2 s instead of waiting for the deadline."""
+    for result in run_ranks(peer_closes, n)[:-1]:
+        _assert_raised(result["seen"], comm.PeerError, DETECTION_LIMIT_S, "closed its communicator")
+        _assert_poisoned(result["poisoned"], comm.PeerError)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_segments_unlinked_once_all_ranks_attached(n):
+    """Right after the constructor returns, no rank's segment has a name in /dev/shm any more (a crash
+    from then on cannot leak it), and nothing appears after collectives and close()."""
+    for r, result in enumerate(run_ranks(no_segments_after_setup, n)):
+        assert result == {"before": [], "after_init": [], "after_close": []}, (r, result)
