@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from braid import comm
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, reduce_reference
-from helpers.ranks import COMM_TIMEOUT_S, RankFailure, make_comm, new_store_path, open_store, run_ranks
+from helpers.ranks import COMM_TIMEOUT_S, make_comm, new_store_path, open_store, run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
 SLOT_BYTES, ONESHOT_MAX_BYTES, NSLOTS = 1024, 256, 2
