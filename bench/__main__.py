@@ -1,0 +1,32 @@
+"""Command line of the benchmarks: ``python -m braid.bench <benchmark> [options]``, or ``braid-bench``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Each benchmark is a module of this package with main(argv, prog) -> exit status; only the chosen
+# one is imported, so --help stays fast and a benchmark's dependencies load only when it runs.
+BENCHMARKS = {
+    "collectives": "all_reduce, reduce_scatter, all_gather, broadcast: braid vs gloo vs Open MPI",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark named by the first argument; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m braid.bench",
+        description="Benchmarks of braid against its peers. "
+                    "`python -m braid.bench BENCHMARK --help` lists a benchmark's options.",
+        epilog="benchmarks:\n" + "\n".join(f"  {name:<14}{text}" for name, text in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("benchmark", choices=BENCHMARKS, metavar="BENCHMARK")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="options of the benchmark")
+    ns = parser.parse_args(argv)
+    module = importlib.import_module(f"braid.bench.{ns.benchmark}")
+    return module.main(ns.args, prog=f"{parser.prog} {ns.benchmark}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""Collectives benchmark: braid against torch.distributed gloo and Open MPI, printed like nccl-tests.
+
+    python -m braid.bench collectives                   # spawns --nproc ranks (default 2)
+    python -m braid.bench collectives --nproc 4 --ops all_reduce --max-bytes 1M --json r.json
+    torchrun --nproc-per-node 4 -m braid.bench collectives   # under a launcher: no spawning
+
+Launch. Without RANK and WORLD_SIZE in the environment this process hosts a TCPStore on a free
+loopback port, spawns the ranks and watches them: when one fails, the others get a few seconds to
+report their side, then are stopped, and the run fails; the whole run has a deadline (--deadline;
+under torchrun it bounds the MPI peer only). Every rank joins a gloo process group and a braid
+communicator over that store, so braid and gloo run in the same processes, one after the other.
+Every collective wait has a deadline (--timeout). Rank 0 then runs the Open MPI peer
+(mpi_peer.py) under its own ``mpirun --oversubscribe -np N`` when mpi4py imports and mpirun
+exists, merges its records, prints and writes the results; the other ranks stay quiet.
+
+Measurement (protocol.py), on zero-filled buffers: warm-up, then batches of k back-to-back calls
+(k from --time-budget, or --iters), a barrier of the implementation under test before each
+batch; the time of a batch is its slowest rank's, the reported time the median over batches.
+#wrong comes from one more call on fresh buffers of small integers, compared with the exact
+result on every rank.
+
+Columns: size = S in bytes, the whole message (all_reduce, broadcast: the tensor; reduce_scatter:
+the input, n * output; all_gather: the output, n * input); count = elements of S; time in us;
+algbw = S / time; busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and
+all_gather, 1 for broadcast (GB/s = 1e9 B/s). Then, per peer, braid's busbw over the peer's per
+op and size: >1 means braid is faster.
+
+--json writes::
+
+    {"benchmark": "collectives", "date": ISO 8601 UTC, "machine": {hostname, cpu, logical_cpus,
+     usable_cpus, memory_gib, load_average, platform, python, torch, numpy, braid, mpi_library},
+     "config": {world_size, launcher, ops, impls, dtype, sizes, warmup, batches, time_budget_s,
+     iters, timeout_s},
+     "records": [{"impl", "op", "world_size", "bytes", "count", "dtype", "time_us", "algbw_gbps",
+                  "busbw_gbps", "wrong", "iters"}, ...]}
+
+where load_average is the host's 1, 5 and 15 minute load at launch (other work on the host skews
+every figure) and a record's ``iters`` the calls per timed batch. --plot draws busbw against size.
+
+Exit status: 0; 1 when a rank or the setup failed; 3 when the run finished but a result had
+wrong elements or the MPI peer failed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from importlib import metadata
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from braid import comm
+
+from . import mpi_peer, protocol, report
+
+IMPLS = ("braid", "gloo", "mpi")
+EXIT_FAILED = 1
+EXIT_FINDINGS = 3
+# After a rank fails, how long the others get to report their side before being stopped (braid
+# and gloo notice a dead peer within milliseconds, so this only bounds the wait); also how long
+# rank 0 gets past the deadline to print its results.
+FAILURE_GRACE_S = 5.0
+
+# torch 2.13 renamed the single-tensor gloo collectives; older versions have the old names only.
+_gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Config:
+    ops: tuple[str, ...]
+    impls: tuple[str, ...]
+    sizes: tuple[int, ...]
+    dtype: str
+    timing: protocol.Timing
+    timeout: float  # seconds, every collective and store wait
+    deadline: float  # time.time() by which the whole run must be over
+    started: float  # time.time() at launch
+    launcher: str  # "spawn" (this module started the ranks) or "torchrun"
+    machine: dict  # report.machine_info() at launch, before the ranks load the host
+    json_path: str | None
+    plot_path: str | None
+
+
+class TorchBackend:
+    """protocol.Backend over torch tensors. Timings and #wrong cross ranks through the gloo group."""
+
+    def __init__(self, name: str, dtype: str,
+                 calls: dict[str, Callable[[torch.Tensor, torch.Tensor], object]],
+                 barrier: Callable[[], object]):
+        self.name = name
+        self._dtype = getattr(torch, dtype)
+        self._calls = calls
+        self._barrier = barrier
+
+    def bind(self, op: str, send: np.ndarray, out_count: int | None
+             ) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+        x = torch.from_numpy(send).to(self._dtype)
+        out = x if out_count is None else torch.empty(out_count, dtype=self._dtype)
+        fn = self._calls[op]
+        # numpy has no bfloat16: the check compares in float32, which holds every value exactly.
+        as_numpy = (lambda: out.float().numpy()) if self._dtype == torch.bfloat16 else out.numpy
+        return (lambda: fn(out, x)), as_numpy
+
+    def barrier(self) -> None:
+        self._barrier()
+
+    def reduce(self, values: Sequence[float], how: str) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
+
+def braid_backend(c, dtype: str) -> TorchBackend:
+    return TorchBackend("braid", dtype, {
+        "all_reduce": lambda out, x: c.all_reduce(x, op="sum"),
+        "reduce_scatter": lambda out, x: c.reduce_scatter(out, x, op="sum"),
+        "all_gather": lambda out, x: c.all_gather(out, x),
+        "broadcast": lambda out, x: c.broadcast(x, src=protocol.ROOT),
+    }, c.barrier)
+
+
+def gloo_backend(dtype: str) -> TorchBackend:
+    return TorchBackend("gloo", dtype, {
+        "all_reduce": lambda out, x: dist.all_reduce(x),
+        "reduce_scatter": lambda out, x: _gloo_reduce_scatter(out, x),
+        "all_gather": lambda out, x: _gloo_all_gather(out, x),
+        "broadcast": lambda out, x: dist.broadcast(x, src=protocol.ROOT),
+    }, dist.barrier)
+
+
+# -- one rank ------------------------------------------------------------------------------------
+def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    # Nothing measured uses torch's thread pool; OpenMP workers spinning after a buffer
+    # conversion would steal the cores the collectives run on.
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=config.timeout)
+    if store_port is None:  # torchrun: env:// rendezvous
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        backends = []
+        braid = None
+        if "braid" in config.impls:
+            braid = comm.init(timeout=config.timeout)  # on the gloo group's store
+            backends.append(braid_backend(braid, config.dtype))
+        if "gloo" in config.impls:
+            backends.append(gloo_backend(config.dtype))
+        progress = report.Progress(len(backends) * len(config.ops) * len(config.sizes),
+                                   enabled=rank == 0)
+        records = []
+        for backend in backends:
+            records += protocol.run_suite(backend, config.ops, config.sizes, config.dtype, rank,
+                                          world_size, config.timing, progress)
+        progress.close()
+        if braid is not None:
+            braid.close()
+    finally:
+        dist.destroy_process_group()
+    return _report(config, records, world_size) if rank == 0 else 0
+
+
+def _run_rank_reporting(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    try:
+        return _run_rank(rank, world_size, store_port, config)
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 -- reported here with the rank; the exit status carries it
+        sys.stderr.write(f"braid.bench: rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        return EXIT_FAILED
+
+
+def _spawned_rank(rank: int, world_size: int, store_port: int, config: Config) -> None:
+    sys.exit(_run_rank_reporting(rank, world_size, store_port, config))
+
+
+# -- the Open MPI peer ---------------------------------------------------------------------------
+def _mpi_unavailable(dtype: str) -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (`make bench-peers` installs Open MPI and mpi4py)"
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (`make bench-peers` installs Open MPI)"
+    if dtype not in mpi_peer.DTYPES:
+        return f"MPI has no {dtype} datatype"
+    return None
+
+
+def _run_mpi_peer(config: Config, world_size: int) -> tuple[list[dict], str]:
+    """Runs mpi_peer.py under mpirun on the same sizes and protocol; returns (records, library)."""
+    with tempfile.TemporaryDirectory(prefix="braid-bench-mpi-") as tmp:
+        out = os.path.join(tmp, "mpi.json")
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world_size),
+               sys.executable, "-m", "braid.bench.mpi_peer", "--ops", ",".join(config.ops),
+               "--sizes", ",".join(map(str, config.sizes)), "--dtype", config.dtype,
+               "--json", out, *protocol.timing_argv(config.timing)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Its own session, so that on a deadline mpirun and its ranks go down together. Its
+        # output goes to stderr: stdout carries only the tables.
+        proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno(), start_new_session=True)
+        try:
+            code = proc.wait(timeout=max(config.deadline - time.time(), 1.0))
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"the MPI peer did not finish before the deadline (--deadline); "
+                             f"command: {' '.join(cmd)}") from None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if code != 0:
+            raise BenchError(f"the MPI peer failed with exit status {code} (its output is above); "
+                             f"command: {' '.join(cmd)}")
+        with open(out) as f:
+            result = json.load(f)
+    return result["records"], result["mpi_library"]
+
+
+# -- output (rank 0) -----------------------------------------------------------------------------
+def _header(config: Config, world_size: int) -> str:
+    machine = config.machine
+    timing = config.timing
+    calls = f"{timing.iters} calls" if timing.iters else f"calls sized to {timing.time_budget:g} s per size"
+    return "\n".join([
+        (f"# braid.bench collectives: {world_size} ranks ({config.launcher}), {config.dtype}, "
+         f"{report.human_bytes(config.sizes[0])} .. {report.human_bytes(config.sizes[-1])}, "
+         f"impls {' '.join(config.impls)}"),
+        (f"# host {machine['hostname']}: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, "
+         f"load average {machine['load_average'][0]:.2f}, torch {torch.__version__}"),
+        (f"# timing: {timing.warmup} warm-up calls, then the median over {timing.batches} batches "
+         f"({calls}) of the slowest rank's time per call"),
+    ])
+
+
+def _braid_version() -> str | None:
+    try:
+        return metadata.version("braid")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _report(config: Config, records: list[dict], world_size: int) -> int:
+    status = 0
+    mpi_library = None
+    if "mpi" in config.impls:
+        try:
+            mpi_records, mpi_library = _run_mpi_peer(config, world_size)
+            records = records + mpi_records
+        except BenchError as e:
+            print(f"braid.bench: {e}", file=sys.stderr)
+            status = EXIT_FINDINGS
+    blocks = [report.results_table(records, impl, op) for op in config.ops for impl in config.impls]
+    if "braid" in config.impls:
+        blocks += [report.ratio_table(records, "braid", peer) for peer in config.impls if peer != "braid"]
+    print("\n\n".join(b for b in blocks if b))
+    wrong = [r for r in records if r["wrong"]]
+    if wrong:
+        print(f"# {len(wrong)} results with wrong elements: "
+              + ", ".join(f"{r['impl']} {r['op']} {r['bytes']} B ({r['wrong']})" for r in wrong))
+        status = EXIT_FINDINGS
+    print(f"# wall time {time.time() - config.started:.1f} s")
+    sys.stdout.flush()
+    if config.json_path:
+        machine = dict(config.machine, torch=torch.__version__, numpy=np.__version__,
+                       braid=_braid_version(), mpi_library=mpi_library)
+        timing = config.timing
+        settings = {"world_size": world_size, "launcher": config.launcher, "ops": list(config.ops),
+                    "impls": list(config.impls), "dtype": config.dtype, "sizes": list(config.sizes),
+                    "warmup": timing.warmup, "batches": timing.batches,
+                    "time_budget_s": timing.time_budget, "iters": timing.iters, "timeout_s": config.timeout}
+        report.write_json(config.json_path, {
+            "benchmark": "collectives", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine, "config": settings, "records": records})
+    if config.plot_path:
+        report.plot_busbw(config.plot_path, records,
+                          f"busbw, {world_size} ranks, {config.dtype} ({config.machine['hostname']})")
+    return status
+
+
+# -- launch --------------------------------------------------------------------------------------
+def _launcher() -> str:
+    """How the ranks start: under a launcher that set RANK and WORLD_SIZE, or spawned here."""
+    return "torchrun" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "spawn"
+
+
+def _spawn(config: Config, nproc: int) -> int:
+    """Hosts the store, starts the ranks and waits for them; returns the exit status."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=config.timeout))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spawned_rank, args=(r, nproc, store.port, config), name=f"rank{r}")
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    try:
+        # Past the deadline rank 0 first stops the MPI peer and prints what it has: give it time.
+        return _watch(procs, config.deadline + FAILURE_GRACE_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+
+
+def _watch(procs: list[multiprocessing.Process], deadline: float) -> int:
+    status = 0
+    running = {p.sentinel: p for p in procs}
+    while running:
+        ready = multiprocessing.connection.wait(list(running), timeout=max(deadline - time.time(), 0))
+        if not ready:
+            ranks = sorted(procs.index(p) for p in running.values())
+            print(f"braid.bench: ranks {ranks} did not finish before the deadline (--deadline); "
+                  "stopping them", file=sys.stderr)
+            return EXIT_FAILED
+        for sentinel in ready:
+            p = running.pop(sentinel)
+            p.join()
+            if p.exitcode == EXIT_FINDINGS:
+                status = EXIT_FINDINGS
+            elif p.exitcode != 0:
+                multiprocessing.connection.wait(list(running), timeout=FAILURE_GRACE_S)
+                others = sorted(procs.index(q) for q in running.values() if q.is_alive())
+                how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                       else f"exited with status {p.exitcode}")
+                print(f"braid.bench: rank {procs.index(p)} (pid {p.pid}) {how}"
+                      + (f"; stopping ranks {others}" if others else ""), file=sys.stderr)
+                return EXIT_FAILED
+    return status
+
+
+def _parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size like 4096, 4K, 256M or 1G, got {text!r}")
+    return int(m.group(1)) * 1024 ** {"": 0, "k": 1, "m": 2, "g": 3}[m.group(2).lower()]
+
+
+def _parse_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+        unknown = [s for s in items if s not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'} given; choose from "
+                                             f"{', '.join(choices)} (comma-separated)")
+        return items
+    return parse
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (default 2); ignored under torchrun, which sets WORLD_SIZE")
+    p.add_argument("--ops", type=_parse_list(protocol.OPS), default=protocol.OPS,
+                   help=f"comma-separated collectives (default {','.join(protocol.OPS)})")
+    p.add_argument("--impls", type=_parse_list(IMPLS), default=None,
+                   help="comma-separated implementations (default: braid,gloo and mpi when available)")
+    p.add_argument("--min-bytes", type=_parse_bytes, default=4096,
+                   help="smallest S; K, M, G are powers of 1024 (default 4K)")
+    p.add_argument("--max-bytes", type=_parse_bytes, default=256 << 20, help="largest S (default 256M)")
+    p.add_argument("--step-factor", type=int, default=4, help="ratio of consecutive sizes (default 4)")
+    p.add_argument("--dtype", choices=protocol.DTYPES, default="float32", help="(default float32)")
+    protocol.add_timing_arguments(p)
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any collective or store wait may take before the run fails "
+                   "(default 120)")
+    p.add_argument("--deadline", type=float, default=1800.0,
+                   help="seconds the whole run may take; then the spawned ranks and the MPI peer "
+                   "are stopped (default 1800)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the records as JSON (format in the module docstring)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw against size")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Runs the collectives benchmark with command-line arguments ``argv``; returns the exit status."""
+    started = time.time()
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    timing = protocol.timing_from_args(args, parser)
+    if args.min_bytes < 1 or args.max_bytes < args.min_bytes:
+        parser.error("need 1 <= --min-bytes <= --max-bytes")
+    if args.step_factor < 2:
+        parser.error("--step-factor must be at least 2")
+    if not args.timeout > 0 or not args.deadline > 0:
+        parser.error("--timeout and --deadline must be positive")
+    launcher = _launcher()
+    if launcher == "torchrun":
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        rank, world_size = 0, 2 if args.nproc is None else args.nproc
+        if world_size < 1:
+            parser.error("--nproc must be at least 1")
+
+    def note(message: str) -> None:
+        if rank == 0:
+            print(f"braid.bench: {message}", file=sys.stderr)
+
+    if launcher == "torchrun" and args.nproc not in (None, world_size):
+        note(f"--nproc {args.nproc} ignored: torchrun started {world_size} ranks")
+    mpi_missing = _mpi_unavailable(args.dtype)
+    impls = args.impls
+    if impls is None:
+        impls = ("braid", "gloo") + (() if mpi_missing else ("mpi",))
+        if mpi_missing:
+            note(f"Open MPI peer skipped: {mpi_missing}")
+    elif "mpi" in impls and mpi_missing:
+        parser.error(f"--impls mpi: {mpi_missing}")
+    if not protocol.check_is_exact(args.dtype, world_size):
+        note(f"{args.dtype} cannot hold the check's sums exactly at {world_size} ranks: "
+             "#wrong will count rounding")
+    sizes = [args.min_bytes]
+    while sizes[-1] * args.step_factor <= args.max_bytes:
+        sizes.append(sizes[-1] * args.step_factor)
+    config = Config(args.ops, impls, tuple(sizes), args.dtype, timing, args.timeout,
+                    started + args.deadline, started, launcher, report.machine_info(), args.json,
+                    args.plot)
+    if rank == 0:
+        print(_header(config, world_size), flush=True)
+    if launcher == "torchrun":
+        return _run_rank_reporting(rank, world_size, None, config)
+    return _spawn(config, world_size)

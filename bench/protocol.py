@@ -1,0 +1,224 @@
+"""Timing and correctness protocol of the collectives benchmark, shared by every implementation.
+
+numpy only: the Open MPI peer (``mpi_peer.py``) runs it without importing torch. An implementation
+is a :class:`Backend`; :func:`run_suite` measures it over ops and sizes and returns records.
+
+Timing, for each (op, size), on zero-filled buffers: ``warmup`` calls, the slowest rank's median
+warm-up call sets ``k`` (calls per batch) so that ``batches`` batches fill about ``time_budget``
+seconds; then ``batches`` times: barrier, ``k`` back-to-back calls timed with
+``time.perf_counter``. A rank's time per call is batch time / k; the batch's time is the slowest
+rank's; the result is the median over batches. Timings cross ranks only after the timed region.
+
+Correctness: fresh buffers filled with small integers every rank can regenerate for every rank
+(rank r's element i is ``r + 1 + i % 13``), one call, and a count of the output elements that
+differ from the exactly computed expectation (``#wrong``, summed over ranks).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "all_gather": "none", "broadcast": "none"}
+ROOT = 0  # broadcast source
+PERIOD = 13  # of the check pattern: values stay small, so every dtype holds every sum exactly
+# Integers up to 2**(mantissa bits + 1) are exact; float32 and wider types reach 2**24 or more.
+_EXACT_INT_LIMIT = {"float16": 2**11, "bfloat16": 2**8}
+# At ~5 us per call 1000 calls make a 5 ms batch: far above timer resolution and barrier skew.
+MAX_ITERS_PER_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int = 3
+    batches: int = 5
+    time_budget: float = 0.5  # seconds of timed calls per (impl, op, size)
+    iters: int | None = None  # fixed calls per batch instead of the budget
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The timing options, identical for the benchmark and the MPI peer it launches."""
+    d = Timing()
+    parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up calls (default {d.warmup})")
+    parser.add_argument("--batches", type=int, default=d.batches,
+                        help=f"timed batches; the median is reported (default {d.batches})")
+    parser.add_argument("--time-budget", type=float, default=d.time_budget, metavar="SECONDS",
+                        help="timed seconds per impl, op and size, which sets the calls per batch: "
+                        f"many for small sizes, one for large (default {d.time_budget})")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="fixed calls per batch (overrides --time-budget)")
+
+
+def timing_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Timing:
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (warm-up calls set the calls per batch)")
+    if args.batches < 1:
+        parser.error("--batches must be at least 1")
+    if not args.time_budget > 0:
+        parser.error("--time-budget must be positive")
+    if args.iters is not None and args.iters < 1:
+        parser.error("--iters must be at least 1")
+    return Timing(args.warmup, args.batches, args.time_budget, args.iters)
+
+
+def timing_argv(timing: Timing) -> list[str]:
+    """``timing`` as command-line options for the MPI peer."""
+    argv = ["--warmup", str(timing.warmup), "--batches", str(timing.batches),
+            "--time-budget", repr(timing.time_budget)]
+    return argv + (["--iters", str(timing.iters)] if timing.iters else [])
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw: the share of S that crosses the busiest link, as in nccl-tests."""
+    n = world_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0
+
+
+def message_count(op: str, nbytes: int, dtype: str, world_size: int) -> int:
+    """Elements of the whole message S (reduce_scatter input, all_gather output) for a size,
+    rounded down to a multiple of world_size where the op splits it over the ranks."""
+    count = nbytes // ITEMSIZE[dtype]
+    if op in ("reduce_scatter", "all_gather"):
+        count -= count % world_size
+    return count
+
+
+def check_is_exact(dtype: str, world_size: int) -> bool:
+    """Whether every partial sum of the check pattern is exact in ``dtype``."""
+    largest = world_size * (world_size + 1) // 2 + world_size * (PERIOD - 1)
+    return largest <= _EXACT_INT_LIMIT.get(dtype, 2**24)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    # numpy has no bfloat16: its pattern is built in float32 (exact) and converted by the backend.
+    return np.dtype("float32" if dtype == "bfloat16" else dtype)
+
+
+def periodic(count: int, dtype: str, shift: int, scale: int = 1, offset: int = 0) -> np.ndarray:
+    """``shift + scale * ((offset + i) % PERIOD)`` for i < count, built by tiling one period."""
+    one = shift + scale * ((offset + np.arange(PERIOD)) % PERIOD)
+    return np.tile(one.astype(numpy_dtype(dtype)), -(-count // PERIOD))[:count]
+
+
+def send_count(op: str, world_size: int, count: int) -> int:
+    """Elements a rank contributes (count: elements of the whole message)."""
+    return count // world_size if op == "all_gather" else count
+
+
+def send_buffer(op: str, rank: int, world_size: int, count: int, dtype: str) -> np.ndarray:
+    """What ``rank`` contributes to the check."""
+    return periodic(send_count(op, world_size, count), dtype, rank + 1)
+
+
+def output_count(op: str, world_size: int, count: int) -> int | None:
+    """Elements of the separate output buffer; None for the in-place ops."""
+    return {"reduce_scatter": count // world_size, "all_gather": count}.get(op)
+
+
+def expected_output(op: str, rank: int, world_size: int, count: int, dtype: str) -> np.ndarray:
+    n = world_size
+    rank_sum = n * (n + 1) // 2  # sum over ranks q of (q + 1)
+    if op == "all_reduce":
+        return periodic(count, dtype, rank_sum, scale=n)
+    if op == "reduce_scatter":
+        m = count // n
+        return periodic(m, dtype, rank_sum, scale=n, offset=rank * m)
+    if op == "all_gather":
+        return np.concatenate([periodic(count // n, dtype, q + 1) for q in range(n)])
+    return periodic(count, dtype, ROOT + 1)
+
+
+class Backend(Protocol):
+    """One implementation of the collectives, on one rank."""
+
+    name: str
+
+    def bind(self, op: str, send: np.ndarray, out_count: int | None
+             ) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+        """Buffers for ``op`` holding ``send``, plus an output buffer of ``out_count`` elements
+        unless the op is in place. Returns (one call of the op, the output as numpy)."""
+
+    def barrier(self) -> None:
+        ...
+
+    def reduce(self, values: Sequence[float], how: str) -> list[float]:
+        """Element-wise "max" or "sum" of ``values`` over ranks, outside any timed region."""
+
+
+def time_collective(call: Callable[[], None], backend: Backend, timing: Timing) -> tuple[float, int]:
+    """Seconds per call (median over batches of the slowest rank) and calls per batch."""
+    warm = []
+    for _ in range(timing.warmup):
+        start = time.perf_counter()
+        call()
+        warm.append(time.perf_counter() - start)
+    # Every rank must issue the same number of calls: k comes from a value all ranks agree on.
+    slowest = backend.reduce([statistics.median(warm)], "max")[0]
+    if timing.iters:
+        k = timing.iters
+    else:
+        k = max(1, min(MAX_ITERS_PER_BATCH, int(timing.time_budget / (timing.batches * slowest))))
+    per_call = []
+    for _ in range(timing.batches):
+        backend.barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            call()
+        per_call.append((time.perf_counter() - start) / k)
+    return statistics.median(backend.reduce(per_call, "max")), k
+
+
+def count_wrong(op: str, count: int, dtype: str, backend: Backend, rank: int, world_size: int) -> int:
+    """Elements differing from the exact expectation after one call on fresh buffers, all ranks."""
+    call, output = backend.bind(op, send_buffer(op, rank, world_size, count, dtype),
+                                output_count(op, world_size, count))
+    call()
+    wrong = np.count_nonzero(output() != expected_output(op, rank, world_size, count, dtype))
+    return int(backend.reduce([float(wrong)], "sum")[0])
+
+
+def record(impl: str, op: str, world_size: int, count: int, dtype: str, seconds: float,
+           iters: int, wrong: int) -> dict:
+    nbytes = count * ITEMSIZE[dtype]
+    algbw = nbytes / seconds / 1e9
+    return {"impl": impl, "op": op, "world_size": world_size, "bytes": nbytes, "count": count,
+            "dtype": dtype, "time_us": _round(seconds * 1e6), "algbw_gbps": _round(algbw),
+            "busbw_gbps": _round(algbw * bus_factor(op, world_size)), "wrong": wrong, "iters": iters}
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")  # timing noise is far above 6 significant digits
+
+
+def run_suite(backend: Backend, ops: Sequence[str], sizes: Sequence[int], dtype: str, rank: int,
+              world_size: int, timing: Timing, progress: Callable[[str, str, int], None]) -> list[dict]:
+    """Measures ``backend`` on every op and size; ``progress(impl, op, bytes)`` precedes each."""
+    records = []
+    for op in ops:
+        for nbytes in sizes:
+            progress(backend.name, op, nbytes)
+            count = message_count(op, nbytes, dtype, world_size)
+            if count == 0:
+                continue
+            # Timed calls run on zeros, which repeated in-place sums keep finite (anything else
+            # overflows: inf, or signed-integer overflow in C++). np.full writes every page: an
+            # untouched calloc'd input would be read from the one shared zero page, in cache.
+            call = backend.bind(op, np.full(send_count(op, world_size, count), 0, numpy_dtype(dtype)),
+                                output_count(op, world_size, count))[0]
+            seconds, k = time_collective(call, backend, timing)
+            del call  # frees the timing buffers before the check allocates its own
+            wrong = count_wrong(op, count, dtype, backend, rank, world_size)
+            records.append(record(backend.name, op, world_size, count, dtype, seconds, k, wrong))
+    return records
