@@ -49,6 +49,10 @@ struct SegmentHeader {
   int32_t world_size;
   int32_t pid;
   alignas(kLine) std::atomic<uint64_t> step;
+  // CPU this rank ran on when it last posted (same line as `step`: read together). A waiter
+  // whose missing peer last ran on the waiter's own CPU yields instead of spinning: spinning
+  // would only burn the time slice the peer needs.
+  std::atomic<int32_t> cpu;
   // Doorbell and abort epoch: only rank 0's copy is used (the "hub").
   alignas(kLine) std::atomic<uint32_t> bell;
   std::atomic<uint32_t> sleepers;
@@ -148,9 +152,11 @@ void ShmGroup::attach(const std::vector<PeerInfo>& peers) {
 
 uint64_t ShmGroup::post_next() {
   ++step_;
+  SegmentHeader* me = header(rank_);
+  me->cpu.store(::sched_getcpu(), std::memory_order_relaxed);
   // seq_cst store + seq_cst load of `sleepers`: either the sleeper sees the new step before it
   // sleeps, or this poster sees the sleeper and rings the bell (Dekker-style handshake).
-  header(rank_)->step.store(step_, std::memory_order_seq_cst);
+  me->step.store(step_, std::memory_order_seq_cst);
   if (hub_->sleepers.load(std::memory_order_seq_cst) != 0) wake_all();
   return step_;
 }
@@ -158,6 +164,16 @@ uint64_t ShmGroup::post_next() {
 void ShmGroup::wake_all() noexcept {
   hub_->bell.fetch_add(1, std::memory_order_seq_cst);
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool ShmGroup::missing_peer_shares_cpu(const int* peers, int npeers, uint64_t step) const {
+  const int cpu = ::sched_getcpu();
+  for (int i = 0; i < npeers; ++i) {
+    const SegmentHeader* h = headers_[peers[i]];
+    if (h->step.load(std::memory_order_acquire) < step && h->cpu.load(std::memory_order_relaxed) == cpu)
+      return true;
+  }
+  return false;
 }
 
 bool ShmGroup::reached(const int* peers, int npeers, uint64_t step) const {
@@ -237,14 +253,14 @@ void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {
   check_abort();
   const auto start = Clock::now();
   // Phase 1: spin. Cheap when peers are running on other cores and about to post.
-  for (uint32_t i = 0;; ++i) {
+  for (uint32_t i = 0; policy_.spin.count() > 0; ++i) {
     for (int k = 0; k < 16; ++k) {
       BRAID_CPU_RELAX();
       if (reached(peers, npeers, step)) return;
     }
     if ((i & 15) == 0) {
       check_abort();
-      if (Clock::now() - start >= policy_.spin) break;
+      if (Clock::now() - start >= policy_.spin || missing_peer_shares_cpu(peers, npeers, step)) break;
     }
   }
   // Phase 2: yield the core; with more ranks than cores the peer we wait for may need it.

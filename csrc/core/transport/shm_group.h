@@ -106,6 +106,7 @@ class ShmGroup {
  private:
   SegmentHeader* header(int rank) const { return headers_[rank]; }
   bool reached(const int* peers, int npeers, uint64_t step) const;
+  bool missing_peer_shares_cpu(const int* peers, int npeers, uint64_t step) const;
   void wait_slow(const int* peers, int npeers, uint64_t step);
   void check_abort();
   [[noreturn]] void raise_abort();
