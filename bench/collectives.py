@@ -30,7 +30,7 @@ op and size: >1 means braid is faster.
     {"benchmark": "collectives", "date": ISO 8601 UTC, "machine": {hostname, cpu, logical_cpus,
      usable_cpus, memory_gib, load_average, platform, python, torch, numpy, braid, mpi_library},
      "config": {world_size, launcher, ops, impls, dtype, sizes, warmup, batches, time_budget_s,
-     iters, timeout_s},
+     iters, timeout_s, bind},
      "records": [{"impl", "op", "world_size", "bytes", "count", "dtype", "time_us", "algbw_gbps",
                   "busbw_gbps", "wrong", "iters"}, ...]}
 
@@ -96,6 +96,7 @@ class Config:
     deadline: float  # time.time() by which the whole run must be over
     started: float  # time.time() at launch
     launcher: str  # "spawn" (this module started the ranks) or "torchrun"
+    bind: str  # "core": local rank r runs on the r-th usable CPU; "none": the scheduler decides
     machine: dict  # report.machine_info() at launch, before the ranks load the host
     json_path: str | None
     plot_path: str | None
@@ -149,7 +150,17 @@ def gloo_backend(dtype: str) -> TorchBackend:
 
 
 # -- one rank ------------------------------------------------------------------------------------
+def _bind_to_core(local_rank: int) -> None:
+    """Pins this process (and the threads it starts later) to one CPU, as Open MPI's mpirun does
+    by default when there are no more ranks than cores, so braid and gloo run under the same
+    placement as the MPI peer. Without it a scheduler may pack both ranks onto one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[local_rank % len(cpus)]})
+
+
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    if config.bind == "core":
+        _bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
     # Nothing measured uses torch's thread pool; OpenMP workers spinning after a buffer
     # conversion would steal the cores the collectives run on.
     torch.set_num_threads(1)
@@ -248,6 +259,8 @@ def _header(config: Config, world_size: int) -> str:
          f"impls {' '.join(config.impls)}"),
         (f"# host {machine['hostname']}: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, "
          f"load average {machine['load_average'][0]:.2f}, torch {torch.__version__}"),
+        (f"# placement: {'each rank bound to its own CPU' if config.bind == 'core' else 'unbound'} "
+         "(Open MPI binds likewise by default)"),
         (f"# timing: {timing.warmup} warm-up calls, then the median over {timing.batches} batches "
          f"({calls}) of the slowest rank's time per call"),
     ])
@@ -288,7 +301,8 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
         settings = {"world_size": world_size, "launcher": config.launcher, "ops": list(config.ops),
                     "impls": list(config.impls), "dtype": config.dtype, "sizes": list(config.sizes),
                     "warmup": timing.warmup, "batches": timing.batches,
-                    "time_budget_s": timing.time_budget, "iters": timing.iters, "timeout_s": config.timeout}
+                    "time_budget_s": timing.time_budget, "iters": timing.iters, "timeout_s": config.timeout,
+                    "bind": config.bind}
         report.write_json(config.json_path, {
             "benchmark": "collectives", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine, "config": settings, "records": records})
@@ -388,6 +402,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=1800.0,
                    help="seconds the whole run may take; then the spawned ranks and the MPI peer "
                    "are stopped (default 1800)")
+    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                   help="rank placement: core = local rank r on the r-th usable CPU; auto (default) = "
+                        "core when ranks <= CPUs, else none, as Open MPI's mpirun does")
     p.add_argument("--json", metavar="PATH",
                    help="write the records as JSON (format in the module docstring)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw against size")
@@ -434,8 +451,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     sizes = [args.min_bytes]
     while sizes[-1] * args.step_factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.step_factor)
+    bind = args.bind
+    if bind == "auto":  # Open MPI's default: bind to core unless ranks outnumber the cores
+        bind = "core" if world_size <= len(os.sched_getaffinity(0)) else "none"
     config = Config(args.ops, impls, tuple(sizes), args.dtype, timing, args.timeout,
-                    started + args.deadline, started, launcher, report.machine_info(), args.json,
+                    started + args.deadline, started, launcher, bind, report.machine_info(), args.json,
                     args.plot)
     if rank == 0:
         print(_header(config, world_size), flush=True)
