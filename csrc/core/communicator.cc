@@ -20,8 +20,9 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
   if (!(timeout_s > 0)) throw std::invalid_argument("timeout must be positive");
   tun_.resolve(world_size);
   tun_.validate();
+  oneshot_max_ = static_cast<size_t>(tun_.oneshot_max_bytes);
   if (world_ > 1) {
-    ShmLayout layout{tun_.oneshot_max_bytes, tun_.slot_bytes, tun_.nslots};
+    ShmLayout layout{oneshot_max_, tun_.slot_bytes, tun_.nslots};
     WaitPolicy policy;
     policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
     policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
@@ -46,7 +47,7 @@ void Communicator::unlink_own() {
 }
 
 Algo Communicator::all_reduce_algo(size_t bytes) const {
-  const bool fits = bytes <= tun_.oneshot_max_bytes;  // one-shot needs the message to fit its buffer
+  const bool fits = bytes <= oneshot_max_;  // one-shot needs the message to fit its buffer
   switch (tun_.algo) {
     case Algo::kAuto: return fits ? Algo::kOneShot : Algo::kTwoShot;
     case Algo::kOneShot: return fits ? Algo::kOneShot : Algo::kTwoShot;
@@ -110,7 +111,7 @@ void Communicator::execute(Request& r) {
           break;
         }
         case CollKind::kReduceScatter:
-          if (r.count * es * n <= tun_.oneshot_max_bytes) {
+          if (r.count * es * n <= oneshot_max_) {
             d.algo = static_cast<uint32_t>(Algo::kOneShot);
             oneshot_reduce_scatter(*group_, d, r.in, r.out);
           } else {
@@ -119,7 +120,7 @@ void Communicator::execute(Request& r) {
           }
           break;
         case CollKind::kAllGather:
-          if (r.count * es <= tun_.oneshot_max_bytes) {
+          if (r.count * es <= oneshot_max_) {
             d.algo = static_cast<uint32_t>(Algo::kOneShot);
             oneshot_all_gather(*group_, d, r.in, r.out);
           } else {
@@ -128,7 +129,7 @@ void Communicator::execute(Request& r) {
           }
           break;
         case CollKind::kBroadcast:
-          if (r.count * es <= tun_.oneshot_max_bytes) {
+          if (r.count * es <= oneshot_max_) {
             d.algo = static_cast<uint32_t>(Algo::kOneShot);
             oneshot_broadcast(*group_, d, r.out);
           } else {

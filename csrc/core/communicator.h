@@ -71,6 +71,7 @@ class Communicator {
   int rank_;
   int world_;
   Tunables tun_;
+  size_t oneshot_max_ = 0;  // tun_.oneshot_max_bytes once resolved
   std::unique_ptr<ShmGroup> group_;
   ProgressEngine engine_;
   uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)

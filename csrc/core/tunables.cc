@@ -21,7 +21,7 @@ size_t env_size(const char* name, size_t dflt) {
   if (v == nullptr) return dflt;
   char* end = nullptr;
   unsigned long long x = std::strtoull(v, &end, 10);
-  if (end == v || *end != '\0') throw std::invalid_argument(std::string(name) + " must be an integer, got '" + v + "'");
+  if (end == v || *end != '\0' || *v == '-') throw std::invalid_argument(std::string(name) + " must be a non-negative integer, got '" + v + "'");
   return static_cast<size_t>(x);
 }
 
@@ -64,7 +64,8 @@ Algo parse_algo(const std::string& s) {
 Tunables Tunables::from_env() {
   Tunables t;
   if (const char* a = env("BRAID_ALGO")) t.algo = parse_algo(a);
-  t.oneshot_max_bytes = env_size("BRAID_ONESHOT_MAX_BYTES", t.oneshot_max_bytes);
+  if (env("BRAID_ONESHOT_MAX_BYTES") != nullptr)
+    t.oneshot_max_bytes = static_cast<int64_t>(env_size("BRAID_ONESHOT_MAX_BYTES", 0));
   t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
   t.nslots = static_cast<int>(env_size("BRAID_NSLOTS", static_cast<size_t>(t.nslots)));
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
@@ -73,14 +74,15 @@ Tunables Tunables::from_env() {
 }
 
 void Tunables::resolve(int local_world_size) {
+  if (oneshot_max_bytes < 0) oneshot_max_bytes = local_world_size == 2 ? (1 << 20) : (32 << 10);
   if (spin_us < 0) spin_us = local_world_size > usable_cores() ? 0.0 : 20.0;
 }
 
 void Tunables::validate() const {
   if (slot_bytes < 1024 || slot_bytes > (size_t(1) << 30))
     throw std::invalid_argument("slot_bytes (BRAID_SLOT_BYTES) must be between 1 KiB and 1 GiB");
-  if (oneshot_max_bytes > (size_t(1) << 30))
-    throw std::invalid_argument("oneshot_max_bytes (BRAID_ONESHOT_MAX_BYTES) must be at most 1 GiB");
+  if (oneshot_max_bytes < 0 || oneshot_max_bytes > (int64_t(1) << 30))
+    throw std::invalid_argument("oneshot_max_bytes (BRAID_ONESHOT_MAX_BYTES) must be between 0 and 1 GiB");
   if (nslots < 2 || nslots > 64) throw std::invalid_argument("nslots (BRAID_NSLOTS) must be between 2 and 64");
   if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
 }

@@ -58,6 +58,7 @@ BRAID_TEST(tunables_parse_and_validate) {
   CHECK(threw);
   auto rejects = [](void (*change)(braid::Tunables&)) {
     braid::Tunables t;
+    t.resolve(2);
     change(t);
     try {
       t.validate();
@@ -71,7 +72,14 @@ BRAID_TEST(tunables_parse_and_validate) {
   CHECK(rejects([](braid::Tunables& t) { t.nslots = 1; }));
   CHECK(rejects([](braid::Tunables& t) { t.nslots = 65; }));
   CHECK(rejects([](braid::Tunables& t) { t.yield_us = -1; }));
+  CHECK(rejects([](braid::Tunables& t) { t.oneshot_max_bytes = -1; }));
   CHECK(!rejects([](braid::Tunables&) {}));
+  // The one-shot limit follows the world size (measured crossovers, tunables.h).
+  braid::Tunables two, three;
+  two.resolve(2);
+  three.resolve(3);
+  CHECK(two.oneshot_max_bytes == (1 << 20));
+  CHECK(three.oneshot_max_bytes == (32 << 10));
 }
 
 BRAID_TEST(constructor_rejects_bad_arguments) {
