@@ -30,13 +30,16 @@ _instances = itertools.count()
 
 
 def _op_code(op: Op) -> int:
-    code = None
     if isinstance(op, str):
-        code = _OP_CODES.get(op.lower())
+        code = _OP_CODES.get(op)  # the common spelling first: this runs on every call
+        if code is None:
+            code = _OP_CODES.get(op.lower())
     elif isinstance(op, dist.ReduceOp.RedOpType):
         code = _DIST_OPS.get(op)
     elif isinstance(op, dist.ReduceOp):  # what torch's Backend API passes (ReduceOp(RedOpType))
         code = _DIST_OPS.get(op.op)
+    else:
+        code = None
     if code is None:
         raise ValueError(f"op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
                          f"torch.distributed.ReduceOp, got {op!r}")

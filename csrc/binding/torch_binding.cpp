@@ -122,24 +122,25 @@ class PyWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// Sends a request to the core; returns a PyWork for async calls, None otherwise.
-py::object dispatch(Communicator& c, Request req, bool async, std::vector<Staged> staged,
-                    std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs) {
-  bool need_copy = false;
-  for (const auto& s : staged) need_copy = need_copy || s.copy_back();
-  if (need_copy) {
-    req.epilogue = [staged] {
-      for (const auto& s : staged)
-        if (s.copy_back()) s.user.copy_(s.buffer);
-    };
+// Sends a request to the core; returns a PyWork for async calls, None otherwise. `staged` is the
+// output (or nothing, for barrier); `input` the staged input of out-of-place collectives. The
+// blocking path allocates nothing here: it is the latency of every small collective.
+py::object dispatch(Communicator& c, Request req, bool async, const Staged* staged, const at::Tensor* input) {
+  if (staged != nullptr && staged->copy_back()) {
+    req.epilogue = [s = *staged] { s.user.copy_(s.buffer); };
   }
   if (!async) {
     py::gil_scoped_release nogil;
     c.submit(std::move(req), false);
     return py::none();
   }
-  auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(inputs));
-  for (const auto& s : staged) keep->push_back(s.buffer);
+  auto keep = std::make_shared<std::vector<at::Tensor>>();
+  std::vector<at::Tensor> outputs;
+  if (staged != nullptr) {
+    keep->push_back(staged->buffer);
+    outputs.push_back(staged->user);
+  }
+  if (input != nullptr) keep->push_back(*input);
   req.keepalive = keep;
   std::shared_ptr<Work> w;
   {
@@ -159,7 +160,7 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   Staged s = stage(t, "tensor");
   r.in = s.buffer.data_ptr();
   r.out = s.buffer.data_ptr();
-  return dispatch(c, std::move(r), async, {s}, {t}, {});
+  return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
 py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
@@ -185,7 +186,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
     throw py::value_error("output overlaps input; the only overlap allowed is output being input's own slice (rank * output.numel())");
   r.in = in_c.data_ptr();
   r.out = s.buffer.data_ptr();
-  return dispatch(c, std::move(r), async, {s}, {out}, {in_c});
+  return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
 py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async) {
@@ -210,7 +211,7 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
     throw py::value_error("output overlaps input; the only overlap allowed is input being output's own slice (rank * input.numel())");
   r.in = in_c.data_ptr();
   r.out = s.buffer.data_ptr();
-  return dispatch(c, std::move(r), async, {s}, {out}, {in_c});
+  return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
@@ -225,13 +226,13 @@ py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   Staged s = stage(t, "tensor");
   r.in = s.buffer.data_ptr();
   r.out = s.buffer.data_ptr();
-  return dispatch(c, std::move(r), async, {s}, {t}, {});
+  return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
 py::object barrier(Communicator& c, bool async) {
   Request r;
   r.kind = CollKind::kBarrier;
-  return dispatch(c, std::move(r), async, {}, {}, {});
+  return dispatch(c, std::move(r), async, nullptr, nullptr);
 }
 
 // Reduces `inputs` (same shape and dtype, contiguous) into a new tensor with the core kernel, in

@@ -68,9 +68,11 @@ void Communicator::check_not_poisoned() {
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
+  if (!async && engine_.run_if_idle([&] { execute(req); })) return nullptr;
   auto work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
   if (!async) {
-    engine_.run_blocking(work);
+    engine_.enqueue(work);  // behind the async work issued before it
+    work->wait();
     return nullptr;
   }
   engine_.enqueue(work);

@@ -3,23 +3,10 @@
 
 namespace braid {
 
-void ProgressEngine::run_blocking(const std::shared_ptr<Work>& w) {
-  {
-    std::unique_lock<std::mutex> lk(mu_);
-    if (queue_.empty() && !busy_ && !stop_) {
-      busy_ = true;
-      lk.unlock();
-      w->run();
-      lk.lock();
-      busy_ = false;
-      if (!queue_.empty()) cv_.notify_all();
-      lk.unlock();
-      if (!w->succeeded()) w->rethrow();
-      return;
-    }
-  }
-  enqueue(w);
-  w->wait();
+void ProgressEngine::end_inline() {
+  std::lock_guard<std::mutex> lk(mu_);
+  busy_ = false;
+  if (!queue_.empty() || stop_) cv_.notify_all();
 }
 
 void ProgressEngine::enqueue(const std::shared_ptr<Work>& w) {

@@ -19,8 +19,23 @@ class ProgressEngine {
   ProgressEngine(const ProgressEngine&) = delete;
   ProgressEngine& operator=(const ProgressEngine&) = delete;
 
-  // Blocking: runs `w` after everything issued before it; throws its error.
-  void run_blocking(const std::shared_ptr<Work>& w);
+  // Runs `fn` on the calling thread when nothing is queued or running (the common blocking
+  // call: no allocation, no thread hand-off); returns false without running it otherwise.
+  // Exceptions from `fn` propagate.
+  template <class F>
+  bool run_if_idle(F&& fn) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (!queue_.empty() || busy_ || stop_) return false;
+      busy_ = true;
+    }
+    struct Release {
+      ProgressEngine* engine;
+      ~Release() { engine->end_inline(); }
+    } release{this};
+    fn();
+    return true;
+  }
   // Non-blocking: queues `w` for the progress thread.
   void enqueue(const std::shared_ptr<Work>& w);
   // Runs what is queued, then stops the thread. Later submissions are refused by the owner.
@@ -28,6 +43,7 @@ class ProgressEngine {
 
  private:
   void loop();
+  void end_inline();
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -23,6 +23,7 @@ void Work::fail(ErrorKind kind, const std::string& msg) noexcept { finish(kind, 
 
 void Work::finish(ErrorKind kind, std::string msg) noexcept {
   std::vector<std::function<void(const Work&)>> cbs;
+  std::function<void()> body;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_) return;
@@ -30,9 +31,12 @@ void Work::finish(ErrorKind kind, std::string msg) noexcept {
     msg_ = std::move(msg);
     done_ = true;
     cbs.swap(callbacks_);
-    body_ = nullptr;  // releases what the body kept alive (tensors)
+    body.swap(body_);
   }
   cv_.notify_all();
+  // Released outside the lock: dropping the last reference to a tensor whose Python object died
+  // takes the GIL, and a Python thread holding the GIL may be waiting for this lock.
+  body = nullptr;
   for (auto& cb : cbs) cb(*this);
 }
 
