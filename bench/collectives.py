@@ -259,8 +259,9 @@ def _header(config: Config, world_size: int) -> str:
          f"impls {' '.join(config.impls)}"),
         (f"# host {machine['hostname']}: {machine['cpu']}, {machine['usable_cpus']} usable CPUs, "
          f"load average {machine['load_average'][0]:.2f}, torch {torch.__version__}"),
-        (f"# placement: {'each rank bound to its own CPU' if config.bind == 'core' else 'unbound'} "
-         "(Open MPI binds likewise by default)"),
+        ("# placement: " + ("each rank bound to its own CPU, as Open MPI's mpirun does by default"
+                            if config.bind == "core" else "unbound (mpirun does not bind either when "
+                            "ranks outnumber the CPUs)")),
         (f"# timing: {timing.warmup} warm-up calls, then the median over {timing.batches} batches "
          f"({calls}) of the slowest rank's time per call"),
     ])
