@@ -301,3 +301,27 @@ def test_segments_unlinked_once_all_ranks_attached(n):
     from then on cannot leak it), and nothing appears after collectives and close()."""
     for r, result in enumerate(run_ranks(no_segments_after_setup, n)):
         assert result == {"before": [], "after_init": [], "after_close": []}, (r, result)
+
+
+def two_hosts(rank, n, store_path):
+    """Rank n-1 announces another host identity, as a process on a second machine would."""
+    from braid.comm import communicator
+
+    real = communicator.host_identity
+    if rank == n - 1:
+        communicator.host_identity = lambda: "other-host|boot|shm"
+    try:
+        seen = _raised(make_comm, rank, n, store_path)
+    finally:
+        communicator.host_identity = real  # pooled worker: later tests need the real one
+    return {"seen": seen, "leftover": braid_segments([os.getpid()])}
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_ranks_on_several_hosts_get_a_clear_error(n):
+    """Which ranks share a host comes from the identities they publish: when they differ, every
+    rank raises CommError saying the shared-memory transport needs one host (until TCP exists),
+    names the hosts, and leaves no segment behind."""
+    for result in run_ranks(two_hosts, n):
+        _assert_raised(result["seen"], comm.CommError, LONG_TIMEOUT_S, "several hosts", "other-host")
+        assert result["leftover"] == [], result
