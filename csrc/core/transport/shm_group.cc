@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -48,22 +49,25 @@ struct SegmentHeader {
   int32_t rank;
   int32_t world_size;
   int32_t pid;
+  // One cache line that a waiting peer reads as a whole: the progress counter, the CPU and the
+  // descriptors. `cpu` is where this rank ran when it last posted: a waiter whose missing peer
+  // last ran on the waiter's own CPU yields instead of spinning, which would only burn the time
+  // slice the peer needs. `desc` is indexed by seq & 1: a peer cannot reach seq + 2 before this
+  // rank has finished seq, because every collective waits for every rank at least once.
   alignas(kLine) std::atomic<uint64_t> step;
-  // CPU this rank ran on when it last posted (same line as `step`: read together). A waiter
-  // whose missing peer last ran on the waiter's own CPU yields instead of spinning: spinning
-  // would only burn the time slice the peer needs.
   std::atomic<int32_t> cpu;
+  CollectiveDesc desc[2];
   // Doorbell and abort epoch: only rank 0's copy is used (the "hub").
   alignas(kLine) std::atomic<uint32_t> bell;
   std::atomic<uint32_t> sleepers;
   alignas(kLine) std::atomic<uint32_t> abort_epoch;
-  // Indexed by seq & 1: a peer cannot reach seq + 2 before this rank has finished seq, because
-  // every collective waits for every rank at least once.
-  alignas(kLine) CollectiveDesc desc[2];
   alignas(kLine) std::atomic<uint32_t> state;
   uint32_t error_kind;
   char error_msg[496];
 };
+static_assert(sizeof(CollectiveDesc) == 24, "descriptor layout is shared between processes");
+static_assert(offsetof(SegmentHeader, desc) + sizeof(CollectiveDesc[2]) - offsetof(SegmentHeader, step) <= 64,
+              "step, cpu and descriptors must share one cache line");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared counters must be lock-free");
 

@@ -30,15 +30,16 @@ enum class CollKind : uint32_t {
 const char* coll_kind_name(CollKind k);
 
 // What a rank is about to do; every rank compares its own with every peer's before moving data.
+// 24 bytes: both parities fit the cache line of the step counter, so a peer's arrival and what it
+// announced cross between cores in one transfer.
 struct CollectiveDesc {
-  uint64_t seq = 0;      // 1-based count of collectives issued on this communicator
-  uint64_t count = 0;    // elements per rank (all_reduce, broadcast: of the tensor)
-  uint32_t kind = 0;     // CollKind
-  uint32_t dtype = 0;    // DType
-  uint32_t op = 0;       // ReduceOp (0 where no reduction)
-  uint32_t root = 0;     // broadcast source
-  uint32_t algo = 0;     // Algo chosen by the tuner; differing choices must not meet
-  uint32_t pad = 0;
+  uint64_t seq = 0;     // 1-based count of collectives issued on this communicator
+  uint64_t count = 0;   // elements per rank (all_reduce, broadcast: of the tensor)
+  uint32_t root = 0;    // broadcast source
+  uint8_t kind = 0;     // CollKind
+  uint8_t dtype = 0;    // DType
+  uint8_t op = 0;       // ReduceOp (0 where no reduction)
+  uint8_t algo = 0;     // Algo chosen by the tuner; differing choices must not meet
   bool operator==(const CollectiveDesc& o) const;
   std::string describe() const;
 };
