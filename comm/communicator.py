@@ -107,8 +107,8 @@ class Communicator:
             ``CommTimeout`` naming the ranks that did not arrive.
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
-        algo, oneshot_max_bytes, slot_bytes, nslots, spin_us, yield_us: tunables; ``None`` takes
-            the ``BRAID_*`` environment variable or the built-in default (see README).
+        algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us: tunables;
+            ``None`` takes the ``BRAID_*`` environment variable or the built-in default (README).
 
     All ranks must currently share one host (POSIX shared memory transport).
     """
@@ -121,6 +121,7 @@ class Communicator:
                  oneshot_max_bytes: Optional[int] = None,
                  slot_bytes: Optional[int] = None,
                  nslots: Optional[int] = None,
+                 stream_min_bytes: Optional[int] = None,
                  spin_us: Optional[float] = None,
                  yield_us: Optional[float] = None):
         if not isinstance(store, dist.Store):
@@ -139,6 +140,7 @@ class Communicator:
             tun.algo = algo
         for name, value, kind in (("oneshot_max_bytes", oneshot_max_bytes, int),
                                   ("slot_bytes", slot_bytes, int), ("nslots", nslots, int),
+                                  ("stream_min_bytes", stream_min_bytes, int),
                                   ("spin_us", spin_us, float), ("yield_us", yield_us, float)):
             if value is None:
                 continue

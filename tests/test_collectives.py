@@ -120,18 +120,25 @@ def reduce_scatter_grid(rank, n, store_path, seed):
     return log.summary()
 
 
-def all_gather_grid(rank, n, store_path, seed):
+def _output(count: int, dtype: torch.dtype, misaligned: bool) -> torch.Tensor:
+    """A sentinel-filled output; ``misaligned`` starts it one element into its storage, so that
+    streaming copies run their unaligned head and tail."""
+    return _filled(count + 1, dtype)[1:] if misaligned else _filled(count, dtype)
+
+
+def all_gather_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    with make_comm(rank, n, store_path, **TINY) as c:
+    extra = {"stream_min_bytes": 0} if stream else {}
+    with make_comm(rank, n, store_path, **TINY, **extra) as c:
         for dtype in DTYPES:
             for m in boundary_counts("all_gather", n, dtype):
                 inputs = [make_input(seed, r, m, dtype) for r in range(n)]
                 expected = torch.cat(inputs)
-                inp, out = inputs[rank].clone(), _filled(n * m, dtype)
+                inp, out = inputs[rank].clone(), _output(n * m, dtype, stream)
                 c.all_gather(out, inp)
                 log.check(f"{dtype} m {m}", out, expected)
                 log.check(f"{dtype} m {m}: input untouched", inp, inputs[rank], rank_specific=True)
-                out = _filled(n * m, dtype)
+                out = _output(n * m, dtype, stream)
                 mine = out[rank * m:(rank + 1) * m]
                 mine.copy_(inputs[rank])
                 c.all_gather(out, mine)
@@ -139,14 +146,16 @@ def all_gather_grid(rank, n, store_path, seed):
     return log.summary()
 
 
-def broadcast_grid(rank, n, store_path, seed):
+def broadcast_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    with make_comm(rank, n, store_path, **TINY) as c:
+    extra = {"stream_min_bytes": 0} if stream else {}
+    with make_comm(rank, n, store_path, **TINY, **extra) as c:
         for dtype in DTYPES:
             for count in boundary_counts("broadcast", n, dtype):
                 inputs = [make_input(seed, r, count, dtype) for r in range(n)]
                 for src in range(n):
-                    t = inputs[rank].clone()
+                    t = _output(count, dtype, stream)
+                    t.copy_(inputs[rank])
                     c.broadcast(t, src=src)
                     log.check(f"{dtype} count {count} src {src}", t, inputs[src])
     return log.summary()
@@ -466,18 +475,21 @@ def test_reduce_scatter_matches_reference(n):
     assert_ranks_agree(run_ranks(reduce_scatter_grid, n, 2), min_cases=len(DTYPES) * len(OPS))
 
 
+@pytest.mark.parametrize("stream", (False, True), ids=("cached", "streaming"))
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_all_gather_matches_reference(n):
+def test_all_gather_matches_reference(n, stream):
     """all_gather out of place and in place (input = output's own slice), every dtype, every chunk
-    boundary: the output is every rank's input in rank order, every element written."""
-    assert_ranks_agree(run_ranks(all_gather_grid, n, 3), min_cases=len(DTYPES))
+    boundary: the output is every rank's input in rank order, every element written. "streaming"
+    writes the output with non-temporal stores (stream_min_bytes=0) into misaligned memory."""
+    assert_ranks_agree(run_ranks(all_gather_grid, n, 3, stream), min_cases=len(DTYPES))
 
 
+@pytest.mark.parametrize("stream", (False, True), ids=("cached", "streaming"))
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_broadcast_from_every_rank(n):
+def test_broadcast_from_every_rank(n, stream):
     """broadcast from every source rank, every dtype, every chunk boundary: each rank ends with the
-    source's tensor."""
-    assert_ranks_agree(run_ranks(broadcast_grid, n, 4), min_cases=len(DTYPES) * n)
+    source's tensor; "streaming" as for all_gather."""
+    assert_ranks_agree(run_ranks(broadcast_grid, n, 4, stream), min_cases=len(DTYPES) * n)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)

@@ -280,6 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("oneshot_max_bytes", &Tunables::oneshot_max_bytes)
       .def_readwrite("slot_bytes", &Tunables::slot_bytes)
       .def_readwrite("nslots", &Tunables::nslots)
+      .def_readwrite("stream_min_bytes", &Tunables::stream_min_bytes)
       .def_readwrite("spin_us", &Tunables::spin_us)
       .def_readwrite("yield_us", &Tunables::yield_us);
 

@@ -68,6 +68,7 @@ Tunables Tunables::from_env() {
     t.oneshot_max_bytes = static_cast<int64_t>(env_size("BRAID_ONESHOT_MAX_BYTES", 0));
   t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
   t.nslots = static_cast<int>(env_size("BRAID_NSLOTS", static_cast<size_t>(t.nslots)));
+  t.stream_min_bytes = env_size("BRAID_STREAM_MIN_BYTES", t.stream_min_bytes);
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
   return t;

@@ -4,17 +4,12 @@
 #pragma once
 
 #include <cstddef>
-#include <cstring>
 
+#include "../copy.h"
 #include "../dtype.h"
 #include "../transport/shm_group.h"
 
 namespace braid {
-
-// memcpy that accepts the null pointers torch gives empty tensors.
-inline void copy_bytes(void* dst, const void* src, size_t n) {
-  if (n != 0) std::memcpy(dst, src, n);
-}
 
 // Elements per piece so that `parts` pieces of `elem_bytes` fit a slot; multiples of 16 elements
 // (64-byte lines for float32) when there is room.

@@ -106,8 +106,9 @@ size_t ShmLayout::total_bytes() const {
   return slots_offset() + static_cast<size_t>(nslots) * round_up(slot_bytes, 4096);
 }
 
-ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy)
-    : rank_(rank), world_(world_size), layout_(layout), policy_(policy) {
+ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
+                   size_t stream_min_bytes)
+    : rank_(rank), world_(world_size), layout_(layout), policy_(policy), stream_min_bytes_(stream_min_bytes) {
   own_ = ShmSegment::create(layout_.total_bytes());
   auto* h = new (own_.data()) SegmentHeader();
   h->magic = kMagic;

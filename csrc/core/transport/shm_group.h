@@ -69,7 +69,9 @@ struct SegmentHeader;
 
 class ShmGroup {
  public:
-  ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy);
+  // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
+  ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
+           size_t stream_min_bytes);
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -96,6 +98,9 @@ class ShmGroup {
   // Returns the step value of that arrival.
   uint64_t arrive(const CollectiveDesc& d);
 
+  // Whether an output of `bytes` is written around the caches (see copy_streaming).
+  bool streaming(size_t bytes) const { return bytes >= stream_min_bytes_; }
+
   char* oneshot(int rank, uint64_t seq) const;
   char* slot(int rank, int k) const;
 
@@ -120,6 +125,7 @@ class ShmGroup {
   int world_;
   ShmLayout layout_;
   WaitPolicy policy_;
+  size_t stream_min_bytes_;
   ShmSegment own_;
   std::vector<ShmSegment> peers_;   // index = rank; this rank's entry stays empty
   std::vector<SegmentHeader*> headers_;
