@@ -101,16 +101,23 @@ def all_reduce_grid(rank, n, store_path, seed):
     return log.summary()
 
 
-def reduce_scatter_grid(rank, n, store_path, seed):
+def _output(count: int, dtype: torch.dtype, misaligned: bool) -> torch.Tensor:
+    """A sentinel-filled output; ``misaligned`` starts it one element into its storage, so that
+    streaming copies run their unaligned head and tail."""
+    return _filled(count + 1, dtype)[1:] if misaligned else _filled(count, dtype)
+
+
+def reduce_scatter_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    with make_comm(rank, n, store_path, **TINY) as c:
+    extra = {"stream_min_bytes": 0} if stream else {}
+    with make_comm(rank, n, store_path, **TINY, **extra) as c:
         for dtype in DTYPES:
             for m in boundary_counts("reduce_scatter", n, dtype):
                 inputs = [make_input(seed, r, n * m, dtype) for r in range(n)]
                 mine = slice(rank * m, (rank + 1) * m)
                 for op in OPS:
                     expected = reduce_reference(inputs, op, n)[mine]
-                    inp, out = inputs[rank].clone(), _filled(m, dtype)
+                    inp, out = inputs[rank].clone(), _output(m, dtype, stream)
                     c.reduce_scatter(out, inp, op=op)
                     log.check(f"{dtype} m {m} {op}", out, expected, rank_specific=True)
                     log.check(f"{dtype} m {m} {op}: input untouched", inp, inputs[rank], rank_specific=True)
@@ -118,12 +125,6 @@ def reduce_scatter_grid(rank, n, store_path, seed):
                     c.reduce_scatter(buf[mine], buf, op=op)
                     log.check(f"{dtype} m {m} {op} in place", buf[mine], expected, rank_specific=True)
     return log.summary()
-
-
-def _output(count: int, dtype: torch.dtype, misaligned: bool) -> torch.Tensor:
-    """A sentinel-filled output; ``misaligned`` starts it one element into its storage, so that
-    streaming copies run their unaligned head and tail."""
-    return _filled(count + 1, dtype)[1:] if misaligned else _filled(count, dtype)
 
 
 def all_gather_grid(rank, n, store_path, seed, stream=False):
@@ -468,11 +469,13 @@ def test_all_reduce_matches_reference(n):
     assert_ranks_agree(run_ranks(all_reduce_grid, n, 1), min_cases=4 * len(DTYPES) * len(OPS))
 
 
+@pytest.mark.parametrize("stream", (False, True), ids=("cached", "streaming"))
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_reduce_scatter_matches_reference(n):
+def test_reduce_scatter_matches_reference(n, stream):
     """reduce_scatter out of place (input untouched) and in place (output = input's own slice), every
-    dtype x op at every chunk boundary: rank r gets exactly slice r of the ordered reduction."""
-    assert_ranks_agree(run_ranks(reduce_scatter_grid, n, 2), min_cases=len(DTYPES) * len(OPS))
+    dtype x op at every chunk boundary: rank r gets exactly slice r of the ordered reduction.
+    "streaming" writes the output with non-temporal stores (stream_min_bytes=0), misaligned."""
+    assert_ranks_agree(run_ranks(reduce_scatter_grid, n, 2, stream), min_cases=len(DTYPES) * len(OPS))
 
 
 @pytest.mark.parametrize("stream", (False, True), ids=("cached", "streaming"))

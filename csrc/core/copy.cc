@@ -10,7 +10,7 @@
 
 namespace braid {
 
-void copy_streaming(void* dst, const void* src, size_t n) {
+void copy_streaming(void* dst, const void* src, size_t n, bool fence) {
 #if defined(__AVX__)
   constexpr size_t kVec = 32;
 #elif defined(__SSE2__)
@@ -35,6 +35,10 @@ void copy_streaming(void* dst, const void* src, size_t n) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
 #endif
   std::memcpy(d + body, s + body, n - body);
+  if (fence) streaming_fence();
+}
+
+void streaming_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif

@@ -1,6 +1,8 @@
 // Reduction kernels: blocked loops over a float32 (or native) accumulator that stays in L1.
 #include "reduce.h"
 
+#include "copy.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -69,9 +71,10 @@ constexpr size_t kBlock = 512;
 
 template <class T, class Op>
 void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* dst2, size_t count,
-                  int divisor) {
+                  int divisor, bool stream) {
   using Acc = typename Traits<T>::Acc;
   alignas(64) Acc tmp[kBlock];
+  alignas(64) T staged[kBlock];  // the block in element type, for streaming stores
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t m = std::min(kBlock, count - base);
     for (int j = 0; j < nsrc; ++j) {
@@ -95,6 +98,11 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
       const Acc d = static_cast<Acc>(divisor);
       for (size_t k = 0; k < m; ++k) tmp[k] = tmp[k] / d;
     }
+    if (stream && !dst_acc && dst2 == nullptr) {
+      for (size_t k = 0; k < m; ++k) staged[k] = Traits<T>::store(tmp[k]);
+      copy_streaming(static_cast<T*>(dst) + base, staged, m * sizeof(T), /*fence=*/false);
+      continue;
+    }
     void* outs[2] = {dst, dst2};
     for (void* out : outs) {
       if (out == nullptr) continue;
@@ -111,32 +119,38 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
 
 template <class T>
 void reduce_op(ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* dst2,
-               size_t count, int divisor) {
+               size_t count, int divisor, bool stream) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return reduce_typed<T, SumOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor);
+      return reduce_typed<T, SumOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case ReduceOp::kProd:
-      return reduce_typed<T, ProdOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor);
+      return reduce_typed<T, ProdOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case ReduceOp::kMax:
-      return reduce_typed<T, MaxOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor);
+      return reduce_typed<T, MaxOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case ReduceOp::kMin:
-      return reduce_typed<T, MinOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor);
+      return reduce_typed<T, MinOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
   }
 }
 
 }  // namespace
 
 void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc,
-              void* dst2, size_t count, int world_size, bool finalize) {
+              void* dst2, size_t count, int world_size, bool finalize, bool stream) {
   const int divisor = (finalize && op == ReduceOp::kAvg) ? world_size : 0;
+  struct Fence {
+    bool on;
+    ~Fence() {
+      if (on) streaming_fence();
+    }
+  } fence{stream};
   switch (dtype) {
-    case DType::kFloat32: return reduce_op<float>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
-    case DType::kFloat64: return reduce_op<double>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
-    case DType::kFloat16: return reduce_op<F16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
-    case DType::kBFloat16: return reduce_op<BF16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
-    case DType::kInt32: return reduce_op<int32_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
-    case DType::kInt64: return reduce_op<int64_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor);
+    case DType::kFloat32: return reduce_op<float>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kFloat64: return reduce_op<double>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kFloat16: return reduce_op<F16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kBFloat16: return reduce_op<BF16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kInt32: return reduce_op<int32_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kInt64: return reduce_op<int64_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
   }
 }
 

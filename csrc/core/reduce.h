@@ -21,10 +21,12 @@ struct Operand {
 //  - dst_acc: write the accumulator type (a partial result) instead of the element type.
 //  - finalize: apply the last step of the operator (the division of "avg"); partial results skip it.
 //  - dst2: optional second destination that receives the same values (may be null).
+//  - stream: write `dst` (element type, no dst2) with non-temporal stores (copy_streaming), for
+//    outputs too large to stay in cache.
 // A destination may alias a source at the same offsets (in-place collectives): each block of
 // elements is fully read before it is written.
 void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc,
-              void* dst2, size_t count, int world_size, bool finalize);
+              void* dst2, size_t count, int world_size, bool finalize, bool stream = false);
 
 // Divides by the world size in place (the "avg" finalization for data that was only summed).
 void finalize_avg(DType dtype, void* data, size_t count, int world_size);

@@ -18,6 +18,7 @@ void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* 
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const size_t m = d.count;
+  const bool stream = g.streaming(m * es);
 
   const uint64_t base = g.arrive(d);
   Operand srcs[kMaxLocalRanks];
@@ -34,7 +35,7 @@ void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* 
     g.wait_all(step_a);
     for (int r = 0; r < n; ++r)
       srcs[r] = {r == me ? src + (me * m + off) * es : g.slot(r, k) + me * chunk * es, false};
-    reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, dst + off * es, false, nullptr, len, n, true);
+    reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, dst + off * es, false, nullptr, len, n, true, stream);
     g.post_next();  // G
   }
 }
@@ -47,7 +48,7 @@ void pipelined_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, 
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const size_t m = d.count;
-  auto copy_out = g.streaming(m * es * n) ? copy_streaming : copy_bytes;
+  const bool stream = g.streaming(m * es * n);
 
   const uint64_t base = g.arrive(d);
   size_t round = 0;
@@ -60,10 +61,10 @@ void pipelined_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, 
     g.post_next();  // A
     // Own part while the peers publish theirs (skipped when in-place).
     char* own = dst + (me * m + off) * es;
-    if (own != src + off * es) copy_out(own, src + off * es, len * es);
+    if (own != src + off * es) copy_output(own, src + off * es, len * es, stream);
     g.wait_all(step_a);
     for (int j = 0; j < n; ++j)
-      if (j != me) copy_out(dst + (j * m + off) * es, g.slot(j, k), len * es);
+      if (j != me) copy_output(dst + (j * m + off) * es, g.slot(j, k), len * es, stream);
     g.post_next();  // G
   }
 }
@@ -74,7 +75,7 @@ void pipelined_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data) {
   const int root = static_cast<int>(d.root), me = g.rank(), nslots = g.layout().nslots;
   const size_t chunk = slot_elems(g.layout().slot_bytes, 1, es);
   char* buf = static_cast<char*>(data);
-  auto copy_out = g.streaming(d.count * es) ? copy_streaming : copy_bytes;
+  const bool stream = g.streaming(d.count * es);
 
   const uint64_t base = g.arrive(d);
   size_t round = 0;
@@ -90,7 +91,7 @@ void pipelined_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data) {
     } else {
       g.post_next();  // A (nothing to publish)
       g.wait_peer(root, step_a);
-      copy_out(buf + off * es, g.slot(root, k), len * es);
+      copy_output(buf + off * es, g.slot(root, k), len * es, stream);
       g.post_next();  // G
     }
   }
