@@ -105,6 +105,7 @@ class Communicator:
         rank, world_size: this process's rank and the number of ranks.
         timeout: deadline of every wait (``timedelta`` or seconds). Reaching it raises
             ``CommTimeout`` naming the ranks that did not arrive.
+        device: where the tensors live; only ``"cpu"`` (or None) until the CUDA path exists.
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
         algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us: tunables;
