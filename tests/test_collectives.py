@@ -101,6 +101,11 @@ def all_reduce_grid(rank, n, store_path, seed):
     return log.summary()
 
 
+def _tunables(stream: bool) -> dict:
+    """The tiny test tunables; ``stream`` writes every output with non-temporal stores."""
+    return dict(TINY, stream_min_bytes=0) if stream else TINY
+
+
 def _output(count: int, dtype: torch.dtype, misaligned: bool) -> torch.Tensor:
     """A sentinel-filled output; ``misaligned`` starts it one element into its storage, so that
     streaming copies run their unaligned head and tail."""
@@ -109,8 +114,7 @@ def _output(count: int, dtype: torch.dtype, misaligned: bool) -> torch.Tensor:
 
 def reduce_scatter_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    extra = {"stream_min_bytes": 0} if stream else {}
-    with make_comm(rank, n, store_path, **TINY, **extra) as c:
+    with make_comm(rank, n, store_path, **_tunables(stream)) as c:
         for dtype in DTYPES:
             for m in boundary_counts("reduce_scatter", n, dtype):
                 inputs = [make_input(seed, r, n * m, dtype) for r in range(n)]
@@ -129,8 +133,7 @@ def reduce_scatter_grid(rank, n, store_path, seed, stream=False):
 
 def all_gather_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    extra = {"stream_min_bytes": 0} if stream else {}
-    with make_comm(rank, n, store_path, **TINY, **extra) as c:
+    with make_comm(rank, n, store_path, **_tunables(stream)) as c:
         for dtype in DTYPES:
             for m in boundary_counts("all_gather", n, dtype):
                 inputs = [make_input(seed, r, m, dtype) for r in range(n)]
@@ -149,8 +152,7 @@ def all_gather_grid(rank, n, store_path, seed, stream=False):
 
 def broadcast_grid(rank, n, store_path, seed, stream=False):
     log = CaseLog()
-    extra = {"stream_min_bytes": 0} if stream else {}
-    with make_comm(rank, n, store_path, **TINY, **extra) as c:
+    with make_comm(rank, n, store_path, **_tunables(stream)) as c:
         for dtype in DTYPES:
             for count in boundary_counts("broadcast", n, dtype):
                 inputs = [make_input(seed, r, count, dtype) for r in range(n)]

@@ -163,16 +163,32 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
-py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
-  at::Tensor out = as_tensor(output, "output");
-  at::Tensor in = as_tensor(input, "input");
+// reduce_scatter and all_gather pair a "whole" tensor (world_size * n elements) with a "part" (n).
+void check_whole_and_part(const at::Tensor& out, const at::Tensor& in, const at::Tensor& whole, const char* whole_name,
+                          const at::Tensor& part, const char* part_name, int64_t world_size) {
   if (out.scalar_type() != in.scalar_type())
     throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
                          " and " + c10::toString(in.scalar_type()));
-  const int64_t n = c.world_size();
-  if (in.numel() != n * out.numel())
-    throw py::value_error("input.numel() must be world_size * output.numel() (" + std::to_string(n) + " * " +
-                          std::to_string(out.numel()) + "), got " + std::to_string(in.numel()));
+  if (whole.numel() != world_size * part.numel())
+    throw py::value_error(std::string(whole_name) + ".numel() must be world_size * " + part_name + ".numel() (" +
+                          std::to_string(world_size) + " * " + std::to_string(part.numel()) + "), got " +
+                          std::to_string(whole.numel()));
+}
+
+// The buffers may overlap only NCCL-style in place: `part` exactly the rank's slice of `whole`.
+void check_aliasing(const at::Tensor& whole, const char* whole_name, const at::Tensor& part, const char* part_name,
+                    int rank) {
+  const bool in_place = whole.numel() > 0 && part.numel() > 0 &&
+                        part.data_ptr() == static_cast<char*>(whole.data_ptr()) + rank * part.nbytes();
+  if (!in_place && overlaps(whole, part))
+    throw py::value_error("output overlaps input; the only overlap allowed is " + std::string(part_name) + " being " +
+                          whole_name + "'s own slice (rank * " + part_name + ".numel())");
+}
+
+py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
+  at::Tensor out = as_tensor(output, "output");
+  at::Tensor in = as_tensor(input, "input");
+  check_whole_and_part(out, in, in, "input", out, "output", c.world_size());
   Request r;
   r.kind = CollKind::kReduceScatter;
   r.dtype = to_dtype(out.scalar_type(), "output");
@@ -180,10 +196,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   r.count = static_cast<size_t>(out.numel());
   at::Tensor in_c = in.contiguous();
   Staged s = stage(out, "output");
-  const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
-                        s.buffer.data_ptr() == static_cast<char*>(in_c.data_ptr()) + c.rank() * s.buffer.nbytes();
-  if (!in_place && overlaps(s.buffer, in_c))
-    throw py::value_error("output overlaps input; the only overlap allowed is output being input's own slice (rank * output.numel())");
+  check_aliasing(in_c, "input", s.buffer, "output", c.rank());
   r.in = in_c.data_ptr();
   r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, &s, &in_c);
@@ -192,23 +205,14 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
 py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async) {
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  const int64_t n = c.world_size();
-  if (out.numel() != n * in.numel())
-    throw py::value_error("output.numel() must be world_size * input.numel() (" + std::to_string(n) + " * " +
-                          std::to_string(in.numel()) + "), got " + std::to_string(out.numel()));
+  check_whole_and_part(out, in, out, "output", in, "input", c.world_size());
   Request r;
   r.kind = CollKind::kAllGather;
   r.dtype = to_dtype(out.scalar_type(), "output");
   r.count = static_cast<size_t>(in.numel());
   Staged s = stage(out, "output");
   at::Tensor in_c = in.contiguous();
-  const bool in_place = s.buffer.numel() > 0 && in_c.numel() > 0 &&
-                        in_c.data_ptr() == static_cast<char*>(s.buffer.data_ptr()) + c.rank() * in_c.nbytes();
-  if (!in_place && overlaps(s.buffer, in_c))
-    throw py::value_error("output overlaps input; the only overlap allowed is input being output's own slice (rank * input.numel())");
+  check_aliasing(s.buffer, "output", in_c, "input", c.rank());
   r.in = in_c.data_ptr();
   r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, &s, &in_c);

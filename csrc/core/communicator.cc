@@ -113,32 +113,21 @@ void Communicator::execute(Request& r) {
           break;
         }
         case CollKind::kReduceScatter:
-          if (r.count * es * n <= oneshot_max_) {
-            d.algo = static_cast<uint32_t>(Algo::kOneShot);
-            oneshot_reduce_scatter(*group_, d, r.in, r.out);
-          } else {
-            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
-            pipelined_reduce_scatter(*group_, d, r.in, r.out);
-          }
-          break;
         case CollKind::kAllGather:
-          if (r.count * es <= oneshot_max_) {
-            d.algo = static_cast<uint32_t>(Algo::kOneShot);
-            oneshot_all_gather(*group_, d, r.in, r.out);
-          } else {
-            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
-            pipelined_all_gather(*group_, d, r.in, r.out);
-          }
+        case CollKind::kBroadcast: {
+          // One-shot when what a rank publishes fits a parity buffer (reduce_scatter publishes
+          // its whole input), pipelined through the slots otherwise.
+          const size_t published = r.count * es * (r.kind == CollKind::kReduceScatter ? n : 1);
+          const bool small = published <= oneshot_max_;
+          d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
+          if (r.kind == CollKind::kReduceScatter)
+            (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);
+          else if (r.kind == CollKind::kAllGather)
+            (small ? oneshot_all_gather : pipelined_all_gather)(*group_, d, r.in, r.out);
+          else
+            (small ? oneshot_broadcast : pipelined_broadcast)(*group_, d, r.out);
           break;
-        case CollKind::kBroadcast:
-          if (r.count * es <= oneshot_max_) {
-            d.algo = static_cast<uint32_t>(Algo::kOneShot);
-            oneshot_broadcast(*group_, d, r.out);
-          } else {
-            d.algo = static_cast<uint32_t>(Algo::kTwoShot);
-            pipelined_broadcast(*group_, d, r.out);
-          }
-          break;
+        }
         case CollKind::kBarrier:
           barrier(*group_, d);
           break;

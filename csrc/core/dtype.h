@@ -15,7 +15,6 @@ enum class DType : uint32_t {
   kInt32 = 4,
   kInt64 = 5,
 };
-constexpr int kNumDTypes = 6;
 
 enum class ReduceOp : uint32_t {
   kSum = 0,

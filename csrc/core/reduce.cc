@@ -154,9 +154,4 @@ void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst
   }
 }
 
-void finalize_avg(DType dtype, void* data, size_t count, int world_size) {
-  Operand self{data, false};
-  reduce_n(dtype, ReduceOp::kAvg, &self, 1, data, false, nullptr, count, world_size, true);
-}
-
 }  // namespace braid

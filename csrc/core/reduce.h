@@ -28,7 +28,4 @@ struct Operand {
 void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc,
               void* dst2, size_t count, int world_size, bool finalize, bool stream = false);
 
-// Divides by the world size in place (the "avg" finalization for data that was only summed).
-void finalize_avg(DType dtype, void* data, size_t count, int world_size);
-
 }  // namespace braid

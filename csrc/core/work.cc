@@ -71,11 +71,6 @@ bool Work::wait(std::chrono::nanoseconds timeout) {
   return true;
 }
 
-void Work::rethrow() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  throw CommError(kind_, msg_);
-}
-
 void Work::on_complete(std::function<void(const Work&)> cb) {
   {
     std::lock_guard<std::mutex> lk(mu_);

@@ -28,7 +28,6 @@ class Work {
   // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
   // work's error if it failed.
   bool wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds(0));
-  [[noreturn]] void rethrow() const;
   ErrorKind error_kind() const;
   std::string error_message() const;
 

@@ -21,18 +21,14 @@ float ref_f16_to_f32(uint16_t h);
 
 // Per-dtype element type, accumulator type and conversions: half types accumulate in float32.
 template <braid::DType D> struct Ref;
-template <> struct Ref<braid::DType::kFloat32> {
-  using T = float;
-  using Acc = float;
+template <class E> struct SelfAccumulating {
+  using T = E;
+  using Acc = E;
   static Acc load(T x) { return x; }
   static T store(Acc a) { return a; }
 };
-template <> struct Ref<braid::DType::kFloat64> {
-  using T = double;
-  using Acc = double;
-  static Acc load(T x) { return x; }
-  static T store(Acc a) { return a; }
-};
+template <> struct Ref<braid::DType::kFloat32> : SelfAccumulating<float> {};
+template <> struct Ref<braid::DType::kFloat64> : SelfAccumulating<double> {};
 template <> struct Ref<braid::DType::kFloat16> {
   using T = uint16_t;
   using Acc = float;
@@ -45,18 +41,8 @@ template <> struct Ref<braid::DType::kBFloat16> {
   static Acc load(T x) { return ref_bf16_to_f32(x); }
   static T store(Acc a) { return ref_f32_to_bf16(a); }
 };
-template <> struct Ref<braid::DType::kInt32> {
-  using T = int32_t;
-  using Acc = int32_t;
-  static Acc load(T x) { return x; }
-  static T store(Acc a) { return a; }
-};
-template <> struct Ref<braid::DType::kInt64> {
-  using T = int64_t;
-  using Acc = int64_t;
-  static Acc load(T x) { return x; }
-  static T store(Acc a) { return a; }
-};
+template <> struct Ref<braid::DType::kInt32> : SelfAccumulating<int32_t> {};
+template <> struct Ref<braid::DType::kInt64> : SelfAccumulating<int64_t> {};
 
 // Calls f(Ref<d>{}) for a runtime dtype.
 template <class F>

@@ -77,7 +77,6 @@ class ShmGroup {
   ShmGroup& operator=(const ShmGroup&) = delete;
 
   const std::string& segment_name() const { return own_.name(); }
-  size_t segment_bytes() const { return layout_.total_bytes(); }
   // Maps every peer's segment (peers[rank] describes this rank and is skipped) and opens pidfds.
   void attach(const std::vector<PeerInfo>& peers);
   // Removes this rank's segment name: call once every rank has attached.
