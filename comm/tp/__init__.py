@@ -1,0 +1,16 @@
+"""braid.comm.tp: tensor-parallel layers and regions on braid collectives (Megatron style).
+
+    from braid.comm import tp
+    up = tp.ColumnParallelLinear(d, 4 * d, communicator=c)      # weight split by output features
+    down = tp.RowParallelLinear(4 * d, d, communicator=c)       # split by input features, all-reduced
+    model = tp.parallelize(model, c, {"mlp.up": "colwise", "mlp.down": "rowwise"})
+"""
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .plan import mark_sequence_parallel, parallelize
+from .regions import (copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
+                      reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
+           "mark_sequence_parallel", "copy_to_region", "reduce_from_region", "scatter_to_region",
+           "gather_from_region", "scatter_to_sequence_region", "gather_from_sequence_region",
+           "reduce_scatter_to_sequence_region"]

@@ -1,0 +1,370 @@
+"""Tensor-parallel layers and regions on 1-4 ranks against the same dense model run locally.
+
+Each rank builds the dense model from one seed, shards a copy with braid.comm.tp, runs both on the
+same inputs and compares outputs and gradients (its shard against the matching slice of the dense
+gradient). Tolerance 1e-5 (float32, values of order 1): the sharded model sums the same products
+in a different order (partial matmuls then an all-reduce), which moves results by a few ulps per
+layer, far below 1e-5; a wrong shard, a missing or doubled reduction is off by O(1).
+"""
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from braid.bench.models import BLOCK_PLAN, BLOCK_SEQUENCE_PLAN, Block, LanguageModel, lm_plan
+from braid.comm import tp
+from helpers.ranks import make_comm, run_ranks
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+VOCAB, DIM, HEADS, HIDDEN, BATCH, SEQ = 48, 24, 12, 48, 2, 12  # all divide by 2, 3 and 4
+
+
+# -- helpers run in the ranks --------------------------------------------------------------------
+def _shard_of(dense: torch.Tensor, dim: int, c) -> torch.Tensor:
+    return dense.chunk(c.world_size, dim)[c.rank]
+
+
+def _check_grads(model: nn.Module, dense: nn.Module, c) -> int:
+    """Compares every parameter's gradient with the matching slice of the dense model's gradient;
+    returns how many tensors were compared."""
+    checked = 0
+    dense_modules = dict(dense.named_modules())
+    for name, module in model.named_modules():
+        ref = dense_modules[name]
+        if isinstance(module, tp.ColumnParallelLinear):
+            pairs = [(module.weight, ref.weight, 0), (module.bias, ref.bias, 0)]
+        elif isinstance(module, tp.RowParallelLinear):
+            pairs = [(module.weight, ref.weight, 1), (module.bias, ref.bias, None)]
+        elif isinstance(module, tp.VocabParallelEmbedding):
+            pairs = [(module.weight, ref.weight, 0)]
+        else:
+            pairs = [(p, getattr(ref, n), None) for n, p in module.named_parameters(recurse=False)]
+        for mine, theirs, dim in pairs:
+            if mine is None:
+                continue
+            expected = theirs.grad if dim is None else _shard_of(theirs.grad, dim, c)
+            torch.testing.assert_close(mine.grad, expected, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+            checked += 1
+    return checked
+
+
+def _run_block(rank, world_size, store_path, sequence_parallel):
+    c = make_comm(rank, world_size, store_path)
+    torch.manual_seed(0)
+    dense = Block(DIM, HEADS, HIDDEN)
+    plan = BLOCK_SEQUENCE_PLAN if sequence_parallel else BLOCK_PLAN
+    model = tp.parallelize(copy.deepcopy(dense), c, plan, sequence_parallel=sequence_parallel)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SEQ, DIM, generator=g)
+    weights = torch.randn(BATCH, SEQ, DIM, generator=g) / SEQ  # a loss that weighs every output
+
+    x_dense = x.clone().requires_grad_()
+    out_dense = dense(x_dense)
+    (out_dense * weights).sum().backward()
+
+    x_tp = x.clone().requires_grad_()
+    inp = tp.scatter_to_sequence_region(x_tp, c) if sequence_parallel else x_tp
+    out = model(inp)
+    if sequence_parallel:
+        assert out.shape == (BATCH, SEQ // world_size, DIM)
+        out = tp.gather_from_sequence_region(out, c, tensor_parallel_output_grad=False)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(out, out_dense, **TOL)
+    torch.testing.assert_close(x_tp.grad, x_dense.grad, **TOL)
+    return _check_grads(model, dense, c)
+
+
+def _run_embedding(rank, world_size, store_path, sequence_parallel):
+    c = make_comm(rank, world_size, store_path)
+    torch.manual_seed(0)
+    dense = nn.Embedding(VOCAB, DIM, padding_idx=VOCAB // 2 + 1)
+    emb = tp.VocabParallelEmbedding.from_dense(dense, c, sequence_parallel=sequence_parallel)
+    # Every shard boundary, the padding row and both ends of the vocabulary appear.
+    per = VOCAB // world_size
+    edges = [i for r in range(world_size) for i in (r * per, r * per + per - 1)]
+    ids = torch.tensor(edges + [VOCAB // 2 + 1] * 2 + [0, VOCAB - 1] * 3, dtype=torch.int64)
+    ids = torch.cat([ids, torch.randint(0, VOCAB, (2 * SEQ - ids.numel() % SEQ,),
+                                        generator=torch.Generator().manual_seed(2))])
+    ids = ids[: (ids.numel() // SEQ) * SEQ].view(-1, SEQ)
+    weights = torch.randn(*ids.shape, DIM, generator=torch.Generator().manual_seed(3))
+    out_dense = dense(ids)
+    (out_dense * weights).sum().backward()
+    out = emb(ids)
+    if sequence_parallel:
+        out = tp.gather_from_sequence_region(out, c, tensor_parallel_output_grad=False)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(out, out_dense, **TOL)
+    torch.testing.assert_close(emb.weight.grad, _shard_of(dense.weight.grad, 0, c), **TOL)
+    assert torch.equal(emb.to_dense().weight, dense.weight)
+    return True
+
+
+def _run_training(rank, world_size, store_path, sequence_parallel, steps):
+    c = make_comm(rank, world_size, store_path)
+    torch.manual_seed(0)
+    dense = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2)
+    model = tp.parallelize(copy.deepcopy(dense), c, lm_plan(sequence_parallel),
+                           sequence_parallel=sequence_parallel)
+    # SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which turns
+    # rounding noise in near-zero gradients into O(lr) parameter differences.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (dense, model)]
+    # One batch over and over: the loss must fall, so the run checks that training happens.
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for _ in range(steps):
+        step_losses = []
+        for m, opt in zip((dense, model), opts):
+            opt.zero_grad()
+            logits = m(ids[:, :-1])  # whole logits on every rank: the head gathers its output
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+    for d_loss, t_loss in losses:
+        assert abs(d_loss - t_loss) <= 1e-5, losses
+    assert losses[-1][0] < losses[0][0], f"the model did not train: {losses}"
+    # Gather the sharded model back and compare every parameter with dense training.
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "to_dense"):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.to_dense())
+    ref = dict(dense.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, ref[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    return [t for _, t in losses]
+
+
+def _run_regions(rank, world_size, store_path):
+    """Each region's forward and backward against sums and concatenations of every rank's tensors
+    (integer-valued float64: exact)."""
+    c = make_comm(rank, world_size, store_path)
+    n = world_size
+
+    def per_rank(r, *shape, salt=0):
+        return torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(100 * salt + r)).double()
+
+    def run(region, x, grad, *args, **kwargs):
+        x = x.clone().requires_grad_()
+        y = region(x, c, *args, **kwargs)
+        y.backward(grad)
+        return y.detach(), x.grad
+
+    shape = (2 * n, 3 * n, 4 * n)
+    mine = per_rank(rank, *shape)
+    every = [per_rank(r, *shape) for r in range(n)]
+    same = per_rank(99, *shape)
+    total = sum(every)
+
+    y, dx = run(tp.copy_to_region, mine, mine)
+    assert torch.equal(y, mine) and torch.equal(dx, total)
+    y, dx = run(tp.reduce_from_region, mine, mine)
+    assert torch.equal(y, total) and torch.equal(dx, mine)
+    for dim in (-1, 0, 1):
+        chunk = shape[dim] // n
+        part = [per_rank(r, *(s if i != dim % 3 else chunk for i, s in enumerate(shape)), salt=1)
+                for r in range(n)]
+        whole = torch.cat(part, dim)
+        y, dx = run(tp.scatter_to_region, same, part[rank], dim)
+        assert torch.equal(y, _shard_of(same, dim, c)) and torch.equal(dx, whole)
+        y, dx = run(tp.gather_from_region, part[rank], same, dim)
+        assert torch.equal(y, whole) and torch.equal(dx, _shard_of(same, dim, c))
+        y, dx = run(tp.gather_from_sequence_region, part[rank], mine, dim)
+        assert torch.equal(y, whole) and torch.equal(dx, _shard_of(total, dim, c))
+        y, dx = run(tp.gather_from_sequence_region, part[rank], same, dim,
+                    tensor_parallel_output_grad=False)
+        assert torch.equal(dx, _shard_of(same, dim, c))
+        y, dx = run(tp.reduce_scatter_to_sequence_region, mine, part[rank], dim)
+        assert torch.equal(y, _shard_of(total, dim, c)) and torch.equal(dx, whole)
+        y, dx = run(tp.scatter_to_sequence_region, same, part[rank], dim)
+        assert torch.equal(y, _shard_of(same, dim, c)) and torch.equal(dx, whole)
+    return True
+
+
+class _Recorder(TorchDispatchMode):
+    """Logs matrix products in the order they run, interleaved with the communicator's events."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+            self.log.append("mm")
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordingComm:
+    """Forwards to a communicator and logs each collective (and each async wait) by name."""
+
+    def __init__(self, inner, log):
+        self._inner, self.log = inner, log
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def call(*args, async_op=False, **kwargs):
+            self.log.append(name + (" async" if async_op else ""))
+            work = method(*args, async_op=async_op, **kwargs)
+            if work is None:
+                return None
+            log = self.log
+            return types.SimpleNamespace(wait=lambda: (log.append("wait"), work.wait())[1])
+        return call
+
+
+def _run_overlap(rank, world_size, store_path, sequence_parallel):
+    """The column layer's backward starts the input-gradient collective before the weight-gradient
+    product and waits for it after (and, sequence-parallel, gathers its input around the
+    input-gradient product)."""
+    log: list = []
+    c = _RecordingComm(make_comm(rank, world_size, store_path), log)
+    layer = tp.ColumnParallelLinear(8, 8, communicator=c, sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    y = layer(x)
+    del log[:]
+    with _Recorder(log):
+        y.sum().backward()
+    return log
+
+
+# -- tests ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_regions_forward_and_backward(world_size):
+    assert run_ranks(_run_regions, world_size) == [True] * world_size
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
+def test_transformer_block_matches_dense(world_size, sequence_parallel):
+    """Attention heads split by columns, output projection by rows, MLP column then row: outputs,
+    input gradient and every parameter gradient equal the dense block's."""
+    checked = run_ranks(_run_block, world_size, sequence_parallel)
+    assert checked == [checked[0]] * world_size and checked[0] == 16  # 8 linear, 2 norms: all params
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+@pytest.mark.parametrize("world_size", (2, 3, 4))
+def test_vocab_parallel_embedding_matches_dense(world_size, sequence_parallel):
+    assert run_ranks(_run_embedding, world_size, sequence_parallel) == [True] * world_size
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_training_matches_dense(world_size, sequence_parallel):
+    """A two-block language model trained for several steps with TP ends with the dense model's
+    parameters, and every rank saw the dense loss."""
+    losses = run_ranks(_run_training, world_size, sequence_parallel, 6)
+    assert all(run == losses[0] for run in losses)
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+def test_column_backward_overlaps_input_gradient_collective(sequence_parallel):
+    log = run_ranks(_run_overlap, 2, sequence_parallel)[0]
+    if sequence_parallel:
+        assert log == ["all_gather async", "mm", "wait", "reduce_scatter async", "mm", "wait"], log
+    else:
+        assert log == ["mm", "all_reduce async", "mm", "wait"], log
+
+
+# -- single process ------------------------------------------------------------------------------
+def _fake_comm(world_size: int, rank: int = 0):
+    """Shape checks happen before any collective: a stand-in with the communicator's attributes."""
+    def never(*args, **kwargs):
+        raise AssertionError("no collective expected")
+    return types.SimpleNamespace(rank=rank, world_size=world_size, all_reduce=never, all_gather=never,
+                                 reduce_scatter=never, broadcast=never)
+
+
+def test_indivisible_dimensions_raise_value_error_naming_them():
+    c = _fake_comm(3)
+    with pytest.raises(ValueError, match="out_features=8 does not divide evenly by the world size 3"):
+        tp.ColumnParallelLinear(6, 8, communicator=c)
+    with pytest.raises(ValueError, match="in_features=10 does not divide"):
+        tp.RowParallelLinear(10, 6, communicator=c)
+    with pytest.raises(ValueError, match="num_embeddings=10 does not divide"):
+        tp.VocabParallelEmbedding(10, 6, communicator=c)
+    with pytest.raises(ValueError, match="out_features must be a positive int"):
+        tp.ColumnParallelLinear(6, 0, communicator=c)
+    with pytest.raises(ValueError, match="sequence_parallel requires input_is_parallel"):
+        tp.RowParallelLinear(6, 6, communicator=c, input_is_parallel=False, sequence_parallel=True)
+    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
+        tp.ColumnParallelLinear(6, 6, communicator=object())
+
+
+def test_plan_errors_name_the_entry():
+    c = _fake_comm(1)
+    model = Block(DIM, HEADS, HIDDEN)
+    with pytest.raises(ValueError, match="'attn.nope' matches no submodule"):
+        tp.parallelize(model, c, {"attn.nope": "colwise"})
+    with pytest.raises(TypeError, match="'norm1' is a LayerNorm"):
+        tp.parallelize(model, c, {"norm1": "colwise"})
+    with pytest.raises(ValueError, match=r"plan\['attn.wq'\] must be one of"):
+        tp.parallelize(model, c, {"attn.wq": "diagonal"})
+    with pytest.raises(ValueError, match="'sequence' but sequence_parallel=False"):
+        tp.parallelize(model, c, {"norm1": "sequence"})
+    with pytest.raises(ValueError, match="max_norm=1.0 is not supported"):
+        tp.VocabParallelEmbedding.from_dense(nn.Embedding(4, 2, max_norm=1.0), c)
+
+
+def test_sequence_length_must_divide():
+    c = _fake_comm(2)
+    layer = tp.RowParallelLinear(4, 4, communicator=c, sequence_parallel=True, sequence_dim=1)
+    with pytest.raises(ValueError, match=r"dimension 1 of size 3 \(shape \(2, 3, 4\)\) does not divide"):
+        layer(torch.randn(2, 3, 2))
+
+
+def test_embedding_rejects_out_of_range_ids():
+    emb = tp.VocabParallelEmbedding(8, 2, communicator=_fake_comm(1))
+    with pytest.raises(IndexError, match=r"ids must be in \[0, 8\)"):
+        emb(torch.tensor([0, 8]))
+
+
+@pytest.mark.parametrize("world_size", (1, 2, 4))
+def test_init_matches_dense_layers_from_the_same_seed(world_size):
+    """Without from_dense, ranks seeded alike hold the slices of the nn.Linear / nn.Embedding that
+    seed builds, so a model's initialization does not depend on the world size."""
+    for rank in range(world_size):
+        c = _fake_comm(world_size, rank)
+        torch.manual_seed(5)
+        col, row = tp.ColumnParallelLinear(8, 12, communicator=c), tp.RowParallelLinear(12, 8, communicator=c)
+        emb = tp.VocabParallelEmbedding(16, 4, communicator=c, padding_idx=3)
+        torch.manual_seed(5)
+        dcol, drow, demb = nn.Linear(8, 12), nn.Linear(12, 8), nn.Embedding(16, 4, padding_idx=3)
+        assert torch.equal(col.weight, _shard_of(dcol.weight, 0, c))
+        assert torch.equal(col.bias, _shard_of(dcol.bias, 0, c))
+        assert torch.equal(row.weight, _shard_of(drow.weight, 1, c))
+        assert torch.equal(row.bias, drow.bias)
+        assert torch.equal(emb.weight, _shard_of(demb.weight, 0, c))
+
+
+def _run_round_trip(rank, world_size, store_path):
+    c = make_comm(rank, world_size, store_path)
+    torch.manual_seed(rank)  # ranks differ: from_dense must take rank 0's weights
+    layers = [nn.Linear(12, 24), nn.Linear(24, 12, bias=False), nn.Embedding(36, 8)]
+    kinds = [tp.ColumnParallelLinear, tp.RowParallelLinear, tp.VocabParallelEmbedding]
+    layers[1].weight.requires_grad_(False)
+    for layer, kind in zip(layers, kinds):
+        back = kind.from_dense(layer, c).to_dense()
+        assert type(back) is type(layer)
+        for name, p in layer.named_parameters():
+            q = getattr(back, name)
+            assert q.requires_grad == p.requires_grad
+            buf = p.detach().clone()
+            c.broadcast(buf, 0)
+            assert torch.equal(q, buf), name
+        if rank == 0:
+            assert all(torch.equal(getattr(back, n), p) for n, p in layer.named_parameters())
+    # src=None keeps each rank's own slice.
+    own = tp.ColumnParallelLinear.from_dense(layers[0], c, src=None)
+    assert torch.equal(own.weight, _shard_of(layers[0].weight.detach(), 0, c))
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_from_dense_to_dense_round_trip_exactly(world_size):
+    assert run_ranks(_run_round_trip, world_size) == [True] * world_size
