@@ -45,6 +45,7 @@ sanitize:
 bench: install
 	mkdir -p results
 	$(PY) -m braid.bench collectives --nproc 2 --json results/collectives.json --plot results/collectives.png
+	$(PY) -m braid.bench tp --nproc 2 --json results/tp.json
 
 bench-peers:
 	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev

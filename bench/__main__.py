@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # one is imported, so --help stays fast and a benchmark's dependencies load only when it runs.
 BENCHMARKS = {
     "collectives": "all_reduce, reduce_scatter, all_gather, broadcast: braid vs gloo vs Open MPI",
+    "tp": "transformer block forward+backward at TP=2: braid.comm.tp vs DTensor on gloo",
 }
 
 

@@ -45,8 +45,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing
-import multiprocessing.connection
 import os
 import re
 import shutil
@@ -55,10 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from importlib import metadata
 
 import numpy as np
@@ -66,15 +63,9 @@ import torch
 import torch.distributed as dist
 from braid import comm
 
-from . import mpi_peer, protocol, report
+from . import launch, mpi_peer, protocol, report
 
 IMPLS = ("braid", "gloo", "mpi")
-EXIT_FAILED = 1
-EXIT_FINDINGS = 3
-# After a rank fails, how long the others get to report their side before being stopped (braid
-# and gloo notice a dead peer within milliseconds, so this only bounds the wait); also how long
-# rank 0 gets past the deadline to print its results.
-FAILURE_GRACE_S = 5.0
 
 # torch 2.13 renamed the single-tensor gloo collectives; older versions have the old names only.
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -150,26 +141,13 @@ def gloo_backend(dtype: str) -> TorchBackend:
 
 
 # -- one rank ------------------------------------------------------------------------------------
-def _bind_to_core(local_rank: int) -> None:
-    """Pins this process (and the threads it starts later) to one CPU, as Open MPI's mpirun does
-    by default when there are no more ranks than cores, so braid and gloo run under the same
-    placement as the MPI peer. Without it a scheduler may pack both ranks onto one CPU."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[local_rank % len(cpus)]})
-
-
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
     if config.bind == "core":
-        _bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
+        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
     # Nothing measured uses torch's thread pool; OpenMP workers spinning after a buffer
     # conversion would steal the cores the collectives run on.
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=config.timeout)
-    if store_port is None:  # torchrun: env:// rendezvous
-        dist.init_process_group("gloo", timeout=timeout)
-    else:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    launch.init_gloo(rank, world_size, store_port, config.timeout)
     try:
         backends = []
         braid = None
@@ -190,21 +168,6 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
     finally:
         dist.destroy_process_group()
     return _report(config, records, world_size) if rank == 0 else 0
-
-
-def _run_rank_reporting(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
-    try:
-        return _run_rank(rank, world_size, store_port, config)
-    except KeyboardInterrupt:
-        return 130
-    except Exception:  # noqa: BLE001 -- reported here with the rank; the exit status carries it
-        sys.stderr.write(f"braid.bench: rank {rank} (pid {os.getpid()}) failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        return EXIT_FAILED
-
-
-def _spawned_rank(rank: int, world_size: int, store_port: int, config: Config) -> None:
-    sys.exit(_run_rank_reporting(rank, world_size, store_port, config))
 
 
 # -- the Open MPI peer ---------------------------------------------------------------------------
@@ -283,7 +246,7 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
             records = records + mpi_records
         except BenchError as e:
             print(f"braid.bench: {e}", file=sys.stderr)
-            status = EXIT_FINDINGS
+            status = launch.EXIT_FINDINGS
     blocks = [report.results_table(records, impl, op) for op in config.ops for impl in config.impls]
     if "braid" in config.impls:
         blocks += [report.ratio_table(records, "braid", peer) for peer in config.impls if peer != "braid"]
@@ -292,7 +255,7 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     if wrong:
         print(f"# {len(wrong)} results with wrong elements: "
               + ", ".join(f"{r['impl']} {r['op']} {r['bytes']} B ({r['wrong']})" for r in wrong))
-        status = EXIT_FINDINGS
+        status = launch.EXIT_FINDINGS
     print(f"# wall time {time.time() - config.started:.1f} s")
     sys.stdout.flush()
     if config.json_path:
@@ -314,57 +277,6 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
 
 
 # -- launch --------------------------------------------------------------------------------------
-def _launcher() -> str:
-    """How the ranks start: under a launcher that set RANK and WORLD_SIZE, or spawned here."""
-    return "torchrun" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "spawn"
-
-
-def _spawn(config: Config, nproc: int) -> int:
-    """Hosts the store, starts the ranks and waits for them; returns the exit status."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=config.timeout))
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_spawned_rank, args=(r, nproc, store.port, config), name=f"rank{r}")
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    try:
-        # Past the deadline rank 0 first stops the MPI peer and prints what it has: give it time.
-        return _watch(procs, config.deadline + FAILURE_GRACE_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
-
-
-def _watch(procs: list[multiprocessing.Process], deadline: float) -> int:
-    status = 0
-    running = {p.sentinel: p for p in procs}
-    while running:
-        ready = multiprocessing.connection.wait(list(running), timeout=max(deadline - time.time(), 0))
-        if not ready:
-            ranks = sorted(procs.index(p) for p in running.values())
-            print(f"braid.bench: ranks {ranks} did not finish before the deadline (--deadline); "
-                  "stopping them", file=sys.stderr)
-            return EXIT_FAILED
-        for sentinel in ready:
-            p = running.pop(sentinel)
-            p.join()
-            if p.exitcode == EXIT_FINDINGS:
-                status = EXIT_FINDINGS
-            elif p.exitcode != 0:
-                multiprocessing.connection.wait(list(running), timeout=FAILURE_GRACE_S)
-                others = sorted(procs.index(q) for q in running.values() if q.is_alive())
-                how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
-                       else f"exited with status {p.exitcode}")
-                print(f"braid.bench: rank {procs.index(p)} (pid {p.pid}) {how}"
-                      + (f"; stopping ranks {others}" if others else ""), file=sys.stderr)
-                return EXIT_FAILED
-    return status
-
-
 def _parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", text, re.IGNORECASE)
     if not m:
@@ -424,7 +336,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         parser.error("--step-factor must be at least 2")
     if not args.timeout > 0 or not args.deadline > 0:
         parser.error("--timeout and --deadline must be positive")
-    launcher = _launcher()
+    launcher = launch.launcher()
     if launcher == "torchrun":
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:
@@ -452,14 +364,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     sizes = [args.min_bytes]
     while sizes[-1] * args.step_factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.step_factor)
-    bind = args.bind
-    if bind == "auto":  # Open MPI's default: bind to core unless ranks outnumber the cores
-        bind = "core" if world_size <= len(os.sched_getaffinity(0)) else "none"
     config = Config(args.ops, impls, tuple(sizes), args.dtype, timing, args.timeout,
-                    started + args.deadline, started, launcher, bind, report.machine_info(), args.json,
-                    args.plot)
+                    started + args.deadline, started, launcher, launch.resolve_bind(args.bind, world_size),
+                    report.machine_info(), args.json, args.plot)
     if rank == 0:
         print(_header(config, world_size), flush=True)
     if launcher == "torchrun":
-        return _run_rank_reporting(rank, world_size, None, config)
-    return _spawn(config, world_size)
+        return launch.run_rank_reporting(_run_rank, rank, world_size, None, config)
+    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)

@@ -1,0 +1,312 @@
+"""Tensor-parallel benchmark: a transformer block's forward+backward at TP=N on CPU, braid vs DTensor.
+
+    python -m braid.bench tp                     # 2 ranks, the default block shapes
+    python -m braid.bench tp --shapes 512x8x2048x4x256 --json results/tp.json
+
+Implementations, in the same processes, on the same block (bench/models.py: pre-norm attention
+with separate q/k/v projections and a GELU MLP) and the same plan (q, k, v and the MLP's up
+projection split by columns, the output and down projections by rows):
+
+- ``braid``: braid.comm.tp layers on a braid communicator;
+- ``dtensor``: torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
+  gloo DeviceMesh;
+- ``compute``: the braid layers on a stand-in communicator that moves nothing, so the step is a
+  rank's share of the arithmetic alone.
+
+A step is ``zero_grad``, forward, and backward of a weighted sum of the output. Timing: the
+implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
+barrier, then ``--steps`` steps timed together; a round's time per step is the slowest rank's;
+the result is the median over ``--rounds`` rounds after ``--warmup`` steps. Exposed
+communication = step time minus the ``compute`` step time: what communication (and, for DTensor,
+its dispatch) adds to the critical path. ``err`` is the largest difference of the output and of
+the input gradient from the dense block run locally, a check that the sharded step is the same
+computation.
+
+--json writes {"benchmark": "tp", "date", "machine", "config", "records": [{"impl", "dim", "heads",
+"hidden", "batch", "seq", "world_size", "step_ms", "exposed_ms", "ratio_vs_dtensor", "err"}]}.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+from braid import comm
+from braid.comm import tp
+
+from . import launch, report
+from .models import BLOCK_PLAN, Block
+
+IMPLS = ("braid", "dtensor", "compute")
+
+
+@dataclass(frozen=True)
+class Shape:
+    dim: int
+    heads: int
+    hidden: int
+    batch: int
+    seq: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Shape":
+        parts = text.lower().split("x")
+        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"shape must be DIMxHEADSxHIDDENxBATCHxSEQ, got {text!r}")
+        return cls(*map(int, parts))
+
+    def __str__(self) -> str:
+        return f"{self.dim}x{self.heads}x{self.hidden}x{self.batch}x{self.seq}"
+
+
+# From latency-bound (small activations, many collectives per unit of arithmetic) to
+# compute-bound; batch * seq * dim * 4 B is the size of each all-reduce.
+DEFAULT_SHAPES = (Shape(256, 8, 1024, 4, 128), Shape(512, 8, 2048, 4, 256), Shape(1024, 16, 4096, 2, 512))
+
+
+@dataclass(frozen=True)
+class Config:
+    shapes: tuple[Shape, ...]
+    impls: tuple[str, ...]
+    warmup: int
+    steps: int
+    rounds: int
+    threads: int
+    timeout: float
+    deadline: float
+    started: float
+    launcher: str
+    bind: str
+    machine: dict
+    json_path: str | None
+
+
+class _Done:
+    """A finished piece of work: what the stand-in communicator returns for async calls."""
+
+    @staticmethod
+    def wait(timeout: float | None = None) -> bool:
+        return True
+
+
+class LocalCommunicator:
+    """Has a communicator's shape (rank, world size, collectives) but moves no data: all_reduce
+    leaves the local values, all_gather repeats the local piece, reduce_scatter keeps the local
+    slice. The layers then do exactly one rank's arithmetic, which times the computation alone."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def _done(self, async_op: bool):
+        return _Done() if async_op else None
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        return self._done(async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        output.view(self.world_size, -1).copy_(input.reshape(1, -1))
+        return self._done(async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        output.view(-1).copy_(input.view(self.world_size, -1)[self.rank])
+        return self._done(async_op)
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        return self._done(async_op)
+
+
+def _dtensor_block(dense: Block, world_size: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return parallelize_module(copy.deepcopy(dense), mesh, {k: styles[v]() for k, v in BLOCK_PLAN.items()})
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    out = model(x)
+    (out * weights).sum().backward()
+    return out
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _bench_shape(shape: Shape, c, rank: int, world_size: int, config: Config,
+                 progress: report.Progress) -> list[dict]:
+    torch.manual_seed(0)
+    dense = Block(shape.dim, shape.heads, shape.hidden)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).requires_grad_()
+    weights = torch.randn(shape.batch, shape.seq, shape.dim, generator=g) / shape.seq
+    ref_out = _step(dense, x, weights).detach()
+    ref_grad = x.grad.clone()
+    builders = {
+        "braid": lambda: tp.parallelize(copy.deepcopy(dense), c, BLOCK_PLAN),
+        "dtensor": lambda: _dtensor_block(dense, world_size),
+        "compute": lambda: tp.parallelize(copy.deepcopy(dense), LocalCommunicator(rank, world_size),
+                                          BLOCK_PLAN, src=None),
+    }
+    models = {impl: builders[impl]() for impl in config.impls}
+    errors = {}
+    for impl, model in models.items():
+        progress(impl, "check", shape.batch * shape.seq * shape.dim * 4)
+        out = _step(model, x, weights)
+        errors[impl] = max((out.detach() - ref_out).abs().max().item(),
+                           (x.grad - ref_grad).abs().max().item())
+        for _ in range(config.warmup - 1):
+            _step(model, x, weights)
+    per_step: dict[str, list[float]] = {impl: [] for impl in models}
+    for _ in range(config.rounds):
+        for impl, model in models.items():
+            progress(impl, "step", shape.batch * shape.seq * shape.dim * 4)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(config.steps):
+                _step(model, x, weights)
+            per_step[impl].append((time.perf_counter() - start) / config.steps)
+    step = {impl: statistics.median(_max_over_ranks(times)) for impl, times in per_step.items()}
+    errors = dict(zip(errors, _max_over_ranks(list(errors.values()))))
+    compute = step.get("compute")
+    records = []
+    for impl in models:
+        records.append({
+            "impl": impl, "dim": shape.dim, "heads": shape.heads, "hidden": shape.hidden,
+            "batch": shape.batch, "seq": shape.seq, "world_size": world_size,
+            "step_ms": round(step[impl] * 1e3, 3),
+            "exposed_ms": None if compute is None else round((step[impl] - compute) * 1e3, 3),
+            "ratio_vs_dtensor": round(step[impl] / step["dtensor"], 3) if "dtensor" in step else None,
+            # The stand-in communicator computes something else on purpose: no check.
+            "err": None if impl == "compute" else float(f"{errors[impl]:.3g}"),
+        })
+    return records
+
+
+def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    if config.bind == "core":
+        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(config.threads)
+    launch.init_gloo(rank, world_size, store_port, config.timeout)
+    try:
+        c = comm.init(timeout=config.timeout)
+        progress = report.Progress(len(config.shapes) * len(config.impls) * (1 + config.rounds),
+                                   enabled=rank == 0)
+        records = []
+        for shape in config.shapes:
+            records += _bench_shape(shape, c, rank, world_size, config, progress)
+        progress.close()
+        c.close()
+        # DTensor modules hold the DeviceMesh and its gloo group: they must be gone, and every
+        # rank done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return _report(config, records, world_size) if rank == 0 else 0
+
+
+def _table(records: list[dict]) -> str:
+    lines = ["#      shape (dim x heads x hidden x batch x seq)   impl      step (ms)  exposed (ms)"
+             "  vs dtensor      err"]
+    for r in records:
+        shape = f"{r['dim']}x{r['heads']}x{r['hidden']}x{r['batch']}x{r['seq']}"
+        exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.2f}"
+        ratio = "-" if r["ratio_vs_dtensor"] is None else f"{r['ratio_vs_dtensor']:.3f}"
+        err = "-" if r["err"] is None else f"{r['err']:.2g}"
+        lines.append(f"  {shape:>47}   {r['impl']:<8} {r['step_ms']:>10.2f}  {exposed:>12}"
+                     f"  {ratio:>10}  {err:>7}")
+    return "\n".join(lines)
+
+
+def _report(config: Config, records: list[dict], world_size: int) -> int:
+    print(_table(records))
+    # The block computes in float32 with O(1) values: a correct sharded step differs from the
+    # dense one by rounding only.
+    bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
+    if bad:
+        print("# results differ from the dense block: "
+              + ", ".join(f"{r['impl']} {r['dim']} ({r['err']:.3g})" for r in bad))
+    print(f"# wall time {time.time() - config.started:.1f} s", flush=True)
+    if config.json_path:
+        settings = {"world_size": world_size, "launcher": config.launcher,
+                    "shapes": [str(s) for s in config.shapes], "impls": list(config.impls),
+                    "warmup": config.warmup, "steps": config.steps, "rounds": config.rounds,
+                    "threads": config.threads, "bind": config.bind}
+        report.write_json(config.json_path, {
+            "benchmark": "tp", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": dict(config.machine, torch=torch.__version__), "config": settings,
+            "records": records})
+    return launch.EXIT_FINDINGS if bad else 0
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks (the TP degree) to spawn (default 2); ignored under torchrun")
+    p.add_argument("--shapes", type=Shape.parse, nargs="+", default=DEFAULT_SHAPES,
+                   help="blocks as DIMxHEADSxHIDDENxBATCHxSEQ (default: "
+                        + " ".join(map(str, DEFAULT_SHAPES)) + ")")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated, from {','.join(IMPLS)} (default: all)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per impl and shape (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (default 1: with 2 ranks on 2 cores, one core each)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take (default 120)")
+    p.add_argument("--deadline", type=float, default=1800.0,
+                   help="seconds the whole run may take (default 1800)")
+    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                   help="rank placement, as for the collectives benchmark (default auto)")
+    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Runs the tensor-parallel benchmark with command-line arguments ``argv``; returns the exit status."""
+    started = time.time()
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    impls = tuple(dict.fromkeys(i.strip() for i in args.impls.split(",") if i.strip()))
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(IMPLS)}")
+    for name in ("warmup", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    launcher = launch.launcher()
+    world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
+    for shape in args.shapes:
+        for name, value in (("heads", shape.heads), ("hidden", shape.hidden)):
+            if value % world_size:
+                parser.error(f"--shapes {shape}: {name}={value} does not divide by {world_size} ranks")
+        if shape.dim % shape.heads:
+            parser.error(f"--shapes {shape}: dim must divide by heads")
+    config = Config(tuple(args.shapes), impls, args.warmup, args.steps, args.rounds, args.threads,
+                    args.timeout, started + args.deadline, started, launcher,
+                    launch.resolve_bind(args.bind, world_size), report.machine_info(), args.json)
+    if launcher == "torchrun":
+        return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), world_size, None, config)
+    print(f"# braid.bench tp: {world_size} ranks ({launcher}), {config.threads} torch thread(s) per rank, "
+          f"impls {' '.join(impls)}", flush=True)
+    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
