@@ -266,6 +266,14 @@ class Communicator:
         on garbage collection and at interpreter exit."""
         self._finalizer()
 
+    def __copy__(self) -> "Communicator":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Communicator":
+        """A communicator is a handle on the group, not data: copies of a model that holds one
+        (``copy.deepcopy(model)``) share it."""
+        return self
+
     def __enter__(self) -> "Communicator":
         return self
 

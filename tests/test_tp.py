@@ -254,11 +254,11 @@ def test_vocab_parallel_embedding_matches_dense(world_size, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
-@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("world_size", (2, 3, 4))
 def test_training_matches_dense(world_size, sequence_parallel):
     """A two-block language model trained for several steps with TP ends with the dense model's
     parameters, and every rank saw the dense loss."""
-    losses = run_ranks(_run_training, world_size, sequence_parallel, 6)
+    losses = run_ranks(_run_training, world_size, sequence_parallel, 5)
     assert all(run == losses[0] for run in losses)
 
 
@@ -362,6 +362,11 @@ def _run_round_trip(rank, world_size, store_path):
     # src=None keeps each rank's own slice.
     own = tp.ColumnParallelLinear.from_dense(layers[0], c, src=None)
     assert torch.equal(own.weight, _shard_of(layers[0].weight.detach(), 0, c))
+    # A copy of a sharded model (an EMA, say) shares the communicator and works.
+    twin = copy.deepcopy(own)
+    assert twin.communicator is c and twin.weight is not own.weight
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(twin(x), own(x), rtol=0, atol=0)
     return True
 
 

@@ -49,7 +49,12 @@ class RankFailure(AssertionError):
 
 def _worker_main(conn) -> None:
     """Worker loop: receive (fn, rank, world_size, store_path, args), run it, send back the outcome."""
+    import torch
     from braid import comm  # noqa: F401  (loads the extension once per worker, not in the first test)
+
+    # Up to 4 ranks share 2 cores: torch's OpenMP workers would spin between matmuls on cores
+    # other ranks need, making multi-rank model tests many times slower.
+    torch.set_num_threads(1)
 
     while True:
         try:
