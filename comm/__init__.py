@@ -6,8 +6,11 @@
 """
 import torch  # noqa: F401  (the extension links against torch: load it first)
 
+from . import backend as _backend
 from .communicator import Communicator, Work, init
 from .errors import CollectiveMismatch, CommClosed, CommError, CommTimeout, PeerError
+
+_backend.register()  # dist.init_process_group("braid") from here on
 
 __all__ = ["Communicator", "Work", "init", "CommError", "CommTimeout", "PeerError",
            "CollectiveMismatch", "CommClosed"]

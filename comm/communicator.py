@@ -204,6 +204,12 @@ class Communicator:
         self._wait([self._key("attached_all")], "map the shared memory")
         self._c.unlink_own()
 
+    def _release_core(self):
+        """Hands the C++ communicator to a new owner (the torch.distributed backend), which
+        closes it; this object stops closing it at garbage collection."""
+        self._finalizer.detach()
+        return self._c
+
     # -- properties ------------------------------------------------------------------------
     @property
     def rank(self) -> int:

@@ -13,6 +13,7 @@
 #include "../core/communicator.h"
 #include "../core/reduce.h"
 #include "../core/tunables.h"
+#include "backend.h"
 
 namespace py = pybind11;
 
@@ -295,7 +296,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("exception_message", &PyWork::exception_message)
       .def("get_future", [](PyWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
 
-  py::class_<Communicator>(m, "Communicator")
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init<int, int, Tunables, double>(), py::arg("rank"), py::arg("world_size"), py::arg("tunables"),
            py::arg("timeout_s"))
       .def_property_readonly("rank", &Communicator::rank)
@@ -319,6 +320,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("broadcast", &broadcast, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
       .def("barrier", &barrier, py::arg("async_op"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>());
+
+  register_backend(m);
 
   m.def("reduce_tensors", &reduce_tensors, py::arg("inputs"), py::arg("op"), py::arg("world_size") = 1);
 }

@@ -1,0 +1,466 @@
+// braid as a torch.distributed backend: a c10d::Backend whose collectives run on a braid
+// Communicator. c10d calls these from any thread without the GIL; argument errors are c10 errors
+// (ValueError/TypeError in Python), transport errors braid's own CommError classes.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/communicator.h"
+#include "backend.h"
+
+namespace braid {
+namespace {
+
+const char* kFutureErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch",
+                                   "CommClosed"};
+
+DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    default:
+      TORCH_CHECK_TYPE(false, "braid ", op, ": unsupported dtype ", t.scalar_type(),
+                       "; braid supports float32, float64, float16, bfloat16, int32 and int64");
+  }
+}
+
+ReduceOp op_of(const c10d::ReduceOp& op, const char* what) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    default:
+      TORCH_CHECK_VALUE(false, "braid ", what, ": reduce op ", static_cast<int>(op.op_),
+                        " is not supported (SUM, AVG, MAX, MIN and PRODUCT are)");
+  }
+}
+
+void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "braid ", op, ": ", arg, " must be a dense tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " must be a CPU tensor, got one on ", t.device());
+}
+
+void check_count(const std::vector<at::Tensor>& ts, size_t n, const char* op, const char* arg) {
+  TORCH_CHECK_VALUE(ts.size() == n, "braid ", op, ": expected ", n, " tensor(s) in ", arg, ", got ", ts.size());
+}
+
+// A contiguous tensor the core can work on; results are copied back to `user` afterwards when it
+// is not contiguous itself.
+struct Buffer {
+  at::Tensor user;
+  at::Tensor data;
+};
+
+Buffer contiguous(const at::Tensor& t) { return Buffer{t, t.is_contiguous() ? t : t.contiguous()}; }
+
+// The collectives of one c10d call, submitted in order, plus what to do when they are done.
+struct Batch {
+  std::vector<Request> requests;
+  std::vector<at::Tensor> keep;       // buffers that must live until the last request finished
+  std::vector<at::Tensor> outputs;    // the future's value
+  std::vector<std::function<void()>> finish;  // copies into the caller's tensors, in order
+
+  void add(Request r) { requests.push_back(std::move(r)); }
+  void copy_back(const Buffer& b) {
+    if (!b.data.is_same(b.user)) finish.push_back([b] { b.user.copy_(b.data); });
+  }
+};
+
+Request make(CollKind kind, DType dtype, size_t count, const void* in, void* out) {
+  Request r;
+  r.kind = kind;
+  r.dtype = dtype;
+  r.count = count;
+  r.in = in;
+  r.out = out;
+  return r;
+}
+
+class BraidBackend final : public c10d::Backend {
+ public:
+  explicit BraidBackend(std::shared_ptr<Communicator> comm)
+      : c10d::Backend(comm->rank(), comm->world_size()), comm_(std::move(comm)) {}
+
+  ~BraidBackend() override { comm_->close(); }
+
+  const std::string getBackendName() const override { return "braid"; }
+
+  void shutdown() override { comm_->close(); }
+  void abort() override { comm_->close(); }
+
+  // -- collectives ------------------------------------------------------------------------
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    check_count(tensors, 1, "broadcast", "tensors");
+    check_tensor(tensors[0], "broadcast", "tensor");
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid broadcast: root ", opts.rootRank,
+                      " is not a rank of this group of ", size_);
+    Batch b;
+    Buffer t = contiguous(tensors[0]);
+    Request r = make(CollKind::kBroadcast, dtype_of(t.data, "broadcast"), t.data.numel(), t.data.data_ptr(),
+                     t.data.data_ptr());
+    r.root = static_cast<int>(opts.rootRank);
+    b.add(std::move(r));
+    b.keep.push_back(t.data);
+    b.copy_back(t);
+    b.outputs = tensors;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    return allreduce_list(tensors, opts.reduceOp, opts.asyncOp, "allreduce");
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    return allreduce_list(tensors, opts.reduceOp, opts.asyncOp, "allreduce_coalesced");
+  }
+
+  // Only the root's tensor receives the result: other ranks reduce a copy.
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    check_count(tensors, 1, "reduce", "tensors");
+    check_tensor(tensors[0], "reduce", "tensor");
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid reduce: root ", opts.rootRank,
+                      " is not a rank of this group of ", size_);
+    Batch b;
+    Buffer t = rank_ == opts.rootRank ? contiguous(tensors[0]) : Buffer{tensors[0], tensors[0].contiguous().clone()};
+    Request r = make(CollKind::kAllReduce, dtype_of(t.data, "reduce"), t.data.numel(), t.data.data_ptr(),
+                     t.data.data_ptr());
+    r.op = op_of(opts.reduceOp, "reduce");
+    b.add(std::move(r));
+    b.keep.push_back(t.data);
+    if (rank_ == opts.rootRank) b.copy_back(t);
+    b.outputs = tensors;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    Batch b;
+    add_all_gather(b, output, input, "_allgather_base");
+    b.outputs = {output};
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    check_count(inputs, outputs.size(), "allgather_into_tensor_coalesced", "inputs");
+    Batch b;
+    for (size_t i = 0; i < outputs.size(); ++i) add_all_gather(b, outputs[i], inputs[i], "allgather_into_tensor_coalesced");
+    b.outputs = outputs;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    check_count(inputs, 1, "allgather", "input_tensors");
+    TORCH_CHECK_VALUE(outputs.size() == 1, "braid allgather: expected one output list, got ", outputs.size());
+    Batch b;
+    add_all_gather_list(b, outputs[0], inputs[0], "allgather");
+    b.outputs = outputs[0];
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "braid allgather_coalesced: ", outputs.size(),
+                      " output lists for ", inputs.size(), " inputs");
+    Batch b;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      add_all_gather_list(b, outputs[i], inputs[i], "allgather_coalesced");
+      b.outputs.insert(b.outputs.end(), outputs[i].begin(), outputs[i].end());
+    }
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  // Every rank gathers, the root keeps the pieces: one all-gather, as fast as a gather here.
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    check_count(inputs, 1, "gather", "input_tensors");
+    const bool root = rank_ == opts.rootRank;
+    TORCH_CHECK_VALUE(outputs.size() == (root ? 1u : 0u), "braid gather: ",
+                      root ? "the root needs one output list" : "only the root passes outputs");
+    Batch b;
+    if (root) {
+      add_all_gather_list(b, outputs[0], inputs[0], "gather");
+      b.outputs = outputs[0];
+    } else {
+      std::vector<at::Tensor> scratch;
+      for (int i = 0; i < size_; ++i) scratch.push_back(at::empty_like(inputs[0], at::MemoryFormat::Contiguous));
+      add_all_gather_list(b, scratch, inputs[0], "gather");
+    }
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  // The root's pieces are broadcast as one buffer and each rank keeps its own.
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    check_count(outputs, 1, "scatter", "output_tensors");
+    check_tensor(outputs[0], "scatter", "output");
+    const bool root = rank_ == opts.rootRank;
+    TORCH_CHECK_VALUE(inputs.size() == (root ? 1u : 0u), "braid scatter: ",
+                      root ? "the root needs one input list" : "only the root passes inputs");
+    const int64_t n = outputs[0].numel();
+    at::Tensor whole = at::empty({size_ * n}, outputs[0].options().memory_format(at::MemoryFormat::Contiguous));
+    if (root) {
+      check_count(inputs[0], size_, "scatter", "scatter_list");
+      for (int i = 0; i < size_; ++i) {
+        TORCH_CHECK_VALUE(inputs[0][i].numel() == n && inputs[0][i].scalar_type() == whole.scalar_type(),
+                          "braid scatter: scatter_list[", i, "] must match the output's numel and dtype");
+        whole.narrow(0, i * n, n).view(inputs[0][i].sizes()).copy_(inputs[0][i]);
+      }
+    }
+    Batch b;
+    Request r = make(CollKind::kBroadcast, dtype_of(whole, "scatter"), whole.numel(), whole.data_ptr(), whole.data_ptr());
+    r.root = static_cast<int>(opts.rootRank);
+    b.add(std::move(r));
+    b.keep.push_back(whole);
+    at::Tensor out = outputs[0];
+    at::Tensor mine = whole.narrow(0, rank_ * n, n);
+    b.finish.push_back([out, mine] { out.copy_(mine.view(out.sizes())); });
+    b.outputs = outputs;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    Batch b;
+    add_reduce_scatter(b, output, input, opts.reduceOp, "_reduce_scatter_base");
+    b.outputs = {output};
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    check_count(inputs, outputs.size(), "reduce_scatter_tensor_coalesced", "inputs");
+    Batch b;
+    for (size_t i = 0; i < outputs.size(); ++i)
+      add_reduce_scatter(b, outputs[i], inputs[i], opts.reduceOp, "reduce_scatter_tensor_coalesced");
+    b.outputs = outputs;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    check_count(outputs, 1, "reduce_scatter", "output");
+    TORCH_CHECK_VALUE(inputs.size() == 1, "braid reduce_scatter: expected one input list, got ", inputs.size());
+    check_count(inputs[0], size_, "reduce_scatter", "input_list");
+    for (size_t i = 0; i < inputs[0].size(); ++i) {
+      check_tensor(inputs[0][i], "reduce_scatter", "input_list");
+      TORCH_CHECK_VALUE(inputs[0][i].numel() == outputs[0].numel(), "braid reduce_scatter: input_list[", i,
+                        "] has ", inputs[0][i].numel(), " elements, the output ", outputs[0].numel());
+    }
+    std::vector<at::Tensor> flat;
+    for (const auto& t : inputs[0]) flat.push_back(t.reshape({-1}));
+    at::Tensor whole = at::cat(flat);
+    Batch b;
+    add_reduce_scatter(b, outputs[0], whole, opts.reduceOp, "reduce_scatter");
+    b.outputs = outputs;
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  // Equal splits only: every rank all-gathers every input and keeps the pieces sent to it
+  // (world_size times the traffic of a direct exchange, through one shared-memory pass).
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    check_tensor(output, "alltoall_base", "output");
+    check_tensor(input, "alltoall_base", "input");
+    TORCH_CHECK_VALUE(output.numel() == input.numel() && output.scalar_type() == input.scalar_type(),
+                      "braid alltoall_base: output and input must have the same numel and dtype");
+    TORCH_CHECK_VALUE(input.dim() >= 1, "braid alltoall_base: the input needs a dimension to split");
+    const int64_t rows = input.size(0);
+    auto even = [&](const std::vector<int64_t>& splits) {
+      if (splits.empty()) return rows % size_ == 0;
+      for (auto s : splits)
+        if (s != splits[0]) return false;
+      return static_cast<int64_t>(splits.size()) == size_ && splits[0] * size_ == rows;
+    };
+    TORCH_CHECK(even(output_splits) && even(input_splits),
+                "braid alltoall_base: uneven split sizes are not implemented (braid exchanges equal "
+                "splits of dimension 0)");
+    const int64_t piece = input.numel() / size_;
+    at::Tensor in = input.contiguous();
+    at::Tensor gathered = at::empty({size_ * input.numel()}, in.options());
+    Batch b;
+    b.add(make(CollKind::kAllGather, dtype_of(in, "alltoall_base"), in.numel(), in.data_ptr(), gathered.data_ptr()));
+    b.keep = {in, gathered};
+    at::Tensor out = output;
+    const int64_t me = rank_, n = size_, total = input.numel();
+    b.finish.push_back([out, gathered, me, n, piece, total] {
+      // Rank i's piece for me is at offset i * total + me * piece of the gathered inputs.
+      at::Tensor mine = gathered.view({n, total}).narrow(1, me * piece, piece);
+      out.copy_(mine.reshape(out.sizes()));
+    });
+    b.outputs = {output};
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    check_count(outputs, size_, "alltoall", "output_tensor_list");
+    check_count(inputs, size_, "alltoall", "input_tensor_list");
+    const int64_t n = inputs[0].numel();
+    for (int i = 0; i < size_; ++i) {
+      TORCH_CHECK(inputs[i].numel() == n && outputs[i].numel() == n,
+                  "braid alltoall: tensors of different sizes are not implemented (all must have ", n, " elements)");
+    }
+    std::vector<at::Tensor> flat;
+    for (const auto& t : inputs) flat.push_back(t.reshape({-1}));
+    at::Tensor in = at::cat(flat);
+    at::Tensor out = at::empty_like(in);
+    std::vector<int64_t> none;
+    auto work = alltoall_base(out, in, none, none, opts);
+    work->wait();
+    for (int i = 0; i < size_; ++i) outputs[i].copy_(out.narrow(0, i * n, n).view(outputs[i].sizes()));
+    return completed(outputs);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    Batch b;
+    b.add(make(CollKind::kBarrier, DType::kFloat32, 0, nullptr, nullptr));
+    return run(std::move(b), opts.asyncOp);
+  }
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return comm_->seq(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> allreduce_list(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, bool async,
+                                                const char* what) {
+    TORCH_CHECK_VALUE(!tensors.empty(), "braid ", what, ": no tensors given");
+    Batch b;
+    const ReduceOp rop = op_of(op, what);
+    for (const auto& tensor : tensors) {
+      check_tensor(tensor, what, "tensor");
+      Buffer t = contiguous(tensor);
+      Request r = make(CollKind::kAllReduce, dtype_of(t.data, what), t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
+      r.op = rop;
+      b.add(std::move(r));
+      b.keep.push_back(t.data);
+      b.copy_back(t);
+    }
+    b.outputs = tensors;
+    return run(std::move(b), async);
+  }
+
+  void add_all_gather(Batch& b, const at::Tensor& output, const at::Tensor& input, const char* what) {
+    check_tensor(output, what, "output");
+    check_tensor(input, what, "input");
+    TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
+    TORCH_CHECK_VALUE(output.numel() == size_ * input.numel(), "braid ", what, ": output.numel() must be ", size_,
+                      " * input.numel() (", input.numel(), "), got ", output.numel());
+    Buffer out = contiguous(output);
+    at::Tensor in = input.contiguous();
+    b.add(make(CollKind::kAllGather, dtype_of(in, what), in.numel(), in.data_ptr(), out.data.data_ptr()));
+    b.keep.push_back(in);
+    b.keep.push_back(out.data);
+    b.copy_back(out);
+  }
+
+  void add_all_gather_list(Batch& b, const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) {
+    check_count(outputs, size_, what, "output list");
+    for (const auto& o : outputs) {
+      check_tensor(o, what, "output");
+      TORCH_CHECK_VALUE(o.numel() == input.numel() && o.scalar_type() == input.scalar_type(), "braid ", what,
+                        ": every output must have the input's numel and dtype");
+    }
+    at::Tensor whole = at::empty({size_ * input.numel()}, input.options().memory_format(at::MemoryFormat::Contiguous));
+    add_all_gather(b, whole, input.reshape({-1}), what);
+    const int64_t n = input.numel();
+    b.finish.push_back([outputs, whole, n] {
+      for (size_t i = 0; i < outputs.size(); ++i)
+        outputs[i].copy_(whole.narrow(0, static_cast<int64_t>(i) * n, n).view(outputs[i].sizes()));
+    });
+  }
+
+  void add_reduce_scatter(Batch& b, const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op,
+                          const char* what) {
+    check_tensor(output, what, "output");
+    check_tensor(input, what, "input");
+    TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
+    TORCH_CHECK_VALUE(input.numel() == size_ * output.numel(), "braid ", what, ": input.numel() must be ", size_,
+                      " * output.numel() (", output.numel(), "), got ", input.numel());
+    Buffer out = contiguous(output);
+    at::Tensor in = input.contiguous();
+    // The core accepts only an exact in-place alias (output = the rank's slice of input); any
+    // other overlap goes through a copy of the input.
+    const auto* ib = static_cast<const char*>(in.data_ptr());
+    const auto* ob = static_cast<const char*>(out.data.data_ptr());
+    const bool overlap = in.numel() > 0 && out.data.numel() > 0 && ob < ib + in.nbytes() && ib < ob + out.data.nbytes();
+    if (overlap && ob != ib + rank_ * out.data.nbytes()) in = in.clone();
+    Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.data.numel(), in.data_ptr(), out.data.data_ptr());
+    r.op = op_of(op, what);
+    b.add(std::move(r));
+    b.keep.push_back(in);
+    b.keep.push_back(out.data);
+    b.copy_back(out);
+  }
+
+  static c10::intrusive_ptr<c10d::Work> completed(const std::vector<at::Tensor>& outputs) {
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
+    return c10d::Work::create_from_future(fut);
+  }
+
+  // Blocking calls run on the caller's thread (inline when nothing is queued) and return a
+  // finished Work; async ones are queued in issue order and complete the future from the
+  // progress thread after the last request and the copies back.
+  c10::intrusive_ptr<c10d::Work> run(Batch b, bool async) {
+    if (b.requests.empty()) return completed(b.outputs);
+    if (!async) {
+      for (auto& r : b.requests) comm_->submit(std::move(r), false);
+      for (auto& f : b.finish) f();
+      return completed(b.outputs);
+    }
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(b.keep));
+    auto finish = std::make_shared<std::vector<std::function<void()>>>(std::move(b.finish));
+    auto outputs = std::make_shared<std::vector<at::Tensor>>(std::move(b.outputs));
+    std::shared_ptr<Work> last;
+    for (size_t i = 0; i < b.requests.size(); ++i) {
+      Request& r = b.requests[i];
+      r.keepalive = keep;
+      if (i + 1 == b.requests.size()) r.epilogue = [finish] { for (auto& f : *finish) f(); };
+      last = comm_->submit(std::move(r), true);
+    }
+    last->on_complete([fut, outputs](const Work& w) {
+      if (w.succeeded()) {
+        fut->markCompleted(c10::IValue(c10::List<at::Tensor>(*outputs)));
+      } else {
+        const char* cls = kFutureErrorClass[static_cast<int>(w.error_kind())];
+        fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
+      }
+    });
+    return c10d::Work::create_from_future(fut);
+  }
+
+  std::shared_ptr<Communicator> comm_;
+};
+
+}  // namespace
+
+void register_backend(py::module_& m) {
+  // c10d's Python classes (the Backend base) exist once torch.distributed is imported.
+  py::module_::import("torch.distributed");
+  py::class_<BraidBackend, c10d::Backend, c10::intrusive_ptr<BraidBackend>>(m, "Backend")
+      .def(py::init([](std::shared_ptr<Communicator> comm) { return c10::make_intrusive<BraidBackend>(std::move(comm)); }),
+           py::arg("communicator"));
+}
+
+}  // namespace braid
