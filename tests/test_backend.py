@@ -1,0 +1,210 @@
+"""braid as a torch.distributed backend: c10d collectives exact, and DDP, FSDP2 and DTensor on it.
+
+Collectives are checked exactly (integer-valued float64). Training runs the same model on the
+braid default group and on a gloo group in the same processes, and compares the parameters:
+within 1e-5, since the two reduce in different orders (float32 sums of two or three terms differ
+by an ulp; a wrong or missing reduction differs by O(lr)).
+"""
+import copy
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from braid import comm  # noqa: F401  (registers the backend)
+from helpers.ranks import COMM_TIMEOUT_S, open_store, run_ranks
+from torch import nn
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@contextmanager
+def braid_default_group(rank, world_size, store_path):
+    """The default process group on braid, plus a gloo group over the same ranks to compare with."""
+    store = dist.PrefixStore("backend-test/", open_store(store_path))
+    dist.init_process_group("braid", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
+    try:
+        yield dist.new_group(backend="gloo", timeout=timedelta(seconds=COMM_TIMEOUT_S))
+    finally:
+        dist.destroy_process_group()
+
+
+def _values(rank, *shape, salt=0):
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randint(-50, 50, shape, generator=g).double()
+
+
+def _run_collectives(rank, world_size, store_path):
+    n = world_size
+    every = [_values(r, 3, 5) for r in range(n)]
+    with braid_default_group(rank, world_size, store_path):
+        assert dist.get_backend() == "braid"
+        for op, expect in ((dist.ReduceOp.SUM, sum(every)), (dist.ReduceOp.MAX, torch.stack(every).amax(0)),
+                           (dist.ReduceOp.MIN, torch.stack(every).amin(0)),
+                           (dist.ReduceOp.PRODUCT, torch.stack(every).prod(0))):
+            t = every[rank].clone()
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, expect), op
+        t = every[rank].clone()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        torch.testing.assert_close(t, sum(every) / n, rtol=0, atol=1e-12)
+
+        # Non-contiguous, async, through the future.
+        t = every[rank].clone().t()
+        work = dist.all_reduce(t, async_op=True)
+        value = work.get_future().wait()
+        assert torch.equal(t, sum(every).t()) and torch.equal(value[0], t)
+
+        for src in range(n):
+            t = every[rank].clone()
+            dist.broadcast(t, src)
+            assert torch.equal(t, every[src])
+
+        outs = [torch.empty(3, 5, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(outs, every[rank])
+        assert all(torch.equal(o, e) for o, e in zip(outs, every))
+        whole = torch.empty(3 * n, 5, dtype=torch.float64)
+        dist.all_gather_into_tensor(whole, every[rank])
+        assert torch.equal(whole, torch.cat(every))
+
+        big = [_values(r, n * 4, 2, salt=1) for r in range(n)]
+        out = torch.empty(4, 2, dtype=torch.float64)
+        dist.reduce_scatter_tensor(out, big[rank])
+        assert torch.equal(out, sum(big)[rank * 4:(rank + 1) * 4])
+        dist.reduce_scatter(out, list(big[rank].chunk(n)))
+        assert torch.equal(out, sum(big)[rank * 4:(rank + 1) * 4])
+
+        for root in range(n):
+            t = every[rank].clone()
+            dist.reduce(t, dst=root)
+            assert torch.equal(t, sum(every) if rank == root else every[rank])
+            gathered = [torch.empty(3, 5, dtype=torch.float64) for _ in range(n)] if rank == root else None
+            dist.gather(every[rank], gathered, dst=root)
+            if rank == root:
+                assert all(torch.equal(o, e) for o, e in zip(gathered, every))
+            piece = torch.empty(3, 5, dtype=torch.float64)
+            dist.scatter(piece, [e + 7 for e in every] if rank == root else None, src=root)
+            assert torch.equal(piece, every[rank] + 7)
+
+        # all_to_all: rank r's i-th block goes to rank i's r-th block.
+        send = _values(rank, n * 2, 3, salt=2)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        expect = torch.cat([_values(r, n * 2, 3, salt=2)[rank * 2:(rank + 1) * 2] for r in range(n)])
+        assert torch.equal(recv, expect)
+        outs = [torch.empty(2, dtype=torch.float64) for _ in range(n)]
+        dist.all_to_all(outs, [torch.full((2,), 10.0 * rank + i, dtype=torch.float64) for i in range(n)])
+        for r, o in enumerate(outs):
+            assert torch.equal(o, torch.full((2,), 10.0 * r + rank, dtype=torch.float64))
+
+        dist.barrier()
+
+        # A sub-group of the first two ranks (the others take no part, as torch requires).
+        sub = dist.new_group([0, 1])
+        if rank < 2:
+            t = every[rank].clone()
+            dist.all_reduce(t, group=sub)
+            assert torch.equal(t, every[0] + every[1])
+        # A group of the first and last ranks: group rank 1 is global rank n - 1.
+        ends = dist.new_group([0, n - 1])
+        if rank in (0, n - 1):
+            t = every[rank].clone()
+            dist.broadcast(t, group_src=1, group=ends)
+            assert dist.get_global_rank(ends, 1) == n - 1 and torch.equal(t, every[n - 1])
+
+        # What braid does not do raises naming it.
+        with pytest.raises(RuntimeError, match="uneven split sizes are not implemented"):
+            dist.all_to_all_single(torch.empty(3), torch.empty(3), [1, 2] + [0] * (n - 2),
+                                   [2, 1] + [0] * (n - 2))
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_collectives_through_torch_distributed(world_size):
+    assert run_ranks(_run_collectives, world_size) == [True] * world_size
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(12, 24)
+        self.down = nn.Linear(24, 6)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def _train(model, steps, rank, data_seed=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(data_seed + rank)  # each rank its own batch
+    for _ in range(steps):
+        x = torch.randn(8, 12, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _run_ddp_fsdp_dtensor(rank, world_size, store_path):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with braid_default_group(rank, world_size, store_path) as gloo:
+        braid_mesh = init_device_mesh("cpu", (world_size,))
+        gloo_mesh = DeviceMesh.from_group(gloo, "cpu")
+        assert braid_mesh.get_group().name() != gloo_mesh.get_group().name()
+        torch.manual_seed(0)
+        base = _MLP()
+        results = {}
+        for name, make in {
+            "ddp": lambda m, mesh, group: DDP(m, process_group=group),
+            "fsdp2": lambda m, mesh, group: fully_shard(m, mesh=mesh),
+            "tp": lambda m, mesh, group: parallelize_module(
+                m, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}),
+        }.items():
+            trained = []
+            for mesh, group in ((braid_mesh, dist.group.WORLD), (gloo_mesh, gloo)):
+                model = make(copy.deepcopy(base), mesh, group)
+                # TP ranks must see the same batch (they hold slices of one model).
+                _train(model, 5, 0 if name == "tp" else rank)
+                trained.append([_full(p) for p in model.parameters()])
+            for a, b in zip(*trained):
+                torch.testing.assert_close(a, b, **TOL)
+            results[name] = [p.sum().item() for p in trained[0]]
+    return results
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_ddp_fsdp2_and_dtensor_train_as_on_gloo(world_size):
+    """DDP, FSDP2 (fully_shard) and a DTensor tensor-parallel MLP (ColwiseParallel then
+    RowwiseParallel) on the braid default group end with the parameters of the same runs on gloo;
+    and every rank holds the same model."""
+    results = run_ranks(_run_ddp_fsdp_dtensor, world_size)
+    for name in results[0]:
+        assert all(r[name] == results[0][name] for r in results), name
+
+
+def _run_unsupported(rank, world_size, store_path):
+    with braid_default_group(rank, world_size, store_path):
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            dist.all_reduce(torch.ones(2, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="reduce op .* is not supported"):
+            dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
+        # Argument errors are raised before anything is sent: the group still works.
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [world_size] * 2
+    return True
+
+
+def test_unsupported_arguments_raise_naming_them():
+    assert run_ranks(_run_unsupported, 2) == [True, True]
