@@ -4,9 +4,9 @@ Importing ``braid.comm`` registers the backend name ``"braid"`` for CPU tensors.
 gets is a C++ ``c10d::Backend`` subclass (``torch.distributed._Backend`` from Python, so
 DeviceMesh and DTensor accept it) that owns a braid :class:`~braid.comm.Communicator` built from
 the store, rank, size and timeout torch hands over; every sub-group (``dist.new_group``) gets its
-own. Ops braid does not implement raise "Backend braid does not support <op>"; variants it
-cannot serve (uneven all-to-all splits, unsupported reduce ops or dtypes) raise naming what is
-missing.
+own. Ops braid does not implement (``recv`` from any source) raise "Backend braid does not
+support <op>"; variants it cannot serve (uneven all-to-all splits, bitwise reduce ops,
+unsupported dtypes) raise naming what is missing.
 """
 from __future__ import annotations
 

@@ -127,6 +127,56 @@ def test_collectives_through_torch_distributed(world_size):
     assert run_ranks(_run_collectives, world_size) == [True] * world_size
 
 
+def _run_point_to_point(rank, world_size, store_path):
+    n = world_size
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    with braid_default_group(rank, world_size, store_path):
+        # Ring exchanges with isend/irecv, and with batch_isend_irecv, from empty to 3 MiB.
+        for size in (0, 1, 1000, 3 << 18):
+            out = torch.arange(size, dtype=torch.float32) + 1000 * rank
+            got = torch.full((size,), -1.0)
+            works = [dist.isend(out, nxt), dist.irecv(got, prv)]
+            for w in works:
+                w.wait()
+            assert torch.equal(got, torch.arange(size, dtype=torch.float32) + 1000 * prv), size
+            got2 = torch.full((size,), -1.0)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, out * 2, nxt),
+                                             dist.P2POp(dist.irecv, got2, prv)]):
+                w.wait()
+            assert torch.equal(got2, 2 * (torch.arange(size, dtype=torch.float32) + 1000 * prv)), size
+        # Blocking send/recv between ranks 0 and 1, a non-contiguous receive, int64.
+        if rank < 2:
+            other = 1 - rank
+            payload = torch.arange(12, dtype=torch.int64).view(3, 4) * (rank + 1)
+            target = torch.zeros(4, 3, dtype=torch.int64).t()
+            if rank == 0:
+                dist.send(payload, other)
+                dist.recv(target, other)
+            else:
+                dist.recv(target, other)
+                dist.send(payload, other)
+            assert torch.equal(target, torch.arange(12, dtype=torch.int64).view(3, 4) * (other + 1))
+        # In a sub-group, peers are group ranks.
+        pair = dist.new_group([0, n - 1])
+        if rank in (0, n - 1):
+            buf = torch.tensor([float(rank)])
+            if rank == 0:
+                dist.send(buf, group_dst=1, group=pair)
+            else:
+                dist.recv(buf, group_src=0, group=pair)
+                assert buf.item() == 0.0
+        # Collectives still line up after point-to-point traffic.
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [float(n)] * 3
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_point_to_point(world_size):
+    assert run_ranks(_run_point_to_point, world_size) == [True] * world_size
+
+
 class _MLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -331,6 +331,38 @@ class BraidBackend final : public c10d::Backend {
     return completed(outputs);
   }
 
+  // Point-to-point through per-pair mailboxes in shared memory, matched in issue order per
+  // (sender, receiver) pair; tags are not compared. Always asynchronous: a send completes once
+  // its data is in the mailbox (eager up to 4 MiB in flight per pair), a recv once it arrived.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int /*tag*/) override {
+    check_count(tensors, 1, "send", "tensors");
+    check_tensor(tensors[0], "send", "tensor");
+    check_peer(dst, "send", "dst");
+    at::Tensor t = tensors[0].contiguous();
+    Batch b;
+    Request r = make(CollKind::kSend, dtype_of(t, "send"), t.numel(), t.data_ptr(), nullptr);
+    r.root = dst;
+    b.add(std::move(r));
+    b.keep.push_back(t);
+    b.outputs = tensors;
+    return run(std::move(b), true);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int /*tag*/) override {
+    check_count(tensors, 1, "recv", "tensors");
+    check_tensor(tensors[0], "recv", "tensor");
+    check_peer(src, "recv", "src");
+    Buffer t = contiguous(tensors[0]);
+    Batch b;
+    Request r = make(CollKind::kRecv, dtype_of(t.data, "recv"), t.data.numel(), nullptr, t.data.data_ptr());
+    r.root = src;
+    b.add(std::move(r));
+    b.keep.push_back(t.data);
+    b.copy_back(t);
+    b.outputs = tensors;
+    return run(std::move(b), true);
+  }
+
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     Batch b;
     b.add(make(CollKind::kBarrier, DType::kFloat32, 0, nullptr, nullptr));
@@ -341,6 +373,11 @@ class BraidBackend final : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return comm_->seq(); }
 
  private:
+  void check_peer(int peer, const char* op, const char* arg) const {
+    TORCH_CHECK_VALUE(peer >= 0 && peer < size_ && peer != rank_, "braid ", op, ": ", arg, " must be another rank of ",
+                      "this group of ", size_, ", got ", peer);
+  }
+
   c10::intrusive_ptr<c10d::Work> allreduce_list(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, bool async,
                                                 const char* what) {
     TORCH_CHECK_VALUE(!tensors.empty(), "braid ", what, ": no tensors given");

@@ -22,7 +22,7 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
   tun_.validate();
   oneshot_max_ = static_cast<size_t>(tun_.oneshot_max_bytes);
   if (world_ > 1) {
-    ShmLayout layout{oneshot_max_, tun_.slot_bytes, tun_.nslots};
+    ShmLayout layout{oneshot_max_, tun_.slot_bytes, tun_.nslots, world_size};
     WaitPolicy policy;
     policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
     policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
@@ -80,6 +80,8 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
 }
 
 void Communicator::execute_local(Request& r) {
+  if (r.kind == CollKind::kSend || r.kind == CollKind::kRecv)
+    throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
   const size_t bytes = r.count * dtype_size(r.dtype);
   if (r.kind == CollKind::kBarrier || r.kind == CollKind::kBroadcast) return;
   if (r.out != r.in && bytes > 0) std::memmove(r.out, r.in, bytes);
@@ -87,8 +89,11 @@ void Communicator::execute_local(Request& r) {
 
 void Communicator::execute(Request& r) {
   check_not_poisoned();
+  const bool p2p = r.kind == CollKind::kSend || r.kind == CollKind::kRecv;
   CollectiveDesc d;
-  d.seq = ++seq_;
+  // Point-to-point involves two ranks: it must not advance the collective sequence, which every
+  // rank keeps in step.
+  d.seq = p2p ? seq_ : ++seq_;
   d.count = r.count;
   d.kind = static_cast<uint32_t>(r.kind);
   d.dtype = static_cast<uint32_t>(r.dtype);
@@ -130,6 +135,12 @@ void Communicator::execute(Request& r) {
         }
         case CollKind::kBarrier:
           barrier(*group_, d);
+          break;
+        case CollKind::kSend:
+          group_->send(r.root, r.in, r.count * es, r.dtype);
+          break;
+        case CollKind::kRecv:
+          group_->recv(r.root, r.out, r.count * es, r.dtype);
           break;
       }
     }

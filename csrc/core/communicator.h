@@ -25,7 +25,7 @@ struct Request {
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
                      // all_gather: input elements
-  int root = 0;
+  int root = 0;      // broadcast: source; send/recv: the peer
   const void* in = nullptr;
   void* out = nullptr;
   // Runs on the executing thread after the data moved (e.g. copies a staged result back).

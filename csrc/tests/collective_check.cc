@@ -130,6 +130,9 @@ PreparedCall::PreparedCall(const CallSpec& spec, int rank, int world)
       break;
     case CollKind::kBarrier:
       return;
+    case CollKind::kSend:
+    case CollKind::kRecv:
+      throw std::logic_error("point-to-point calls are checked in p2p_test.cc");
   }
   const bool reduces = spec.kind == CollKind::kAllReduce || spec.kind == CollKind::kReduceScatter;
   if (reduces && !spec.in_place) {
@@ -168,6 +171,8 @@ braid::Request PreparedCall::request() {
       r.out = in_.data();
       break;
     case CollKind::kBarrier:
+    case CollKind::kSend:
+    case CollKind::kRecv:
       break;
   }
   return r;

@@ -64,7 +64,20 @@ struct SegmentHeader {
   alignas(kLine) std::atomic<uint32_t> state;
   uint32_t error_kind;
   char error_msg[496];
+  // Point-to-point progress: chunks this rank posted to each destination, and took from each
+  // source (see ShmGroup::send). Each side writes only its own arrays.
+  alignas(kLine) std::atomic<uint64_t> mailbox_sent[kMaxLocalRanks];
+  alignas(kLine) std::atomic<uint64_t> mailbox_taken[kMaxLocalRanks];
 };
+
+// What precedes the data of a mailbox chunk: the receiver checks the message against its own.
+struct MailboxChunk {
+  uint64_t total_bytes;  // of the whole message
+  uint64_t offset;       // of this chunk in it
+  uint64_t bytes;        // in this chunk
+  uint32_t dtype;
+};
+constexpr size_t kChunkHeader = 64;
 static_assert(sizeof(CollectiveDesc) == 24, "descriptor layout is shared between processes");
 static_assert(offsetof(SegmentHeader, desc) + sizeof(CollectiveDesc[2]) - offsetof(SegmentHeader, step) <= 64,
               "step, cpu and descriptors must share one cache line");
@@ -78,6 +91,8 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kAllGather: return "all_gather";
     case CollKind::kBroadcast: return "broadcast";
     case CollKind::kBarrier: return "barrier";
+    case CollKind::kSend: return "send";
+    case CollKind::kRecv: return "recv";
   }
   return "unknown";
 }
@@ -102,9 +117,16 @@ std::string CollectiveDesc::describe() const {
 
 size_t ShmLayout::oneshot_offset() const { return round_up(sizeof(SegmentHeader), 4096); }
 size_t ShmLayout::slots_offset() const { return oneshot_offset() + 2 * round_up(oneshot_bytes, 4096); }
-size_t ShmLayout::total_bytes() const {
-  return slots_offset() + static_cast<size_t>(nslots) * round_up(slot_bytes, 4096);
+namespace {
+constexpr size_t kMailboxSlot = (kChunkHeader + kMailboxChunkBytes + 4095) / 4096 * 4096;
 }
+
+size_t ShmLayout::mailbox_offset(int dst, uint64_t chunk) const {
+  const size_t first = slots_offset() + static_cast<size_t>(nslots) * round_up(slot_bytes, 4096);
+  return first + (static_cast<size_t>(dst) * kMailboxDepth + chunk % kMailboxDepth) * kMailboxSlot;
+}
+
+size_t ShmLayout::total_bytes() const { return mailbox_offset(world_size, 0); }
 
 ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
                    size_t stream_min_bytes)
@@ -126,6 +148,8 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
   bases_[rank_] = static_cast<char*>(own_.data());
   for (int r = 0; r < world_; ++r)
     if (r != rank_) all_peers_.push_back(r);
+  sent_.assign(world_, 0);
+  taken_.assign(world_, 0);
 }
 
 ShmGroup::~ShmGroup() {
@@ -166,18 +190,22 @@ uint64_t ShmGroup::post_next() {
   return step_;
 }
 
+void ShmGroup::publish(std::atomic<uint64_t>& counter, uint64_t value) {
+  header(rank_)->cpu.store(::sched_getcpu(), std::memory_order_relaxed);
+  counter.store(value, std::memory_order_seq_cst);  // the same handshake as post_next
+  if (hub_->sleepers.load(std::memory_order_seq_cst) != 0) wake_all();
+}
+
 void ShmGroup::wake_all() noexcept {
   hub_->bell.fetch_add(1, std::memory_order_seq_cst);
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-bool ShmGroup::missing_peer_shares_cpu(const int* peers, int npeers, uint64_t step) const {
+template <class Awaited>
+bool ShmGroup::missing_peer_shares_cpu(const int* peers, int npeers, const Awaited& awaited) const {
   const int cpu = ::sched_getcpu();
-  for (int i = 0; i < npeers; ++i) {
-    const SegmentHeader* h = headers_[peers[i]];
-    if (h->step.load(std::memory_order_acquire) < step && h->cpu.load(std::memory_order_relaxed) == cpu)
-      return true;
-  }
+  for (int i = 0; i < npeers; ++i)
+    if (awaited(peers[i]) && headers_[peers[i]]->cpu.load(std::memory_order_relaxed) == cpu) return true;
   return false;
 }
 
@@ -222,22 +250,23 @@ std::string ShmGroup::rank_label(int r) const {
   return s.str();
 }
 
-std::string ShmGroup::missing_ranks(const int* peers, int npeers, uint64_t step) const {
+template <class Awaited>
+std::string ShmGroup::missing_ranks(const int* peers, int npeers, const Awaited& awaited) const {
   std::string out;
   for (int i = 0; i < npeers; ++i) {
-    if (headers_[peers[i]]->step.load(std::memory_order_acquire) >= step) continue;
+    if (!awaited(peers[i])) continue;
     if (!out.empty()) out += ", ";
     out += rank_label(peers[i]);
   }
   return out;
 }
 
-void ShmGroup::check_peers_alive(const int* peers, int npeers, uint64_t step) {
-  const std::string during = current_ ? " during " + current_->describe() : "";
+template <class Awaited>
+void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string& during) {
   for (int i = 0; i < npeers; ++i) {
     const int r = peers[i];
     SegmentHeader* h = headers_[r];
-    if (h->step.load(std::memory_order_acquire) >= step) continue;  // only those we still need
+    if (!awaited(r)) continue;  // only those we still need
     if (h->state.load(std::memory_order_acquire) == kStateLeft)
       throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + during +
                                             " while rank " + std::to_string(rank_) + " waited for it");
@@ -249,29 +278,41 @@ void ShmGroup::check_peers_alive(const int* peers, int npeers, uint64_t step) {
       dead = ::kill(info_[r].pid, 0) != 0 && errno == ESRCH;
     }
     // A peer may post its last step and exit at once: look at the counter again before blaming it.
-    if (dead && h->step.load(std::memory_order_acquire) < step)
+    if (dead && awaited(r))
       throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + during);
   }
 }
 
 void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {
+  wait_slow(peers, npeers, [this, step](int r) { return headers_[r]->step.load(std::memory_order_acquire) < step; },
+            nullptr);
+}
+
+template <class Awaited>
+void ShmGroup::wait_slow(const int* peers, int npeers, const Awaited& awaited, const std::string* doing) {
+  auto reached = [&] {
+    for (int i = 0; i < npeers; ++i)
+      if (awaited(peers[i])) return false;
+    return true;
+  };
+  const std::string during = doing ? " during " + *doing : current_ ? " during " + current_->describe() : "";
   check_abort();
   const auto start = Clock::now();
   // Phase 1: spin. Cheap when peers are running on other cores and about to post.
   for (uint32_t i = 0; policy_.spin.count() > 0; ++i) {
     for (int k = 0; k < 16; ++k) {
       BRAID_CPU_RELAX();
-      if (reached(peers, npeers, step)) return;
+      if (reached()) return;
     }
     if ((i & 15) == 0) {
       check_abort();
-      if (Clock::now() - start >= policy_.spin || missing_peer_shares_cpu(peers, npeers, step)) break;
+      if (Clock::now() - start >= policy_.spin || missing_peer_shares_cpu(peers, npeers, awaited)) break;
     }
   }
   // Phase 2: yield the core; with more ranks than cores the peer we wait for may need it.
   while (Clock::now() - start < policy_.spin + policy_.yield) {
     ::sched_yield();
-    if (reached(peers, npeers, step)) return;
+    if (reached()) return;
     check_abort();
   }
   // Phase 3: sleep on the host doorbell, bounded by the deadline; check peer liveness regularly.
@@ -284,19 +325,19 @@ void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {
   } guard{hub_};
   for (;;) {
     const uint32_t bell = hub_->bell.load(std::memory_order_seq_cst);
-    if (reached(peers, npeers, step)) return;
+    if (reached()) return;
     check_abort();
     const auto now = Clock::now();
     if (now - last_liveness >= kLivenessPeriod) {
-      check_peers_alive(peers, npeers, step);
+      check_peers_alive(peers, npeers, awaited, during);
       last_liveness = now;
     }
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();
       std::ostringstream s;
       s << "rank " << rank_ << " timed out after " << secs << " s"
-        << (current_ ? " in " + current_->describe() : std::string()) << " waiting for "
-        << missing_ranks(peers, npeers, step) << ", which did not arrive";
+        << (doing ? " in " + *doing : current_ ? " in " + current_->describe() : std::string()) << " waiting for "
+        << missing_ranks(peers, npeers, awaited) << ", which did not arrive";
       throw CommError(ErrorKind::kTimeout, s.str());
     }
     const auto slice = std::min<Clock::duration>(deadline - now, kLivenessPeriod);
@@ -323,6 +364,53 @@ uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
                                                 std::to_string(r) + " called " + theirs.describe());
   }
   return s;
+}
+
+void ShmGroup::send(int dst, const void* data, size_t bytes, DType dtype) {
+  const SegmentHeader* peer = header(dst);
+  const std::string doing = "send of " + std::to_string(bytes) + " bytes to rank " + std::to_string(dst);
+  size_t off = 0;
+  do {
+    const uint64_t k = sent_[dst];
+    // Chunk k reuses the mailbox slot of chunk k - depth: wait until the receiver took that one.
+    auto full = [&](int) { return peer->mailbox_taken[rank_].load(std::memory_order_acquire) + kMailboxDepth <= k; };
+    if (full(dst)) wait_slow(&dst, 1, full, &doing);
+    char* slot = bases_[rank_] + layout_.mailbox_offset(dst, k);
+    const size_t n = std::min(bytes - off, kMailboxChunkBytes);
+    auto* c = reinterpret_cast<MailboxChunk*>(slot);
+    c->total_bytes = bytes;
+    c->offset = off;
+    c->bytes = n;
+    c->dtype = static_cast<uint32_t>(dtype);
+    if (n > 0) std::memcpy(slot + kChunkHeader, static_cast<const char*>(data) + off, n);
+    sent_[dst] = k + 1;
+    publish(header(rank_)->mailbox_sent[dst], k + 1);  // release: the chunk is visible first
+    off += n;
+  } while (off < bytes);
+}
+
+void ShmGroup::recv(int src, void* data, size_t bytes, DType dtype) {
+  const SegmentHeader* peer = header(src);
+  const std::string doing = "recv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(src);
+  size_t off = 0;
+  do {
+    const uint64_t k = taken_[src];
+    auto empty = [&](int) { return peer->mailbox_sent[rank_].load(std::memory_order_acquire) <= k; };
+    if (empty(src)) wait_slow(&src, 1, empty, &doing);
+    const char* slot = bases_[src] + layout_.mailbox_offset(rank_, k);
+    const auto* c = reinterpret_cast<const MailboxChunk*>(slot);
+    if (c->total_bytes != bytes || c->dtype != static_cast<uint32_t>(dtype) || c->offset != off ||
+        c->bytes > kMailboxChunkBytes || c->bytes > bytes - off)
+      throw CommError(ErrorKind::kMismatch,
+                      "point-to-point mismatch: rank " + std::to_string(rank_) + " expected " + std::to_string(bytes) +
+                          " bytes of " + dtype_name(dtype) + " from rank " + std::to_string(src) + ", which sent " +
+                          std::to_string(c->total_bytes) + " bytes of " +
+                          dtype_name(static_cast<DType>(c->dtype)));
+    if (c->bytes > 0) std::memcpy(static_cast<char*>(data) + off, slot + kChunkHeader, c->bytes);
+    off += c->bytes;
+    taken_[src] = k + 1;
+    publish(header(rank_)->mailbox_taken[src], k + 1);
+  } while (off < bytes);
 }
 
 char* ShmGroup::oneshot(int rank, uint64_t seq) const {

@@ -26,6 +26,9 @@ enum class CollKind : uint32_t {
   kAllGather = 3,
   kBroadcast = 4,
   kBarrier = 5,
+  // Point-to-point (not collectives: they carry no descriptor and take no sequence number).
+  kSend = 6,
+  kRecv = 7,
 };
 const char* coll_kind_name(CollKind k);
 
@@ -54,10 +57,18 @@ struct ShmLayout {
   size_t oneshot_bytes;  // capacity of each of the two one-shot buffers
   size_t slot_bytes;     // capacity of each pipeline slot
   int nslots;            // pipeline depth
+  int world_size;        // one point-to-point mailbox per destination rank
   size_t oneshot_offset() const;
   size_t slots_offset() const;
+  size_t mailbox_offset(int dst, uint64_t chunk) const;
   size_t total_bytes() const;
 };
+
+// Point-to-point: each sender owns, in its segment, a FIFO of kMailboxDepth chunks of
+// kMailboxChunkBytes per destination. Sends are eager up to that much data in flight (pages are
+// touched only when used), then wait for the receiver to take chunks.
+constexpr int kMailboxDepth = 4;
+constexpr size_t kMailboxChunkBytes = size_t{1} << 20;
 
 struct WaitPolicy {
   std::chrono::nanoseconds spin{std::chrono::microseconds(20)};   // busy-poll before yielding
@@ -100,6 +111,11 @@ class ShmGroup {
   // Whether an output of `bytes` is written around the caches (see copy_streaming).
   bool streaming(size_t bytes) const { return bytes >= stream_min_bytes_; }
 
+  // Point-to-point, in issue order per (sender, receiver) pair. A receive must name the size and
+  // dtype of the matching send; a difference raises a mismatch on the receiver.
+  void send(int dst, const void* data, size_t bytes, DType dtype);
+  void recv(int src, void* data, size_t bytes, DType dtype);
+
   char* oneshot(int rank, uint64_t seq) const;
   char* slot(int rank, int k) const;
 
@@ -111,14 +127,22 @@ class ShmGroup {
  private:
   SegmentHeader* header(int rank) const { return headers_[rank]; }
   bool reached(const int* peers, int npeers, uint64_t step) const;
-  bool missing_peer_shares_cpu(const int* peers, int npeers, uint64_t step) const;
+  // Waits until `awaited(r)` is false for every r in `peers` (spin, yield, futex with deadline,
+  // liveness); `doing` names the operation in errors (the current collective when null).
+  template <class Awaited>
+  void wait_slow(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
   void wait_slow(const int* peers, int npeers, uint64_t step);
+  template <class Awaited>
+  bool missing_peer_shares_cpu(const int* peers, int npeers, const Awaited& awaited) const;
   void check_abort();
   [[noreturn]] void raise_abort();
-  void check_peers_alive(const int* peers, int npeers, uint64_t step);
+  template <class Awaited>
+  void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string& during);
   std::string rank_label(int r) const;
-  std::string missing_ranks(const int* peers, int npeers, uint64_t step) const;
+  template <class Awaited>
+  std::string missing_ranks(const int* peers, int npeers, const Awaited& awaited) const;
   void wake_all() noexcept;
+  void publish(std::atomic<uint64_t>& counter, uint64_t value);
 
   int rank_;
   int world_;
@@ -133,6 +157,8 @@ class ShmGroup {
   std::vector<int> pidfds_;         // -1 where pidfd_open is unavailable
   std::vector<int> all_peers_;
   uint64_t step_ = 0;
+  std::vector<uint64_t> sent_;      // chunks posted to each destination (mirrors the header)
+  std::vector<uint64_t> taken_;     // chunks taken from each source
   const CollectiveDesc* current_ = nullptr;  // for error messages
   SegmentHeader* hub_ = nullptr;   // rank 0's header: host doorbell and abort epoch
 };
