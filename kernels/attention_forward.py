@@ -1,0 +1,142 @@
+"""Forward pass of the fused attention: one Triton program per (query tile, batch x head)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import attention_configs as cfg
+
+LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 so that exp2 can be used
+_LN2 = tl.constexpr(0.6931471805599453)  # back from base 2 to the natural-log LSE
+
+
+@triton.jit
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, d_ok, seq_k, qk_scale, lo, hi,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Folds the key tiles [lo, hi) into the running softmax state (acc, l_i, m_i) of one query
+    tile. MASKED tiles may hold keys past seq_k or, when CAUSAL, keys after some of the rows;
+    the others are whole and visible to every row, so they skip the element-wise mask."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if MASKED:
+            k_mask = d_ok[:, None] & (cols[None, :] < seq_k)
+            v_mask = (cols[:, None] < seq_k) & d_ok[None, :]
+        else:
+            k_mask = d_ok[:, None]
+            v_mask = d_ok[None, :]
+        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask, other=0.0)
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = cols[None, :] < seq_k
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        # Online softmax: raise the running max, rescale what was accumulated under the old one.
+        # Every row sees key 0 in its first tile, so m_new is finite from the first tile on.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=v_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_forward_kernel(
+        Q, K, V, O, LSE,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_ob, stride_oh, stride_om, stride_od,
+        num_heads, group, seq_q, seq_k, qk_scale,
+        BUCKET_Q, BUCKET_K,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """O = softmax(Q K^T * scale) V for one BLOCK_M tile of queries of one (batch, head), and
+    LSE = the natural-log logsumexp of each row's scaled scores, in float32.
+
+    qk_scale is the softmax scale times log2(e). The kv head of query head h is h // group.
+    BUCKET_Q and BUCKET_K only key the autotuner.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    # 64-bit offsets: batch * stride alone can pass 2**31 elements on large inputs.
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    hk = h // group
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM  # the padding of the head dim to BLOCK_D loads as zeros
+    row_ok = offs_m < seq_q
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Causal is aligned top-left as in torch: row i sees keys 0..i. Keys below start_m + 1 are
+    # seen by every row of the tile; whole tiles of them need no mask. The rest, up to the last
+    # key any row of the tile sees, and the ragged end of the keys, go through the masked loop.
+    if CAUSAL:
+        hi_full = tl.minimum(seq_k, start_m + 1)
+        hi = tl.minimum(seq_k, start_m + BLOCK_M)
+    else:
+        hi_full = seq_k
+        hi = seq_k
+    hi_full = (hi_full // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
+                                   False, CAUSAL, DOT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
+                                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi,
+                                   True, CAUSAL, DOT_PRECISION, BLOCK_N)
+
+    tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, (m_i + tl.log2(l_i)) * _LN2,
+             mask=row_ok)
+    o = acc / l_i[:, None]
+    o_base = O + b * stride_ob + h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+_forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.TUNING_KEY,
+                                 prune_configs_by=cfg.PRUNE_FORWARD)(attention_forward_kernel)
+
+
+def strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The four strides of a (B, H, S, D) tensor, in elements."""
+    return tuple(t.stride())
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                      dot_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the forward kernel on (B, H, S, D) tensors of any strides; k and v may have fewer
+    heads (a divisor of q's). Returns the output (q's dtype and layout) and the float32 LSE (B, H, Sq)."""
+    batch, heads, seq_q, head_dim = q.shape
+    group = heads // k.shape[1]
+    seq_k = k.shape[2]
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
+    args = (q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
+            heads, group, seq_q, seq_k, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": cfg.block_d(head_dim), "CAUSAL": causal,
+            "DOT_PRECISION": dot_precision}
+    if cfg.interpreting():
+        blocks = cfg.INTERPRETER_FORWARD
+        attention_forward_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*args, **meta,
+                                                                                         **blocks)
+    else:
+        _forward_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*args, **meta)
+    return o, lse
