@@ -88,7 +88,8 @@ def _kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enabl
     if not _triton_usable():
         return "triton is not installed"
     if q.device.type == "cuda":
-        if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) < (8, 0):
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if _capability(index) < (8, 0):
             return "a GPU older than compute capability 8.0"
         if q.dtype not in _KERNEL_DTYPES:
             return f"dtype {q.dtype} on the GPU"

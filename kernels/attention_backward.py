@@ -22,7 +22,7 @@ _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def attention_delta_kernel(O, DO, DELTA,
+def attention_delta_kernel(Out, DO, DELTA,
                            stride_ob, stride_oh, stride_om, stride_od,
                            stride_dob, stride_doh, stride_dom, stride_dod,
                            num_heads, seq_q,
@@ -35,8 +35,8 @@ def attention_delta_kernel(O, DO, DELTA,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -57,7 +57,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr,
         rows = start_m + offs_m
         row_ok = rows < seq_q
         tile_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=tile_mask, other=0.0)
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=tile_mask,
+                    other=0.0)
         do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=tile_mask,
                      other=0.0)
         lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * _LOG2E
@@ -95,10 +96,10 @@ def attention_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     tile_mask = (offs_n[:, None] < seq_k) & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=tile_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=tile_mask, other=0.0)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=tile_mask, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=tile_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -127,10 +128,10 @@ def attention_dkdv_kernel(
                              False, DOT_PRECISION, BLOCK_M)
 
     dk = dk * softmax_scale
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=tile_mask)
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=tile_mask)
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=tile_mask)
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn
+             + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
@@ -146,8 +147,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stri
             t_mask = d_ok[:, None] & (cols[None, :] < seq_k)
         else:
             t_mask = d_ok[:, None]
-        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=t_mask, other=0.0)
-        v_t = tl.load(v_base + offs_d[:, None] * stride_vd + cols[None, :] * stride_vn, mask=t_mask, other=0.0)
+        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=t_mask,
+                      other=0.0)
+        v_t = tl.load(v_base + offs_d[:, None] * stride_vd + cols[None, :] * stride_vn, mask=t_mask,
+                      other=0.0)
         p = tl.exp2(tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -207,14 +210,15 @@ def attention_dq_kernel(
                    offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi, True, CAUSAL, DOT_PRECISION, BLOCK_N)
 
     dq = dq * softmax_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=tile_mask)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=tile_mask)
 
 
 _delta_tuned = triton.autotune(cfg.DELTA_CONFIGS, key=["BLOCK_D"])(attention_delta_kernel)
 _dkdv_tuned = triton.autotune(cfg.DKDV_CONFIGS, key=cfg.TUNING_KEY,
                               prune_configs_by=cfg.PRUNE_DKDV)(attention_dkdv_kernel)
-_dq_tuned = triton.autotune(cfg.DQ_CONFIGS, key=cfg.TUNING_KEY, prune_configs_by=cfg.PRUNE_DQ)(attention_dq_kernel)
+_dq_tuned = triton.autotune(cfg.DQ_CONFIGS, key=cfg.TUNING_KEY,
+                            prune_configs_by=cfg.PRUNE_DQ)(attention_dq_kernel)
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -254,7 +258,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         attention_dkdv_kernel[(triton.cdiv(seq_k, blocks["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta,
                                                                                         **blocks)
         blocks = cfg.INTERPRETER_DQ
-        attention_dq_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*dq_args, **meta, **blocks)
+        attention_dq_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*dq_args, **meta,
+                                                                                     **blocks)
     else:
         _dkdv_tuned[lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta)
         _dq_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*dq_args, **meta)

@@ -28,7 +28,8 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, strid
         else:
             k_mask = d_ok[:, None]
             v_mask = d_ok[None, :]
-        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask, other=0.0)
+        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask,
+                      other=0.0)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -50,7 +51,7 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, strid
 
 @triton.jit
 def attention_forward_kernel(
-        Q, K, V, O, LSE,
+        Q, K, V, Out, LSE,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -106,8 +107,8 @@ def attention_forward_kernel(
     tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, (m_i + tl.log2(l_i)) * _LN2,
              mask=row_ok)
     o = acc / l_i[:, None]
-    o_base = O + b * stride_ob + h * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(O.dtype.element_ty),
+    o_base = Out + b * stride_ob + h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
 
