@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # one is imported, so --help stays fast and a benchmark's dependencies load only when it runs.
 BENCHMARKS = {
     "collectives": "all_reduce, reduce_scatter, all_gather, broadcast: braid vs gloo vs Open MPI",
+    "attention": "fused attention TFLOP/s: braid vs torch SDPA's flash, cuDNN and efficient backends",
 }
 
 
