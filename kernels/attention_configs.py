@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
+
+try:  # host-side tensor descriptors (TMA on sm_90); absent from older Triton releases
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 # Names of the meta-parameters every attention kernel takes from its configuration.
 BLOCK_NAMES = ("BLOCK_M", "BLOCK_N")
@@ -12,6 +18,38 @@ BLOCK_NAMES = ("BLOCK_M", "BLOCK_N")
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read at import)."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tensor_descriptors_requested() -> bool:
+    """BRAID_ATTENTION_TMA=1 asks the forward kernel to stream K and V through tensor descriptors
+    (the Tensor Memory Accelerator on sm_90) instead of pointer arithmetic. Off by default: its
+    speed has not been measured yet."""
+    return os.environ.get("BRAID_ATTENTION_TMA", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def descriptor_usable(t: torch.Tensor) -> bool:
+    """Whether a (B, H, S, D) tensor meets the TMA rules: 16-byte aligned base and row strides,
+    contiguous last dim, half-precision elements (the only ones the descriptor path is built for)."""
+    if TensorDescriptor is None or t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
+        return False
+    elem = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * elem % 16 == 0 for s in t.stride()[:-1]))
+
+
+def kv_descriptor(t: torch.Tensor, block_n: int, head_dim_block: int):
+    """A 4-D descriptor over k or v, read one (1, 1, block_n, head_dim_block) box at a time; boxes
+    past the sequence or the head dim read zeros, which stand in for the pointer path's masks."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, head_dim_block])
+
+
+def _set_descriptor_boxes(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' box follows the configuration's BLOCK_N."""
+    for name in ("K", "V"):
+        if TensorDescriptor is not None and isinstance(nargs[name], TensorDescriptor):
+            nargs[name].block_shape = [1, 1, nargs["BLOCK_N"], nargs["BLOCK_D"]]
 
 
 def block_d(head_dim: int) -> int:
@@ -35,17 +73,17 @@ INTERPRETER_DELTA = {"BLOCK_M": 32}
 
 
 def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[int, ...],
-             stages: tuple[int, ...]) -> list[triton.Config]:
+             stages: tuple[int, ...], pre_hook=None) -> list[triton.Config]:
     # num_stages > 1 lets Triton software-pipeline the K/V (or Q/dO) loads of the next tile under
-    # the dot products of this one (cp.async on sm_80, TMA-less async copies on sm_90).
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+    # the dot products of this one (asynchronous copies, or TMA loads with tensor descriptors).
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
             for m in blocks_m for n in blocks_n for w in warps for s in stages]
 
 
 # The search spaces below are the usual ones for flash attention on sm_80/sm_90 (tiles of 64 or
 # 128 rows, 4 or 8 warps, 2 to 4 pipeline stages). None of them has been measured on a GPU yet:
 # the autotuner picks among them at the first call for each key.
-FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+FORWARD_CONFIGS = _configs((64, 128), (64, 128), (4, 8), (2, 3, 4), pre_hook=_set_descriptor_boxes)
 DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3))
 DKDV_CONFIGS = _configs((32, 64), (64, 128), (4, 8), (2, 3))
 DELTA_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (64, 128) for w in (4, 8)]
@@ -82,5 +120,6 @@ PRUNE_DQ = {"early_config_prune": _pruner(2, 2)}
 PRUNE_DKDV = {"early_config_prune": _pruner(2, 2)}
 
 # Autotuning keys: a new configuration is chosen per head dim, causal flag and length bucket
-# (tensor dtypes are part of Triton's key already).
+# (tensor dtypes are part of Triton's key already), and for the forward per load path.
 TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL"]
+FORWARD_TUNING_KEY = TUNING_KEY + ["USE_TMA"]

@@ -12,24 +12,32 @@ _LN2 = tl.constexpr(0.6931471805599453)  # back from base 2 to the natural-log L
 
 
 @triton.jit
-def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, d_ok, seq_k, qk_scale, lo, hi,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Folds the key tiles [lo, hi) into the running softmax state (acc, l_i, m_i) of one query
     tile. MASKED tiles may hold keys past seq_k or, when CAUSAL, keys after some of the rows;
-    the others are whole and visible to every row, so they skip the element-wise mask."""
+    the others are whole and visible to every row, so they skip the element-wise mask.
+    k_src and v_src are the (batch, kv head) base pointers, or with USE_TMA the tensor descriptors
+    of the whole k and v, read at (kv_b, kv_h)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            k_mask = d_ok[:, None] & (cols[None, :] < seq_k)
-            v_mask = (cols[:, None] < seq_k) & d_ok[None, :]
+        if USE_TMA:
+            k_t = tl.trans(k_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = v_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
-            k_mask = d_ok[:, None]
-            v_mask = d_ok[None, :]
-        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask,
-                      other=0.0)
+            if MASKED:
+                k_mask = d_ok[:, None] & (cols[None, :] < seq_k)
+                v_mask = (cols[:, None] < seq_k) & d_ok[None, :]
+            else:
+                k_mask = d_ok[:, None]
+                v_mask = d_ok[None, :]
+            k_t = tl.load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask,
+                          other=0.0)
+            v = tl.load(v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=v_mask,
+                        other=0.0)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -42,8 +50,6 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, strid
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -59,12 +65,13 @@ def attention_forward_kernel(
         num_heads, group, seq_q, seq_k, qk_scale,
         BUCKET_Q, BUCKET_K,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O = softmax(Q K^T * scale) V for one BLOCK_M tile of queries of one (batch, head), and
     LSE = the natural-log logsumexp of each row's scaled scores, in float32.
 
     qk_scale is the softmax scale times log2(e). The kv head of query head h is h // group.
-    BUCKET_Q and BUCKET_K only key the autotuner.
+    BUCKET_Q and BUCKET_K only key the autotuner. With USE_TMA, K and V are tensor descriptors
+    (their stride arguments are then unused).
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -73,8 +80,15 @@ def attention_forward_kernel(
     h = (bh % num_heads).to(tl.int64)
     hk = h // group
     q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b * stride_kb + hk * stride_kh
+        v_src = V + b * stride_vb + hk * stride_vh
+    # Descriptor coordinates are 32-bit; batch and head indices always fit.
+    kv_b = (bh // num_heads).to(tl.int32)
+    kv_h = ((bh % num_heads) // group).to(tl.int32)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,12 +111,12 @@ def attention_forward_kernel(
         hi_full = seq_k
         hi = seq_k
     hi_full = (hi_full // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
-                                   False, CAUSAL, DOT_PRECISION, BLOCK_N)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn,
-                                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi,
-                                   True, CAUSAL, DOT_PRECISION, BLOCK_N)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
+                                   False, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd,
+                                   stride_vn, stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi,
+                                   True, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
 
     tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, (m_i + tl.log2(l_i)) * _LN2,
              mask=row_ok)
@@ -112,7 +126,7 @@ def attention_forward_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-_forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.TUNING_KEY,
+_forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.FORWARD_TUNING_KEY,
                                  prune_configs_by=cfg.PRUNE_FORWARD)(attention_forward_kernel)
 
 
@@ -130,11 +144,19 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     seq_k = k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
-    args = (q, k, v, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
+    block_d = cfg.block_d(head_dim)
+    interpreting = cfg.interpreting()
+    use_tma = (cfg.tensor_descriptors_requested() and cfg.descriptor_usable(k) and cfg.descriptor_usable(v))
+    k_arg, v_arg = k, v
+    if use_tma:
+        # The box is set per configuration: by the autotuner's pre-hook, or here for the interpreter.
+        block_n = cfg.INTERPRETER_FORWARD["BLOCK_N"] if interpreting else 64
+        k_arg, v_arg = cfg.kv_descriptor(k, block_n, block_d), cfg.kv_descriptor(v, block_n, block_d)
+    args = (q, k_arg, v_arg, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
             heads, group, seq_q, seq_k, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": cfg.block_d(head_dim), "CAUSAL": causal,
-            "DOT_PRECISION": dot_precision}
-    if cfg.interpreting():
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,
+            "USE_TMA": use_tma}
+    if interpreting:
         blocks = cfg.INTERPRETER_FORWARD
         attention_forward_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*args, **meta,
                                                                                          **blocks)
