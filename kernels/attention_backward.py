@@ -87,7 +87,8 @@ def attention_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one BLOCK_N tile of keys of one (batch, kv head), summed over the `group`
-    query heads that share the kv head: dV = P^T dO, dK = scale * dS^T Q."""
+    query heads that share the kv head: dV = P^T dO, dK = scale * dS^T Q. (With a causal mask the
+    first key tiles have the most query rows: launch order is already longest first.)"""
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = (bhk // num_kv_heads).to(tl.int64)
@@ -176,7 +177,10 @@ def attention_dq_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ = scale * dS K of one BLOCK_M tile of queries of one (batch, head)."""
-    start_m = tl.program_id(0) * BLOCK_M
+    tile = tl.program_id(0)
+    if CAUSAL:  # the longest tiles first, as in the forward kernel
+        tile = tl.num_programs(0) - 1 - tile
+    start_m = tile * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)

@@ -73,7 +73,12 @@ def attention_forward_kernel(
     BUCKET_Q and BUCKET_K only key the autotuner. With USE_TMA, K and V are tensor descriptors
     (their stride arguments are then unused).
     """
-    start_m = tl.program_id(0) * BLOCK_M
+    tile = tl.program_id(0)
+    if CAUSAL:
+        # Causal query tiles further down see more keys: launch those first, so that the short
+        # ones fill the gaps at the end instead of a long one running alone.
+        tile = tl.num_programs(0) - 1 - tile
+    start_m = tile * BLOCK_M
     bh = tl.program_id(1)
     # 64-bit offsets: batch * stride alone can pass 2**31 elements on large inputs.
     b = (bh // num_heads).to(tl.int64)
