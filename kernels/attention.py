@@ -91,6 +91,8 @@ def _kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enabl
         return "head counts that differ without enable_gqa, or do not divide"
     if min(q.shape[0], heads, kv_heads, q.shape[2], k.shape[2]) == 0:
         return "empty inputs"
+    if max(q.shape[2], k.shape[2]) * q.shape[3] >= 2**31:
+        return "a (batch, head) slice of 2**31 elements or more (the kernels' offsets are 32-bit)"
     if not _triton_usable():
         return "triton is not installed"
     if q.device.type == "cuda":
@@ -105,6 +107,16 @@ def _kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enabl
             return f"dtype {q.dtype} in the Triton interpreter"
         return None
     return f"{q.device.type} tensors (CPU needs TRITON_INTERPRET=1 to run the kernels)"
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What autocast does to SDPA's inputs (it is on autocast's lower-precision list on CUDA and
+    CPU): floating tensors other than float64 are cast to the autocast dtype."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -183,7 +195,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         ValueError: for shapes that do not fit together (not 4-D, batch, head dims or k/v
             shapes that differ, Hkv not dividing Hq).
 
-    Inputs the kernels do not take (see the module docstring) are computed with torch.
+    Inputs the kernels do not take (see the module docstring) are computed with torch. Under
+    autocast the inputs are cast to the autocast dtype first, as torch does for its SDPA.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -195,6 +208,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash_attention: the kv head count {k.shape[1]} must divide the query head "
                          f"count {q.shape[1]}")
+    q, k, v = _autocast(q, k, v)
     reason = _kernel_unsupported(q, k, v, enable_gqa=True)
     if reason is not None:
         _log_fallback(reason)
@@ -211,6 +225,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``: same signature, result
     and errors. Runs the fused kernels when they take the inputs (see the module docstring) and
     calls torch's SDPA otherwise, e.g. for an ``attn_mask`` or ``dropout_p > 0``."""
+    if all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        query, key, value = _autocast(query, key, value)
     if attn_mask is not None:
         reason: Optional[str] = "attn_mask"
     elif dropout_p != 0.0:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import attention_configs as cfg
-from .attention_forward import LOG2E, strides
+from .attention_forward import LOG2E, int32_addressable, strides
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -231,6 +231,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """dQ, dK, dV (in the dtypes and layouts of q, k, v) from the output gradient `do`, the LSE's
     gradient `dlse` (None when the LSE was not used) and what the forward kept: its inputs, output
     and float32 LSE."""
+    do, q, k, v, o = (int32_addressable(t) for t in (do, q, k, v, o))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads

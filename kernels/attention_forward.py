@@ -26,18 +26,12 @@ def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride
         cols = start_n + offs_n
         if USE_TMA:
             k_t = tl.trans(k_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = v_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif MASKED:
+            k_t = tl.load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn,
+                          mask=d_ok[:, None] & (cols[None, :] < seq_k), other=0.0)
         else:
-            if MASKED:
-                k_mask = d_ok[:, None] & (cols[None, :] < seq_k)
-                v_mask = (cols[:, None] < seq_k) & d_ok[None, :]
-            else:
-                k_mask = d_ok[:, None]
-                v_mask = d_ok[None, :]
-            k_t = tl.load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=k_mask,
+            k_t = tl.load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=d_ok[:, None],
                           other=0.0)
-            v = tl.load(v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=v_mask,
-                        other=0.0)
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -50,6 +44,15 @@ def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        # V is loaded only now: loaded with K, it would hold registers through the softmax.
+        if USE_TMA:
+            v = v_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif MASKED:
+            v = tl.load(v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=(cols[:, None] < seq_k) & d_ok[None, :], other=0.0)
+        else:
+            v = tl.load(v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=d_ok[None, :],
+                        other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -140,10 +143,24 @@ def strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
+# The kernels address a (batch, head) slice from its origin (a 64-bit offset) with 32-bit offsets:
+# recomputed per tile from the row index, they are cheap, where 64-bit ones cost registers that
+# the sm_90 tiles do not have to spare (measured with ptxas: spills at d = 128).
+INT32_SPAN_LIMIT = 2**31
+
+
+def int32_addressable(t: torch.Tensor) -> torch.Tensor:
+    """t when 32-bit offsets reach every element of each of its (batch, head) slices, else a
+    contiguous copy (whose slices span S * D elements; callers send larger ones to torch)."""
+    span = (t.shape[2] - 1) * t.stride(2) + (t.shape[3] - 1) * t.stride(3)
+    return t if span < INT32_SPAN_LIMIT else t.contiguous()
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                       dot_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the forward kernel on (B, H, S, D) tensors of any strides; k and v may have fewer
     heads (a divisor of q's). Returns the output (q's dtype and layout) and the float32 LSE (B, H, Sq)."""
+    q, k, v = (int32_addressable(t) for t in (q, k, v))
     batch, heads, seq_q, head_dim = q.shape
     group = heads // k.shape[1]
     seq_k = k.shape[2]

@@ -125,6 +125,16 @@ def test_flash_attention_matches_float64(shape, causal, dtype):
                              shape, dtype, causal)
 
 
+def test_slices_beyond_32_bit_offsets_are_copied(monkeypatch):
+    """A layout whose (batch, head) slices 32-bit offsets cannot span is copied to a contiguous
+    one first (the limit is lowered here: real cases need tensors of more than 2**31 elements)."""
+    from braid.kernels import attention_forward
+
+    monkeypatch.setattr(attention_forward, "INT32_SPAN_LIMIT", 1000)
+    check_against_references(functools.partial(flash_attention, causal=True, return_lse=True),
+                             (1, 2, 1, 33, 40, 32), torch.float16, causal=True, transposed=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_strided_inputs_and_scale(dtype):
     """(B, S, H, D) memory viewed as (B, H, S, D): the kernels read the strides instead of copying,
@@ -177,6 +187,20 @@ def test_tensor_descriptor_forward(monkeypatch, shape):
     k_strided, v_strided = (torch.stack((t, t), dim=-1)[..., 0] for t in (k, v))  # head dim stride 2
     assert torch.equal(flash_attention(q, k_strided, v_strided, causal=True), plain[0])
     assert calls == []
+
+
+def test_autocast_casts_like_torch():
+    """Under autocast torch runs SDPA in the autocast dtype: so does braid (in the kernels), and
+    the gradients reach the float32 leaves as float32."""
+    q, k, v, _, _ = make_inputs(1, 2, 2, 20, 33, 32, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        mine = scaled_dot_product_attention(*leaves, is_causal=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert mine.dtype == theirs.dtype == torch.float16
+    assert (mine.float() - theirs.float()).abs().max().item() < 4e-3  # a few fp16 ulps at |out| < 2
+    mine.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)
 
 
 def test_lse_is_float32_logsumexp_of_scaled_scores():
