@@ -80,12 +80,16 @@ def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[
             for m in blocks_m for n in blocks_n for w in warps for s in stages]
 
 
-# The search spaces below are the usual ones for flash attention on sm_80/sm_90 (tiles of 64 or
-# 128 rows, 4 or 8 warps, 2 to 4 pipeline stages). None of them has been measured on a GPU yet:
-# the autotuner picks among them at the first call for each key.
-FORWARD_CONFIGS = _configs((64, 128), (64, 128), (4, 8), (2, 3, 4), pre_hook=_set_descriptor_boxes)
+# The search spaces below are the usual ones for flash attention on sm_80/sm_90 (tiles of 16 to
+# 128 rows, 4 or 8 warps, 2 to 4 pipeline stages), widened towards narrow tiles after compiling
+# every candidate for sm_90 with Triton 3.9 and reading ptxas' report (bf16, d = 128, 2 stages):
+# only narrow key tiles stay free of register spills there (forward 128 x 64 or 64 x 32 with
+# 8 warps, dQ 64 x 32, dK/dV 16..64 x 32), while the wider ones spill hundreds of bytes per
+# thread. None has been timed on a GPU yet: the autotuner picks among them at the first call for
+# each key, which compiles each candidate once (a minute or two per head dim and causal flag).
+FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3), pre_hook=_set_descriptor_boxes)
 DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3))
-DKDV_CONFIGS = _configs((32, 64), (64, 128), (4, 8), (2, 3))
+DKDV_CONFIGS = _configs((16, 32, 64), (32, 64, 128), (4, 8), (2,))
 DELTA_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (64, 128) for w in (4, 8)]
 
 # Shared memory per SM on sm_90 is 228 KiB (227 usable by one block); a config whose tiles cannot
