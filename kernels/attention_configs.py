@@ -81,7 +81,7 @@ def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[
 
 
 # The search spaces below are the usual ones for flash attention on sm_80/sm_90 (tiles of 16 to
-# 128 rows, 4 or 8 warps, 2 to 4 pipeline stages), widened towards narrow tiles after compiling
+# 128 rows, 4 or 8 warps, 2 or 3 pipeline stages), widened towards narrow tiles after compiling
 # every candidate for sm_90 with Triton 3.9 and reading ptxas' report (bf16, d = 128, 2 stages):
 # only narrow key tiles stay free of register spills there (forward 128 x 64 or 64 x 32 with
 # 8 warps, dQ 64 x 32, dK/dV 16..64 x 32), while the wider ones spill hundreds of bytes per

@@ -178,7 +178,9 @@ def test_tensor_descriptor_forward(monkeypatch, shape):
     plain = flash_attention(q, k, v, causal=True, return_lse=True)
     monkeypatch.setenv("BRAID_ATTENTION_TMA", "1")
     with_tma = flash_attention(q, k, v, causal=True, return_lse=True)
-    assert len(calls) == 2  # k and v, on the second call only
+    # k and v, on the second call only; GPUs older than sm_90 have no TMA and keep the pointers.
+    has_tma = DEVICE == "cpu" or torch.cuda.get_device_capability() >= (9, 0)
+    assert len(calls) == (2 if has_tma else 0)
     if DEVICE == "cpu":  # the interpreter does the same arithmetic on both paths
         assert all(torch.equal(a, b) for a, b in zip(plain, with_tma))
     check_against_references(functools.partial(flash_attention, causal=True, return_lse=True), shape,
