@@ -100,7 +100,7 @@ def check_against_references(fn, shape, dtype, causal, transposed=False, scale=N
 
 
 # (batch, q heads, kv heads, Sq, Sk, head dim): lengths 1, 17, 77, 130, Sq > Sk and Sq < Sk, GQA
-# and MQA, head dims 32, 64, 96, 128. The interpreter tiles are 32 x 16 (forward, dQ) and
+# and MQA, head dims 16, 32, 64, 96, 128, 256. The interpreter tiles are 32 x 16 (forward, dQ) and
 # 16 x 32 (dK/dV), so 17, 77 and 130 leave ragged tiles and 130 spans several.
 SHAPES = [
     (1, 2, 2, 1, 1, 32),
@@ -113,6 +113,8 @@ SHAPES = [
     (1, 4, 2, 33, 47, 64),     # GQA
     (2, 4, 1, 77, 30, 32),     # MQA
     (1, 2, 1, 45, 61, 96),     # head dim padded to 128 inside the kernels
+    (1, 2, 2, 9, 21, 16),      # the smallest head dim
+    (1, 1, 1, 20, 20, 256),    # the largest
 ]
 
 
