@@ -11,6 +11,7 @@ from collections.abc import Sequence
 BENCHMARKS = {
     "collectives": "all_reduce, reduce_scatter, all_gather, broadcast: braid vs gloo vs Open MPI",
     "tp": "transformer block forward+backward at TP=2: braid.comm.tp vs DTensor on gloo",
+    "attention": "fused attention TFLOP/s: braid vs torch SDPA's flash, cuDNN and efficient backends",
 }
 
 

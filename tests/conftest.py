@@ -2,7 +2,13 @@
 import os
 
 import pytest
+import torch
 from helpers.ranks import shutdown_pool
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which reads this variable when
+# triton is first imported: it must be set before any test module imports braid.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The ranks inherit this environment when they are spawned: BRAID_* knobs from the shell would
 # change algorithms and thresholds under the tests, which set every tunable they rely on.

@@ -1,0 +1,129 @@
+"""Launch configurations of the attention kernels: autotuned on a GPU, one fixed set in the interpreter."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+try:  # host-side tensor descriptors (TMA on sm_90); absent from older Triton releases
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+# Names of the meta-parameters every attention kernel takes from its configuration.
+BLOCK_NAMES = ("BLOCK_M", "BLOCK_N")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read at import)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tensor_descriptors_requested() -> bool:
+    """BRAID_ATTENTION_TMA=1 asks the forward kernel to stream K and V through tensor descriptors
+    (the Tensor Memory Accelerator on sm_90) instead of pointer arithmetic. Off by default: its
+    speed has not been measured yet."""
+    return os.environ.get("BRAID_ATTENTION_TMA", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def descriptor_usable(t: torch.Tensor) -> bool:
+    """Whether a (B, H, S, D) tensor meets the TMA rules: 16-byte aligned base and row strides,
+    contiguous last dim, half-precision elements (the only ones the descriptor path is built for)."""
+    if TensorDescriptor is None or t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
+        return False
+    elem = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * elem % 16 == 0 for s in t.stride()[:-1]))
+
+
+def kv_descriptor(t: torch.Tensor, block_n: int, head_dim_block: int):
+    """A 4-D descriptor over k or v, read one (1, 1, block_n, head_dim_block) box at a time; boxes
+    past the sequence or the head dim read zeros, which stand in for the pointer path's masks."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, head_dim_block])
+
+
+def _set_descriptor_boxes(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' box follows the configuration's BLOCK_N."""
+    for name in ("K", "V"):
+        if TensorDescriptor is not None and isinstance(nargs[name], TensorDescriptor):
+            nargs[name].block_shape = [1, 1, nargs["BLOCK_N"], nargs["BLOCK_D"]]
+
+
+def block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two (tl.arange needs one); the kernels mask the rest."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def bucket(seq_len: int) -> int:
+    """Autotuning key of a sequence length: its power-of-two ceiling, so that a training run with
+    varying lengths tunes a handful of times, not once per length."""
+    return triton.next_power_of_2(seq_len)
+
+
+# In the interpreter every program runs as numpy code on one core: a single small configuration
+# keeps the tests fast, and BLOCK_M != BLOCK_N makes them cover tiles that are not square (the
+# causal diagonal then crosses tiles at different offsets in the two loops of each kernel).
+INTERPRETER_FORWARD = {"BLOCK_M": 32, "BLOCK_N": 16}
+INTERPRETER_DQ = {"BLOCK_M": 32, "BLOCK_N": 16}
+INTERPRETER_DKDV = {"BLOCK_M": 16, "BLOCK_N": 32}
+INTERPRETER_DELTA = {"BLOCK_M": 32}
+
+
+def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[int, ...],
+             stages: tuple[int, ...], pre_hook=None) -> list[triton.Config]:
+    # num_stages > 1 lets Triton software-pipeline the K/V (or Q/dO) loads of the next tile under
+    # the dot products of this one (asynchronous copies, or TMA loads with tensor descriptors).
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+            for m in blocks_m for n in blocks_n for w in warps for s in stages]
+
+
+# The search spaces below are the usual ones for flash attention on sm_80/sm_90 (tiles of 16 to
+# 128 rows, 4 or 8 warps, 2 or 3 pipeline stages), widened towards narrow tiles after compiling
+# every candidate for sm_90 with Triton 3.9 and reading ptxas' report (bf16, d = 128, 2 stages):
+# only narrow key tiles stay free of register spills there (forward 128 x 64 or 64 x 32 with
+# 8 warps, dQ 64 x 32, dK/dV 16..64 x 32), while the wider ones spill hundreds of bytes per
+# thread. None has been timed on a GPU yet: the autotuner picks among them at the first call for
+# each key, which compiles each candidate once (a minute or two per head dim and causal flag).
+FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3), pre_hook=_set_descriptor_boxes)
+DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3))
+DKDV_CONFIGS = _configs((16, 32, 64), (32, 64, 128), (4, 8), (2,))
+DELTA_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (64, 128) for w in (4, 8)]
+
+# Shared memory per SM on sm_90 is 228 KiB (227 usable by one block); a config whose tiles cannot
+# fit is dropped before benchmarking instead of being compiled only to fail.
+_SMEM_BYTES = 227 * 1024
+
+
+def _tile_bytes(config: triton.Config, block_d: int, elem_bytes: int, tiles_m: int, tiles_n: int) -> int:
+    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    stages = max(config.num_stages, 1)
+    return (tiles_m * m + tiles_n * n * stages) * block_d * elem_bytes
+
+
+def _pruner(tiles_m: int, tiles_n: int):
+    """An early_config_prune that keeps the configs whose tiles (tiles_m row tiles, tiles_n
+    column tiles, the latter once per pipeline stage) fit in shared memory."""
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elem = named_args["Q"].element_size()
+        kept = [c for c in configs if _tile_bytes(c, d, elem, tiles_m, tiles_n) <= _SMEM_BYTES
+                # A tile larger than 128 x 128 halves (128-row tiles at d = 256, or float32 at
+                # d = 128) is expected to spill the accumulators out of registers.
+                and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * d * elem <= 128 * 128 * 2]
+        return kept or [min(configs, key=lambda c: _tile_bytes(c, d, elem, tiles_m, tiles_n))]
+    return prune
+
+
+# Forward and dQ: one resident Q tile, K and V tiles streamed. dK/dV: resident K and V tiles,
+# Q and dO tiles streamed.
+PRUNE_FORWARD = {"early_config_prune": _pruner(1, 2)}
+PRUNE_DQ = {"early_config_prune": _pruner(2, 2)}
+PRUNE_DKDV = {"early_config_prune": _pruner(2, 2)}
+
+# Autotuning keys: a new configuration is chosen per head dim, causal flag and length bucket
+# (tensor dtypes are part of Triton's key already), and for the forward per load path.
+TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL"]
+FORWARD_TUNING_KEY = TUNING_KEY + ["USE_TMA"]

@@ -1,0 +1,374 @@
+"""Fused attention against float64 references: forward, LSE and all gradients, fallbacks to torch.
+
+Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on tiny
+shapes in float16 and float32; with one, the same cases run on the GPU, and the tests marked gpu
+add bfloat16 and real sizes.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from braid.kernels import attention, attention_configs, flash_attention, scaled_dot_product_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook attention and the natural-log LSE of each row, computed in `dtype` (default: the
+    inputs'); k and v heads are repeated for GQA as torch's enable_gqa does."""
+    dtype = dtype or q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+
+
+def run(fn, q, k, v, do, dlse):
+    """fn(q, k, v) -> (out, lse) with fresh leaves; returns out, lse, dq, dk, dv for the loss
+    sum(out * do) + sum(lse * dlse), so that the LSE's gradient is checked along with the output's."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    loss = (out.double() * do).sum() + (lse.double() * dlse).sum()
+    loss.backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+def make_inputs(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, transposed=False, seed=0):
+    """q, k, v of `dtype` (as (B, S, H, D) memory viewed as (B, H, S, D) when transposed), and float64
+    upstream gradients for the output and the LSE."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tensor(h, s):
+        shape = (batch, s, h, head_dim) if transposed else (batch, h, s, head_dim)
+        t = torch.randn(shape, generator=gen).to(device=DEVICE, dtype=dtype)
+        return t.transpose(1, 2) if transposed else t
+
+    q, k, v = tensor(heads, seq_q), tensor(kv_heads, seq_k), tensor(kv_heads, seq_k)
+    do = torch.randn(batch, heads, seq_q, head_dim, generator=gen, dtype=torch.float64).to(DEVICE)
+    dlse = torch.randn(batch, heads, seq_q, generator=gen, dtype=torch.float64).to(DEVICE)
+    return q, k, v, do, dlse
+
+
+# The flash-attention convention: braid's error against the float64 truth may be at most twice
+# that of torch computing the same thing in the same dtype, plus a floor for the cases where
+# torch's error happens to be near zero (one visible key: the output is v itself, and torch's
+# softmax gradient cancels exactly) while braid still pays two things, FLOOR_ULPS ulps each:
+# - the single rounding of its float32 result to the output dtype, at the size of the largest
+#   reference value;
+# - its float32 arithmetic in dS = P * (dP - delta), which subtracts two length-D dot products of
+#   unit-normal data (size about sqrt(D)); that cancellation keeps their float32 rounding error
+#   even when the gradient itself is near zero.
+FLOOR_ULPS = 4
+
+
+def check_close(name, got, same_dtype, truth, dtype):
+    err = (got.double() - truth).abs().max().item()
+    ref_err = (same_dtype.double() - truth).abs().max().item()
+    head_dim = got.shape[-1] if name != "lse" else 1
+    floor = FLOOR_ULPS * (torch.finfo(dtype).eps * max(1.0, truth.abs().max().item())
+                          + torch.finfo(torch.float32).eps * math.sqrt(head_dim))
+    assert err <= 2 * ref_err + floor, \
+        f"{name}: error {err:.3g} > 2 * {ref_err:.3g} (torch, same dtype) + {floor:.3g}"
+
+
+def check_against_references(fn, shape, dtype, causal, transposed=False, scale=None):
+    """Forward, LSE and dq/dk/dv of fn against float64, with torch in `dtype` as the yardstick."""
+    q, k, v, do, dlse = make_inputs(*shape, dtype=dtype, transposed=transposed)
+    got = run(fn, q, k, v, do, dlse)
+    truth = run(lambda *t: reference(*t, causal, scale, torch.float64), q, k, v, do, dlse)
+    same = run(lambda *t: reference(*t, causal, scale), q, k, v, do, dlse)
+    # The LSE is float32 whatever the inputs: its yardstick is torch computing it in float32.
+    same_lse = reference(q, k, v, causal, scale, torch.float32)[1]
+    assert got[0].dtype == dtype and got[0].shape == q.shape
+    assert got[1].dtype == torch.float32 and got[1].shape == q.shape[:3]
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        assert got[i].shape == truth[i].shape, name
+        check_close(name, got[i], same_lse if name == "lse" else same[i], truth[i],
+                    torch.float32 if name == "lse" else dtype)
+
+
+# (batch, q heads, kv heads, Sq, Sk, head dim): lengths 1, 17, 77, 130, Sq > Sk and Sq < Sk, GQA
+# and MQA, head dims 16, 32, 64, 96, 128, 256. The interpreter tiles are 32 x 16 (forward, dQ) and
+# 16 x 32 (dK/dV), so 17, 77 and 130 leave ragged tiles and 130 spans several.
+SHAPES = [
+    (1, 2, 2, 1, 1, 32),
+    (1, 2, 2, 17, 17, 64),
+    (2, 2, 2, 77, 77, 32),
+    (1, 1, 1, 130, 130, 128),
+    (1, 2, 2, 77, 17, 64),     # Sq > Sk: causal rows past Sk see every key
+    (1, 2, 2, 17, 130, 32),    # Sq < Sk: causal keys past Sq are seen by no row
+    (1, 3, 3, 1, 77, 64),
+    (1, 4, 2, 33, 47, 64),     # GQA
+    (2, 4, 1, 77, 30, 32),     # MQA
+    (1, 2, 1, 45, 61, 96),     # head dim padded to 128 inside the kernels
+    (1, 2, 2, 9, 21, 16),      # the smallest head dim
+    (1, 1, 1, 20, 20, 256),    # the largest
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_flash_attention_matches_float64(shape, causal, dtype):
+    """Output, LSE and all three gradients (through the output and the LSE) on small shapes."""
+    check_against_references(functools.partial(flash_attention, causal=causal, return_lse=True),
+                             shape, dtype, causal)
+
+
+def test_slices_beyond_32_bit_offsets_are_copied(monkeypatch):
+    """A layout whose (batch, head) slices 32-bit offsets cannot span is copied to a contiguous
+    one first (the limit is lowered here: real cases need tensors of more than 2**31 elements)."""
+    from braid.kernels import attention_forward
+
+    monkeypatch.setattr(attention_forward, "INT32_SPAN_LIMIT", 1000)
+    check_against_references(functools.partial(flash_attention, causal=True, return_lse=True),
+                             (1, 2, 1, 33, 40, 32), torch.float16, causal=True, transposed=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_strided_inputs_and_scale(dtype):
+    """(B, S, H, D) memory viewed as (B, H, S, D): the kernels read the strides instead of copying,
+    and the gradients come back in the inputs' layout. Also a non-default softmax scale."""
+    shape = (2, 4, 2, 40, 70, 64)
+    fn = functools.partial(flash_attention, causal=True, softmax_scale=0.3, return_lse=True)
+    check_against_references(fn, shape, dtype, causal=True, transposed=True, scale=0.3)
+    q, k, v, _, _ = make_inputs(*shape, dtype=dtype, transposed=True)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*leaves).sum().backward()
+    for t in leaves:
+        assert t.grad.stride() == t.stride()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_runs_the_kernels(causal):
+    """scaled_dot_product_attention with enable_gqa computes what flash_attention does, bit for bit
+    (forward and gradients), and agrees with torch's SDPA within float16 accuracy."""
+    q, k, v, do, _ = make_inputs(1, 4, 2, 30, 50, 32, torch.float16)
+    no_lse = torch.zeros(q.shape[:3], dtype=torch.float64, device=DEVICE)
+    mine = run(lambda *t: (scaled_dot_product_attention(*t, is_causal=causal, enable_gqa=True), no_lse),
+               q, k, v, do, no_lse)
+    flash = run(lambda *t: (flash_attention(*t, causal=causal), no_lse), q, k, v, do, no_lse)
+    for a, b in zip(mine, flash):
+        assert torch.equal(a, b)
+    torch_out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                               enable_gqa=True)
+    assert (mine[0].float() - torch_out).abs().max().item() < 4e-3  # a few fp16 ulps at |out| < 2
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 30, 77, 96), (2, 2, 1, 40, 16, 64)], ids=["gqa-d96", "mqa-d64"])
+def test_tensor_descriptor_forward(monkeypatch, shape):
+    """BRAID_ATTENTION_TMA=1 streams K and V through tensor descriptors: same results as the
+    pointer path (out of range boxes read zeros where the pointer path masks), and the same
+    accuracy; a layout the descriptors cannot describe takes the pointer path."""
+    calls = []
+    monkeypatch.setattr(attention_configs, "kv_descriptor",
+                        lambda *a, make=attention_configs.kv_descriptor: calls.append(a) or make(*a))
+    q, k, v, _, _ = make_inputs(*shape, dtype=torch.float16)
+    monkeypatch.setenv("BRAID_ATTENTION_TMA", "0")
+    plain = flash_attention(q, k, v, causal=True, return_lse=True)
+    monkeypatch.setenv("BRAID_ATTENTION_TMA", "1")
+    with_tma = flash_attention(q, k, v, causal=True, return_lse=True)
+    # k and v, on the second call only; GPUs older than sm_90 have no TMA and keep the pointers.
+    has_tma = DEVICE == "cpu" or torch.cuda.get_device_capability() >= (9, 0)
+    assert len(calls) == (2 if has_tma else 0)
+    if DEVICE == "cpu":  # the interpreter does the same arithmetic on both paths
+        assert all(torch.equal(a, b) for a, b in zip(plain, with_tma))
+    check_against_references(functools.partial(flash_attention, causal=True, return_lse=True), shape,
+                             torch.float16, causal=True)
+    calls.clear()
+    k_strided, v_strided = (torch.stack((t, t), dim=-1)[..., 0] for t in (k, v))  # head dim stride 2
+    assert torch.equal(flash_attention(q, k_strided, v_strided, causal=True), plain[0])
+    assert calls == []
+
+
+def test_autocast_casts_like_torch():
+    """Under autocast torch runs SDPA in the autocast dtype: so does braid (in the kernels), and
+    the gradients reach the float32 leaves as float32."""
+    q, k, v, _, _ = make_inputs(1, 2, 2, 20, 33, 32, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        mine = scaled_dot_product_attention(*leaves, is_causal=True)
+        theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert mine.dtype == theirs.dtype == torch.float16
+    assert (mine.float() - theirs.float()).abs().max().item() < 4e-3  # a few fp16 ulps at |out| < 2
+    mine.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)
+
+
+def test_lse_is_float32_logsumexp_of_scaled_scores():
+    """return_lse gives log(sum(exp(scale * q.k))) per row, natural log, in float32."""
+    q, k, v, _, _ = make_inputs(1, 2, 2, 20, 35, 32, torch.float32)
+    _, lse = flash_attention(q, k, v, softmax_scale=0.5, return_lse=True)
+    scores = (q.double() @ k.double().transpose(-2, -1)) * 0.5
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=1e-5)
+
+
+# -- fallbacks to torch -------------------------------------------------------------------------
+def _both(fn_braid, fn_torch):
+    """Calls both; returns their results, or their exceptions' (type, message) when they raise."""
+    out = []
+    for fn in (fn_braid, fn_torch):
+        try:
+            out.append(fn())
+        except Exception as e:  # noqa: BLE001 -- compared with torch's error below
+            out.append((type(e), str(e)))
+    return out
+
+
+def test_attn_mask_and_dropout_fall_back_to_torch():
+    """What the kernels do not implement gives torch's result exactly, and torch's RNG stream."""
+    q, k, v, _, _ = make_inputs(2, 2, 2, 9, 13, 32, torch.float32)
+    mask = torch.rand(9, 13, generator=torch.Generator().manual_seed(1)).to(DEVICE) > 0.3
+    assert torch.equal(scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    bias = torch.randn(9, 13).to(DEVICE)
+    assert torch.equal(scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.2),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.2))
+    torch.manual_seed(5)
+    mine = scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+    torch.manual_seed(5)
+    assert torch.equal(mine, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True))
+
+
+@pytest.mark.parametrize("case", ["head_dim_8", "head_dim_320", "float64", "bfloat16", "3d",
+                                  "broadcast_batch", "v_head_dim_differs"])
+def test_unsupported_inputs_fall_back_to_torch(case):
+    """Inputs outside the kernels' range give torch's result (bitwise: it is torch's call)."""
+    shapes = {"head_dim_8": ((1, 2, 5, 8),) * 3, "head_dim_320": ((1, 2, 5, 320),) * 3,
+              "3d": ((2, 5, 32),) * 3, "broadcast_batch": ((2, 2, 5, 32), (1, 2, 7, 32), (1, 2, 7, 32)),
+              "v_head_dim_differs": ((1, 2, 5, 32), (1, 2, 7, 32), (1, 2, 7, 48))}
+    dtype = {"float64": torch.float64, "bfloat16": torch.bfloat16}.get(case, torch.float32)
+    if case == "bfloat16" and DEVICE == "cuda":
+        pytest.skip("bfloat16 runs in the kernels on a GPU")
+    gen = torch.Generator().manual_seed(2)
+    default = ((1, 2, 5, 32),) * 3
+    q, k, v = (torch.randn(s, generator=gen).to(DEVICE, dtype) for s in shapes.get(case, default))
+    mine, theirs = _both(lambda: scaled_dot_product_attention(q, k, v, is_causal=True),
+                         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    if isinstance(theirs, tuple):  # torch rejects the case: braid must raise the same
+        assert mine == theirs
+    else:
+        assert torch.equal(mine, theirs)
+
+
+def test_cpu_without_interpreter_falls_back(monkeypatch):
+    """On CPU tensors the kernels run only under TRITON_INTERPRET=1; otherwise torch computes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 32, generator=gen) for _ in range(3))
+    assert torch.equal(scaled_dot_product_attention(q, k, v, is_causal=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = reference(q, k, v, True, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gqa_not_dividing", "heads_differ_without_gqa", "qk_head_dims_differ",
+                                  "batch_mismatch", "dtype_mismatch"])
+def test_errors_are_torchs(case):
+    """Bad arguments raise what torch raises, with torch's message."""
+    gen = torch.Generator().manual_seed(4)
+
+    def t(*shape, dtype=torch.float16):
+        return torch.randn(shape, generator=gen).to(DEVICE, dtype)
+
+    q, k, v = t(1, 6, 8, 32), t(1, 4, 8, 32), t(1, 4, 8, 32)
+    kwargs = {"enable_gqa": True}
+    if case == "heads_differ_without_gqa":
+        kwargs = {}
+    elif case == "qk_head_dims_differ":
+        k, v = t(1, 6, 8, 16), t(1, 6, 8, 32)
+    elif case == "batch_mismatch":  # batch 1 would broadcast
+        q, k, v = t(2, 6, 8, 32), t(3, 6, 8, 32), t(3, 6, 8, 32)
+    elif case == "dtype_mismatch":
+        k, v = t(1, 6, 8, 32, dtype=torch.float32), t(1, 6, 8, 32)
+    mine, theirs = _both(lambda: scaled_dot_product_attention(q, k, v, **kwargs),
+                         lambda: F.scaled_dot_product_attention(q, k, v, **kwargs))
+    assert isinstance(theirs, tuple), "torch accepted the case: it tests nothing"
+    assert mine == theirs
+
+
+def test_flash_attention_rejects_bad_shapes():
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 6, 8, 32, generator=gen)
+    with pytest.raises(ValueError, match="must divide"):
+        flash_attention(q, torch.randn(1, 4, 8, 32), torch.randn(1, 4, 8, 32))
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="same shape"):
+        flash_attention(q, q, q[:, :, :5])
+
+
+def test_fallback_logged_once_at_debug(monkeypatch, caplog):
+    monkeypatch.setattr(attention, "_logged_reasons", set())
+    q = torch.randn(1, 2, 4, 32).to(DEVICE)
+    mask = torch.zeros(4, 4).to(DEVICE)
+    with caplog.at_level(logging.DEBUG, logger="braid.kernels.attention"):
+        for _ in range(3):
+            scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    records = [r for r in caplog.records if r.name == "braid.kernels.attention"]
+    assert len(records) == 1
+    assert records[0].levelno == logging.DEBUG and "attn_mask" in records[0].getMessage()
+
+
+# -- GPU only -----------------------------------------------------------------------------------
+GPU_SHAPES = [(2, 16, 16, 1024, 1024, 128), (2, 16, 4, 1000, 1536, 64), (1, 8, 1, 2048, 777, 128),
+              (4, 8, 8, 511, 511, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=["x".join(map(str, s)) for s in GPU_SHAPES])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_real_sizes_against_float32(shape, causal, dtype):
+    """Real sizes on the GPU; the truth is float32 here (float64 attention would be slow), still
+    far more accurate than the half types under test. The yardstick is torch's SDPA in `dtype`."""
+    q, k, v, do, _ = make_inputs(*shape, dtype=dtype)
+    # torch's SDPA does not return the LSE: the loss has no LSE term here (the small-shape tests
+    # cover its gradient), and braid's LSE is compared with the float32 truth directly.
+    no_dlse = torch.zeros(q.shape[:3], dtype=torch.float64, device=DEVICE)
+    got = run(lambda *t: flash_attention(*t, causal=causal, return_lse=True), q, k, v, do, no_dlse)
+    truth = run(lambda *t: reference(*t, causal, None, torch.float32), q, k, v, do, no_dlse)
+    same = run(lambda *t: (F.scaled_dot_product_attention(*t, is_causal=causal, enable_gqa=True), no_dlse),
+               q, k, v, do, no_dlse)
+    for i, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        check_close(name, got[i], same[i], truth[i].double(), dtype)
+    # Both LSEs are float32; braid's differs from the truth by the float32 accumulation order only.
+    torch.testing.assert_close(got[1], truth[1], rtol=0, atol=1e-4 * max(1.0, truth[1].abs().max().item()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_deterministic():
+    """Forward and backward are bitwise reproducible: every output element is written by one
+    program in a fixed order, no atomics."""
+    q, k, v, do, dlse = make_inputs(2, 16, 4, 1500, 1500, 128, torch.bfloat16)
+    first = run(lambda *t: flash_attention(*t, causal=True, return_lse=True), q, k, v, do, dlse)
+    second = run(lambda *t: flash_attention(*t, causal=True, return_lse=True), q, k, v, do, dlse)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bfloat16_small_shapes():
+    """bfloat16 on the small shapes (the interpreter cannot run bfloat16 dot products)."""
+    for shape in SHAPES:
+        for causal in (False, True):
+            fn = functools.partial(flash_attention, causal=causal, return_lse=True)
+            check_against_references(fn, shape, torch.bfloat16, causal)
