@@ -78,6 +78,7 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kAllGather: return "all_gather";
     case CollKind::kBroadcast: return "broadcast";
     case CollKind::kBarrier: return "barrier";
+    case CollKind::kAllToAll: return "all_to_all";
   }
   return "unknown";
 }

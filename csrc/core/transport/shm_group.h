@@ -26,6 +26,7 @@ enum class CollKind : uint32_t {
   kAllGather = 3,
   kBroadcast = 4,
   kBarrier = 5,
+  kAllToAll = 6,  // rank r receives every rank's chunk r (compressed reduce-scatter)
 };
 const char* coll_kind_name(CollKind k);
 
