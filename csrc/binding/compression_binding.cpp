@@ -24,13 +24,12 @@ QuantFormat checked_format(int bits, int64_t block) {
   return QuantFormat{bits, static_cast<size_t>(block)};
 }
 
-// A uint8 buffer holding exactly fmt.bytes(count) bytes, 4-byte aligned (the scales are float32).
-at::Tensor checked_payload(const py::handle& obj, const char* arg, QuantFormat fmt, size_t count) {
+// A uint8 buffer of exactly `bytes` bytes, 4-byte aligned (the scales are float32).
+at::Tensor checked_payload(const py::handle& obj, const char* arg, size_t bytes) {
   at::Tensor q = checked_contiguous(obj, arg, {at::kByte});
-  if (static_cast<size_t>(q.numel()) != fmt.bytes(count))
-    throw py::value_error(std::string(arg) + " must hold " + std::to_string(fmt.bytes(count)) + " bytes for " +
-                          std::to_string(count) + " elements at " + std::to_string(fmt.bits) + " bits, block " +
-                          std::to_string(fmt.block) + ", got " + std::to_string(q.numel()));
+  if (static_cast<size_t>(q.numel()) != bytes)
+    throw py::value_error(std::string(arg) + " must hold " + std::to_string(bytes) + " bytes, got " +
+                          std::to_string(q.numel()));
   if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
     throw py::value_error(std::string(arg) + " must be 4-byte aligned (its scales are float32)");
   return q;
@@ -42,11 +41,28 @@ void check_same_numel(const at::Tensor& a, const char* an, const at::Tensor& b, 
                           "), got " + std::to_string(b.numel()));
 }
 
+// `chunk` 0 means one chunk of the whole input (the plain layout).
+size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
+  if (chunk == 0) {
+    if (nchunks != 1) throw py::value_error("nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
+    return count;
+  }
+  if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
+    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
+                          std::to_string(chunk));
+  if (nchunks < 1 || static_cast<size_t>(chunk) * static_cast<size_t>(nchunks) < count)
+    throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
+                          std::to_string(nchunks) + " * " + std::to_string(chunk));
+  return static_cast<size_t>(chunk);
+}
+
 at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int64_t block, bool stochastic,
-                           uint64_t seed, uint64_t index_base, py::handle out) {
+                           uint64_t seed, uint64_t index_base, int64_t chunk_arg, int64_t nchunks, py::handle out) {
   const QuantFormat fmt = checked_format(bits, block);
   at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
   const size_t n = static_cast<size_t>(in.numel());
+  const size_t chunk = checked_chunk(chunk_arg, nchunks, n, fmt);
+  const size_t total = static_cast<size_t>(nchunks) * fmt.bytes(chunk);
   float* res = nullptr;
   at::Tensor r;
   if (!residual.is_none()) {
@@ -54,31 +70,41 @@ at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int6
     check_same_numel(in, "input", r, "residual");
     res = r.data_ptr<float>();
   }
-  at::Tensor q = out.is_none() ? at::empty({static_cast<int64_t>(fmt.bytes(n))}, at::kByte)
-                               : checked_payload(out, "out", fmt, n);
+  at::Tensor q = out.is_none() ? at::empty({static_cast<int64_t>(total)}, at::kByte)
+                               : checked_payload(out, "out", total);
   const DType dt = to_dtype(in.scalar_type(), "input");
   {
     py::gil_scoped_release nogil;
-    quantize(fmt, dt, in.data_ptr(), res, n, stochastic, seed, index_base, q.data_ptr<uint8_t>());
+    quantize(fmt, dt, in.data_ptr(), res, n, chunk, static_cast<size_t>(nchunks), stochastic, seed, index_base,
+             q.data_ptr<uint8_t>());
   }
   return q;
 }
 
-void dequantize_tensor(py::handle payload, int bits, int64_t block, py::handle output) {
+void dequantize_tensor(py::handle payload, int bits, int64_t block, py::handle output, int64_t chunk_arg) {
   const QuantFormat fmt = checked_format(bits, block);
   at::Tensor out = checked_contiguous(output, "output", kFloatTypes);
   const size_t n = static_cast<size_t>(out.numel());
-  at::Tensor q = checked_payload(payload, "payload", fmt, n);
+  const int64_t chunks_needed = chunk_arg > 0 ? (static_cast<int64_t>(n) + chunk_arg - 1) / chunk_arg : 1;
+  const size_t chunk = checked_chunk(chunk_arg, std::max<int64_t>(chunks_needed, 1), n, fmt);
+  const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
+  at::Tensor q = checked_contiguous(payload, "payload", {at::kByte});
+  if (static_cast<size_t>(q.numel()) < nchunks * fmt.bytes(chunk))
+    throw py::value_error("payload must hold at least " + std::to_string(nchunks * fmt.bytes(chunk)) + " bytes for " +
+                          std::to_string(n) + " elements in chunks of " + std::to_string(chunk) + ", got " +
+                          std::to_string(q.numel()));
+  if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
+    throw py::value_error("payload must be 4-byte aligned (its scales are float32)");
   const DType dt = to_dtype(out.scalar_type(), "output");
   py::gil_scoped_release nogil;
-  dequantize(fmt, q.data_ptr<uint8_t>(), n, dt, out.data_ptr());
+  dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, dt, out.data_ptr());
 }
 
 void dequantize_accumulate_tensor(py::handle payload, int bits, int64_t block, py::handle accumulator) {
   const QuantFormat fmt = checked_format(bits, block);
   at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
   const size_t n = static_cast<size_t>(acc.numel());
-  at::Tensor q = checked_payload(payload, "payload", fmt, n);
+  at::Tensor q = checked_payload(payload, "payload", fmt.bytes(n));
   py::gil_scoped_release nogil;
   dequantize_accumulate(fmt, q.data_ptr<uint8_t>(), n, acc.data_ptr<float>());
 }
@@ -184,8 +210,10 @@ void bind_compression(py::module_& m, py::class_<Communicator>& communicator) {
         },
         py::arg("count"), py::arg("bits"), py::arg("block"));
   m.def("quantize", &quantize_tensor, py::arg("input"), py::arg("residual"), py::arg("bits"), py::arg("block"),
-        py::arg("stochastic"), py::arg("seed"), py::arg("index_base") = 0, py::arg("out") = py::none());
-  m.def("dequantize", &dequantize_tensor, py::arg("payload"), py::arg("bits"), py::arg("block"), py::arg("output"));
+        py::arg("stochastic"), py::arg("seed"), py::arg("index_base") = 0, py::arg("chunk") = 0, py::arg("nchunks") = 1,
+        py::arg("out") = py::none());
+  m.def("dequantize", &dequantize_tensor, py::arg("payload"), py::arg("bits"), py::arg("block"), py::arg("output"),
+        py::arg("chunk") = 0);
   m.def("dequantize_accumulate", &dequantize_accumulate_tensor, py::arg("payload"), py::arg("bits"), py::arg("block"),
         py::arg("accumulator"));
   m.def("top_k", &top_k_tensor, py::arg("input"), py::arg("k"));

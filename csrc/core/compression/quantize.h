@@ -25,16 +25,20 @@ struct QuantFormat {
 // Largest block the kernels accept (a block is staged in a stack buffer of float32).
 constexpr size_t kMaxQuantBlock = 8192;
 
-// Quantizes `count` elements of `in` (float32, bfloat16 or float16) into `out` (fmt.bytes(count)).
-//  - residual: optional float32 error-feedback state. When given, x = in + residual is quantized
-//    and residual becomes x - dequantize(q) in the same pass.
-//  - stochastic: q = floor(x / scale + u) with u uniform in [0, 1) from (seed, index_base + i),
-//    unbiased; otherwise round to nearest even.
-void quantize(QuantFormat fmt, DType dtype, const void* in, float* residual, size_t count, bool stochastic,
-              uint64_t seed, uint64_t index_base, uint8_t* out);
+// Quantizes `count` elements of `in` (float32, bfloat16 or float16) as `nchunks` chunks of
+// `chunk` elements, each laid out as fmt.bytes(chunk) bytes of `out`, one after the other; the
+// elements past `count` (up to nchunks * chunk >= count) are encoded as zeros. Chunks are what
+// the quantized all-reduce sends to each rank; a single chunk of `count` is the plain layout.
+//  - residual: optional float32 error-feedback state (`count` floats). When given, x = in +
+//    residual is quantized and residual becomes x - dequantize(q) in the same pass.
+//  - stochastic: q = floor(x / scale + u) with u uniform in [0, 1) drawn from (seed, element
+//    index), unbiased; otherwise round to nearest even. Element i has index index_base + i.
+void quantize(QuantFormat fmt, DType dtype, const void* in, float* residual, size_t count, size_t chunk,
+              size_t nchunks, bool stochastic, uint64_t seed, uint64_t index_base, uint8_t* out);
 
-// Writes q * scale for every element into `out` of `dtype` (float32, bfloat16, float16).
-void dequantize(QuantFormat fmt, const uint8_t* in, size_t count, DType dtype, void* out);
+// Inverse of quantize's layout: writes q * scale of the first `count` elements into `out` of
+// `dtype` (float32, bfloat16, float16).
+void dequantize(QuantFormat fmt, const uint8_t* in, size_t count, size_t chunk, DType dtype, void* out);
 
 // acc[i] += q * scale: the reduction step of the quantized all-reduce, in float32.
 void dequantize_accumulate(QuantFormat fmt, const uint8_t* in, size_t count, float* acc);

@@ -26,7 +26,7 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
     for (size_t i = 0; i < a.chunk; ++i) a.acc[i] /= d;
   }
   uint8_t* mine = a.gathered + me * cb;
-  quantize(a.fmt, DType::kFloat32, a.acc, nullptr, a.chunk, a.stochastic, a.seed, me * a.chunk, mine);
+  quantize(a.fmt, DType::kFloat32, a.acc, nullptr, a.chunk, a.chunk, 1, a.stochastic, a.seed, me * a.chunk, mine);
 
   Request gather;
   gather.kind = CollKind::kAllGather;
