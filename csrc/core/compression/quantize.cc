@@ -44,6 +44,8 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
   alignas(64) int32_t q[kMaxQuantBlock + 1];
   const float qmax = static_cast<float>(fmt.qmax());
   float* scales = reinterpret_cast<float*>(out + fmt.scales_offset(capacity));
+  // The alignment padding is part of the payload: zero it so payloads are a function of the input.
+  std::memset(out + fmt.value_bytes(capacity), 0, fmt.scales_offset(capacity) - fmt.value_bytes(capacity));
   for (size_t b = 0, base = 0; base < capacity; ++b, base += fmt.block) {
     const size_t mb = std::min(fmt.block, capacity - base);
     const size_t m = valid > base ? std::min(mb, valid - base) : 0;
