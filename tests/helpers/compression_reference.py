@@ -33,7 +33,8 @@ def uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block: int, stochastic: bool,
-             seed: int, chunk: int = 0, nchunks: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             seed: int, chunk: int = 0, nchunks: int = 1,
+             index_base: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Returns (payload bytes, new residual) as braid's quantize lays them out."""
     qmax = 127.0 if bits == 8 else 7.0
     count = x.numel()
@@ -58,7 +59,8 @@ def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block
         inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
         v = xb * inv
         if stochastic:
-            idx = torch.arange(j * chunk, j * chunk + nblocks * block, dtype=torch.int64).view(nblocks, block)
+            first = index_base + j * chunk
+            idx = torch.arange(first, first + nblocks * block, dtype=torch.int64).view(nblocks, block)
             q = torch.floor(v + uniform01(seed, idx))
         else:
             q = torch.round(v)
