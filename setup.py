@@ -30,7 +30,9 @@ def want_cuda():
 
 def extension():
     march = os.environ.get("BRAID_MARCH", "native")
-    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"]
+    # -ffp-contract=off: no fused multiply-adds behind the source's back, so the compression
+    # kernels round exactly as their pure-torch references (and as every other rank's build).
+    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden", "-ffp-contract=off"]
     if march:
         cxx.append(f"-march={march}")
     core = sources("csrc/core/**/*.cc")

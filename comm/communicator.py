@@ -6,13 +6,16 @@ import os
 import socket
 import weakref
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 from .errors import CommError, CommTimeout
+
+if TYPE_CHECKING:
+    from .compression import CompressedWork, Compressor, WireStats
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
@@ -155,6 +158,7 @@ class Communicator:
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._store = store
+        self.last_wire_bytes: Optional["WireStats"] = None
         self._c = _C.Communicator(rank, world_size, tun, self._timeout_s)
         self._finalizer = weakref.finalize(self, self._c.close)
         try:
@@ -241,9 +245,25 @@ class Communicator:
         return self._c.all_reduce_algo(nbytes)
 
     # -- collectives -----------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False) -> Optional[Work]:
-        """Reduces ``tensor`` across ranks in place. Results are bitwise identical on every rank."""
-        return _wrap(self._c.all_reduce(tensor, _op_code(op), async_op))
+    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False, *,
+                   compression: Optional["Compressor"] = None,
+                   key: Hashable = "default") -> Optional[Union[Work, "CompressedWork"]]:
+        """Reduces ``tensor`` across ranks in place. Results are bitwise identical on every rank.
+
+        With ``compression`` (an ``Int8Quantizer``, ``Int4Quantizer``, ``TopK`` or ``Cast``) the
+        tensor travels compressed; ``op`` must then be "sum" or "avg", and ``key`` names the
+        tensor's error-feedback residual (use one key per tensor that is reduced repeatedly).
+        Compressed calls set ``last_wire_bytes`` (a ``WireStats``: bytes sent and received by
+        this rank, and what the uncompressed all-reduce would send); plain calls set it to None.
+        """
+        if compression is None:
+            self.last_wire_bytes = None
+            return _wrap(self._c.all_reduce(tensor, _op_code(op), async_op))
+        code = _op_code(op)
+        if code not in (0, 1):
+            raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
+        work = compression.all_reduce(self, tensor, "avg" if code == 1 else "sum", key=key, async_op=async_op)
+        return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
                        async_op: bool = False) -> Optional[Work]:
@@ -254,6 +274,11 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
         return _wrap(self._c.all_gather(output, input, async_op))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
+        """Splits ``input`` into world_size equal chunks and sends chunk j to rank j; ``output``
+        (same size, not overlapping) receives chunk j from rank j."""
+        return _wrap(self._c.all_to_all(output, input, async_op))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""

@@ -11,12 +11,10 @@
 
 #include "../core/communicator.h"
 #include "backend.h"
+#include "binding_util.h"
 
 namespace braid {
 namespace {
-
-const char* kFutureErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch",
-                                   "CommClosed"};
 
 DType dtype_of(const at::Tensor& t, const char* op) {
   switch (t.scalar_type()) {
@@ -480,7 +478,7 @@ class BraidBackend final : public c10d::Backend {
       if (w.succeeded()) {
         fut->markCompleted(c10::IValue(c10::List<at::Tensor>(*outputs)));
       } else {
-        const char* cls = kFutureErrorClass[static_cast<int>(w.error_kind())];
+        const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
         fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
       }
     });

@@ -1,7 +1,6 @@
 // The only file that includes torch: argument checks at the boundary, tensors to raw pointers,
 // futures for async work, and core errors mapped to braid.comm's Python exception classes.
 #include <torch/extension.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
@@ -14,43 +13,12 @@
 #include "../core/reduce.h"
 #include "../core/tunables.h"
 #include "backend.h"
+#include "binding_util.h"
 
 namespace py = pybind11;
 
 namespace braid {
 namespace {
-
-const char* kErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch", "CommClosed"};
-
-DType to_dtype(at::ScalarType t, const char* arg) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    default:
-      throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) +
-                           "; braid supports float32, float64, float16, bfloat16, int32 and int64");
-  }
-}
-
-ReduceOp to_op(int op) {
-  if (op < 0 || op >= kNumReduceOps) throw py::value_error("op code out of range: " + std::to_string(op));
-  return static_cast<ReduceOp>(op);
-}
-
-at::Tensor as_tensor(const py::handle& obj, const char* arg) {
-  if (!THPVariable_Check(obj.ptr()))
-    throw py::type_error(std::string(arg) + " must be a torch.Tensor, got " +
-                         std::string(py::str(py::type::of(obj).attr("__name__"))));
-  at::Tensor t = THPVariable_Unpack(obj.ptr());
-  if (t.layout() != at::kStrided) throw py::value_error(std::string(arg) + " must be a dense (strided) tensor");
-  if (!t.device().is_cpu())
-    throw py::value_error(std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
-  return t;
-}
 
 // Tensors whose memory ranges overlap without being the same range are rejected; an exact
 // in-place alias (NCCL-style) is handled by the algorithms.
@@ -75,53 +43,6 @@ Staged stage(const at::Tensor& t, const char* arg) {
                           "pass a tensor with distinct elements");
   return Staged{t, t.is_contiguous() ? t : t.contiguous()};
 }
-
-// Python-facing handle of an async collective.
-class PyWork {
- public:
-  PyWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
-
-  bool wait(py::object timeout) {
-    std::chrono::nanoseconds ns{0};
-    if (!timeout.is_none()) {
-      double s = timeout.cast<double>();
-      if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
-      ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
-    }
-    py::gil_scoped_release nogil;
-    return work_->wait(ns);
-  }
-  bool is_completed() const { return work_->is_completed(); }
-  bool is_success() const { return work_->succeeded(); }
-  py::object exception_message() const {
-    if (!work_->is_completed() || work_->succeeded()) return py::none();
-    return py::str(work_->error_message());
-  }
-
-  c10::intrusive_ptr<c10::ivalue::Future> future() {
-    if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-      auto fut = future_;
-      auto outs = outputs_;
-      work_->on_complete([fut, outs](const Work& w) {
-        if (w.succeeded()) {
-          c10::List<at::Tensor> list;
-          for (const auto& t : outs) list.push_back(t);
-          fut->markCompleted(c10::IValue(list));
-        } else {
-          const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
-          fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
-        }
-      });
-    }
-    return future_;
-  }
-
- private:
-  std::shared_ptr<Work> work_;
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
 
 // Sends a request to the core; returns a PyWork for async calls, None otherwise. `staged` is the
 // output (or nothing, for barrier); `input` the staged input of out-of-place collectives. The
@@ -219,6 +140,30 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
+py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool async) {
+  at::Tensor out = as_tensor(output, "output");
+  at::Tensor in = as_tensor(input, "input");
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                         " and " + c10::toString(in.scalar_type()));
+  if (out.numel() != in.numel())
+    throw py::value_error("output.numel() must equal input.numel(), got " + std::to_string(out.numel()) + " and " +
+                          std::to_string(in.numel()));
+  if (in.numel() % c.world_size() != 0)
+    throw py::value_error("input.numel() must be a multiple of world_size (" + std::to_string(c.world_size()) +
+                          "), got " + std::to_string(in.numel()));
+  if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
+  Request r;
+  r.kind = CollKind::kAllToAll;
+  r.dtype = to_dtype(out.scalar_type(), "output");
+  r.count = static_cast<size_t>(in.numel() / c.world_size());
+  Staged s = stage(out, "output");
+  at::Tensor in_c = in.contiguous();
+  r.in = in_c.data_ptr();
+  r.out = s.buffer.data_ptr();
+  return dispatch(c, std::move(r), async, &s, &in_c);
+}
+
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   at::Tensor t = as_tensor(tensor, "tensor");
   if (src < 0 || src >= c.world_size())
@@ -296,7 +241,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("exception_message", &PyWork::exception_message)
       .def("get_future", [](PyWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
 
-  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+  py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
+  communicator
       .def(py::init<int, int, Tunables, double>(), py::arg("rank"), py::arg("world_size"), py::arg("tunables"),
            py::arg("timeout_s"))
       .def_property_readonly("rank", &Communicator::rank)
@@ -317,11 +263,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce", &all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"))
       .def("reduce_scatter", &reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))
       .def("all_gather", &all_gather, py::arg("output"), py::arg("input"), py::arg("async_op"))
+      .def("all_to_all", &all_to_all, py::arg("output"), py::arg("input"), py::arg("async_op"))
       .def("broadcast", &broadcast, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
       .def("barrier", &barrier, py::arg("async_op"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>());
 
   register_backend(m);
 
+  bind_compression(m, communicator);
   m.def("reduce_tensors", &reduce_tensors, py::arg("inputs"), py::arg("op"), py::arg("world_size") = 1);
 }

@@ -79,9 +79,26 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   return work;
 }
 
+std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std::shared_ptr<void> keepalive,
+                                               bool async) {
+  check_open();
+  check_not_poisoned();
+  if (!async && engine_.run_if_idle(body)) return nullptr;
+  auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
+  engine_.enqueue(work);
+  if (!async) {
+    work->wait();
+    return nullptr;
+  }
+  return work;
+}
+
+void Communicator::run_collective(Request& r) { execute(r); }
+
 void Communicator::execute_local(Request& r) {
   if (r.kind == CollKind::kSend || r.kind == CollKind::kRecv)
     throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
+  if (r.kind == CollKind::kAllToAll) r.count *= static_cast<size_t>(world_);  // one chunk, moved whole
   const size_t bytes = r.count * dtype_size(r.dtype);
   if (r.kind == CollKind::kBarrier || r.kind == CollKind::kBroadcast) return;
   if (r.out != r.in && bytes > 0) std::memmove(r.out, r.in, bytes);
@@ -119,16 +136,20 @@ void Communicator::execute(Request& r) {
         }
         case CollKind::kReduceScatter:
         case CollKind::kAllGather:
+        case CollKind::kAllToAll:
         case CollKind::kBroadcast: {
-          // One-shot when what a rank publishes fits a parity buffer (reduce_scatter publishes
-          // its whole input), pipelined through the slots otherwise.
-          const size_t published = r.count * es * (r.kind == CollKind::kReduceScatter ? n : 1);
+          // One-shot when what a rank publishes fits a parity buffer (reduce_scatter and
+          // all_to_all publish their whole input), pipelined through the slots otherwise.
+          const bool whole = r.kind == CollKind::kReduceScatter || r.kind == CollKind::kAllToAll;
+          const size_t published = r.count * es * (whole ? n : 1);
           const bool small = published <= oneshot_max_;
           d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
           if (r.kind == CollKind::kReduceScatter)
             (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);
           else if (r.kind == CollKind::kAllGather)
             (small ? oneshot_all_gather : pipelined_all_gather)(*group_, d, r.in, r.out);
+          else if (r.kind == CollKind::kAllToAll)
+            (small ? oneshot_all_to_all : pipelined_all_to_all)(*group_, d, r.in, r.out);
           else
             (small ? oneshot_broadcast : pipelined_broadcast)(*group_, d, r.out);
           break;

@@ -24,7 +24,7 @@ struct Request {
   DType dtype = DType::kFloat32;
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
-                     // all_gather: input elements
+                     // all_gather: input elements; all_to_all: elements per chunk
   int root = 0;      // broadcast: source; send/recv: the peer
   const void* in = nullptr;
   void* out = nullptr;
@@ -53,6 +53,13 @@ class Communicator {
 
   // Blocking when `async` is false (returns null); otherwise returns the queued Work.
   std::shared_ptr<Work> submit(Request req, bool async);
+
+  // A composite operation (e.g. a compressed all-reduce): `body` runs in issue order on the
+  // executing thread like one collective, and issues its collectives with run_collective(), so
+  // that no other work can slip between them. `keepalive` is released when the body is done.
+  std::shared_ptr<Work> submit_task(std::function<void()> body, std::shared_ptr<void> keepalive, bool async);
+  // Runs one collective now, on the calling thread: only from inside a submit_task body.
+  void run_collective(Request& r);
 
   // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark).
   Algo all_reduce_algo(size_t bytes) const;

@@ -14,6 +14,7 @@ enum class DType : uint32_t {
   kBFloat16 = 3,
   kInt32 = 4,
   kInt64 = 5,
+  kUInt8 = 6,  // raw bytes (compressed payloads); sums wrap as in torch
 };
 
 enum class ReduceOp : uint32_t {
@@ -33,6 +34,7 @@ inline size_t dtype_size(DType t) {
     case DType::kBFloat16: return 2;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }

@@ -2,6 +2,7 @@
 #include "reduce.h"
 
 #include "copy.h"
+#include "half.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -10,27 +11,6 @@
 
 namespace braid {
 namespace {
-
-// bfloat16 <-> float32 with torch's rounding (nearest even, NaN -> 0x7FC0).
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
-}
-
-struct BF16 {
-  uint16_t bits;
-};
-struct F16 {
-  _Float16 value;
-};
 
 template <class T> struct Traits {
   using Acc = T;
@@ -151,6 +131,7 @@ void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst
     case DType::kBFloat16: return reduce_op<BF16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case DType::kInt32: return reduce_op<int32_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case DType::kInt64: return reduce_op<int64_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kUInt8: return reduce_op<uint8_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
   }
 }
 

@@ -118,6 +118,15 @@ PreparedCall::PreparedCall(const CallSpec& spec, int rank, int world)
       expected_ = Buffer(dt, n * m + 1);
       for (int j = 0; j < world; ++j) fill_input(expected_, static_cast<size_t>(j) * m, spec, j, 0, m);
       break;
+    case CollKind::kAllToAll:
+      // Chunk j of the output is rank j's input chunk `me` (never in place).
+      in_ = Buffer(dt, n * m + 1);
+      fill_input(in_, 0, spec, rank, 0, n * m);
+      out_ = Buffer(dt, n * m + 1);
+      fill_value(out_, 0, n * m, kJunk);
+      expected_ = Buffer(dt, n * m + 1);
+      for (int j = 0; j < world; ++j) fill_input(expected_, static_cast<size_t>(j) * m, spec, j, me * m, m);
+      break;
     case CollKind::kBroadcast:
       in_ = Buffer(dt, m + 1);
       if (rank == spec.root) {
@@ -139,7 +148,8 @@ PreparedCall::PreparedCall(const CallSpec& spec, int rank, int world)
     out_ = Buffer(dt, m + 1);
     fill_value(out_, 0, m, kJunk);
   }
-  Buffer& result = spec.kind == CollKind::kAllGather || (reduces && !spec.in_place) ? out_ : in_;
+  const bool to_out = spec.kind == CollKind::kAllGather || spec.kind == CollKind::kAllToAll;
+  Buffer& result = to_out || (reduces && !spec.in_place) ? out_ : in_;
   result.set(result.count() - 1, kGuard);
   expected_.set(expected_.count() - 1, kGuard);
   result_ = &result;
@@ -164,6 +174,10 @@ braid::Request PreparedCall::request() {
       break;
     case CollKind::kAllGather:
       r.in = spec_.in_place ? out_.at(me * m) : in_.data();
+      r.out = out_.data();
+      break;
+    case CollKind::kAllToAll:
+      r.in = in_.data();
       r.out = out_.data();
       break;
     case CollKind::kBroadcast:
@@ -206,6 +220,7 @@ std::vector<size_t> interesting_counts(CollKind kind, braid::Algo algo, braid::D
                                          : n * braid::slot_elems(t.slot_bytes, n + 1, es);
       break;
     case CollKind::kReduceScatter:
+    case CollKind::kAllToAll:
       oneshot_limit = t.oneshot_max_bytes / (es * n);
       block = braid::slot_elems(t.slot_bytes, n, es);
       break;

@@ -36,7 +36,7 @@ void sweep(CollKind kind, Algo algo) {
             s.op = op;
             s.count = count;
             s.root = call % world;
-            s.in_place = call % 2 == 1;
+            s.in_place = call % 2 == 1 && kind != CollKind::kAllToAll;
             s.call = call++;
             run_and_check(ctx.comm, s);
           }
@@ -54,6 +54,7 @@ BRAID_TEST(all_reduce_twoshot) { sweep(CollKind::kAllReduce, Algo::kTwoShot); }
 BRAID_TEST(all_reduce_ring) { sweep(CollKind::kAllReduce, Algo::kRing); }
 BRAID_TEST(reduce_scatter) { sweep(CollKind::kReduceScatter, Algo::kAuto); }
 BRAID_TEST(all_gather) { sweep(CollKind::kAllGather, Algo::kAuto); }
+BRAID_TEST(all_to_all) { sweep(CollKind::kAllToAll, Algo::kAuto); }
 BRAID_TEST(broadcast_from_every_root) { sweep(CollKind::kBroadcast, Algo::kAuto); }
 
 // The shallowest pipeline Tunables::validate accepts (2 slots: the ring writes one while its
@@ -69,7 +70,8 @@ BRAID_TEST(shallowest_pipelines) {
       g.timeout_s = 3;
       run_group(g, [&](RankCtx& ctx) {
         int call = 0;
-        for (CollKind kind : {CollKind::kReduceScatter, CollKind::kAllGather, CollKind::kBroadcast, CollKind::kAllReduce}) {
+        for (CollKind kind : {CollKind::kReduceScatter, CollKind::kAllGather, CollKind::kAllToAll, CollKind::kBroadcast,
+                              CollKind::kAllReduce}) {
           CallSpec s;
           s.kind = kind;
           s.count = 700;  // several pipeline rounds of 1 KiB slots for every kind
@@ -89,7 +91,8 @@ BRAID_TEST(zero_count_with_null_pointers) {
     g.world = 3;
     g.tunables = tiny_tunables(algo);
     run_group(g, [&](RankCtx& ctx) {
-      for (CollKind kind : {CollKind::kAllReduce, CollKind::kReduceScatter, CollKind::kAllGather, CollKind::kBroadcast}) {
+      for (CollKind kind : {CollKind::kAllReduce, CollKind::kReduceScatter, CollKind::kAllGather, CollKind::kAllToAll,
+                            CollKind::kBroadcast}) {
         braid::Request r;
         r.kind = kind;
         r.count = 0;

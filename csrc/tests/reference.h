@@ -43,6 +43,7 @@ template <> struct Ref<braid::DType::kBFloat16> {
 };
 template <> struct Ref<braid::DType::kInt32> : SelfAccumulating<int32_t> {};
 template <> struct Ref<braid::DType::kInt64> : SelfAccumulating<int64_t> {};
+template <> struct Ref<braid::DType::kUInt8> : SelfAccumulating<uint8_t> {};
 
 // Calls f(Ref<d>{}) for a runtime dtype.
 template <class F>
@@ -54,6 +55,7 @@ decltype(auto) visit_dtype(braid::DType d, F&& f) {
     case DType::kFloat16: return f(Ref<DType::kFloat16>{});
     case DType::kBFloat16: return f(Ref<DType::kBFloat16>{});
     case DType::kInt32: return f(Ref<DType::kInt32>{});
+    case DType::kUInt8: return f(Ref<DType::kUInt8>{});
     case DType::kInt64: break;  // shares the return below, which every path needs
   }
   return f(Ref<DType::kInt64>{});

@@ -22,6 +22,11 @@ void oneshot_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
 void oneshot_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
 void barrier(ShmGroup& g, const CollectiveDesc& d);
 
+// All-to-all: `in` holds n chunks of d.count elements (chunk j for rank j), `out` receives n
+// chunks (chunk j from rank j). One-shot when the published chunks fit, pipelined otherwise.
+void oneshot_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+void pipelined_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+
 // Pipelined through the slots, several rounds per message.
 void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 void ring_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);

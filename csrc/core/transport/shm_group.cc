@@ -91,6 +91,7 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kAllGather: return "all_gather";
     case CollKind::kBroadcast: return "broadcast";
     case CollKind::kBarrier: return "barrier";
+    case CollKind::kAllToAll: return "all_to_all";
     case CollKind::kSend: return "send";
     case CollKind::kRecv: return "recv";
   }

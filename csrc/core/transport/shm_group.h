@@ -26,9 +26,10 @@ enum class CollKind : uint32_t {
   kAllGather = 3,
   kBroadcast = 4,
   kBarrier = 5,
+  kAllToAll = 6,  // rank r receives every rank's chunk r (compressed reduce-scatter)
   // Point-to-point (not collectives: they carry no descriptor and take no sequence number).
-  kSend = 6,
-  kRecv = 7,
+  kSend = 7,
+  kRecv = 8,
 };
 const char* coll_kind_name(CollKind k);
 

@@ -1,0 +1,403 @@
+"""Gradient compressors for braid's all_reduce and DDP hook.
+
+Block quantization to int8 / int4 (one float32 scale per block), top-k sparsification and casts
+to 16-bit floats, each with error feedback (what compression dropped is added to the next call's
+input, per key) and a warm-up of exact reductions. A compressor's state is explicit:
+``state_dict()`` / ``load_state_dict()`` and pickling carry the residuals and call counts.
+
+    q = comm.Int8Quantizer()
+    c.all_reduce(grad, op="avg", compression=q, key="layer1")
+    c.last_wire_bytes            # WireStats(sent=..., received=..., dense=...)
+"""
+from __future__ import annotations
+
+import math
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
+
+import torch
+
+from . import _C
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MASK64 = (1 << 64) - 1
+_SUM, _AVG = 0, 1  # op codes of the core (csrc/core/dtype.h)
+
+
+@dataclass(frozen=True)
+class WireStats:
+    """Bytes one rank sends and receives for one call, counted as a point-to-point transport
+    moves them (an all-gather or all-to-all sends world_size - 1 pieces, a dense all-reduce
+    2 (n - 1) / n of the message); ``dense`` is what the uncompressed all-reduce of the same
+    tensor would send. The shared-memory transport moves the same payloads through memory."""
+
+    sent: int
+    received: int
+    dense: int
+
+    @property
+    def ratio(self) -> float:
+        """dense / sent: how many times fewer bytes travel than without compression."""
+        return self.dense / self.sent if self.sent else 1.0
+
+    def __add__(self, other: "WireStats") -> "WireStats":
+        return WireStats(self.sent + other.sent, self.received + other.received, self.dense + other.dense)
+
+
+def dense_wire_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes a rank sends in an uncompressed all-reduce of ``nbytes`` (reduce-scatter + all-gather)."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def _mix64(*parts: int) -> int:
+    """A 64-bit hash of integers (splitmix64 rounds): seeds of the stochastic rounding streams."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & _MASK64)) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def _key_hash(key: Hashable) -> int:
+    """Stable across processes (Python's hash() of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode())
+
+
+class CompressedWork:
+    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread;
+    decoding into the caller's tensor happens once, in ``wait()`` or in the future's callback."""
+
+    def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
+        self._work = work
+        self._finish_fn: Optional[Callable[[], None]] = finish
+        self._tensor = tensor
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:
+            fn, self._finish_fn = self._finish_fn, None
+        if fn is not None:
+            fn()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the collective is done and the result decoded; raises its error. With
+        ``timeout`` (seconds) returns False if it is still running then."""
+        if not self._work.wait(timeout):
+            return False
+        self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding ``[tensor]`` once the result is decoded into it. The decoding runs in
+        the callback, on braid's progress thread (it issues no collective)."""
+        def done(fut: torch.futures.Future) -> list:
+            fut.value()  # raises the collective's error
+            self._finish()
+            return [self._tensor]
+
+        return self._work.get_future().then(done)
+
+
+class Compressor:
+    """Base of the compressors: error-feedback residuals per key, warm-up, seeds, wire counts.
+
+    Args:
+        error_feedback: keep a float32 residual per key (rebuilt when the key's tensor changes
+            size) holding what compression dropped, and add it to the next input.
+        warmup_steps: the first ``warmup_steps`` calls per key (or DDP steps) are exact
+            all-reduces; at least 2 because DDP rebuilds its buckets after the first step.
+        seed: base of the stochastic rounding streams (mixed with rank, key and call number).
+    """
+
+    def __init__(self, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0):
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(f"warmup_steps must be an int >= 2 (DDP rebuilds its buckets after step 1), "
+                             f"got {warmup_steps!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.error_feedback = bool(error_feedback)
+        self.warmup_steps = warmup_steps
+        self.seed = seed
+        self._residuals: dict[Hashable, torch.Tensor] = {}
+        self._calls: dict[Hashable, int] = {}
+        self._scratch: dict[Hashable, list] = {}  # reusable buffers, not state
+        self.wire_total = WireStats(0, 0, 0)
+
+    # -- state -----------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {"error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps, "seed": self.seed}
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: configuration, residuals (copies), call counts, wire totals."""
+        return {"type": type(self).__name__, "config": self._config(),
+                "residuals": {k: v.clone() for k, v in self._residuals.items()},
+                "calls": dict(self._calls),
+                "wire_total": (self.wire_total.sent, self.wire_total.received, self.wire_total.dense)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned (of a compressor of the same type and config)."""
+        if state.get("type") != type(self).__name__:
+            raise ValueError(f"state is of a {state.get('type')}, not of a {type(self).__name__}")
+        if state.get("config") != self._config():
+            raise ValueError(f"state was saved with config {state.get('config')}, this compressor has "
+                             f"{self._config()}")
+        self._residuals = {k: v.detach().to(torch.float32).clone() for k, v in state["residuals"].items()}
+        self._calls = dict(state["calls"])
+        self.wire_total = WireStats(*state["wire_total"])
+
+    def __getstate__(self) -> dict:
+        return self.state_dict()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state["config"])
+        self.load_state_dict(state)
+
+    def residual(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The error-feedback residual of ``key`` (None before its first compressed call)."""
+        return self._residuals.get(key)
+
+    def _residual_for(self, key: Hashable, numel: int) -> Optional[torch.Tensor]:
+        if not self.error_feedback:
+            return None
+        r = self._residuals.get(key)
+        if r is None or r.numel() != numel:  # new key, or the bucket changed shape
+            r = torch.zeros(numel, dtype=torch.float32)
+            self._residuals[key] = r
+        return r
+
+    def _take_scratch(self, key: Hashable, make: Callable[[], list], fits: Callable[[list], bool]) -> list:
+        """Buffers owned by one call until it finishes (a second call in flight with the same key
+        gets its own)."""
+        bufs = self._scratch.pop(key, None)
+        return bufs if bufs is not None and fits(bufs) else make()
+
+    # -- the all-reduce --------------------------------------------------------------------
+    def all_reduce(self, comm: "Communicator", tensor: torch.Tensor, op: str = "avg", *,
+                   key: Hashable = "default", async_op: bool = False,
+                   step: Optional[int] = None) -> Optional[CompressedWork]:
+        """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg"). ``step``
+        overrides the per-key call count that the warm-up compares with (the DDP hook passes its
+        iteration). Sets ``comm.last_wire_bytes``. Async calls return a :class:`CompressedWork`."""
+        if op not in ("sum", "avg"):
+            raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor must be a CPU tensor, got a tensor on {tensor.device}")
+        calls = self._calls.get(key, 0)
+        self._calls[key] = calls + 1
+        if step is None:
+            step = calls
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        n = comm.world_size
+        code = _AVG if op == "avg" else _SUM
+        if step < self.warmup_steps or n == 1:
+            work = comm._c.all_reduce(flat, code, async_op)
+            stats = WireStats(*(2 * [dense_wire_bytes(flat.numel() * flat.element_size(), n)]),
+                              dense_wire_bytes(flat.numel() * flat.element_size(), n))
+            finish = None
+        else:
+            seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
+            work, finish, stats = self._compressed(comm, flat, code, key, seed, async_op)
+        comm.last_wire_bytes = stats
+        self.wire_total = self.wire_total + stats
+
+        def done() -> None:
+            if finish is not None:
+                finish()
+            if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
+
+        if not async_op:
+            done()
+            return None
+        return CompressedWork(work, done, tensor)
+
+    def _compressed(self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable,
+                    seed: int, async_op: bool) -> tuple:
+        """Issues the compressed collective; returns (work or None, finish, WireStats)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class _BlockQuantizer(Compressor):
+    """Block quantization with one float32 scale per block (absmax / qmax)."""
+
+    bits = 8
+
+    def __init__(self, block: int, stochastic: bool = True, **kwargs: Any):
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block > 8192:
+            raise ValueError(f"block must be an int in [1, 8192], got {block!r}")
+        if self.bits == 4 and block % 2:
+            raise ValueError(f"block must be even for 4-bit quantization (two values per byte), got {block}")
+        super().__init__(**kwargs)
+        self.block = block
+        self.stochastic = bool(stochastic)
+
+    def _config(self) -> dict:
+        return {"block": self.block, "stochastic": self.stochastic, **super()._config()}
+
+    def wire_bytes(self, count: int) -> int:
+        """Size of ``count`` quantized elements: values, padding to 4 bytes, scales."""
+        return _C.quantized_bytes(count, self.bits, self.block)
+
+    def chunk_elems(self, numel: int, world_size: int) -> int:
+        """Elements of each rank's chunk: numel / world_size rounded up to whole blocks."""
+        per = -(-numel // world_size)
+        return max(self.block, -(-per // self.block) * self.block)
+
+    def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        n, numel = comm.world_size, flat.numel()
+        chunk = self.chunk_elems(numel, n)
+        cb = self.wire_bytes(chunk)
+
+        def make() -> list:
+            return [torch.empty(n * cb, dtype=torch.uint8), torch.empty(n * cb, dtype=torch.uint8),
+                    torch.empty(chunk, dtype=torch.float32), torch.empty(n * cb, dtype=torch.uint8)]
+
+        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
+        send, recv, acc, gathered = bufs
+        residual = self._residual_for(key, numel)
+        _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
+        work = comm._c.quantized_all_reduce(send, recv, acc, gathered, self.bits, self.block, chunk,
+                                            op_code == _AVG, self.stochastic, _mix64(seed, 1), async_op)
+
+        def finish() -> None:
+            _C.dequantize(gathered, self.bits, self.block, flat, chunk)
+            self._scratch[key] = bufs
+
+        moved = 2 * (n - 1) * cb  # all-to-all, then all-gather, of one chunk per peer
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+
+
+class Int8Quantizer(_BlockQuantizer):
+    """int8 values with one float32 scale per ``block`` elements (3.94x smaller than float32 at
+    block 256). ``stochastic`` rounding is unbiased; otherwise round to nearest."""
+
+    bits = 8
+
+    def __init__(self, block: int = 256, stochastic: bool = True, *, error_feedback: bool = True,
+                 warmup_steps: int = 2, seed: int = 0):
+        super().__init__(block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+
+
+class Int4Quantizer(_BlockQuantizer):
+    """int4 values (two per byte, range -7..7) with one float32 scale per ``block`` elements
+    (7.5x smaller than float32 at block 128)."""
+
+    bits = 4
+
+    def __init__(self, block: int = 128, stochastic: bool = True, *, error_feedback: bool = True,
+                 warmup_steps: int = 2, seed: int = 0):
+        super().__init__(block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+
+
+class TopK(Compressor):
+    """Keeps the ``ratio`` fraction of elements with the largest magnitudes (at least one), sent
+    as float32 values and int32 indices through an all-gather and summed in rank order. When
+    k * world_size * 8 bytes would exceed the dense tensor, the dense all-reduce is cheaper and
+    is used instead."""
+
+    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0):
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        super().__init__(error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+        self.ratio = float(ratio)
+
+    def _config(self) -> dict:
+        return {"ratio": self.ratio, **super()._config()}
+
+    def k(self, numel: int) -> int:
+        """Elements kept of a tensor of ``numel``."""
+        return min(numel, max(1, math.ceil(self.ratio * numel)))
+
+    def sparse(self, numel: int, world_size: int, elem_size: int = 4) -> bool:
+        """Whether the (values, indices) all-gather is smaller than the dense tensor."""
+        return self.k(numel) * world_size * 8 <= numel * elem_size
+
+    def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        n, numel, es = comm.world_size, flat.numel(), flat.element_size()
+        residual = self._residual_for(key, numel)
+        if residual is not None:
+            _C.error_feedback(flat, residual, None)  # residual = input + residual
+        if not self.sparse(numel, n, es):
+            dense = residual.clone() if residual is not None else flat
+            if residual is not None:
+                residual.zero_()  # everything is sent
+            work = comm._c.all_reduce(dense, op_code, async_op)
+
+            def finish_dense() -> None:
+                if dense is not flat:
+                    flat.copy_(dense)
+
+            moved = dense_wire_bytes(dense.numel() * dense.element_size(), n)
+            return work, finish_dense, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
+        k = self.k(numel)
+        values, indices, _ = _C.top_k(residual if residual is not None else flat, k)
+        if residual is not None:
+            _C.scatter_add(residual, indices, values.neg())  # the sent entries leave the residual: x - x = 0
+        send = torch.empty(8 * k, dtype=torch.uint8)
+        send[:4 * k].view(torch.float32).copy_(values)
+        send[4 * k:].view(torch.int32).copy_(indices)
+        gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
+        work = comm._c.all_gather(gathered, send, async_op)
+
+        def finish() -> None:
+            acc = torch.zeros(numel, dtype=torch.float32)
+            for r in range(n):  # rank order: every rank sums the same pairs in the same order
+                part = gathered[r * 8 * k:(r + 1) * 8 * k]
+                _C.scatter_add(acc, part[4 * k:].view(torch.int32), part[:4 * k].view(torch.float32))
+            if op_code == _AVG:
+                acc.div_(n)
+            flat.copy_(acc)
+
+        moved = (n - 1) * 8 * k
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
+
+
+class Cast(Compressor):
+    """Sends the tensor as ``dtype`` (torch.bfloat16 or torch.float16): braid accumulates the
+    16-bit values in float32 and rounds once. With error feedback the rounding error of the
+    cast is carried to the next call."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, *, error_feedback: bool = True,
+                 warmup_steps: int = 2, seed: int = 0):
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}")
+        super().__init__(error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+        self.dtype = dtype
+
+    def _config(self) -> dict:
+        return {"dtype": self.dtype, **super()._config()}
+
+    def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        n, numel = comm.world_size, flat.numel()
+        residual = self._residual_for(key, numel)
+        if residual is not None:
+            _C.error_feedback(flat, residual, None)  # residual = input + residual
+            sent = residual.to(self.dtype)
+            residual.sub_(sent.to(torch.float32))  # what the cast dropped
+        else:
+            sent = flat.to(self.dtype)
+        work = comm._c.all_reduce(sent, op_code, async_op)
+
+        def finish() -> None:
+            flat.copy_(sent)
+
+        moved = dense_wire_bytes(numel * sent.element_size(), n)
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))

@@ -1,0 +1,120 @@
+// Helpers shared by the binding files: dtype and op translation, tensor argument checks that name
+// the argument, and the Python handle of async work with its torch future.
+#pragma once
+
+#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/communicator.h"
+#include "../core/dtype.h"
+#include "../core/work.h"
+
+namespace braid {
+
+namespace py = pybind11;
+
+inline const char* const kErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch", "CommClosed"};
+
+inline DType to_dtype(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kByte: return DType::kUInt8;
+    default:
+      throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) +
+                           "; braid supports float32, float64, float16, bfloat16, int32, int64 and uint8");
+  }
+}
+
+inline ReduceOp to_op(int op) {
+  if (op < 0 || op >= kNumReduceOps) throw py::value_error("op code out of range: " + std::to_string(op));
+  return static_cast<ReduceOp>(op);
+}
+
+inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
+  if (!THPVariable_Check(obj.ptr()))
+    throw py::type_error(std::string(arg) + " must be a torch.Tensor, got " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  at::Tensor t = THPVariable_Unpack(obj.ptr());
+  if (t.layout() != at::kStrided) throw py::value_error(std::string(arg) + " must be a dense (strided) tensor");
+  if (!t.device().is_cpu())
+    throw py::value_error(std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
+  return t;
+}
+
+// Python-facing handle of an async collective.
+class PyWork {
+ public:
+  PyWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
+
+  bool wait(py::object timeout) {
+    std::chrono::nanoseconds ns{0};
+    if (!timeout.is_none()) {
+      double s = timeout.cast<double>();
+      if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
+      ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
+    }
+    py::gil_scoped_release nogil;
+    return work_->wait(ns);
+  }
+  bool is_completed() const { return work_->is_completed(); }
+  bool is_success() const { return work_->succeeded(); }
+  py::object exception_message() const {
+    if (!work_->is_completed() || work_->succeeded()) return py::none();
+    return py::str(work_->error_message());
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> future() {
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      auto fut = future_;
+      auto outs = outputs_;
+      work_->on_complete([fut, outs](const Work& w) {
+        if (w.succeeded()) {
+          c10::List<at::Tensor> list;
+          for (const auto& t : outs) list.push_back(t);
+          fut->markCompleted(c10::IValue(list));
+        } else {
+          const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
+          fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
+        }
+      });
+    }
+    return future_;
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+
+// A contiguous tensor of one of `allowed` dtypes, on the CPU; `arg` names it in errors.
+inline at::Tensor checked_contiguous(const py::handle& obj, const char* arg, std::initializer_list<at::ScalarType> allowed) {
+  at::Tensor t = as_tensor(obj, arg);
+  bool ok = false;
+  std::string names;
+  for (auto a : allowed) {
+    ok = ok || t.scalar_type() == a;
+    names += (names.empty() ? "" : ", ") + std::string(c10::toString(a));
+  }
+  if (!ok)
+    throw py::type_error(std::string(arg) + " must have dtype " + names + ", got " + c10::toString(t.scalar_type()));
+  if (!t.is_contiguous()) throw py::value_error(std::string(arg) + " must be contiguous");
+  return t;
+}
+
+// Python bindings of the compression kernels and the quantized all-reduce (compression_binding.cpp).
+void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator);
+
+}  // namespace braid

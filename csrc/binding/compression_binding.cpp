@@ -1,0 +1,227 @@
+// Torch binding of the CPU compression kernels and the quantized all-reduce: every argument is
+// checked here, by name, so the core kernels can trust their callers.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/compression/error_feedback.h"
+#include "../core/compression/quantize.h"
+#include "../core/compression/quantized_all_reduce.h"
+#include "../core/compression/top_k.h"
+#include "binding_util.h"
+
+namespace braid {
+namespace {
+
+const std::initializer_list<at::ScalarType> kFloatTypes = {at::kFloat, at::kBFloat16, at::kHalf};
+
+QuantFormat checked_format(int bits, int64_t block) {
+  if (bits != 8 && bits != 4) throw py::value_error("bits must be 8 or 4, got " + std::to_string(bits));
+  if (block < 1 || block > static_cast<int64_t>(kMaxQuantBlock))
+    throw py::value_error("block must be in [1, " + std::to_string(kMaxQuantBlock) + "], got " + std::to_string(block));
+  if (bits == 4 && block % 2 != 0)
+    throw py::value_error("block must be even for 4-bit quantization (two values per byte), got " + std::to_string(block));
+  return QuantFormat{bits, static_cast<size_t>(block)};
+}
+
+// A uint8 buffer of exactly `bytes` bytes, 4-byte aligned (the scales are float32).
+at::Tensor checked_payload(const py::handle& obj, const char* arg, size_t bytes) {
+  at::Tensor q = checked_contiguous(obj, arg, {at::kByte});
+  if (static_cast<size_t>(q.numel()) != bytes)
+    throw py::value_error(std::string(arg) + " must hold " + std::to_string(bytes) + " bytes, got " +
+                          std::to_string(q.numel()));
+  if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
+    throw py::value_error(std::string(arg) + " must be 4-byte aligned (its scales are float32)");
+  return q;
+}
+
+void check_same_numel(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
+  if (a.numel() != b.numel())
+    throw py::value_error(std::string(bn) + ".numel() must equal " + an + ".numel() (" + std::to_string(a.numel()) +
+                          "), got " + std::to_string(b.numel()));
+}
+
+// `chunk` 0 means one chunk of the whole input (the plain layout).
+size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
+  if (chunk == 0) {
+    if (nchunks != 1) throw py::value_error("nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
+    return count;
+  }
+  if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
+    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
+                          std::to_string(chunk));
+  if (nchunks < 1 || static_cast<size_t>(chunk) * static_cast<size_t>(nchunks) < count)
+    throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
+                          std::to_string(nchunks) + " * " + std::to_string(chunk));
+  return static_cast<size_t>(chunk);
+}
+
+at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int64_t block, bool stochastic,
+                           uint64_t seed, uint64_t index_base, int64_t chunk_arg, int64_t nchunks, py::handle out) {
+  const QuantFormat fmt = checked_format(bits, block);
+  at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
+  const size_t n = static_cast<size_t>(in.numel());
+  const size_t chunk = checked_chunk(chunk_arg, nchunks, n, fmt);
+  const size_t total = static_cast<size_t>(nchunks) * fmt.bytes(chunk);
+  float* res = nullptr;
+  at::Tensor r;
+  if (!residual.is_none()) {
+    r = checked_contiguous(residual, "residual", {at::kFloat});
+    check_same_numel(in, "input", r, "residual");
+    res = r.data_ptr<float>();
+  }
+  at::Tensor q = out.is_none() ? at::empty({static_cast<int64_t>(total)}, at::kByte)
+                               : checked_payload(out, "out", total);
+  const DType dt = to_dtype(in.scalar_type(), "input");
+  {
+    py::gil_scoped_release nogil;
+    quantize(fmt, dt, in.data_ptr(), res, n, chunk, static_cast<size_t>(nchunks), stochastic, seed, index_base,
+             q.data_ptr<uint8_t>());
+  }
+  return q;
+}
+
+void dequantize_tensor(py::handle payload, int bits, int64_t block, py::handle output, int64_t chunk_arg) {
+  const QuantFormat fmt = checked_format(bits, block);
+  at::Tensor out = checked_contiguous(output, "output", kFloatTypes);
+  const size_t n = static_cast<size_t>(out.numel());
+  const int64_t chunks_needed = chunk_arg > 0 ? (static_cast<int64_t>(n) + chunk_arg - 1) / chunk_arg : 1;
+  const size_t chunk = checked_chunk(chunk_arg, std::max<int64_t>(chunks_needed, 1), n, fmt);
+  const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
+  at::Tensor q = checked_contiguous(payload, "payload", {at::kByte});
+  if (static_cast<size_t>(q.numel()) < nchunks * fmt.bytes(chunk))
+    throw py::value_error("payload must hold at least " + std::to_string(nchunks * fmt.bytes(chunk)) + " bytes for " +
+                          std::to_string(n) + " elements in chunks of " + std::to_string(chunk) + ", got " +
+                          std::to_string(q.numel()));
+  if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
+    throw py::value_error("payload must be 4-byte aligned (its scales are float32)");
+  const DType dt = to_dtype(out.scalar_type(), "output");
+  py::gil_scoped_release nogil;
+  dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, dt, out.data_ptr());
+}
+
+void dequantize_accumulate_tensor(py::handle payload, int bits, int64_t block, py::handle accumulator) {
+  const QuantFormat fmt = checked_format(bits, block);
+  at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
+  const size_t n = static_cast<size_t>(acc.numel());
+  at::Tensor q = checked_payload(payload, "payload", fmt.bytes(n));
+  py::gil_scoped_release nogil;
+  dequantize_accumulate(fmt, q.data_ptr<uint8_t>(), n, acc.data_ptr<float>());
+}
+
+py::tuple top_k_tensor(py::handle input, int64_t k) {
+  at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
+  if (k < 0) throw py::value_error("k must be >= 0, got " + std::to_string(k));
+  if (in.numel() > INT32_MAX) throw py::value_error("input has more elements than int32 indices can address");
+  const int64_t kk = std::min<int64_t>(k, in.numel());
+  at::Tensor values = at::empty({kk}, at::kFloat);
+  at::Tensor indices = at::empty({kk}, at::kInt);
+  const DType dt = to_dtype(in.scalar_type(), "input");
+  TopKPath path;
+  {
+    py::gil_scoped_release nogil;
+    path = top_k_select(dt, in.data_ptr(), static_cast<size_t>(in.numel()), static_cast<size_t>(kk),
+                        values.data_ptr<float>(), indices.data_ptr<int32_t>());
+  }
+  return py::make_tuple(values, indices, path == TopKPath::kExact);
+}
+
+void scatter_add_tensor(py::handle accumulator, py::handle indices, py::handle values) {
+  at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
+  at::Tensor idx = checked_contiguous(indices, "indices", {at::kInt});
+  at::Tensor val = checked_contiguous(values, "values", {at::kFloat});
+  check_same_numel(idx, "indices", val, "values");
+  if (idx.numel() > 0) {
+    // Indices come off the wire: bounds are checked here, once, not trusted.
+    const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
+    if (lo < 0 || hi >= acc.numel())
+      throw py::value_error("indices must lie in [0, " + std::to_string(acc.numel()) + "), got [" + std::to_string(lo) +
+                            ", " + std::to_string(hi) + "]");
+  }
+  py::gil_scoped_release nogil;
+  scatter_add(acc.data_ptr<float>(), idx.data_ptr<int32_t>(), val.data_ptr<float>(), static_cast<size_t>(idx.numel()));
+}
+
+void error_feedback_tensor(py::handle input, py::handle residual, py::handle sent) {
+  at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
+  at::Tensor res = checked_contiguous(residual, "residual", {at::kFloat});
+  check_same_numel(in, "input", res, "residual");
+  at::Tensor s;
+  if (!sent.is_none()) {
+    s = checked_contiguous(sent, "sent", {at::kFloat});
+    check_same_numel(in, "input", s, "sent");
+  }
+  const DType dt = to_dtype(in.scalar_type(), "input");
+  py::gil_scoped_release nogil;
+  error_feedback_update(dt, in.data_ptr(), res.data_ptr<float>(), s.defined() ? s.data_ptr<float>() : nullptr,
+                        static_cast<size_t>(in.numel()));
+}
+
+// The middle of a quantized all-reduce as one unit of work (see quantized_all_reduce.h).
+py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::handle recv, py::handle accumulator,
+                                        py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
+                                        bool stochastic, uint64_t seed, bool async) {
+  const QuantFormat fmt = checked_format(bits, block);
+  if (chunk < 0 || chunk % block != 0)
+    throw py::value_error("chunk must be a non-negative multiple of block (" + std::to_string(block) + "), got " +
+                          std::to_string(chunk));
+  const size_t n = static_cast<size_t>(c.world_size()), cb = fmt.bytes(static_cast<size_t>(chunk));
+  at::Tensor s = checked_contiguous(send, "send", {at::kByte});
+  at::Tensor r = checked_contiguous(recv, "recv", {at::kByte});
+  at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
+  at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&s, "send"}, {&r, "recv"}, {&g, "gathered"}}) {
+    if (static_cast<size_t>(t->numel()) != n * cb)
+      throw py::value_error(std::string(name) + " must hold world_size * " + std::to_string(cb) + " bytes, got " +
+                            std::to_string(t->numel()));
+    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
+      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
+  }
+  if (acc.numel() != chunk)
+    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
+                          std::to_string(acc.numel()));
+  QuantizedAllReduceArgs a;
+  a.fmt = fmt;
+  a.chunk = static_cast<size_t>(chunk);
+  a.average = average;
+  a.stochastic = stochastic;
+  a.seed = seed;
+  a.send = s.data_ptr<uint8_t>();
+  a.recv = r.data_ptr<uint8_t>();
+  a.acc = acc.data_ptr<float>();
+  a.gathered = g.data_ptr<uint8_t>();
+  auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{s, r, acc, g});
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = c.submit_task([&c, a] { quantized_all_reduce(c, a); }, async ? keep : nullptr, async);
+  }
+  if (!async) return py::none();
+  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{g}));
+}
+
+}  // namespace
+
+void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator) {
+  m.def("quantized_bytes",
+        [](int64_t count, int bits, int64_t block) {
+          if (count < 0) throw py::value_error("count must be >= 0");
+          return checked_format(bits, block).bytes(static_cast<size_t>(count));
+        },
+        py::arg("count"), py::arg("bits"), py::arg("block"));
+  m.def("quantize", &quantize_tensor, py::arg("input"), py::arg("residual"), py::arg("bits"), py::arg("block"),
+        py::arg("stochastic"), py::arg("seed"), py::arg("index_base") = 0, py::arg("chunk") = 0, py::arg("nchunks") = 1,
+        py::arg("out") = py::none());
+  m.def("dequantize", &dequantize_tensor, py::arg("payload"), py::arg("bits"), py::arg("block"), py::arg("output"),
+        py::arg("chunk") = 0);
+  m.def("dequantize_accumulate", &dequantize_accumulate_tensor, py::arg("payload"), py::arg("bits"), py::arg("block"),
+        py::arg("accumulator"));
+  m.def("top_k", &top_k_tensor, py::arg("input"), py::arg("k"));
+  m.def("scatter_add", &scatter_add_tensor, py::arg("accumulator"), py::arg("indices"), py::arg("values"));
+  m.def("error_feedback", &error_feedback_tensor, py::arg("input"), py::arg("residual"), py::arg("sent"));
+  communicator.def("quantized_all_reduce", &quantized_all_reduce_tensors, py::arg("send"), py::arg("recv"),
+                   py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
+                   py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"));
+}
+
+}  // namespace braid

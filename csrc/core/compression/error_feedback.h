@@ -1,0 +1,15 @@
+// Error feedback: what compression dropped this step is added to the next step's input.
+#pragma once
+
+#include <cstddef>
+
+#include "../dtype.h"
+
+namespace braid {
+
+// residual[i] = in[i] + residual[i] - sent[i] in float32, `in` of float32, bfloat16 or float16.
+// `sent` (what the receivers will see of in + residual, decompressed) may be null: then the
+// residual only accumulates the input (the first half of a top-k step).
+void error_feedback_update(DType dtype, const void* in, float* residual, const float* sent, size_t count);
+
+}  // namespace braid

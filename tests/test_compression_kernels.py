@@ -1,0 +1,261 @@
+"""The CPU compression kernels against the pure-torch references (tests/helpers/compression_reference.py).
+
+Quantization is compared bit for bit (payload bytes, residual, decoded values) for float32,
+bfloat16 and float16 inputs at sizes that are not multiples of the block, in the plain and the
+chunked (all-reduce) layout. Top-k is checked by its defining property, stochastic rounding by
+its mean, error feedback by telescoping.
+"""
+import pickle
+
+import pytest
+import torch
+from braid import comm
+from braid.comm import _C
+from helpers import compression_reference as ref
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (0, 1, 7, 127, 129, 256, 1000, 4099)
+
+
+def _input(count: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, generator=g) * torch.rand(count, generator=g).mul(8).exp2()  # blocks of varied scale
+    if count > 3:
+        x[count // 2: count // 2 + 3] = 0  # exact zeros, and an all-zero tail block when small
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits,block", [(8, 256), (8, 64), (4, 128), (4, 6)])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_matches_reference(bits, block, dtype, stochastic):
+    for count in SIZES:
+        x = _input(count, dtype, seed=count)
+        for with_residual in (False, True):
+            res = torch.randn(count) * 0.01 if with_residual else None
+            expected, expected_res = ref.quantize(x, res, bits, block, stochastic, seed=1234 + count)
+            mine = res.clone() if res is not None else None
+            got = _C.quantize(x, mine, bits, block, stochastic, 1234 + count)
+            what = f"count {count} residual {with_residual}"
+            assert torch.equal(got, expected), what
+            if res is not None:
+                assert torch.equal(mine, expected_res), what
+            out = torch.full((count,), 99.0, dtype=dtype)
+            _C.dequantize(got, bits, block, out)
+            assert torch.equal(out, ref.dequantize(expected, count, bits, block, dtype)), what
+
+
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128)])
+@pytest.mark.parametrize("nchunks", [1, 3, 4])
+def test_chunked_layout_matches_reference(bits, block, nchunks):
+    """The all-reduce layout: one padded chunk per rank, elements numbered globally for the RNG."""
+    for count in (1, 500, 1001, 3000):
+        chunk = max(block, -(-(-(-count // nchunks)) // block) * block)
+        x = _input(count, torch.float32, seed=count)
+        res = torch.randn(count) * 0.01
+        expected, expected_res = ref.quantize(x, res, bits, block, True, 7, chunk, nchunks)
+        mine = res.clone()
+        got = _C.quantize(x, mine, bits, block, True, 7, 0, chunk, nchunks)
+        assert torch.equal(got, expected)
+        assert torch.equal(mine, expected_res)
+        assert got.numel() == nchunks * _C.quantized_bytes(chunk, bits, block)
+        out = torch.empty(count)
+        _C.dequantize(got, bits, block, out, chunk)
+        assert torch.equal(out, ref.dequantize(expected, count, bits, block, torch.float32, chunk))
+
+
+def test_dequantize_accumulate_adds_in_float32():
+    x = _input(1000, torch.float32)
+    q = _C.quantize(x, None, 8, 100, False, 0)
+    acc = torch.randn(1000)
+    expected = acc + ref.dequantize(q, 1000, 8, 100, torch.float32)
+    _C.dequantize_accumulate(q, 8, 100, acc)
+    assert torch.equal(acc, expected)
+
+
+def test_wire_size_is_the_format():
+    """values (1 byte or half a byte each) padded to 4 bytes, then 4 bytes of scale per block."""
+    for count in (0, 1, 255, 256, 257, 1001):
+        assert _C.quantized_bytes(count, 8, 256) == -(-count // 4) * 4 + 4 * -(-count // 256)
+        assert _C.quantized_bytes(count, 4, 128) == -(-((count + 1) // 2) // 4) * 4 + 4 * -(-count // 128)
+        assert _C.quantize(torch.randn(count), None, 4, 128, True, 0).numel() == _C.quantized_bytes(count, 4, 128)
+    big = 1 << 20
+    assert 4 * big / _C.quantized_bytes(big, 8, 256) >= 3.9
+    assert 4 * big / _C.quantized_bytes(big, 4, 128) >= 7.5
+
+
+def test_stochastic_rounding_is_reproducible_and_seeded():
+    x = _input(3000, torch.float32)
+    a = _C.quantize(x, None, 8, 256, True, 42)
+    assert torch.equal(a, _C.quantize(x, None, 8, 256, True, 42))
+    assert not torch.equal(a, _C.quantize(x, None, 8, 256, True, 43))
+    # Element i draws from (seed, index_base + i): a shifted index base is another stream.
+    assert not torch.equal(a, _C.quantize(x, None, 8, 256, True, 42, 1 << 33))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_stochastic_rounding_is_unbiased(bits):
+    """Mean decoded value over many seeds tends to the input; round-to-nearest does not.
+
+    Each element's stochastic error lies within one quantization step s and has a standard
+    deviation of at most s / 2, so the mean over T seeds deviates by more than 6 s / (2 sqrt(T))
+    with probability below 1e-8 per element.
+    """
+    block, trials = 64, 400
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(4096, generator=g) * 2 - 1
+    x.view(-1, block)[:, 0] = 1.0  # every block has absmax 1: step s = 1 / qmax everywhere
+    step = 1.0 / (127 if bits == 8 else 7)
+    total = torch.zeros(4096, dtype=torch.float64)
+    out = torch.empty(4096)
+    for seed in range(trials):
+        _C.dequantize(_C.quantize(x, None, bits, block, True, seed), bits, block, out)
+        total += out
+    bias = (total / trials - x).abs().max().item()
+    assert bias < 6 * step / (2 * trials ** 0.5)
+    _C.dequantize(_C.quantize(x, None, bits, block, False, 0), bits, block, out)
+    assert (out - x).abs().max().item() > 0.3 * step  # nearest rounding keeps its error
+
+
+def test_error_feedback_telescopes_through_quantization():
+    """sum of decoded payloads + final residual == sum of inputs (float32 rounding only)."""
+    g = torch.Generator().manual_seed(3)
+    res = torch.zeros(5000)
+    sent_total = torch.zeros(5000, dtype=torch.float64)
+    grad_total = torch.zeros(5000, dtype=torch.float64)
+    out = torch.empty(5000)
+    for step in range(30):
+        grad = torch.randn(5000, generator=g)
+        grad_total += grad
+        q = _C.quantize(grad, res, 4, 128, True, step)
+        _C.dequantize(q, 4, 128, out)
+        sent_total += out
+    err = (sent_total + res - grad_total).abs().max().item()
+    assert err < 1e-4  # 30 steps of float32 rounding of values of order 10
+    assert res.abs().max().item() < 1.0  # the residual stays bounded instead of growing
+
+
+def test_error_feedback_kernel_matches_reference():
+    for dtype in FLOATS:
+        x = _input(1001, dtype)
+        res = torch.randn(1001)
+        sent = torch.randn(1001)
+        expected = (x.float() + res) - sent
+        _C.error_feedback(x, res, sent)
+        assert torch.equal(res, expected)
+        expected = x.float() + res
+        _C.error_feedback(x, res, None)
+        assert torch.equal(res, expected)
+
+
+def _check_top_k(x: torch.Tensor, k: int, values, indices) -> None:
+    k = min(k, x.numel())
+    assert values.numel() == indices.numel() == k
+    idx = indices.long()
+    assert torch.all(idx[1:] > idx[:-1]), "indices ascending and distinct"
+    assert torch.equal(values, x.float()[idx])
+    if 0 < k < x.numel():
+        mask = torch.ones(x.numel(), dtype=torch.bool)
+        mask[idx] = False
+        assert values.abs().min() >= x.float()[mask].abs().max()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_top_k_selects_largest_magnitudes(dtype):
+    for count, k in ((0, 3), (1, 1), (100, 7), (100, 200), (50000, 500), (100003, 1000), (100003, 5001)):
+        x = torch.randn(count, generator=torch.Generator().manual_seed(count)).to(dtype)
+        values, indices, _ = _C.top_k(x, k)
+        _check_top_k(x, k, values, indices)
+
+
+def test_top_k_paths():
+    """A typical gradient takes the sampled threshold; one whose winners the sample misses (300
+    nonzeros for k = 1000: the sampled threshold is 0 and keeps everything) falls back to exact
+    selection, with the same contract (ties at 0 go to the lowest indices)."""
+    x = torch.randn(200000, generator=torch.Generator().manual_seed(1))
+    values, indices, exact = _C.top_k(x, 2000)
+    assert not exact
+    _check_top_k(x, 2000, values, indices)
+    sparse = torch.zeros(200000)
+    pos = torch.randperm(200000, generator=torch.Generator().manual_seed(2))[:300]
+    sparse[pos] = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    values, indices, exact = _C.top_k(sparse, 1000)
+    assert exact
+    _check_top_k(sparse, 1000, values, indices)
+    assert torch.equal(indices[values == 0].long(), torch.nonzero(sparse == 0).flatten()[:700])
+
+
+def test_scatter_add_matches_index_add():
+    acc = torch.randn(1000)
+    idx = torch.tensor([5, 999, 0, 5, 17], dtype=torch.int32)
+    val = torch.tensor([1.0, -2.0, 3.5, 0.25, 8.0])
+    expected = acc.clone().index_add_(0, idx.long(), val)
+    _C.scatter_add(acc, idx, val)
+    assert torch.equal(acc, expected)
+    with pytest.raises(ValueError, match="indices"):
+        _C.scatter_add(acc, torch.tensor([1000], dtype=torch.int32), torch.tensor([1.0]))
+
+
+def test_top_k_error_feedback_telescopes():
+    """residual += grad; send the top k; residual -= sent: nothing is lost, only delayed."""
+    g = torch.Generator().manual_seed(4)
+    res = torch.zeros(20000)
+    sent_total = torch.zeros(20000)
+    grad_total = torch.zeros(20000)
+    for _ in range(20):
+        grad = torch.randn(20000, generator=g)
+        grad_total += grad
+        _C.error_feedback(grad, res, None)
+        values, indices, _ = _C.top_k(res, 200)
+        _C.scatter_add(res, indices, values.neg())
+        _C.scatter_add(sent_total, indices, values)
+        assert torch.all(res[indices.long()] == 0)
+    assert torch.allclose(sent_total + res, grad_total, atol=1e-4)
+
+
+def test_bad_kernel_arguments_named():
+    x = torch.randn(10)
+    cases = [
+        (lambda: _C.quantize(x, None, 3, 256, True, 0), ValueError, "bits"),
+        (lambda: _C.quantize(x, None, 4, 7, True, 0), ValueError, "block"),
+        (lambda: _C.quantize(x, None, 8, 0, True, 0), ValueError, "block"),
+        (lambda: _C.quantize(x.double(), None, 8, 256, True, 0), TypeError, "input"),
+        (lambda: _C.quantize(x, torch.zeros(9), 8, 256, True, 0), ValueError, "residual"),
+        (lambda: _C.quantize(x, torch.zeros(10, dtype=torch.float16), 8, 256, True, 0), TypeError, "residual"),
+        (lambda: _C.quantize(x[::2], None, 8, 256, True, 0), ValueError, "contiguous"),
+        (lambda: _C.quantize(x, None, 8, 256, True, 0, 0, 100, 1), ValueError, "chunk"),
+        (lambda: _C.quantize(x, None, 8, 4, True, 0, 0, 4, 2), ValueError, "nchunks"),
+        (lambda: _C.dequantize(torch.zeros(3, dtype=torch.uint8), 8, 256, x), ValueError, "payload"),
+        (lambda: _C.top_k(x, -1), ValueError, "k"),
+        (lambda: _C.error_feedback(x, torch.zeros(10), torch.zeros(3)), ValueError, "sent"),
+    ]
+    for fn, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            fn()
+
+
+def test_compressor_arguments_validated():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        comm.Int8Quantizer(warmup_steps=1)
+    with pytest.raises(ValueError, match="block"):
+        comm.Int4Quantizer(block=9)
+    with pytest.raises(ValueError, match="ratio"):
+        comm.TopK(0)
+    with pytest.raises(ValueError, match="dtype"):
+        comm.Cast(torch.float32)
+
+
+def test_compressor_state_round_trips():
+    q = comm.Int8Quantizer(block=128, seed=9)
+    q._residual_for("a", 100).normal_()
+    q._calls["a"] = 5
+    clone = pickle.loads(pickle.dumps(q))
+    assert clone.block == 128 and clone.seed == 9 and clone._calls == {"a": 5}
+    assert torch.equal(clone.residual("a"), q.residual("a"))
+    fresh = comm.Int8Quantizer(block=128, seed=9)
+    fresh.load_state_dict(q.state_dict())
+    assert torch.equal(fresh.residual("a"), q.residual("a"))
+    with pytest.raises(ValueError, match="config"):
+        comm.Int8Quantizer(block=64, seed=9).load_state_dict(q.state_dict())
+    with pytest.raises(ValueError, match="TopK"):
+        comm.TopK(0.1).load_state_dict(q.state_dict())
