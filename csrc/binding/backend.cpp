@@ -272,8 +272,7 @@ class BraidBackend final : public c10d::Backend {
     return run(std::move(b), opts.asyncOp);
   }
 
-  // Equal splits only: every rank all-gathers every input and keeps the pieces sent to it
-  // (world_size times the traffic of a direct exchange, through one shared-memory pass).
+  // Equal splits of dimension 0 only: braid's all-to-all moves chunk j of rank i to chunk i of rank j.
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override {
@@ -292,19 +291,14 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK(even(output_splits) && even(input_splits),
                 "braid alltoall_base: uneven split sizes are not implemented (braid exchanges equal "
                 "splits of dimension 0)");
-    const int64_t piece = input.numel() / size_;
     at::Tensor in = input.contiguous();
-    at::Tensor gathered = at::empty({size_ * input.numel()}, in.options());
+    Buffer out = contiguous(output);
+    if (out.data.is_same(in) || (in.numel() > 0 && out.data.data_ptr() == in.data_ptr())) in = in.clone();
     Batch b;
-    b.add(make(CollKind::kAllGather, dtype_of(in, "alltoall_base"), in.numel(), in.data_ptr(), gathered.data_ptr()));
-    b.keep = {in, gathered};
-    at::Tensor out = output;
-    const int64_t me = rank_, n = size_, total = input.numel();
-    b.finish.push_back([out, gathered, me, n, piece, total] {
-      // Rank i's piece for me is at offset i * total + me * piece of the gathered inputs.
-      at::Tensor mine = gathered.view({n, total}).narrow(1, me * piece, piece);
-      out.copy_(mine.reshape(out.sizes()));
-    });
+    b.add(make(CollKind::kAllToAll, dtype_of(in, "alltoall_base"), static_cast<size_t>(in.numel() / size_),
+               in.data_ptr(), out.data.data_ptr()));
+    b.keep = {in, out.data};
+    b.copy_back(out);
     b.outputs = {output};
     return run(std::move(b), opts.asyncOp);
   }
