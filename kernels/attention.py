@@ -19,8 +19,8 @@ the interpreter, shapes the kernels do not take) goes to torch, logged once per 
 level on the ``braid.kernels.attention`` logger.
 
 On a GPU the kernels are autotuned (tile sizes, warps, pipeline stages) per head dim, causal flag
-and power-of-two length bucket at their first call; ``BRAID_ATTENTION_TMA=1`` makes the forward
-read K and V through tensor descriptors (TMA, sm_90 and newer, half types, 16-byte aligned
+and power-of-two length bucket at their first call; ``BRAID_ATTENTION_TMA=1`` makes the kernels
+stream their tiles through tensor descriptors (TMA, sm_90 and newer, half types, 16-byte aligned
 strides; other inputs keep the pointer path). The forward and both gradient kernels write every
 output element from one program without atomics, so results are bitwise reproducible.
 """
