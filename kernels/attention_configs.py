@@ -11,12 +11,10 @@ try:  # host-side tensor descriptors (TMA on sm_90); absent from older Triton re
 except ImportError:
     TensorDescriptor = None
 
-# Names of the meta-parameters every attention kernel takes from its configuration.
-BLOCK_NAMES = ("BLOCK_M", "BLOCK_N")
-
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read at import)."""
+    """True when Triton runs kernels in its CPU interpreter: TRITON_INTERPRET=1, which Triton reads
+    when the kernels are defined, so it must be set before braid's kernel modules are imported."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
