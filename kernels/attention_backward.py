@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import attention_configs as cfg
-from .attention_forward import LOG2E, grid, int32_addressable, program_tile, strides
+from .attention_forward import LOG2E, int32_addressable, strides
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -28,8 +28,8 @@ def attention_delta_kernel(Out, DO, DELTA,
                            num_heads, seq_q,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """DELTA[bh, i] = sum_d dO[i, d] * O[i, d] in float32: the row term of dS = P * (dP - delta)."""
-    tile, bh = program_tile(seq_q, BLOCK_M, False)
-    start_m = tile * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -93,12 +93,11 @@ def attention_dkdv_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one BLOCK_N tile of keys of one (batch, kv head), summed over the `group`
-    query heads that share the kv head: dV = P^T dO, dK = scale * dS^T Q. With USE_TMA, Q and DO
-    are tensor descriptors (their stride arguments are then unused)."""
-    # With a causal mask the first key tiles have the most query rows: the natural order is
-    # already longest first.
-    tile, bhk = program_tile(seq_k, BLOCK_N, False)
-    start_n = tile * BLOCK_N
+    query heads that share the kv head: dV = P^T dO, dK = scale * dS^T Q. (With a causal mask the
+    first key tiles have the most query rows: launch order is already longest first.) With
+    USE_TMA, Q and DO are tensor descriptors (their stride arguments are then unused)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
     b = (bhk // num_kv_heads).to(tl.int64)
     hk = (bhk % num_kv_heads).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -198,8 +197,11 @@ def attention_dq_kernel(
         DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ = scale * dS K of one BLOCK_M tile of queries of one (batch, head). With USE_TMA, K and
     V are tensor descriptors (their stride arguments are then unused)."""
-    tile, bh = program_tile(seq_q, BLOCK_M, CAUSAL)  # causal: the longest tiles first
+    tile = tl.program_id(0)
+    if CAUSAL:  # the longest tiles first, as in the forward kernel
+        tile = tl.num_programs(0) - 1 - tile
     start_m = tile * BLOCK_M
+    bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
     hk = h // group
@@ -267,10 +269,10 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     delta_args = (o, do, delta, *strides(o), *strides(do), heads, seq_q)
     if interpreting:
         blocks = cfg.INTERPRETER_DELTA
-        attention_delta_kernel[grid(seq_q, blocks["BLOCK_M"], batch * heads)](
+        attention_delta_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](
             *delta_args, HEAD_DIM=head_dim, BLOCK_D=block_d, **blocks)
     else:
-        _delta_tuned[lambda m: grid(seq_q, m["BLOCK_M"], batch * heads)](
+        _delta_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](
             *delta_args, HEAD_DIM=head_dim, BLOCK_D=block_d)
     if dlse is not None:
         # d lse_i / d s_ij = p_ij, so the LSE's gradient adds p_ij * dlse_i to dS_ij: the same as
@@ -296,10 +298,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                *strides(dq), heads, group, *tail)
     if interpreting:
         blocks = cfg.INTERPRETER_DKDV
-        attention_dkdv_kernel[grid(seq_k, blocks["BLOCK_N"], batch * kv_heads)](*dkdv_args, **meta, **blocks)
+        attention_dkdv_kernel[(triton.cdiv(seq_k, blocks["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta,
+                                                                                        **blocks)
         blocks = cfg.INTERPRETER_DQ
-        attention_dq_kernel[grid(seq_q, blocks["BLOCK_M"], batch * heads)](*dq_args, **meta, **blocks)
+        attention_dq_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*dq_args, **meta,
+                                                                                     **blocks)
     else:
-        _dkdv_tuned[lambda m: grid(seq_k, m["BLOCK_N"], batch * kv_heads)](*dkdv_args, **meta)
-        _dq_tuned[lambda m: grid(seq_q, m["BLOCK_M"], batch * heads)](*dq_args, **meta)
+        _dkdv_tuned[lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta)
+        _dq_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*dq_args, **meta)
     return dq, dk, dv

@@ -12,26 +12,6 @@ _LN2 = tl.constexpr(0.6931471805599453)  # back from base 2 to the natural-log L
 
 
 @triton.jit
-def program_tile(seq_len, BLOCK: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    """(tile, slice) of this program: the grid is 1-D, cdiv(seq_len, BLOCK) tiles for each (batch,
-    head) slice, tiles fastest. Programs that run together then share a slice, and so its K and V
-    in L2, and the grid has room for 2**31 programs where a y axis of slices would stop at 65535.
-    LONGEST_FIRST reverses the tiles of each slice (causal: the last query tiles see the most keys;
-    launched first, the short ones fill the gaps at the end instead of a long one running alone)."""
-    num_tiles = tl.cdiv(seq_len, BLOCK)
-    pid = tl.program_id(0)
-    tile = pid % num_tiles
-    if LONGEST_FIRST:
-        tile = num_tiles - 1 - tile
-    return tile, pid // num_tiles
-
-
-def grid(seq_len: int, block: int, slices: int) -> tuple[int]:
-    """The launch grid matching program_tile."""
-    return (triton.cdiv(seq_len, block) * slices,)
-
-
-@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, d_ok, seq_k, qk_scale, lo, hi,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -96,8 +76,13 @@ def attention_forward_kernel(
     BUCKET_Q and BUCKET_K only key the autotuner. With USE_TMA, K and V are tensor descriptors
     (their stride arguments are then unused).
     """
-    tile, bh = program_tile(seq_q, BLOCK_M, CAUSAL)
+    tile = tl.program_id(0)
+    if CAUSAL:
+        # Causal query tiles further down see more keys: launch those first, so that the short
+        # ones fill the gaps at the end instead of a long one running alone.
+        tile = tl.num_programs(0) - 1 - tile
     start_m = tile * BLOCK_M
+    bh = tl.program_id(1)
     # 64-bit offsets: batch * stride alone can pass 2**31 elements on large inputs.
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -195,7 +180,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
             "USE_TMA": use_tma}
     if interpreting:
         blocks = cfg.INTERPRETER_FORWARD
-        attention_forward_kernel[grid(seq_q, blocks["BLOCK_M"], batch * heads)](*args, **meta, **blocks)
+        attention_forward_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*args, **meta,
+                                                                                         **blocks)
     else:
-        _forward_tuned[lambda m: grid(seq_q, m["BLOCK_M"], batch * heads)](*args, **meta)
+        _forward_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*args, **meta)
     return o, lse
