@@ -266,6 +266,14 @@ def test_unsupported_inputs_fall_back_to_torch(case):
         assert torch.equal(mine, theirs)
 
 
+def test_grid_limit_falls_back(monkeypatch):
+    """More (batch, head) slices than the launch grid's y axis holds go to torch (the limit is
+    lowered here: the real one, 65535, needs large inputs)."""
+    monkeypatch.setattr(attention, "_MAX_GRID_Y", 3)
+    q, k, v, _, _ = make_inputs(2, 2, 2, 9, 13, 32, torch.float16)
+    assert torch.equal(scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
 def test_cpu_without_interpreter_falls_back(monkeypatch):
     """On CPU tensors the kernels run only under TRITON_INTERPRET=1; otherwise torch computes."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
