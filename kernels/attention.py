@@ -19,8 +19,8 @@ the interpreter, shapes the kernels do not take) goes to torch, logged once per 
 level on the ``braid.kernels.attention`` logger.
 
 On a GPU the kernels are autotuned (tile sizes, warps, pipeline stages) per head dim, causal flag
-and power-of-two length bucket at their first call; ``BRAID_ATTENTION_TMA=1`` makes the forward
-read K and V through tensor descriptors (TMA, sm_90 and newer, half types, 16-byte aligned
+and power-of-two length bucket at their first call; ``BRAID_ATTENTION_TMA=1`` makes the kernels
+stream their tiles through tensor descriptors (TMA, sm_90 and newer, half types, 16-byte aligned
 strides; other inputs keep the pointer path). The forward and both gradient kernels write every
 output element from one program without atomics, so results are bitwise reproducible.
 """
@@ -40,6 +40,11 @@ MIN_HEAD_DIM = 16  # tl.dot needs K >= 16
 MAX_HEAD_DIM = 256  # a 256-wide tile of q and the float32 accumulator still fit one program
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRETER_DTYPES = (torch.float16, torch.float32)
+# The kernels launch (query or key tiles, batch x heads): tiles on the fast x axis, so that the
+# programs running together share one (batch, head) and its K and V in L2. A 1-D grid would lift
+# the y limit, but its index arithmetic cost the forward 250 bytes of register spills per thread
+# at its 128 x 64 tiles (ptxas, sm_90, d = 128).
+_MAX_GRID_Y = 65535
 _logged_reasons: set[str] = set()
 
 
@@ -93,6 +98,8 @@ def _kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enabl
         return "empty inputs"
     if max(q.shape[2], k.shape[2]) * q.shape[3] >= 2**31:
         return "a (batch, head) slice of 2**31 elements or more (the kernels' offsets are 32-bit)"
+    if q.shape[0] * heads > _MAX_GRID_Y:
+        return f"batch x heads above {_MAX_GRID_Y} (the y axis of the kernels' launch grid)"
     if not _triton_usable():
         return "triton is not installed"
     if q.device.type == "cuda":

@@ -44,23 +44,29 @@ def attention_delta_kernel(Out, DO, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr,
+def _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_b, q_h, lse_ptr, delta_ptr,
                 stride_qm, stride_qd, stride_dom, stride_dod,
                 offs_n, offs_d, d_ok, seq_q, qk_scale, lo, hi,
-                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Adds the query tiles [lo, hi) of one query head to dK and dV of a key tile, working on the
     transposed scores (keys x queries) so that no tile needs a transpose before its dot product.
     Query rows past seq_q load as zeros (dO = 0, delta = 0): their dS and dO terms vanish, so only
-    the causal diagonal (MASKED) needs an element-wise mask."""
+    the causal diagonal (MASKED) needs an element-wise mask. q_src and do_src are the (batch,
+    head) base pointers, or with USE_TMA the descriptors of the whole q and dO, read at (q_b, q_h)."""
     offs_m = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < seq_q
-        tile_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=tile_mask,
-                    other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=tile_mask,
-                     other=0.0)
+        if USE_TMA:
+            q = q_src.load([q_b, q_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+            do = do_src.load([q_b, q_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            tile_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_src + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=tile_mask,
+                        other=0.0)
+            do = tl.load(do_src + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=tile_mask,
+                         other=0.0)
         lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
@@ -85,10 +91,11 @@ def attention_dkdv_kernel(
         num_kv_heads, group, seq_q, seq_k, softmax_scale, qk_scale,
         BUCKET_Q, BUCKET_K,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one BLOCK_N tile of keys of one (batch, kv head), summed over the `group`
     query heads that share the kv head: dV = P^T dO, dK = scale * dS^T Q. (With a causal mask the
-    first key tiles have the most query rows: launch order is already longest first.)"""
+    first key tiles have the most query rows: launch order is already longest first.) With
+    USE_TMA, Q and DO are tensor descriptors (their stride arguments are then unused)."""
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     b = (bhk // num_kv_heads).to(tl.int64)
@@ -117,16 +124,23 @@ def attention_dkdv_kernel(
     for g in range(0, group):
         h = hk * group + g
         bh = b * num_heads + h
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
+        if USE_TMA:
+            q_src = Q
+            do_src = DO
+        else:
+            q_src = Q + b * stride_qb + h * stride_qh
+            do_src = DO + b * stride_dob + h * stride_doh
+        # Descriptor coordinates are 32-bit; batch and head indices always fit.
+        q_b = b.to(tl.int32)
+        q_h = h.to(tl.int32)
         lse_ptr = LSE + bh * seq_q
         delta_ptr = DELTA + bh * seq_q
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_b, q_h, lse_ptr, delta_ptr, stride_qm, stride_qd,
                              stride_dom, stride_dod, offs_n, offs_d, d_ok, seq_q, qk_scale, lo, lo_full,
-                             True, DOT_PRECISION, BLOCK_M)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd,
+                             True, DOT_PRECISION, USE_TMA, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_b, q_h, lse_ptr, delta_ptr, stride_qm, stride_qd,
                              stride_dom, stride_dod, offs_n, offs_d, d_ok, seq_q, qk_scale, lo_full, seq_q,
-                             False, DOT_PRECISION, BLOCK_M)
+                             False, DOT_PRECISION, USE_TMA, BLOCK_M, BLOCK_D)
 
     dk = dk * softmax_scale
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -136,22 +150,27 @@ def attention_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _dq_tiles(dq, q, do, lse2, delta, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
               offs_m, offs_d, d_ok, seq_k, qk_scale, lo, hi,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """Adds the key tiles [lo, hi) to dQ (unscaled) of one query tile; MASKED as in the forward."""
+              USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Adds the key tiles [lo, hi) to dQ (unscaled) of one query tile; MASKED, k_src and v_src as
+    in the forward."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            t_mask = d_ok[:, None] & (cols[None, :] < seq_k)
+        if USE_TMA:
+            k_t = tl.trans(k_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
+            v_t = tl.trans(v_src.load([kv_b, kv_h, start_n, 0]).reshape(BLOCK_N, BLOCK_D))
         else:
-            t_mask = d_ok[:, None]
-        k_t = tl.load(k_base + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=t_mask,
-                      other=0.0)
-        v_t = tl.load(v_base + offs_d[:, None] * stride_vd + cols[None, :] * stride_vn, mask=t_mask,
-                      other=0.0)
+            if MASKED:
+                t_mask = d_ok[:, None] & (cols[None, :] < seq_k)
+            else:
+                t_mask = d_ok[:, None]
+            k_t = tl.load(k_src + offs_d[:, None] * stride_kd + cols[None, :] * stride_kn, mask=t_mask,
+                          other=0.0)
+            v_t = tl.load(v_src + offs_d[:, None] * stride_vd + cols[None, :] * stride_vn, mask=t_mask,
+                          other=0.0)
         p = tl.exp2(tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
         if MASKED:
             visible = cols[None, :] < seq_k
@@ -175,8 +194,9 @@ def attention_dq_kernel(
         num_heads, group, seq_q, seq_k, softmax_scale, qk_scale,
         BUCKET_Q, BUCKET_K,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ = scale * dS K of one BLOCK_M tile of queries of one (batch, head)."""
+        DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ = scale * dS K of one BLOCK_M tile of queries of one (batch, head). With USE_TMA, K and
+    V are tensor descriptors (their stride arguments are then unused)."""
     tile = tl.program_id(0)
     if CAUSAL:  # the longest tiles first, as in the forward kernel
         tile = tl.num_programs(0) - 1 - tile
@@ -196,8 +216,14 @@ def attention_dq_kernel(
                  + offs_d[None, :] * stride_dod, mask=tile_mask, other=0.0)
     lse2 = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_ok, other=0.0) * _LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * seq_q + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    if USE_TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b * stride_kb + hk * stride_kh
+        v_src = V + b * stride_vb + hk * stride_vh
+    kv_b = b.to(tl.int32)
+    kv_h = hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The same split of the key range as in the forward kernel.
@@ -208,10 +234,12 @@ def attention_dq_kernel(
         hi_full = seq_k
         hi = seq_k
     hi_full = (hi_full // BLOCK_N) * BLOCK_N
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full, False, CAUSAL, DOT_PRECISION, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                   offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi, True, CAUSAL, DOT_PRECISION, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn,
+                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
+                   False, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn,
+                   stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi,
+                   True, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
 
     dq = dq * softmax_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm
@@ -252,11 +280,21 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         delta.sub_(dlse)
 
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision}
+    use_tma = cfg.tensor_descriptors_requested() and all(cfg.descriptor_usable(t) for t in (q, k, v, do))
+    # What each kernel streams: Q and dO for dK/dV, K and V for dQ; through descriptors with TMA,
+    # whose box is set per configuration (by the autotuner's pre-hook, or here for the interpreter).
+    dkdv_q, dkdv_do, dq_k, dq_v = q, do, k, v
+    if use_tma:
+        rows = cfg.INTERPRETER_DKDV["BLOCK_M"] if interpreting else 64
+        dkdv_q, dkdv_do = cfg.descriptor(q, rows, block_d), cfg.descriptor(do, rows, block_d)
+        rows = cfg.INTERPRETER_DQ["BLOCK_N"] if interpreting else 64
+        dq_k, dq_v = cfg.descriptor(k, rows, block_d), cfg.descriptor(v, rows, block_d)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,
+            "USE_TMA": use_tma}
     tail = (seq_q, seq_k, scale, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v), *strides(do),
-                 *strides(dk), *strides(dv), kv_heads, group, *tail)
-    dq_args = (q, k, v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do),
+    dkdv_args = (dkdv_q, k, v, dkdv_do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v),
+                 *strides(do), *strides(dk), *strides(dv), kv_heads, group, *tail)
+    dq_args = (q, dq_k, dq_v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do),
                *strides(dq), heads, group, *tail)
     if interpreting:
         blocks = cfg.INTERPRETER_DKDV

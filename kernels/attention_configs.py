@@ -11,19 +11,18 @@ try:  # host-side tensor descriptors (TMA on sm_90); absent from older Triton re
 except ImportError:
     TensorDescriptor = None
 
-# Names of the meta-parameters every attention kernel takes from its configuration.
-BLOCK_NAMES = ("BLOCK_M", "BLOCK_N")
-
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read at import)."""
+    """True when Triton runs kernels in its CPU interpreter: TRITON_INTERPRET=1, which Triton reads
+    when the kernels are defined, so it must be set before braid's kernel modules are imported."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def tensor_descriptors_requested() -> bool:
-    """BRAID_ATTENTION_TMA=1 asks the forward kernel to stream K and V through tensor descriptors
-    (the Tensor Memory Accelerator on sm_90) instead of pointer arithmetic. Off by default: its
-    speed has not been measured yet."""
+    """BRAID_ATTENTION_TMA=1 asks the kernels to stream their tiles (K and V in the forward and dQ
+    kernels, Q and dO in the dK/dV kernel) through tensor descriptors, the Tensor Memory
+    Accelerator on sm_90, instead of pointer arithmetic. Off by default: its speed has not been
+    measured yet."""
     return os.environ.get("BRAID_ATTENTION_TMA", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -39,17 +38,21 @@ def descriptor_usable(t: torch.Tensor) -> bool:
             and all(s > 0 and s * elem % 16 == 0 for s in t.stride()[:-1]))
 
 
-def kv_descriptor(t: torch.Tensor, block_n: int, head_dim_block: int):
-    """A 4-D descriptor over k or v, read one (1, 1, block_n, head_dim_block) box at a time; boxes
-    past the sequence or the head dim read zeros, which stand in for the pointer path's masks."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, head_dim_block])
+def descriptor(t: torch.Tensor, block_rows: int, head_dim_block: int):
+    """A 4-D descriptor over a (B, H, S, D) tensor, read one (1, 1, block_rows, head_dim_block) box
+    at a time; boxes past the sequence or the head dim read zeros, which stand in for the pointer
+    path's masks."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_rows, head_dim_block])
 
 
-def _set_descriptor_boxes(nargs: dict) -> None:
-    """Autotuner pre-hook: the descriptors' box follows the configuration's BLOCK_N."""
-    for name in ("K", "V"):
-        if TensorDescriptor is not None and isinstance(nargs[name], TensorDescriptor):
-            nargs[name].block_shape = [1, 1, nargs["BLOCK_N"], nargs["BLOCK_D"]]
+def _descriptor_boxes(names: tuple[str, ...], rows: str):
+    """An autotuner pre-hook: the boxes of the descriptors passed as `names` follow the
+    configuration's `rows` block size (the tiles they stream)."""
+    def set_boxes(nargs: dict) -> None:
+        for name in names:
+            if TensorDescriptor is not None and isinstance(nargs[name], TensorDescriptor):
+                nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
+    return set_boxes
 
 
 def block_d(head_dim: int) -> int:
@@ -87,9 +90,11 @@ def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[
 # 8 warps, dQ 64 x 32, dK/dV 16..64 x 32), while the wider ones spill hundreds of bytes per
 # thread. None has been timed on a GPU yet: the autotuner picks among them at the first call for
 # each key, which compiles each candidate once (a minute or two per head dim and causal flag).
-FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3), pre_hook=_set_descriptor_boxes)
-DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3))
-DKDV_CONFIGS = _configs((16, 32, 64), (32, 64, 128), (4, 8), (2,))
+FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3),
+                           pre_hook=_descriptor_boxes(("K", "V"), "BLOCK_N"))
+DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3), pre_hook=_descriptor_boxes(("K", "V"), "BLOCK_N"))
+DKDV_CONFIGS = _configs((16, 32, 64), (32, 64, 128), (4, 8), (2,),
+                        pre_hook=_descriptor_boxes(("Q", "DO"), "BLOCK_M"))
 DELTA_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (64, 128) for w in (4, 8)]
 
 # Shared memory per SM on sm_90 is 228 KiB (227 usable by one block); a config whose tiles cannot
@@ -97,33 +102,42 @@ DELTA_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (64, 128) f
 _SMEM_BYTES = 227 * 1024
 
 
-def _tile_bytes(config: triton.Config, block_d: int, elem_bytes: int, tiles_m: int, tiles_n: int) -> int:
-    m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+def _tile_bytes(config: triton.Config, block_d: int, elem_bytes: int, resident: tuple[str, int],
+                streamed: tuple[str, int]) -> int:
+    """Shared memory of a configuration's tiles: `resident` is (block name, tile count) of the tiles
+    a program keeps, `streamed` those it loads per loop step, once per pipeline stage."""
     stages = max(config.num_stages, 1)
-    return (tiles_m * m + tiles_n * n * stages) * block_d * elem_bytes
+    rows = resident[1] * config.kwargs[resident[0]] + streamed[1] * config.kwargs[streamed[0]] * stages
+    return rows * block_d * elem_bytes
 
 
-def _pruner(tiles_m: int, tiles_n: int):
-    """An early_config_prune that keeps the configs whose tiles (tiles_m row tiles, tiles_n
-    column tiles, the latter once per pipeline stage) fit in shared memory."""
+def _pruner(resident: tuple[str, int], streamed: tuple[str, int]):
+    """An early_config_prune that keeps the configurations whose tiles fit in shared memory."""
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        elem = named_args["Q"].element_size()
-        kept = [c for c in configs if _tile_bytes(c, d, elem, tiles_m, tiles_n) <= _SMEM_BYTES
+        q = named_args["Q"]
+        if TensorDescriptor is not None and isinstance(q, TensorDescriptor):
+            q = q.base
+        elem = q.element_size()
+
+        def size(c: triton.Config) -> int:
+            return _tile_bytes(c, d, elem, resident, streamed)
+
+        kept = [c for c in configs if size(c) <= _SMEM_BYTES
                 # A tile larger than 128 x 128 halves (128-row tiles at d = 256, or float32 at
                 # d = 128) is expected to spill the accumulators out of registers.
                 and max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) * d * elem <= 128 * 128 * 2]
-        return kept or [min(configs, key=lambda c: _tile_bytes(c, d, elem, tiles_m, tiles_n))]
+        return kept or [min(configs, key=size)]
     return prune
 
 
-# Forward and dQ: one resident Q tile, K and V tiles streamed. dK/dV: resident K and V tiles,
-# Q and dO tiles streamed.
-PRUNE_FORWARD = {"early_config_prune": _pruner(1, 2)}
-PRUNE_DQ = {"early_config_prune": _pruner(2, 2)}
-PRUNE_DKDV = {"early_config_prune": _pruner(2, 2)}
+# Forward and dQ: a resident Q tile (dQ: and dO), K and V tiles streamed. dK/dV: resident K and V
+# tiles, Q and dO tiles streamed.
+PRUNE_FORWARD = {"early_config_prune": _pruner(("BLOCK_M", 1), ("BLOCK_N", 2))}
+PRUNE_DQ = {"early_config_prune": _pruner(("BLOCK_M", 2), ("BLOCK_N", 2))}
+PRUNE_DKDV = {"early_config_prune": _pruner(("BLOCK_N", 2), ("BLOCK_M", 2))}
 
-# Autotuning keys: a new configuration is chosen per head dim, causal flag and length bucket
-# (tensor dtypes are part of Triton's key already), and for the forward per load path.
-TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL"]
-FORWARD_TUNING_KEY = TUNING_KEY + ["USE_TMA"]
+
+# Autotuning keys: a new configuration is chosen per head dim, causal flag, length bucket and load
+# path (tensor dtypes are part of Triton's key already).
+TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"]

@@ -134,7 +134,7 @@ def attention_forward_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-_forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.FORWARD_TUNING_KEY,
+_forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.TUNING_KEY,
                                  prune_configs_by=cfg.PRUNE_FORWARD)(attention_forward_kernel)
 
 
@@ -173,7 +173,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if use_tma:
         # The box is set per configuration: by the autotuner's pre-hook, or here for the interpreter.
         block_n = cfg.INTERPRETER_FORWARD["BLOCK_N"] if interpreting else 64
-        k_arg, v_arg = cfg.kv_descriptor(k, block_n, block_d), cfg.kv_descriptor(v, block_n, block_d)
+        k_arg, v_arg = cfg.descriptor(k, block_n, block_d), cfg.descriptor(v, block_n, block_d)
     args = (q, k_arg, v_arg, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
             heads, group, seq_q, seq_k, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,

@@ -23,21 +23,28 @@ CASES = [
     ("attention_forward_kernel", "fp16", 96, False, 64, 64, 4, 2, False),
     ("attention_forward_kernel", "fp32", 64, True, 64, 32, 4, 2, False),
     ("attention_dq_kernel", "bf16", 128, True, 64, 64, 4, 2, False),
+    ("attention_dq_kernel", "bf16", 128, True, 64, 32, 8, 2, True),
     ("attention_dkdv_kernel", "bf16", 64, True, 32, 128, 4, 2, False),
+    ("attention_dkdv_kernel", "fp16", 128, False, 32, 64, 8, 2, True),
     ("attention_delta_kernel", "bf16", 128, False, 64, None, 4, 1, False),
 ]
+# What each kernel streams through descriptors with USE_TMA, and which block is their box's rows.
+DESCRIPTORS = {"attention_forward_kernel": (("K", "V"), "BLOCK_N"),
+               "attention_dq_kernel": (("K", "V"), "BLOCK_N"),
+               "attention_dkdv_kernel": (("Q", "DO"), "BLOCK_M")}
 
 
-def _signature(fn, dtype: str, constexprs: dict, block_n: int | None, tma: bool) -> dict:
+def _signature(fn, dtype: str, constexprs: dict, tma: bool) -> dict:
     """Triton types of a kernel's arguments, from the naming convention of braid's attention
-    kernels: upper-case names are tensors (float32 for LSE and DELTA), the scales float32, the rest
-    int32 (sizes and strides)."""
+    kernels: upper-case names are tensors (float32 for LSE and DELTA) or, with tma, descriptors;
+    the scales are float32, the rest int32 (sizes and strides)."""
+    names, rows = DESCRIPTORS.get(fn.__name__, ((), None))
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("K", "V") and tma:
-            sig[name] = f"tensordesc<{dtype}[1,1,{block_n},{constexprs['BLOCK_D']}]>"
+        elif tma and name in names:
+            sig[name] = f"tensordesc<{dtype}[1,1,{constexprs[rows]},{constexprs['BLOCK_D']}]>"
         elif name[0].isupper():
             sig[name] = "*fp32" if name in ("LSE", "DELTA") else f"*{dtype}"
         elif name in ("qk_scale", "softmax_scale"):
@@ -64,7 +71,7 @@ def compile_cases() -> list[dict]:
                 "DOT_PRECISION": "tf32" if dtype == "fp32" else "ieee", "USE_TMA": tma,
                 "BLOCK_M": block_m, "BLOCK_N": block_n}
         constexprs = {k: v for k, v in meta.items() if k in fn.arg_names}
-        source = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs, block_n, tma),
+        source = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs, tma),
                                            constexprs=constexprs)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64),
                                 options={"num_warps": warps, "num_stages": stages})
