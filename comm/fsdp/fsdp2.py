@@ -152,12 +152,14 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         _check_group(c, group, "BraidReduceScatter")
         _check_cpu(output_tensor, "output_tensor", "BraidReduceScatter")
         _check_cpu(input_tensor, "input_tensor", "BraidReduceScatter")
-        if isinstance(op, dist.ReduceOp) and op.op == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        # FSDP2 passes a RedOpType (SUM, AVG) or a ReduceOp instance (PREMUL_SUM with its factor).
+        kind = op.op if type(op) is dist.ReduceOp else op
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+            if type(op) is not dist.ReduceOp:
+                raise ValueError("BraidReduceScatter: op PREMUL_SUM needs its factor: pass "
+                                 "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
             input_tensor.mul_(op.factor)
             op = "sum"
-        elif op == dist.ReduceOp.RedOpType.PREMUL_SUM:
-            raise ValueError("BraidReduceScatter: op PREMUL_SUM needs its factor: pass "
-                             "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
         work = c.reduce_scatter(output_tensor, input_tensor, op=op, async_op=async_op)
         return BraidWork(work) if async_op else None
 

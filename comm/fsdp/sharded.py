@@ -63,7 +63,7 @@ _MAX_GATHERS_IN_FLIGHT = 2
 @dataclass
 class _Slot:
     """One parameter's place in a bucket, and every (module, attribute) that holds it."""
-    key: str                      # its name in the unwrapped module's state_dict (first owner)
+    keys: list                    # its names in the unwrapped module's state_dict (tied: several)
     owners: list                  # [(module, attribute name)]
     offset: int
     numel: int
@@ -215,7 +215,7 @@ class ShardedModule(nn.Module):
         params: dict[int, nn.Parameter] = {}
         owners: dict[int, list] = {}
         unit_of: dict[int, set] = {}
-        key_of: dict[int, str] = {}
+        keys_of: dict[int, list] = {}
         prefixes = [(name + ".", i) for i, (name, _) in enumerate(unit_specs)]
         for mod_name, m in module.named_modules(remove_duplicate=False):
             for attr, p in m._parameters.items():
@@ -229,7 +229,7 @@ class ShardedModule(nn.Module):
                 if (m, attr) not in owners.setdefault(pid, []):
                     owners[pid].append((m, attr))
                 full_name = f"{mod_name}.{attr}" if mod_name else attr
-                key_of.setdefault(pid, full_name)
+                keys_of.setdefault(pid, []).append(full_name)
                 where = next((i for prefix, i in prefixes if full_name.startswith(prefix)), None)
                 unit_of.setdefault(pid, set()).add(where)
         if not params:
@@ -247,7 +247,7 @@ class ShardedModule(nn.Module):
         self._root = root if root_members else None
         shards = []
         for unit, pids in zip(self._units, members + [root_members]):
-            for bucket in self._plan_buckets([(pid, params[pid]) for pid in pids], owners, key_of):
+            for bucket in self._plan_buckets([(pid, params[pid]) for pid in pids], owners, keys_of):
                 self._fill(bucket, c)
                 bucket.unit = unit
                 unit.buckets.append(bucket)
@@ -271,7 +271,7 @@ class ShardedModule(nn.Module):
             else:
                 self._set_views(unit, False)
 
-    def _plan_buckets(self, params: list, owners: dict, key_of: dict) -> list:
+    def _plan_buckets(self, params: list, owners: dict, keys_of: dict) -> list:
         """Consecutive parameters of one (dtype, requires_grad) group, closed before exceeding the cap."""
         groups: dict = {}
         for pid, p in params:
@@ -285,7 +285,7 @@ class ShardedModule(nn.Module):
                 if current and size + nbytes > self._cap_bytes:
                     buckets.append(self._new_bucket(current, dtype, trainable, n))
                     current, size = [], 0
-                current.append(_Slot(key_of[pid], owners[pid], 0, p.numel(), p.shape, p))
+                current.append(_Slot(keys_of[pid], owners[pid], 0, p.numel(), p.shape, p))
                 size += nbytes
             if current:
                 buckets.append(self._new_bucket(current, dtype, trainable, n))
@@ -405,6 +405,8 @@ class ShardedModule(nn.Module):
             self._launch_gather(unit)
         for unit in list(self._in_flight):
             self._wait_gather(unit)
+        for unit in self._units:
+            self._set_views(unit, False)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -483,9 +485,13 @@ class ShardedModule(nn.Module):
                     grad.zero_()  # the persistent buffer accumulates the next step's gradient
         for unit in list(self._in_flight):
             self._wait_gather(unit)
-        if self.stage == 3:
-            for unit in self._units:
+        for unit in self._units:
+            if self.stage == 3:
                 self._reshard(unit)
+            else:
+                # The forward's views belong to this backward's graph: autograd forbids using
+                # them once the optimizer updates the bucket in place, so plain views replace them.
+                self._set_views(unit, False)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -515,17 +521,7 @@ class ShardedModule(nn.Module):
 
     def _slots(self) -> dict:
         """state_dict key -> (bucket, slot) for every parameter key, tied names included."""
-        found = {}
-        for b in self._buckets():
-            for s in b.slots:
-                for m, attr in s.owners:
-                    found[(id(m), attr)] = (b, s)
-        keys = {}
-        for mod_name, m in self.module.named_modules(remove_duplicate=False):
-            for attr in list(m.__dict__):
-                if (id(m), attr) in found:
-                    keys[f"{mod_name}.{attr}" if mod_name else attr] = found[(id(m), attr)]
-        return keys
+        return {key: (b, s) for b in self._buckets() for s in b.slots for key in s.keys}
 
     def _check_idle(self, what: str) -> None:
         if self._pending or self._finish_queued:
