@@ -9,6 +9,7 @@ SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which tur
 in near-zero gradients into O(lr) parameter differences.
 """
 import copy
+import types
 from datetime import timedelta
 
 import pytest
@@ -20,6 +21,7 @@ from braid.bench.models import LanguageModel
 from braid.comm import fsdp
 from helpers.ranks import COMM_TIMEOUT_S, make_comm, open_store, run_ranks
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ = 40, 24, 4, 40, 2, 2, 10
@@ -54,7 +56,7 @@ def _train(model, opt, rank, steps, micro_batches, no_sync):
     """``steps`` optimizer steps; each accumulates ``micro_batches`` backward passes, all but the
     last inside ``no_sync`` (when given). Returns the loss of every step's first micro-batch."""
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         opt.zero_grad()
         for micro in range(micro_batches):
             # The same batches every step: the loss must fall, so the run checks that training happens.
@@ -247,7 +249,8 @@ def _run_comm_objects(rank, world_size, store_path):
             work = ag(out, mine, None, async_op=async_op)
             if async_op:
                 work.wait()
-            expected = torch.cat([torch.arange(nbytes, dtype=torch.uint8) + 17 * r for r in range(world_size)])
+            expected = torch.cat([torch.arange(nbytes, dtype=torch.uint8) + 17 * r
+                                  for r in range(world_size)])
             assert torch.equal(out, expected), (nbytes, async_op, out, expected)
     n = 5
     every = [value(r, n * world_size, 7) for r in range(world_size)]
@@ -260,6 +263,70 @@ def _run_comm_objects(rank, world_size, store_path):
         assert rs(out, every[rank].clone(), None, op) is None
         assert torch.equal(out, expected[mine]), (op, out, expected[mine])
     return True
+
+
+class _Recorder(TorchDispatchMode):
+    """Logs matrix products in the order they run, interleaved with the communicator's events."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+            self.log.append(("mm", None))
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordingComm:
+    """Forwards to a communicator; logs each async launch and each wait with the work's number."""
+
+    def __init__(self, inner, log):
+        self._inner, self.log = inner, log
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self._ids = iter(range(10**6))
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def call(*args, async_op=False, **kwargs):
+            work = method(*args, async_op=async_op, **kwargs)
+            if work is None:
+                return None
+            wid = next(self._ids)
+            self.log.append((name, wid))
+            log = self.log
+            return types.SimpleNamespace(wait=lambda *a: (log.append(("wait", wid)), work.wait(*a))[1])
+        return call
+
+
+def _run_schedule(rank, world_size, store_path, stage):
+    """The events of one stage-3 (or stage-2) training step, as (kind, work number) pairs."""
+    log = []
+    c = _RecordingComm(make_comm(rank, world_size, store_path), log)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ids = _batch(rank, 0)
+    _loss(sharded, ids).backward()  # the first step records the units' order
+    opt.step()
+    del log[:]
+    with _Recorder(log):
+        loss = _loss(sharded, ids)
+        log.append(("backward", None))
+        loss.backward()
+    return log
+
+
+def _overlapped(log, kind):
+    """Works of ``kind`` during whose flight (launch to wait) at least one matmul ran."""
+    found = set()
+    for i, (k, wid) in enumerate(log):
+        if k != kind:
+            continue
+        end = log.index(("wait", wid), i)
+        if any(e[0] == "mm" for e in log[i:end]):
+            found.add(wid)
+    return found
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -283,6 +350,44 @@ def test_stage3_options_match_ddp(reshard, prefetch):
     """Keeping parameters between forward and backward, no prefetch, and a deep prefetch (held
     to two all-gathers in flight) change the schedule, not the result."""
     run_ranks(_run_vs_ddp, 3, 3, 2, reshard, prefetch)
+
+
+def test_stage3_schedule_overlaps_and_bounds_gathers():
+    """Stage 3: the next unit's all-gather is in flight while the current unit computes, forward
+    and backward; never more than two all-gathers in flight; the reduce-scatters run while the
+    backward of earlier units computes, and all are waited for before backward() returns."""
+    log = run_ranks(_run_schedule, 2, 3)[0]
+    backward = log.index(("backward", None))
+    gathers = [wid for k, wid in log if k == "all_gather"]
+    assert len(gathers) >= 2 * (LAYERS + 2)  # every unit gathered for its forward and its backward
+    in_flight, most = set(), 0
+    for k, wid in log:
+        if k == "all_gather":
+            in_flight.add(wid)
+            most = max(most, len(in_flight))
+        elif k == "wait":
+            in_flight.discard(wid)
+    assert most == 2, most
+    overlapped = _overlapped(log, "all_gather")
+    assert any(log.index(("all_gather", w)) < backward for w in overlapped), "no forward overlap"
+    assert any(log.index(("all_gather", w)) > backward for w in overlapped), "no backward overlap"
+    scatters = [wid for k, wid in log if k == "reduce_scatter"]
+    assert len(scatters) == LAYERS + 3
+    assert _overlapped(log, "reduce_scatter"), "no reduce-scatter overlaps the backward"
+    assert all(("wait", w) in log for w in scatters)
+
+
+def test_stage2_schedule():
+    """Stage 2: the shards the optimizer updated are all-gathered once each during the next
+    forward, overlapping it; reduce-scatters overlap the backward."""
+    log = run_ranks(_run_schedule, 2, 2)[0]
+    backward = log.index(("backward", None))
+    gathers = [wid for k, wid in log if k == "all_gather"]
+    assert len(gathers) == LAYERS + 3 and all(log.index(("all_gather", w)) < backward for w in gathers)
+    assert _overlapped(log, "all_gather")
+    scatters = [wid for k, wid in log if k == "reduce_scatter"]
+    assert len(scatters) == LAYERS + 3
+    assert len(_overlapped(log, "reduce_scatter")) >= LAYERS
 
 
 @pytest.mark.parametrize("world_size", (2, 3))

@@ -95,7 +95,8 @@ class _BraidComm:
     def __init__(self, communicator: Any):
         for attr in ("rank", "world_size", "all_gather", "reduce_scatter"):
             if not hasattr(communicator, attr):
-                raise TypeError(f"communicator must be a braid.comm.Communicator, got {type(communicator).__name__}")
+                raise TypeError("communicator must be a braid.comm.Communicator, got "
+                                f"{type(communicator).__name__}")
         self.communicator = communicator
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -97,7 +97,8 @@ class _Unit:
 def _check_communicator(communicator: Any) -> None:
     for attr in ("rank", "world_size", "all_gather", "reduce_scatter", "broadcast"):
         if not hasattr(communicator, attr):
-            raise TypeError(f"communicator must be a braid.comm.Communicator, got {type(communicator).__name__}")
+            raise TypeError("communicator must be a braid.comm.Communicator, got "
+                            f"{type(communicator).__name__}")
 
 
 def _resolve_units(module: nn.Module, units: Optional[Iterable[Union[str, nn.Module]]]) -> list:
@@ -150,7 +151,8 @@ def _resolve_units(module: nn.Module, units: Optional[Iterable[Union[str, nn.Mod
     return chosen
 
 
-def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forward: Any, prefetch: Any) -> None:
+def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forward: Any,
+                prefetch: Any) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedModule):
@@ -241,7 +243,8 @@ class ShardedModule(nn.Module):
         for pid, where in unit_of.items():  # parameter order: first appearance in named_modules
             # A parameter used by several units (tied weights) goes to the root unit, which is
             # gathered for the whole forward and backward.
-            (members[next(iter(where))] if len(where) == 1 and None not in where else root_members).append(pid)
+            alone = len(where) == 1 and None not in where
+            (members[next(iter(where))] if alone else root_members).append(pid)
         if root_members:
             self._units.append(root)
         self._root = root if root_members else None
@@ -585,7 +588,8 @@ class ShardedModule(nn.Module):
             missing = [k for k in self._keys if k not in state_dict]
             unexpected = [k for k in state_dict if k not in self._keys]
             if missing or unexpected:
-                raise KeyError(f"state_dict keys do not match the module: missing {missing}, unexpected {unexpected}")
+                raise KeyError(f"state_dict keys do not match the module: missing {missing}, "
+                               f"unexpected {unexpected}")
         slots = self._slots()
         lo_of = self.communicator.rank
         with torch.no_grad():
