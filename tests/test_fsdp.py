@@ -52,10 +52,11 @@ def _loss(model, ids):
     return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-def _train(model, opt, rank, steps, micro_batches, no_sync):
+def _train(model, opt, rank, steps, micro_batches, no_sync, clip=None):
     """``steps`` optimizer steps; each accumulates ``micro_batches`` backward passes, all but the
-    last inside ``no_sync`` (when given). Returns the loss of every step's first micro-batch."""
-    losses = []
+    last inside ``no_sync`` (when given), then ``clip()`` (when given) before the step. Returns
+    the loss of every step's first micro-batch, and the gradient norms ``clip`` returned."""
+    losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()
         for micro in range(micro_batches):
@@ -67,8 +68,10 @@ def _train(model, opt, rank, steps, micro_batches, no_sync):
                 loss.backward()
             if micro == 0:
                 losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(clip()))
         opt.step()
-    return losses
+    return (losses, norms) if clip is not None else losses
 
 
 class _nothing:
@@ -96,9 +99,15 @@ def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, pre
         opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
         steps = 4
-        ref_losses = _train(ddp, opt_ref, rank, steps, micro_batches, ddp.no_sync)
-        losses = _train(sharded, opt, rank, steps, micro_batches, sharded.no_sync)
+        # Clipping at a norm the gradients exceed: the sharded norm must be the whole gradient's.
+        max_norm = 0.5
+        ref_losses, ref_norms = _train(ddp, opt_ref, rank, steps, micro_batches, ddp.no_sync,
+                                       lambda: nn.utils.clip_grad_norm_(ddp.parameters(), max_norm))
+        losses, norms = _train(sharded, opt, rank, steps, micro_batches, sharded.no_sync,
+                               lambda: sharded.clip_grad_norm_(max_norm))
         torch.testing.assert_close(losses, ref_losses, **TOL)
+        torch.testing.assert_close(norms, ref_norms, **TOL)
+        assert max(ref_norms) > max_norm, ref_norms
         assert ref_losses[-1] < ref_losses[0], f"the model did not train: {ref_losses}"
         _assert_same_params(sharded.full_state_dict(), ddp.module.state_dict())
         # Stages 1 and 2 hold full parameters: after gather_params they are the trained ones.

@@ -517,6 +517,35 @@ class ShardedModule(nn.Module):
                 else:
                     b.full.grad = None
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scales the shard gradients so that the norm of the whole (unsharded) gradient is at
+        most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on an unsharded model;
+        returns that norm. A collective (one all-reduce of a scalar): every rank calls it."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+        self._check_idle("clip_grad_norm_")
+        grads = [b.shard.grad for b in self._buckets() if b.shard.grad is not None]
+        # Padding elements have zero gradients (no parameter uses them): they add nothing.
+        if norm_type == math.inf:
+            local = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).double().reshape(1)
+            self.communicator.all_reduce(local, op="max")
+            total = local[0]
+        else:
+            local = torch.zeros(1, dtype=torch.float64)
+            for g in grads:
+                local += g.double().abs().pow(norm_type).sum()
+            self.communicator.all_reduce(local, op="sum")
+            total = local[0].pow(1.0 / norm_type)
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1:
+            for g in grads:
+                g.mul_(coef)
+        return total.float()
+
     # -- state dicts -----------------------------------------------------------------------
     def _buckets(self) -> Iterator[_Bucket]:
         for unit in self._units:
