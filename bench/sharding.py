@@ -13,6 +13,8 @@ unit / ``fully_shard`` module) and the same batches:
 - ``fsdp2-gloo-overlap``, ``fsdp2-braid-comms-overlap``: both again with async unshards and
   explicit forward prefetch, which on CPU is what lets FSDP2's all-gathers overlap compute;
 - ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
+- ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
+  ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
 
 FSDP2 on the braid torch.distributed backend is one more entry: a builder that makes the mesh
@@ -25,7 +27,7 @@ the result is the median over ``--rounds`` rounds after ``--warmup`` steps. Memo
 rank holds between steps for parameters, gradients and optimizer state, summed from tensor sizes
 (storage shared by several tensors counted once). ``err``: the largest difference between the
 implementation's losses over the warm-up steps and fsdp2-gloo's, a check that each runs the same
-training (``local`` trains on one rank's batches only: no check).
+training (the two stand-ins compute something else: no check).
 
 --json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
 "params", "world_size", "batch", "seq", "step_ms", "ratio_vs_fsdp2_gloo", "mem_mb", "err"}]}.
@@ -50,6 +52,7 @@ from braid.comm import fsdp
 
 from . import launch, report
 from .models import LanguageModel
+from .tp import LocalCommunicator
 
 REFERENCE = "fsdp2-gloo"
 
@@ -111,9 +114,14 @@ IMPLS: dict[str, Callable] = {
     "fsdp2-braid-comms-overlap": lambda model, c: _fsdp2(model, c, braid_comms=True, overlap=True),
     "braid-zero2": lambda model, c: _braid_wrapper(model, c, stage=2),
     "braid-zero3": lambda model, c: _braid_wrapper(model, c, stage=3),
+    # FSDP2's step with collectives that move nothing (FSDP2's own work and the arithmetic): the
+    # floor of FSDP2 on any backend.
+    "fsdp2-nocomm": lambda model, c: _fsdp2(model, LocalCommunicator(c.rank, c.world_size), braid_comms=True),
     # No communication at all: each rank trains its own unsharded copy. The floor of a step.
     "local": lambda model, c: model,
 }
+# Stand-ins that compute something else on purpose: their losses are not checked.
+UNCHECKED = ("fsdp2-nocomm", "local")
 
 
 @dataclass(frozen=True)
@@ -181,12 +189,12 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
         nparams = sum(p.numel() for p in dense.parameters())
         models[impl] = IMPLS[impl](dense, c)
         opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
-        progress(impl, "warmup", 0)
+        progress(impl, "warmup", 4 * nparams)
         losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(config.warmup)]
     per_step: dict[str, list[float]] = {impl: [] for impl in models}
     for _ in range(config.rounds):
         for impl, model in models.items():
-            progress(impl, "step", 0)
+            progress(impl, "step", 4 * nparams)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(config.steps):
@@ -195,8 +203,8 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
     step = {impl: statistics.median(_max_over_ranks(times)) for impl, times in per_step.items()}
     memory = dict(zip(models, _max_over_ranks([float(_memory_bytes(models[i], opts[i])) for i in models])))
     ref = losses.get(REFERENCE)
-    errors = {impl: max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl != "local" else None
-              for impl in models}
+    errors = {impl: max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl not in UNCHECKED
+              else None for impl in models}
     records = []
     for impl in models:
         records.append({

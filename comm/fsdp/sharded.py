@@ -205,7 +205,7 @@ class ShardedModule(nn.Module):
         self._sync = True
         self._finish_queued = False
         self._in_flight: list[_Unit] = []     # units with all-gathers launched, oldest first
-        self._pending: list = []              # (bucket, work, reduced shard) of launched reduce-scatters
+        self._pending: list = []              # (bucket, work, reduced, gradient) per reduce-scatter
         self._order: list[_Unit] = []         # non-root units in the order their forwards ran
         self._order_done = False
         self._keys = list(module.state_dict(keep_vars=True).keys())
@@ -437,12 +437,16 @@ class ShardedModule(nn.Module):
         if not torch.is_grad_enabled():
             self._reshard(unit)
             return
+        hooked = False
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(functools.partial(self._pre_backward, unit))
+                hooked = True
         # The last unit's backward comes first: keeping it avoids a gather on the critical path.
+        # An output with no tensor in reach (a type pytree does not know) gives no hook to gather
+        # again before the backward: the parameters then stay until their gradients are done.
         last = self._order_done and self._order and self._order[-1] is unit
-        if self.reshard_after_forward and not last:
+        if self.reshard_after_forward and hooked and not last:
             self._reshard(unit)
 
     # -- backward --------------------------------------------------------------------------
