@@ -88,14 +88,14 @@ def _assert_same_params(actual: dict, expected: dict):
         torch.testing.assert_close(actual[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch):
+def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None):
     _init_gloo(rank, world_size, store_path)
     try:
         c = make_comm(rank, world_size, store_path)
         ddp = nn.parallel.DistributedDataParallel(_model())
         # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
         sharded = fsdp.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
-                             reshard_after_forward=reshard, prefetch=prefetch)
+                             reshard_after_forward=reshard, prefetch=prefetch, units=units)
         opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
         steps = 4
@@ -354,11 +354,13 @@ def test_wrapper_no_sync_accumulation_matches_ddp(stage):
     run_ranks(_run_vs_ddp, 2, stage, 2, True, 1)
 
 
-@pytest.mark.parametrize("reshard,prefetch", ((False, 1), (True, 0), (True, 3)))
-def test_stage3_options_match_ddp(reshard, prefetch):
-    """Keeping parameters between forward and backward, no prefetch, and a deep prefetch (held
-    to two all-gathers in flight) change the schedule, not the result."""
-    run_ranks(_run_vs_ddp, 3, 3, 2, reshard, prefetch)
+@pytest.mark.parametrize("reshard,prefetch,units", ((False, 1, None), (True, 0, None), (True, 3, None),
+                                                    (True, 1, ("blocks.1", "blocks.0", "head"))))
+def test_stage3_options_match_ddp(reshard, prefetch, units):
+    """Keeping parameters between forward and backward, no prefetch, a deep prefetch (held to
+    two all-gathers in flight), and units given by name (out of execution order; the embedding
+    and the final norm then form the root unit) change the schedule, not the result."""
+    run_ranks(_run_vs_ddp, 3, 3, 2, reshard, prefetch, units)
 
 
 def test_stage3_schedule_overlaps_and_bounds_gathers():
