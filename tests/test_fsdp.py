@@ -541,6 +541,13 @@ def test_tied_frozen_and_root_parameters_single_rank(stage):
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6, msg=k)
     assert torch.equal(full["frozen.weight"], _initial_frozen_weight())
+    if stage == 3:
+        # Between steps the full parameters are released: no attribute to read freed memory through.
+        assert not hasattr(sharded.module.mid, "weight") and not hasattr(sharded.module, "scale")
+    else:
+        sharded.gather_params()
+        assert torch.equal(sharded.module.mid.weight, full["mid.weight"])
+        assert sharded.module.head.weight is sharded.module.embed.weight
     c.close()
 
 

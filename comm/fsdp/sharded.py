@@ -171,8 +171,13 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
 
 
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
+def _free(b: "_Bucket") -> None:
+    """Releases a bucket's full buffer, and takes its views off the modules: a view of released
+    storage would read freed memory (a crash, not an error) if anything still used it."""
+    b.full.untyped_storage().resize_(0)
+    for s in b.slots:
+        for m, attr in s.owners:
+            m.__dict__.pop(attr, None)
 
 
 def _alloc(t: torch.Tensor) -> None:
@@ -383,7 +388,7 @@ class ShardedModule(nn.Module):
         if unit.in_flight:
             self._wait_gather(unit)
         for b in unit.buckets:
-            _free(b.full)
+            _free(b)
         unit.gathered = False
 
     def _next_units(self, unit: Optional[_Unit], backward: bool) -> list:
@@ -473,7 +478,7 @@ class ShardedModule(nn.Module):
             # Every use of the bucket's parameters in this backward is done (autograd produced
             # all their gradients): its full buffer can go now, not at the end of the backward.
             # The unit counts as resharded: a later use gathers all its buckets again.
-            _free(full)
+            _free(b)
             b.unit.gathered = False
 
     def _finish_backward(self) -> None:
