@@ -17,8 +17,8 @@ unit / ``fully_shard`` module) and the same batches:
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
 
-FSDP2 on the braid torch.distributed backend is one more entry: a builder that makes the mesh
-from a braid process group instead of the default gloo one.
+FSDP2 on the braid torch.distributed backend is one more entry once that backend exists:
+``lambda model, c: _fsdp2(model, c, braid_comms=False, group=dist.new_group(backend="braid"))``.
 
 A step is ``zero_grad``, forward, cross-entropy loss, backward and an AdamW step. Timing: the
 implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
@@ -80,15 +80,20 @@ class ModelShape:
 DEFAULT_MODEL = ModelShape(8192, 512, 8, 2048, 5)
 
 
-def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False) -> torch.nn.Module:
-    """``fully_shard`` per block and at the root. ``overlap``: FSDP2 on CPU runs every all-gather
+def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
+           group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """``fully_shard`` per block and at the root, on a mesh over ``group`` (default: the gloo
+    default group). ``overlap``: FSDP2 on CPU runs every all-gather
     synchronously (its implicit prefetch relies on CUDA streams), so its collectives never overlap
     compute; async unshards with explicit forward prefetch of the next block (and FSDP2's default
     backward prefetch, then async too) let them."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if group is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, "cpu")
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
