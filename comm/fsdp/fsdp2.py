@@ -19,8 +19,12 @@ What FSDP2 (torch 2.13) passes, and what comes back:
   size is set: every rank's input is multiplied by the factor, then summed, as NCCL does. The input
   buffer is scaled in place: FSDP2 allocates it for this call only (its own pre-divide is in place
   too).
-- All-gather inputs of mixed dtypes arrive as bytes (uint8), which braid does not reduce but moves
-  as a wider type of the same size, or through a padded copy when the size does not allow it.
+- All-gather inputs of mixed dtypes arrive as bytes (uint8), a dtype braid's collectives do not
+  take: they travel as a wider type of the same size, or through a padded copy when the byte
+  count does not divide.
+
+The interface classes live in a private torch module (torch 2.13 exports no public name for
+them); FSDP2 only calls the methods above.
 """
 from __future__ import annotations
 
