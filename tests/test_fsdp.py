@@ -183,6 +183,19 @@ def _run_state_dicts(rank, world_size, store_path, stage):
     return {k: v for k, v in pieces.items()}, full
 
 
+def _run_gather_params(rank, world_size, store_path, stage):
+    """Shards changed through ``.data`` (no version bump): gather_params still spreads them."""
+    c = make_comm(rank, world_size, store_path)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    for i, p in enumerate(sharded.parameters()):
+        p.data.fill_(100 * i + rank)
+    sharded.gather_params()
+    full = sharded.full_state_dict()
+    weight = _attr(sharded.module, "blocks.0.attn.wq.weight")
+    assert torch.equal(weight, full["blocks.0.attn.wq.weight"])
+    return sorted({v.item() for v in weight.reshape(-1).unique()})
+
+
 def _assert_exact(actual, expected):
     assert list(actual) == list(expected)
     for k in expected:
@@ -438,6 +451,13 @@ def test_state_dicts_round_trip(stage):
             assert torch.equal(torch.cat(pieces), value.reshape(-1)), key
 
 
+@pytest.mark.parametrize("stage", (1, 2))
+def test_gather_params_spreads_changes_made_through_data(stage):
+    values = run_ranks(_run_gather_params, 2, stage)
+    assert values[0] == values[1] and len(values[0]) >= 2  # both ranks' values in one parameter
+    assert {v % 100 for v in values[0]} == {0, 1}
+
+
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_fsdp2_with_braid_comms_matches_gloo(world_size):
     """FSDP2 with braid's all-gather and reduce-scatter trains as FSDP2 on gloo."""
@@ -500,6 +520,14 @@ def test_bad_arguments_name_themselves():
         fsdp.fsdp2_comms(object())
     with pytest.raises(ValueError, match="no fully_shard module"):
         fsdp.use_braid_comms(model, c)
+    ag, rs = fsdp.fsdp2_comms(c)
+    other_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
+    with pytest.raises(ValueError, match=r"FSDP2's group \(rank 1 of 2\) is not the braid communicator's"):
+        ag(torch.zeros(2), torch.zeros(1), other_group)
+    with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
+        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.RedOpType.PREMUL_SUM)
+    with pytest.raises(ValueError, match="op must be one of"):
+        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.BAND)
     c.close()
 
 

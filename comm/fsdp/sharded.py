@@ -351,14 +351,16 @@ class ShardedModule(nn.Module):
             return not unit.gathered
         return any(b.shard._version != b.synced_version for b in unit.buckets)
 
-    def _launch_gather(self, unit: _Unit) -> None:
-        if unit.in_flight or not self._stale(unit):
+    def _launch_gather(self, unit: _Unit, force: bool = False) -> None:
+        """Starts the all-gathers of ``unit``'s buckets: at stage 3 all of them, at stages 1 and 2
+        those whose shard changed since their last gather (every one with ``force``)."""
+        if unit.in_flight or not (force or self._stale(unit)):
             return
         while len(self._in_flight) >= _MAX_GATHERS_IN_FLIGHT:
             self._wait_gather(self._in_flight[0])
         c = self.communicator
         for b in unit.buckets:
-            if self.stage != 3 and b.shard._version == b.synced_version:
+            if self.stage != 3 and not force and b.shard._version == b.synced_version:
                 continue
             _alloc(b.full)
             b.synced_version = b.shard._version
@@ -404,13 +406,14 @@ class ShardedModule(nn.Module):
         return order[i + 1:]
 
     def gather_params(self) -> None:
-        """All-gathers now every bucket whose shard changed since its last gather (stages 1, 2;
-        what the next forward does anyway), so the module's parameters hold the shards' values.
-        A collective: every rank calls it. Stage 3 keeps no full parameters: nothing to do."""
+        """All-gathers every bucket now (stages 1, 2), so the module's parameters hold the shards'
+        values, including changes made through ``.data``, which the version counters that the
+        next forward checks do not see. A collective: every rank calls it. Stage 3 keeps no
+        full parameters: nothing to do."""
         if self.stage == 3:
             return
         for unit in self._units:
-            self._launch_gather(unit)
+            self._launch_gather(unit, force=True)
         for unit in list(self._in_flight):
             self._wait_gather(unit)
         for unit in self._units:
@@ -580,12 +583,10 @@ class ShardedModule(nn.Module):
             by_bucket.setdefault(id(b), {})[key] = s
         values: dict[str, torch.Tensor] = {}
         for b in self._buckets():
-            if self.stage == 3:
-                flat = torch.empty(b.padded, dtype=b.dtype)
-                self.communicator.all_gather(flat, b.shard.detach())
-            else:
-                self._gather(b.unit, ())
-                flat = b.full.detach()
+            # From the shards, whatever the stage: they are the state (the full buffers of
+            # stages 1 and 2 may not have seen the latest step yet).
+            flat = torch.empty(b.padded, dtype=b.dtype)
+            self.communicator.all_gather(flat, b.shard.detach())
             if keep:
                 for key, s in by_bucket.get(id(b), {}).items():
                     values[key] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
