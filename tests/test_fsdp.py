@@ -8,6 +8,7 @@ a few ulps per step; a missing, doubled or misplaced reduction is off by O(1e-2)
 SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which turns rounding noise
 in near-zero gradients into O(lr) parameter differences.
 """
+import contextlib
 import copy
 import types
 from datetime import timedelta
@@ -63,7 +64,7 @@ def _train(model, opt, rank, steps, micro_batches, no_sync, clip=None):
             # The same batches every step: the loss must fall, so the run checks that training happens.
             ids = _batch(rank, 0, micro)
             last = micro == micro_batches - 1
-            with (no_sync() if no_sync is not None and not last else _nothing()):
+            with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
                 loss = _loss(model, ids) / micro_batches
                 loss.backward()
             if micro == 0:
@@ -72,14 +73,6 @@ def _train(model, opt, rank, steps, micro_batches, no_sync, clip=None):
             norms.append(float(clip()))
         opt.step()
     return (losses, norms) if clip is not None else losses
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _assert_same_params(actual: dict, expected: dict):
