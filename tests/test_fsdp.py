@@ -195,7 +195,7 @@ def _assert_exact(actual, expected):
         assert torch.equal(actual[k], expected[k]), k
 
 
-def _run_fsdp2(rank, world_size, store_path, divide_factor):
+def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -214,6 +214,10 @@ def _run_fsdp2(rank, world_size, store_path, divide_factor):
                 if divide_factor is not None:
                     for sub in (*m.blocks, m):  # each fully_shard module has its own factor
                         sub.set_gradient_divide_factor(divide_factor)
+            if overlap:
+                # Async unshards with explicit forward prefetch: FSDP2 waits on the returned Work.
+                m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
+                m._set_unshard_async_op(True)
             models.append(m)
         ref, braid_model = models
         if divide_factor is not None:
@@ -451,10 +455,11 @@ def test_gather_params_spreads_changes_made_through_data(stage):
     assert {v % 100 for v in values[0]} == {0, 1}
 
 
-@pytest.mark.parametrize("world_size", (2, 3))
-def test_fsdp2_with_braid_comms_matches_gloo(world_size):
-    """FSDP2 with braid's all-gather and reduce-scatter trains as FSDP2 on gloo."""
-    run_ranks(_run_fsdp2, world_size, None)
+@pytest.mark.parametrize("world_size,overlap", ((2, False), (3, False), (2, True)))
+def test_fsdp2_with_braid_comms_matches_gloo(world_size, overlap):
+    """FSDP2 with braid's all-gather and reduce-scatter trains as FSDP2 on gloo, with blocking
+    all-gathers and with async ones (FSDP2 then waits on the braid work it got back)."""
+    run_ranks(_run_fsdp2, world_size, None, overlap)
 
 
 def test_fsdp2_gradient_divide_factor_is_honoured():
