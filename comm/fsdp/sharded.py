@@ -58,6 +58,10 @@ _MB = 1 << 20
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
 # each holds a unit's full buffers, so this bounds stage 3's memory above the shards.
 _MAX_GATHERS_IN_FLIGHT = 2
+# How many bucket reduce-scatters may be pending during the backward: each holds a full-size
+# gradient until done, so without a bound the backward of stages 2 and 3 would peak at the whole
+# unsharded gradient. Past it the oldest is waited for (it is usually done by then).
+_MAX_REDUCES_IN_FLIGHT = 2
 
 
 @dataclass
@@ -477,6 +481,7 @@ class ShardedModule(nn.Module):
             reduced = torch.empty(b.shard_numel, dtype=grad.dtype)
             work = self.communicator.reduce_scatter(reduced, grad, op="avg", async_op=True)
             self._pending.append((b, work, reduced, grad))
+            self._retire(_MAX_REDUCES_IN_FLIGHT)
         if self.stage == 3 and b.unit is not self._root:
             # Every use of the bucket's parameters in this backward is done (autograd produced
             # all their gradients): its full buffer can go now, not at the end of the backward.
@@ -488,16 +493,7 @@ class ShardedModule(nn.Module):
         """End of the backward: wait for the reduce-scatters in issue order, set the shard
         gradients, release what stage 3 still holds."""
         self._finish_queued = False
-        pending, self._pending = self._pending, []
-        with torch.no_grad():
-            for b, work, reduced, grad in pending:
-                work.wait()
-                if b.shard.grad is None:
-                    b.shard.grad = reduced
-                else:
-                    b.shard.grad += reduced
-                if self.stage == 1:
-                    grad.zero_()  # the persistent buffer accumulates the next step's gradient
+        self._retire(0)
         for unit in list(self._in_flight):
             self._wait_gather(unit)
         for unit in self._units:
@@ -507,6 +503,20 @@ class ShardedModule(nn.Module):
                 # The forward's views belong to this backward's graph: autograd forbids using
                 # them once the optimizer updates the bucket in place, so plain views replace them.
                 self._set_views(unit, False)
+
+    def _retire(self, keep: int) -> None:
+        """Completes pending reduce-scatters, oldest first: every one already done, then waits
+        until at most ``keep`` remain. Each result goes into its shard's ``.grad``."""
+        with torch.no_grad():
+            while self._pending and (len(self._pending) > keep or self._pending[0][1].is_completed()):
+                b, work, reduced, grad = self._pending.pop(0)
+                work.wait()
+                if b.shard.grad is None:
+                    b.shard.grad = reduced
+                else:
+                    b.shard.grad += reduced
+                if self.stage == 1:
+                    grad.zero_()  # the persistent buffer accumulates the next step's gradient
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
