@@ -13,8 +13,9 @@ made again at each forward (``torch.split``, whose backward writes one flat grad
 Gradients. Autograd accumulates a bucket's gradient into its full flat tensor; the post-accumulate
 hook of that tensor fires once every parameter of the bucket has its gradient, and launches an
 async reduce-scatter with braid's average (the mean over ranks, as DDP) into a new shard-sized
-tensor. The end of the backward (an autograd engine callback) waits for them, in issue order,
-and adds each result to its shard's ``.grad``. Inside ``no_sync()`` nothing is launched: the
+tensor. Results are added to their shard's ``.grad`` oldest first: those already done whenever
+another bucket launches, the oldest waited for past two pending (a pending one holds a full-size
+gradient), the rest at the end of the backward (an autograd engine callback). Inside ``no_sync()`` nothing is launched: the
 gradients stay in the full flat tensors, and the next synchronized backward reduces the sum.
 
 Stages.
