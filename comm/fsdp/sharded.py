@@ -15,8 +15,9 @@ hook of that tensor fires once every parameter of the bucket has its gradient, a
 async reduce-scatter with braid's average (the mean over ranks, as DDP) into a new shard-sized
 tensor. Results are added to their shard's ``.grad`` oldest first: those already done whenever
 another bucket launches, the oldest waited for past two pending (a pending one holds a full-size
-gradient), the rest at the end of the backward (an autograd engine callback). Inside ``no_sync()`` nothing is launched: the
-gradients stay in the full flat tensors, and the next synchronized backward reduces the sum.
+gradient), the rest at the end of the backward (an autograd engine callback). Inside
+``no_sync()`` nothing is launched: the gradients stay in the full flat tensors, and the next
+synchronized backward reduces the sum.
 
 Stages.
 - 1: full parameters on every rank; the full gradient buffers are kept between steps (zeroed
