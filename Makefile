@@ -46,6 +46,7 @@ bench: install
 	mkdir -p results
 	$(PY) -m braid.bench collectives --nproc 2 --json results/collectives.json --plot results/collectives.png
 	$(PY) -m braid.bench tp --nproc 2 --json results/tp.json
+	$(PY) -m braid.bench sharding --nproc 2 --json results/sharding.json
 
 bench-peers:
 	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev

@@ -56,7 +56,7 @@ setup(
     description="Collective communication and kernels for PyTorch training",
     python_requires=">=3.9",
     package_dir={"braid.comm": "comm", "braid.kernels": "kernels", "braid.bench": "bench"},
-    packages=["braid.comm", "braid.comm.tp", "braid.kernels", "braid.bench"],
+    packages=["braid.comm", "braid.comm.tp", "braid.comm.fsdp", "braid.kernels", "braid.bench"],
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["braid-bench=braid.bench.__main__:main"]},

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "collectives": "all_reduce, reduce_scatter, all_gather, broadcast: braid vs gloo vs Open MPI",
     "tp": "transformer block forward+backward at TP=2: braid.comm.tp vs DTensor on gloo",
     "attention": "fused attention TFLOP/s: braid vs torch SDPA's flash, cuDNN and efficient backends",
+    "sharding": "~25M-parameter LM training step on 2 ranks: FSDP2 (gloo, braid comms) vs braid ZeRO-2/3",
 }
 
 

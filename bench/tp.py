@@ -113,6 +113,8 @@ class LocalCommunicator:
         return self._done(async_op)
 
     def all_gather(self, output, input, async_op=False):
+        if input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr():
+            input = input.clone()  # an in-place gather (FSDP2's): the input is a slice of the output
         output.view(self.world_size, -1).copy_(input.reshape(1, -1))
         return self._done(async_op)
 

@@ -1,0 +1,332 @@
+"""Sharded data-parallel benchmark: a ~25M-parameter transformer LM's training step on CPU, FSDP2 vs braid.
+
+    python -m braid.bench sharding                      # 2 ranks, the default model
+    python -m braid.bench sharding --impls fsdp2-gloo,braid-zero3 --json results/sharding.json
+
+Implementations (:data:`IMPLS`; each entry says how to wrap the model, so adding one is one entry),
+in the same processes, on the same model (bench/models.py ``LanguageModel``, every block its own
+unit / ``fully_shard`` module) and the same batches:
+
+- ``fsdp2-gloo``: ``fully_shard`` on a gloo DeviceMesh;
+- ``fsdp2-braid-comms``: the same, with braid's all-gather and reduce-scatter installed through
+  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (braid.comm.fsdp.use_braid_comms);
+- ``fsdp2-gloo-overlap``, ``fsdp2-braid-comms-overlap``: both again with async unshards and
+  explicit forward prefetch, which on CPU is what lets FSDP2's all-gathers overlap compute;
+- ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
+- ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
+  ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
+- ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
+
+FSDP2 on the braid torch.distributed backend is one more entry once that backend exists:
+``lambda model, c: _fsdp2(model, c, braid_comms=False, group=dist.new_group(backend="braid"))``.
+
+A step is ``zero_grad``, forward, cross-entropy loss, backward and an AdamW step. Timing: the
+implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
+barrier, then ``--steps`` steps timed together; a round's time per step is the slowest rank's;
+the result is the median over ``--rounds`` rounds after ``--warmup`` steps. Memory: the bytes a
+rank holds between steps for parameters, gradients and optimizer state, summed from tensor sizes
+(storage shared by several tensors counted once). ``err``: the largest difference between the
+implementation's losses over the warm-up steps and fsdp2-gloo's, a check that each runs the same
+training (the two stand-ins compute something else: no check).
+
+--json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
+"params", "world_size", "batch", "seq", "step_ms", "ratio_vs_fsdp2_gloo", "mem_mb", "err"}]}.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from braid import comm
+from braid.comm import fsdp
+
+from . import launch, report
+from .models import LanguageModel
+from .tp import LocalCommunicator
+
+REFERENCE = "fsdp2-gloo"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    dim: int
+    heads: int
+    hidden: int
+    layers: int
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelShape":
+        parts = text.lower().split("x")
+        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"model must be VOCABxDIMxHEADSxHIDDENxLAYERS, got {text!r}")
+        return cls(*map(int, parts))
+
+    def __str__(self) -> str:
+        return f"{self.vocab}x{self.dim}x{self.heads}x{self.hidden}x{self.layers}"
+
+
+# 24.1M parameters: 5 blocks of 3.15M, embedding and head of 4.2M each.
+DEFAULT_MODEL = ModelShape(8192, 512, 8, 2048, 5)
+
+
+def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
+           group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """``fully_shard`` per block and at the root, on a mesh over ``group`` (default: the gloo
+    default group). ``overlap``: FSDP2 on CPU runs every all-gather
+    synchronously (its implicit prefetch relies on CUDA streams), so its collectives never overlap
+    compute; async unshards with explicit forward prefetch of the next block (and FSDP2's default
+    backward prefetch, then async too) let them."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if group is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    else:
+        mesh = DeviceMesh.from_group(group, "cpu")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if braid_comms:
+        fsdp.use_braid_comms(model, c)
+    if overlap:
+        blocks = list(model.blocks)
+        for block, following in zip(blocks, blocks[1:]):
+            block.set_modules_to_forward_prefetch([following])
+        model._set_unshard_async_op(True)  # torch 2.13 has no public spelling of this switch
+    return model
+
+
+def _braid_wrapper(model: LanguageModel, c, stage: int) -> torch.nn.Module:
+    return fsdp.shard(model, c, stage=stage)
+
+
+# name -> builder(model, communicator) returning the model to train.
+IMPLS: dict[str, Callable] = {
+    "fsdp2-gloo": lambda model, c: _fsdp2(model, c, braid_comms=False),
+    "fsdp2-braid-comms": lambda model, c: _fsdp2(model, c, braid_comms=True),
+    "fsdp2-gloo-overlap": lambda model, c: _fsdp2(model, c, braid_comms=False, overlap=True),
+    "fsdp2-braid-comms-overlap": lambda model, c: _fsdp2(model, c, braid_comms=True, overlap=True),
+    "braid-zero2": lambda model, c: _braid_wrapper(model, c, stage=2),
+    "braid-zero3": lambda model, c: _braid_wrapper(model, c, stage=3),
+    # FSDP2's step with collectives that move nothing (FSDP2's own work and the arithmetic): the
+    # floor of FSDP2 on any backend.
+    "fsdp2-nocomm": lambda model, c: _fsdp2(model, LocalCommunicator(c.rank, c.world_size), braid_comms=True),
+    # No communication at all: each rank trains its own unsharded copy. The floor of a step.
+    "local": lambda model, c: model,
+}
+# Stand-ins that compute something else on purpose: their losses are not checked.
+UNCHECKED = ("fsdp2-nocomm", "local")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelShape
+    batch: int
+    seq: int
+    impls: tuple[str, ...]
+    warmup: int
+    steps: int
+    rounds: int
+    threads: int
+    timeout: float
+    deadline: float
+    started: float
+    launcher: str
+    bind: str
+    machine: dict
+    json_path: str | None
+
+
+def _memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters (local shards, and full buffers a wrapper keeps), gradients, optimizer state."""
+    if isinstance(model, fsdp.ShardedModule):
+        return sum(model.memory_stats(opt).values())
+    seen: set = set()
+    total = 0
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, vocab: int) -> float:
+    opt.zero_grad(set_to_none=True)
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progress) -> list[dict]:
+    shape = config.model
+    ids = torch.randint(0, shape.vocab, (config.batch, config.seq + 1),
+                        generator=torch.Generator().manual_seed(1 + rank))
+    models, opts, losses = {}, {}, {}
+    nparams = 0
+    for impl in config.impls:
+        torch.manual_seed(0)
+        dense = LanguageModel(shape.vocab, shape.dim, shape.heads, shape.hidden, shape.layers)
+        nparams = sum(p.numel() for p in dense.parameters())
+        models[impl] = IMPLS[impl](dense, c)
+        opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
+        progress(impl, "warmup", 4 * nparams)
+        losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(config.warmup)]
+    per_step: dict[str, list[float]] = {impl: [] for impl in models}
+    for _ in range(config.rounds):
+        for impl, model in models.items():
+            progress(impl, "step", 4 * nparams)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(config.steps):
+                _step(model, opts[impl], ids, shape.vocab)
+            per_step[impl].append((time.perf_counter() - start) / config.steps)
+    step = {impl: statistics.median(_max_over_ranks(times)) for impl, times in per_step.items()}
+    memory = dict(zip(models, _max_over_ranks([float(_memory_bytes(models[i], opts[i])) for i in models])))
+    ref = losses.get(REFERENCE)
+    errors = {impl: max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl not in UNCHECKED
+              else None for impl in models}
+    records = []
+    for impl in models:
+        records.append({
+            "impl": impl, "params": nparams, "world_size": world_size,
+            "batch": config.batch, "seq": config.seq,
+            "step_ms": round(step[impl] * 1e3, 2),
+            "ratio_vs_fsdp2_gloo": round(step[impl] / step[REFERENCE], 3) if REFERENCE in step else None,
+            "mem_mb": round(memory[impl] / 2**20, 1),
+            "err": None if errors[impl] is None else float(f"{errors[impl]:.3g}"),
+        })
+    return records
+
+
+def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    if config.bind == "core":
+        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(config.threads)
+    launch.init_gloo(rank, world_size, store_port, config.timeout)
+    try:
+        c = comm.init(timeout=config.timeout)
+        progress = report.Progress(len(config.impls) * (1 + config.rounds), enabled=rank == 0)
+        records = _bench(c, rank, world_size, config, progress)
+        progress.close()
+        c.close()
+        # FSDP2 modules hold the DeviceMesh and its gloo group: they must be gone, and every rank
+        # done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return _report(config, records, world_size) if rank == 0 else 0
+
+
+def _table(records: list[dict]) -> str:
+    lines = ["#  impl                        step (ms)  vs fsdp2-gloo  memory (MiB)      err"]
+    for r in records:
+        ratio = "-" if r["ratio_vs_fsdp2_gloo"] is None else f"{r['ratio_vs_fsdp2_gloo']:.3f}"
+        err = "-" if r["err"] is None else f"{r['err']:.2g}"
+        lines.append(f"   {r['impl']:<26} {r['step_ms']:>10.1f}  {ratio:>13}  {r['mem_mb']:>12.1f}  {err:>7}")
+    return "\n".join(lines)
+
+
+def _report(config: Config, records: list[dict], world_size: int) -> int:
+    r0 = records[0]
+    print(f"# model {config.model} ({r0['params'] / 1e6:.1f}M parameters), batch {config.batch} x seq "
+          f"{config.seq}, {world_size} ranks, AdamW; memory = parameters + gradients + optimizer state "
+          "per rank")
+    print(_table(records))
+    # Losses of order 9 in float32; the implementations reduce in different orders, which moves
+    # them by rounding only. A wrong gradient changes the loss after one step by far more.
+    bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
+    if bad:
+        print("# losses differ from fsdp2-gloo: " + ", ".join(f"{r['impl']} ({r['err']:.3g})" for r in bad))
+    print(f"# wall time {time.time() - config.started:.1f} s, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    if config.json_path:
+        settings = {"world_size": world_size, "launcher": config.launcher, "model": str(config.model),
+                    "batch": config.batch, "seq": config.seq, "impls": list(config.impls),
+                    "warmup": config.warmup, "steps": config.steps, "rounds": config.rounds,
+                    "threads": config.threads, "bind": config.bind}
+        report.write_json(config.json_path, {
+            "benchmark": "sharding", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": dict(config.machine, torch=torch.__version__, loadavg=os.getloadavg()),
+            "config": settings, "records": records})
+    return launch.EXIT_FINDINGS if bad else 0
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (default 2); ignored under torchrun")
+    p.add_argument("--model", type=ModelShape.parse, default=DEFAULT_MODEL,
+                   help=f"VOCABxDIMxHEADSxHIDDENxLAYERS (default {DEFAULT_MODEL})")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (default 2)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated, from {','.join(IMPLS)} (default: all)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per impl (default 2)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round (default 2)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (default 1: with 2 ranks on 2 cores, one core each)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take (default 300)")
+    p.add_argument("--deadline", type=float, default=3600.0,
+                   help="seconds the whole run may take (default 3600)")
+    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                   help="rank placement, as for the collectives benchmark (default auto)")
+    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Runs the sharding benchmark with command-line arguments ``argv``; returns the exit status."""
+    started = time.time()
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    impls = tuple(dict.fromkeys(i.strip() for i in args.impls.split(",") if i.strip()))
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(IMPLS)}")
+    for name in ("batch", "seq", "warmup", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.model.dim % args.model.heads:
+        parser.error(f"--model {args.model}: dim must divide by heads")
+    launcher = launch.launcher()
+    world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
+    config = Config(args.model, args.batch, args.seq, impls, args.warmup, args.steps, args.rounds,
+                    args.threads, args.timeout, started + args.deadline, started, launcher,
+                    launch.resolve_bind(args.bind, world_size), report.machine_info(), args.json)
+    if launcher == "torchrun":
+        return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), world_size, None, config)
+    print(f"# braid.bench sharding: {world_size} ranks ({launcher}), {config.threads} torch thread(s) per "
+          f"rank, impls {' '.join(impls)}", flush=True)
+    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

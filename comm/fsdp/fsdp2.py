@@ -1,0 +1,202 @@
+"""FSDP2 custom communication on braid: all-gather and reduce-scatter objects for ``fully_shard`` modules.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps its own scheduling (which parameters are
+gathered when, prefetching, resharding) and hands each flat collective to the objects installed
+with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. These objects run that collective
+on a braid communicator instead of the process group FSDP2 was built on; the process group (gloo,
+say) still serves FSDP2's bookkeeping. Its ranks must be the communicator's ranks, in order.
+
+What FSDP2 (torch 2.13) passes, and what comes back:
+
+- ``allocate(size, dtype=, device=)`` for the flat buffers of both collectives: plain CPU memory.
+- all-gather ``(output_tensor, input_tensor, group, async_op)``: ``input_tensor`` is this rank's
+  slice of ``output_tensor`` (an in-place gather, which braid supports as such). With ``async_op``
+  FSDP2 waits on the result only if it is a ``torch.distributed.Work``, so the braid work is
+  returned inside one; otherwise the call blocks and returns None.
+- reduce-scatter ``(output_tensor, input_tensor, group, op)``: FSDP2 reads the output right after
+  the call, so it blocks. ``op`` is SUM or AVG (braid's own average: the fixed-order sum divided
+  by the world size), or ``PREMUL_SUM(factor)`` when a gradient divide factor other than the world
+  size is set: every rank's input is multiplied by the factor, then summed, as NCCL does. The input
+  buffer is scaled in place: FSDP2 allocates it for this call only (its own pre-divide is in place
+  too).
+- All-gather inputs of mixed dtypes arrive as bytes (uint8), a dtype braid's collectives do not
+  take: they travel as a wider type of the same size, or through a padded copy when the byte
+  count does not divide.
+
+The interface classes live in a private torch module (torch 2.13 exports no public name for
+them); FSDP2 only calls the methods above.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+# dtypes braid's collectives accept (csrc/core/dtype.h); anything else travels as raw bytes.
+_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+# Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
+# gather only copies, so float16 carries any 2-byte pattern unchanged.
+_CARRIERS = ((8, torch.int64), (4, torch.int32), (2, torch.float16))
+
+
+class BraidWork(dist.Work):
+    """A ``torch.distributed.Work`` around a braid Work, for callers that only accept the former
+    (FSDP2 waits on an async all-gather only when it is one). ``after`` runs once, on the first
+    ``wait`` that sees the collective done (a copy out of a staging buffer)."""
+
+    def __init__(self, work: Any, after: Optional[Any] = None):
+        super().__init__()
+        self._work = work
+        self._after = after
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = None
+        if timeout is not None:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if seconds <= 0:  # c10d's "no timeout" spelling
+                seconds = None
+        done = self._work.wait(seconds)
+        if done and self._after is not None:
+            after, self._after = self._after, None
+            after()
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+
+def _check_group(communicator: Any, group: Optional[dist.ProcessGroup], what: str) -> None:
+    if group is None:
+        return
+    if group.size() != communicator.world_size or group.rank() != communicator.rank:
+        raise ValueError(f"{what}: FSDP2's group (rank {group.rank()} of {group.size()}) is not the braid "
+                         f"communicator's (rank {communicator.rank} of {communicator.world_size}); shard "
+                         "over a mesh whose ranks are the communicator's")
+
+
+def _check_cpu(t: torch.Tensor, name: str, what: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: {name} must be a CPU tensor (braid's CUDA path is not built), "
+                         f"got one on {t.device}")
+
+
+def _carrier(nbytes: int) -> Optional[torch.dtype]:
+    for size, dtype in _CARRIERS:
+        if nbytes % size == 0:
+            return dtype
+    return None
+
+
+class _BraidComm:
+    """What both collectives share: the communicator and plain CPU buffers."""
+
+    def __init__(self, communicator: Any):
+        for attr in ("rank", "world_size", "all_gather", "reduce_scatter"):
+            if not hasattr(communicator, attr):
+                raise TypeError("communicator must be a braid.comm.Communicator, got "
+                                f"{type(communicator).__name__}")
+        self.communicator = communicator
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer for a collective: ordinary memory (braid copies through its own segments)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class BraidAllGather(_BraidComm, AllGather):
+    """FSDP2 all-gather on a braid communicator (install with ``module.set_custom_all_gather``)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[dist.Work]:
+        c = self.communicator
+        _check_group(c, group, "BraidAllGather")
+        _check_cpu(output_tensor, "output_tensor", "BraidAllGather")
+        _check_cpu(input_tensor, "input_tensor", "BraidAllGather")
+        out, inp, after = output_tensor, input_tensor, None
+        if out.dtype not in _WIRE_DTYPES:
+            out, inp, after = self._as_wire(output_tensor, input_tensor)
+        work = c.all_gather(out, inp, async_op=async_op)
+        if not async_op:
+            if after is not None:
+                after()
+            return None
+        return BraidWork(work, after)
+
+    def _as_wire(self, output: torch.Tensor, input: torch.Tensor):
+        """Views (or stages) a gather of an unsupported dtype as a supported one of the same bytes."""
+        n = self.communicator.world_size
+        in_bytes = input.numel() * input.element_size()
+        carrier = _carrier(in_bytes) if output.is_contiguous() and input.is_contiguous() else None
+        if carrier is not None:
+            return output.view(torch.uint8).view(carrier), input.view(torch.uint8).view(carrier), None
+        # Odd byte count: gather padded rows, then copy each rank's bytes into place.
+        row = -(-in_bytes // 8)
+        staged_in = torch.zeros(row, dtype=torch.int64)
+        staged_in.view(torch.uint8)[:in_bytes].copy_(input.reshape(-1).view(torch.uint8))
+        staged_out = torch.empty(n * row, dtype=torch.int64)
+
+        def copy_out() -> None:
+            rows = staged_out.view(torch.uint8).view(n, row * 8)[:, :in_bytes]
+            output.view(torch.uint8).view(n, in_bytes).copy_(rows)
+
+        return staged_out, staged_in, copy_out
+
+
+class BraidReduceScatter(_BraidComm, ReduceScatter):
+    """FSDP2 reduce-scatter on a braid communicator (install with ``module.set_custom_reduce_scatter``)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,
+                 async_op: bool = False) -> Optional[dist.Work]:
+        c = self.communicator
+        _check_group(c, group, "BraidReduceScatter")
+        _check_cpu(output_tensor, "output_tensor", "BraidReduceScatter")
+        _check_cpu(input_tensor, "input_tensor", "BraidReduceScatter")
+        # FSDP2 passes a RedOpType (SUM, AVG) or a ReduceOp instance (PREMUL_SUM with its factor).
+        kind = op.op if type(op) is dist.ReduceOp else op
+        if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+            if type(op) is not dist.ReduceOp:
+                raise ValueError("BraidReduceScatter: op PREMUL_SUM needs its factor: pass "
+                                 "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
+            input_tensor.mul_(op.factor)
+            op = "sum"
+        work = c.reduce_scatter(output_tensor, input_tensor, op=op, async_op=async_op)
+        return BraidWork(work) if async_op else None
+
+
+def fsdp2_comms(communicator: Any) -> tuple[BraidAllGather, BraidReduceScatter]:
+    """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``communicator``.
+
+        ag, rs = fsdp2_comms(c)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(ag)
+                m.set_custom_reduce_scatter(rs)
+
+    (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the communicator's.
+    """
+    return BraidAllGather(communicator), BraidReduceScatter(communicator)
+
+
+def use_braid_comms(module: torch.nn.Module, communicator: Any) -> int:
+    """Installs braid's collectives on every ``fully_shard`` module inside ``module`` (itself
+    included); returns how many were set. Call after ``fully_shard``, before the first forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    all_gather, reduce_scatter = fsdp2_comms(communicator)
+    count = 0
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(all_gather)
+            m.set_custom_reduce_scatter(reduce_scatter)
+            count += 1
+    if count == 0:
+        raise ValueError("module holds no fully_shard module: call fully_shard on it (and its parts) first")
+    return count

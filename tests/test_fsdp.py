@@ -1,0 +1,599 @@
+"""Sharded data parallelism: braid's ZeRO wrapper against DDP, FSDP2 with braid comms against FSDP2 on gloo.
+
+Every rank trains the same small language model on its own batches twice, once with the reference
+(DDP, or FSDP2 on gloo) and once with braid, and the parameters must agree after several steps.
+Tolerance 1e-5 (float32, values of order 1): the two runs compute the same gradients and average
+them in a different order (DDP divides before a gloo sum, braid sums in rank order then divides),
+a few ulps per step; a missing, doubled or misplaced reduction is off by O(1e-2) or more.
+SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which turns rounding noise
+in near-zero gradients into O(lr) parameter differences.
+"""
+import contextlib
+import copy
+import types
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from braid import comm
+from braid.bench.models import LanguageModel
+from braid.comm import fsdp
+from helpers.ranks import COMM_TIMEOUT_S, make_comm, open_store, run_ranks
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ = 40, 24, 4, 40, 2, 2, 10
+# Small enough that each block splits into several buckets and some parameters straddle shards.
+BUCKET_CAP_MB = 4096 / 2**20
+
+
+# -- helpers run in the ranks --------------------------------------------------------------------
+def _init_gloo(rank, world_size, store_path):
+    """A gloo group on the call's store, keys apart from braid's (they share the FileStore)."""
+    store = dist.PrefixStore("gloo/", open_store(store_path))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return LanguageModel(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+
+def _loss(model, ids):
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _train(model, opt, rank, steps, micro_batches, no_sync, clip=None):
+    """``steps`` optimizer steps; each accumulates ``micro_batches`` backward passes, all but the
+    last inside ``no_sync`` (when given), then ``clip()`` (when given) before the step. Returns
+    the loss of every step's first micro-batch, and the gradient norms ``clip`` returned."""
+    losses, norms = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        for micro in range(micro_batches):
+            # The same batches every step: the loss must fall, so the run checks that training happens.
+            ids = _batch(rank, 0, micro)
+            last = micro == micro_batches - 1
+            with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
+                loss = _loss(model, ids) / micro_batches
+                loss.backward()
+            if micro == 0:
+                losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(clip()))
+        opt.step()
+    return (losses, norms) if clip is not None else losses
+
+
+def _assert_same_params(actual: dict, expected: dict):
+    assert list(actual) == list(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(actual[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None):
+    _init_gloo(rank, world_size, store_path)
+    try:
+        c = make_comm(rank, world_size, store_path)
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
+        sharded = fsdp.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
+                             reshard_after_forward=reshard, prefetch=prefetch, units=units)
+        opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+        steps = 4
+        # Clipping at a norm the gradients exceed: the sharded norm must be the whole gradient's.
+        max_norm = 0.5
+        ref_losses, ref_norms = _train(ddp, opt_ref, rank, steps, micro_batches, ddp.no_sync,
+                                       lambda: nn.utils.clip_grad_norm_(ddp.parameters(), max_norm))
+        losses, norms = _train(sharded, opt, rank, steps, micro_batches, sharded.no_sync,
+                               lambda: sharded.clip_grad_norm_(max_norm))
+        torch.testing.assert_close(losses, ref_losses, **TOL)
+        torch.testing.assert_close(norms, ref_norms, **TOL)
+        assert max(ref_norms) > max_norm, ref_norms
+        assert ref_losses[-1] < ref_losses[0], f"the model did not train: {ref_losses}"
+        _assert_same_params(sharded.full_state_dict(), ddp.module.state_dict())
+        # Stages 1 and 2 hold full parameters: after gather_params they are the trained ones.
+        if stage != 3:
+            sharded.gather_params()
+            for name, p in ddp.module.named_parameters():
+                torch.testing.assert_close(_attr(sharded.module, name), p.detach(), **TOL)
+        # And the sharded model computes what the reference computes, in eval mode too.
+        with torch.no_grad():
+            ids = _batch(rank, 99)
+            torch.testing.assert_close(sharded(ids), ddp(ids), **TOL)
+        return len(sharded.shards)
+    finally:
+        dist.destroy_process_group()
+
+
+def _attr(module, dotted):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _run_memory(rank, world_size, store_path, stage):
+    """Bytes held for parameters, gradients and AdamW state after a step, from tensor sizes."""
+    c = make_comm(rank, world_size, store_path)
+    model = _model()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharded = fsdp.shard(model, c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    _loss(sharded, _batch(rank, 0)).backward()
+    opt.step()
+    stats = sharded.memory_stats(opt)
+    shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in sharded.parameters())
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    return {"total": total, "stats": stats, "shards": shard_bytes, "grads": grad_bytes, "state": state_bytes,
+            "nbuckets": len(sharded.shards)}
+
+
+def _run_state_dicts(rank, world_size, store_path, stage):
+    c = make_comm(rank, world_size, store_path)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
+    _loss(sharded, _batch(rank, 0)).backward()
+    opt.step()
+    full = sharded.full_state_dict()
+    rank0 = sharded.full_state_dict(rank0_only=True)
+    assert (rank0 == {}) == (rank != 0)
+    if rank == 0:
+        _assert_same_params(rank0, full)
+    fresh = _model(seed=7)
+    assert list(full) == list(fresh.state_dict())
+    fresh.load_state_dict(full)
+    ids = _batch(rank, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(sharded(ids), fresh(ids), rtol=0, atol=0)
+    pieces = sharded.sharded_state_dict()
+    assert list(pieces) == list(full)
+    # Loading back: a wrapper around another initialization takes the saved state exactly.
+    other = fsdp.shard(_model(seed=3), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    other.load_sharded_state_dict(pieces)
+    _assert_exact(other.full_state_dict(), full)
+    other = fsdp.shard(_model(seed=4), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    other.load_full_state_dict(full)
+    _assert_exact(other.full_state_dict(), full)
+    with pytest.raises(ValueError, match="another world size"):
+        bad = dict(pieces)
+        key = next(k for k, v in bad.items() if v.numel() > 0 and k.endswith("weight"))
+        bad[key] = torch.zeros(bad[key].numel() + 1)
+        other.load_sharded_state_dict(bad)
+    with pytest.raises(KeyError, match="missing"):
+        other.load_full_state_dict({k: v for k, v in full.items() if k != "head.weight"})
+    return {k: v for k, v in pieces.items()}, full
+
+
+def _run_gather_params(rank, world_size, store_path, stage):
+    """Shards changed through ``.data`` (no version bump): gather_params still spreads them."""
+    c = make_comm(rank, world_size, store_path)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    for i, p in enumerate(sharded.parameters()):
+        p.data.fill_(100 * i + rank)
+    sharded.gather_params()
+    full = sharded.full_state_dict()
+    weight = _attr(sharded.module, "blocks.0.attn.wq.weight")
+    assert torch.equal(weight, full["blocks.0.attn.wq.weight"])
+    return sorted({v.item() for v in weight.reshape(-1).unique()})
+
+
+def _assert_exact(actual, expected):
+    assert list(actual) == list(expected)
+    for k in expected:
+        assert torch.equal(actual[k], expected[k]), k
+
+
+def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init_gloo(rank, world_size, store_path)
+    try:
+        c = make_comm(rank, world_size, store_path)
+        mesh = init_device_mesh("cpu", (world_size,))
+        models = []
+        for use_braid in (False, True):
+            m = _model()
+            for block in m.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            if use_braid:
+                assert fsdp.use_braid_comms(m, c) == LAYERS + 1
+                if divide_factor is not None:
+                    for sub in (*m.blocks, m):  # each fully_shard module has its own factor
+                        sub.set_gradient_divide_factor(divide_factor)
+            if overlap:
+                # Async unshards with explicit forward prefetch: FSDP2 waits on the returned Work.
+                m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
+                m._set_unshard_async_op(True)
+            models.append(m)
+        ref, braid_model = models
+        if divide_factor is not None:
+            # One backward: braid's gradients are the sum divided by the factor (PREMUL_SUM),
+            # the reference's the mean.
+            ids = _batch(rank, 0)
+            for m in models:
+                _loss(m, ids).backward()
+            for (name, p), q in zip(ref.named_parameters(), braid_model.parameters()):
+                torch.testing.assert_close(q.grad.full_tensor() * divide_factor / world_size,
+                                           p.grad.full_tensor(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            return True
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+        ref_losses = _train(ref, opts[0], rank, 4, 1, None)
+        losses = _train(braid_model, opts[1], rank, 4, 1, None)
+        torch.testing.assert_close(losses, ref_losses, **TOL)
+        assert ref_losses[-1] < ref_losses[0], ref_losses
+        for (name, p), q in zip(ref.named_parameters(), braid_model.parameters()):
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        return True
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_comm_objects(rank, world_size, store_path):
+    """The FSDP2 comm objects alone: async all-gather (a torch Work), byte gathers of odd sizes,
+    and every reduce op against a local reference (integer-valued floats: exact in any order)."""
+    c = make_comm(rank, world_size, store_path)
+    ag, rs = fsdp.fsdp2_comms(c)
+
+    def value(r, n, salt):
+        return torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(salt * 100 + r)).float()
+
+    for n in (0, 1, 7, 64):
+        out = ag.allocate((n * world_size,), dtype=torch.float32, device=torch.device("cpu"))
+        inp = out.narrow(0, rank * n, n)
+        inp.copy_(value(rank, n, n))
+        work = ag(out, inp, None, async_op=True)
+        assert isinstance(work, dist.Work)
+        assert work.wait()
+        assert torch.equal(out, torch.cat([value(r, n, n) for r in range(world_size)]))
+    for nbytes in (1, 3, 6, 12):  # odd sizes go through the padded copy, others through a view
+        mine = torch.arange(nbytes, dtype=torch.uint8) + 17 * rank
+        out = torch.empty(nbytes * world_size, dtype=torch.uint8)
+        for async_op in (False, True):
+            out.zero_()
+            work = ag(out, mine, None, async_op=async_op)
+            if async_op:
+                work.wait()
+            expected = torch.cat([torch.arange(nbytes, dtype=torch.uint8) + 17 * r
+                                  for r in range(world_size)])
+            assert torch.equal(out, expected), (nbytes, async_op, out, expected)
+    n = 5
+    every = [value(r, n * world_size, 7) for r in range(world_size)]
+    total = sum(every)
+    mine = slice(rank * n, (rank + 1) * n)
+    ops = [(dist.ReduceOp.SUM, total), (dist.ReduceOp.AVG, total / world_size),
+           (dist.ReduceOp.PREMUL_SUM(0.5), total * 0.5), (dist.ReduceOp.MAX, torch.stack(every).amax(0))]
+    for op, expected in ops:
+        out = torch.empty(n)
+        assert rs(out, every[rank].clone(), None, op) is None
+        assert torch.equal(out, expected[mine]), (op, out, expected[mine])
+    return True
+
+
+class _Recorder(TorchDispatchMode):
+    """Logs matrix products in the order they run, interleaved with the communicator's events."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+            self.log.append(("mm", None))
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordingComm:
+    """Forwards to a communicator; logs each async launch and each wait with the work's number."""
+
+    def __init__(self, inner, log):
+        self._inner, self.log = inner, log
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self._ids = iter(range(10**6))
+
+    def __getattr__(self, name):
+        method = getattr(self._inner, name)
+
+        def call(*args, async_op=False, **kwargs):
+            work = method(*args, async_op=async_op, **kwargs)
+            if work is None:
+                return None
+            wid = next(self._ids)
+            self.log.append((name, wid))
+            log = self.log
+            return types.SimpleNamespace(wait=lambda *a: (log.append(("wait", wid)), work.wait(*a))[1],
+                                         is_completed=work.is_completed)
+        return call
+
+
+def _run_schedule(rank, world_size, store_path, stage):
+    """The events of one stage-3 (or stage-2) training step, as (kind, work number) pairs."""
+    log = []
+    c = _RecordingComm(make_comm(rank, world_size, store_path), log)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    ids = _batch(rank, 0)
+    _loss(sharded, ids).backward()  # the first step records the units' order
+    opt.step()
+    del log[:]
+    with _Recorder(log):
+        loss = _loss(sharded, ids)
+        log.append(("backward", None))
+        loss.backward()
+    return log
+
+
+def _most_in_flight(log, kind):
+    """The largest number of ``kind`` works launched and not yet waited for at once."""
+    in_flight, most = set(), 0
+    for k, wid in log:
+        if k == kind:
+            in_flight.add(wid)
+            most = max(most, len(in_flight))
+        elif k == "wait":
+            in_flight.discard(wid)
+    return most
+
+
+def _launched_before_compute_ends(log, kind):
+    """Works of ``kind`` launched before the last matmul of the log."""
+    last_mm = max(i for i, e in enumerate(log) if e[0] == "mm")
+    return {wid for i, (k, wid) in enumerate(log) if k == kind and i < last_mm}
+
+
+def _overlapped(log, kind):
+    """Works of ``kind`` during whose flight (launch to wait) at least one matmul ran."""
+    found = set()
+    for i, (k, wid) in enumerate(log):
+        if k != kind:
+            continue
+        end = log.index(("wait", wid), i)
+        if any(e[0] == "mm" for e in log[i:end]):
+            found.add(wid)
+    return found
+
+
+# -- tests ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_wrapper_matches_ddp(stage, world_size):
+    """Four SGD steps with the wrapper end with DDP's parameters and losses, and the sharded
+    model's eval forward equals DDP's."""
+    nbuckets = run_ranks(_run_vs_ddp, world_size, stage, 1, True, 1)
+    assert nbuckets[0] > LAYERS + 3  # several buckets per unit: the bucketing is exercised
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_wrapper_no_sync_accumulation_matches_ddp(stage):
+    """Two micro-batches per step, the first under no_sync: the same as DDP's no_sync."""
+    run_ranks(_run_vs_ddp, 2, stage, 2, True, 1)
+
+
+@pytest.mark.parametrize("reshard,prefetch,units", ((False, 1, None), (True, 0, None), (True, 3, None),
+                                                    (True, 1, ("blocks.1", "blocks.0", "head"))))
+def test_stage3_options_match_ddp(reshard, prefetch, units):
+    """Keeping parameters between forward and backward, no prefetch, a deep prefetch (held to
+    two all-gathers in flight), and units given by name (out of execution order; the embedding
+    and the final norm then form the root unit) change the schedule, not the result."""
+    run_ranks(_run_vs_ddp, 3, 3, 2, reshard, prefetch, units)
+
+
+def test_stage3_schedule_overlaps_and_bounds_gathers():
+    """Stage 3: the next unit's all-gather is in flight while the current unit computes, forward
+    and backward; never more than two all-gathers in flight; the reduce-scatters run while the
+    backward of earlier units computes, at most three at once, and all are waited for before
+    backward() returns."""
+    log = run_ranks(_run_schedule, 2, 3)[0]
+    backward = log.index(("backward", None))
+    gathers = [wid for k, wid in log if k == "all_gather"]
+    assert len(gathers) >= 2 * (LAYERS + 2)  # every unit gathered for its forward and its backward
+    assert _most_in_flight(log, "all_gather") == 2
+    # A pending reduce-scatter holds a full-size gradient: past two, the oldest is waited for.
+    assert _most_in_flight(log, "reduce_scatter") <= 3
+    overlapped = _overlapped(log, "all_gather")
+    assert any(log.index(("all_gather", w)) < backward for w in overlapped), "no forward overlap"
+    assert any(log.index(("all_gather", w)) > backward for w in overlapped), "no backward overlap"
+    scatters = [wid for k, wid in log if k == "reduce_scatter"]
+    assert len(scatters) == LAYERS + 3
+    # Launched as each unit's gradients are ready, while earlier units' backward still computes
+    # (whether one is still running when the next matmul starts depends on timing).
+    assert len(_launched_before_compute_ends(log, "reduce_scatter")) >= LAYERS
+    assert all(("wait", w) in log for w in scatters)
+
+
+def test_stage2_schedule():
+    """Stage 2: the shards the optimizer updated are all-gathered once each during the next
+    forward, overlapping it; reduce-scatters overlap the backward."""
+    log = run_ranks(_run_schedule, 2, 2)[0]
+    backward = log.index(("backward", None))
+    gathers = [wid for k, wid in log if k == "all_gather"]
+    assert len(gathers) == LAYERS + 3 and all(log.index(("all_gather", w)) < backward for w in gathers)
+    assert _overlapped(log, "all_gather")
+    scatters = [wid for k, wid in log if k == "reduce_scatter"]
+    assert len(scatters) == LAYERS + 3
+    assert len(_launched_before_compute_ends(log, "reduce_scatter")) >= LAYERS
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_memory_per_rank_is_one_nth(world_size):
+    """After an AdamW step: stage 1 shards only the optimizer state, stage 2 also the gradients,
+    stage 3 also the parameters. Each sharded quantity is 1/N of the model plus the padding
+    (less than world_size elements per bucket)."""
+    for stage in (1, 2, 3):
+        results = run_ranks(_run_memory, world_size, stage)
+        for r in results:
+            total, stats = r["total"], r["stats"]
+            pad = r["nbuckets"] * world_size * 4
+            share = total / world_size
+            assert share <= r["shards"] <= share + pad
+            assert r["grads"] == r["shards"]
+            # AdamW keeps two moments per element (and a scalar step per shard).
+            assert 2 * share <= r["state"] <= 2 * (share + pad) + 8 * r["nbuckets"]
+            assert stats["optimizer"] == r["state"]
+            expect_params = r["shards"] if stage == 3 else total
+            # Stage 1 keeps the full local gradient buffers besides the reduced shard gradients.
+            expect_grads = r["grads"] if stage >= 2 else total + r["grads"]
+            assert expect_params <= stats["params"] <= expect_params + pad * world_size, (stage, stats)
+            assert expect_grads <= stats["grads"] <= expect_grads + pad * world_size, (stage, stats)
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_state_dicts_round_trip(stage):
+    """full_state_dict (all ranks or rank 0 only) loads into a fresh unsharded model, which then
+    computes what the wrapper computes; sharded and full state dicts load back into a wrapper;
+    the per-rank slices of sharded_state_dict concatenate to the full parameters."""
+    world_size = 3
+    results = run_ranks(_run_state_dicts, world_size, stage)
+    full = results[0][1]
+    for key, value in full.items():
+        pieces = [results[r][0][key] for r in range(world_size)]
+        if key.endswith(("weight", "bias")):
+            assert torch.equal(torch.cat(pieces), value.reshape(-1)), key
+
+
+@pytest.mark.parametrize("stage", (1, 2))
+def test_gather_params_spreads_changes_made_through_data(stage):
+    values = run_ranks(_run_gather_params, 2, stage)
+    assert values[0] == values[1] and len(values[0]) >= 2  # both ranks' values in one parameter
+    assert {v % 100 for v in values[0]} == {0, 1}
+
+
+@pytest.mark.parametrize("world_size,overlap", ((2, False), (3, False), (2, True)))
+def test_fsdp2_with_braid_comms_matches_gloo(world_size, overlap):
+    """FSDP2 with braid's all-gather and reduce-scatter trains as FSDP2 on gloo, with blocking
+    all-gathers and with async ones (FSDP2 then waits on the braid work it got back)."""
+    run_ranks(_run_fsdp2, world_size, None, overlap)
+
+
+def test_fsdp2_gradient_divide_factor_is_honoured():
+    """A divide factor other than the world size arrives as PREMUL_SUM(1/factor)."""
+    run_ranks(_run_fsdp2, 2, 5.0)
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_fsdp2_comm_objects(world_size):
+    assert run_ranks(_run_comm_objects, world_size) == [True] * world_size
+
+
+# -- single process ------------------------------------------------------------------------------
+def _solo():
+    return comm.Communicator(dist.HashStore(), 0, 1, timeout=COMM_TIMEOUT_S)
+
+
+def test_bad_arguments_name_themselves():
+    c = _solo()
+    model = _model()
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
+        fsdp.shard(model, c, stage=4)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        fsdp.shard(model, c, stage=True)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
+        fsdp.shard(model, c, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
+        fsdp.shard(model, c, bucket_cap_mb="25")
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        fsdp.shard(model, c, prefetch=-1)
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
+        fsdp.shard(model, c, reshard_after_forward=1)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        fsdp.shard("model", c)
+    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
+        fsdp.shard(model, object())
+    with pytest.raises(ValueError, match=r"units\[1\] \(Linear\) is not a submodule"):
+        fsdp.shard(model, c, units=[model.embed, nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"units\[0\]='nope' is not a submodule"):
+        fsdp.shard(model, c, units=["nope"])
+    with pytest.raises(ValueError, match="is a ModuleList, which has no forward"):
+        fsdp.shard(model, c, units=["blocks"])
+    with pytest.raises(ValueError, match="nest"):
+        fsdp.shard(model, c, units=["blocks.0", "blocks.0.attn"])
+    with pytest.raises(ValueError, match="given twice"):
+        fsdp.shard(model, c, units=["head", model.head])
+    with pytest.raises(ValueError, match="the wrapped module itself"):
+        fsdp.shard(model, c, units=[model])
+    with pytest.raises(TypeError, match="units must be a sequence"):
+        fsdp.shard(model, c, units="head")
+    with pytest.raises(ValueError, match="no parameters"):
+        fsdp.shard(nn.ReLU(), c)
+    # Nothing above touched the model: it still has its parameters.
+    assert len(list(model.parameters())) == len(list(_model().parameters()))
+    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
+        fsdp.fsdp2_comms(object())
+    with pytest.raises(ValueError, match="no fully_shard module"):
+        fsdp.use_braid_comms(model, c)
+    ag, rs = fsdp.fsdp2_comms(c)
+    other_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
+    with pytest.raises(ValueError, match=r"FSDP2's group \(rank 1 of 2\) is not the braid communicator's"):
+        ag(torch.zeros(2), torch.zeros(1), other_group)
+    with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
+        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.RedOpType.PREMUL_SUM)
+    with pytest.raises(ValueError, match="op must be one of"):
+        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.BAND)
+    c.close()
+
+
+class _Tied(nn.Module):
+    """Embedding and output head share one weight; a root-level parameter; a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, ids):
+        return self.head(self.frozen(self.mid(self.embed(ids))) * self.scale)
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_tied_frozen_and_root_parameters_single_rank(stage):
+    """On one rank the wrapper is the plain model: tied weights (kept in the root unit), a frozen
+    layer (no gradient, no update) and a root-level parameter train exactly as unwrapped."""
+    c = _solo()
+    torch.manual_seed(0)
+    plain = _Tied()
+    sharded = fsdp.shard(copy.deepcopy(plain), c, stage=stage, bucket_cap_mb=1e-4)
+    assert sharded.unit_names == ["mid", "frozen", "<root>"]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, sharded)]
+    ids = torch.tensor([[1, 4, 9, 10], [0, 2, 2, 7]])
+    for _ in range(3):
+        for m, opt in zip((plain, sharded), opts):
+            opt.zero_grad()
+            m(ids).square().mean().backward()
+            opt.step()
+    full = sharded.full_state_dict()
+    assert list(full) == list(plain.state_dict())
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    assert torch.equal(full["frozen.weight"], _initial_frozen_weight())
+    if stage == 3:
+        # Between steps the full parameters are released: no attribute to read freed memory through.
+        assert not hasattr(sharded.module.mid, "weight") and not hasattr(sharded.module, "scale")
+    else:
+        sharded.gather_params()
+        assert torch.equal(sharded.module.mid.weight, full["mid.weight"])
+        assert sharded.module.head.weight is sharded.module.embed.weight
+    c.close()
+
+
+def _initial_frozen_weight():
+    torch.manual_seed(0)
+    return _Tied().frozen.weight.detach()
