@@ -10,15 +10,14 @@ unit / ``fully_shard`` module) and the same batches:
 - ``fsdp2-gloo``: ``fully_shard`` on a gloo DeviceMesh;
 - ``fsdp2-braid-comms``: the same, with braid's all-gather and reduce-scatter installed through
   ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (braid.comm.fsdp.use_braid_comms);
+- ``fsdp2-braid-backend``: ``fully_shard`` on a DeviceMesh over a process group of braid's
+  torch.distributed backend (``dist.new_group(backend="braid")``): every FSDP2 collective on braid;
 - ``fsdp2-gloo-overlap``, ``fsdp2-braid-comms-overlap``: both again with async unshards and
   explicit forward prefetch, which on CPU is what lets FSDP2's all-gathers overlap compute;
 - ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
 - ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
-
-FSDP2 on the braid torch.distributed backend is one more entry once that backend exists:
-``lambda model, c: _fsdp2(model, c, braid_comms=False, group=dist.new_group(backend="braid"))``.
 
 A step is ``zero_grad``, forward, cross-entropy loss, backward and an AdamW step. Timing: the
 implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
@@ -107,6 +106,17 @@ def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
     return model
 
 
+_braid_groups: list = []
+
+
+def _braid_group() -> dist.ProcessGroup:
+    """One process group on braid's torch.distributed backend, made on first use (new_group is a
+    collective: every rank builds the implementations in the same order)."""
+    if not _braid_groups:
+        _braid_groups.append(dist.new_group(backend="braid"))
+    return _braid_groups[0]
+
+
 def _braid_wrapper(model: LanguageModel, c, stage: int) -> torch.nn.Module:
     return fsdp.shard(model, c, stage=stage)
 
@@ -115,6 +125,7 @@ def _braid_wrapper(model: LanguageModel, c, stage: int) -> torch.nn.Module:
 IMPLS: dict[str, Callable] = {
     "fsdp2-gloo": lambda model, c: _fsdp2(model, c, braid_comms=False),
     "fsdp2-braid-comms": lambda model, c: _fsdp2(model, c, braid_comms=True),
+    "fsdp2-braid-backend": lambda model, c: _fsdp2(model, c, braid_comms=False, group=_braid_group()),
     "fsdp2-gloo-overlap": lambda model, c: _fsdp2(model, c, braid_comms=False, overlap=True),
     "fsdp2-braid-comms-overlap": lambda model, c: _fsdp2(model, c, braid_comms=True, overlap=True),
     "braid-zero2": lambda model, c: _braid_wrapper(model, c, stage=2),
