@@ -27,9 +27,8 @@ def uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The counter-based uniform of element ``index`` (int64) under ``seed`` (counter_rng.h)."""
     k_lo = mix32(torch.tensor((seed & M32) ^ 0x9E3779B9))
     k_hi = mix32(torch.tensor(((seed >> 32) & M32) ^ 0x85EBCA6B))
-    a = mix32((index & M32) ^ k_lo)
-    b = mix32(a ^ k_hi ^ _mul32(index >> 32, 0x27D4EB2F))
-    return (b >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    word_key = mix32((index >> 32) ^ k_hi) ^ k_lo
+    return (mix32((index & M32) ^ word_key) >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
 def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block: int, stochastic: bool,

@@ -33,12 +33,18 @@ BRAID_HOST_DEVICE inline RngKey rng_key(uint64_t seed) {
   return RngKey{mix32(static_cast<uint32_t>(seed) ^ 0x9e3779b9U), mix32(static_cast<uint32_t>(seed >> 32) ^ 0x85ebca6bU)};
 }
 
+// Key of the elements whose 64-bit index has high word `hi` (constant over 2^32 elements, so
+// loops compute it once per block).
+BRAID_HOST_DEVICE inline uint32_t rng_word_key(RngKey k, uint32_t hi) { return mix32(hi ^ k.hi) ^ k.lo; }
+
 // Uniform in [0, 1) with 24 random bits (every value exactly representable in float32) for the
-// element at 64-bit `index`: two rounds, the high index word folded into the second.
+// element whose index has low word `lo`, under the key of its high word: one hash round per
+// element (two 32-bit multiplies), which is what stochastic rounding costs on the CPU.
+BRAID_HOST_DEVICE inline float uniform01_word(uint32_t word_key, uint32_t lo) {
+  return static_cast<float>(mix32(lo ^ word_key) >> 8) * (1.0f / 16777216.0f);
+}
 BRAID_HOST_DEVICE inline float uniform01(RngKey k, uint64_t index) {
-  const uint32_t a = mix32(static_cast<uint32_t>(index) ^ k.lo);
-  const uint32_t b = mix32(a ^ k.hi ^ static_cast<uint32_t>(index >> 32) * 0x27d4eb2fU);
-  return static_cast<float>(b >> 8) * (1.0f / 16777216.0f);
+  return uniform01_word(rng_word_key(k, static_cast<uint32_t>(index >> 32)), static_cast<uint32_t>(index));
 }
 
 }  // namespace braid

@@ -43,6 +43,7 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
   alignas(64) float x[kMaxQuantBlock];
   alignas(64) int32_t q[kMaxQuantBlock + 1];
   const float qmax = static_cast<float>(fmt.qmax());
+  const int32_t iqmax = fmt.qmax();
   float* scales = reinterpret_cast<float*>(out + fmt.scales_offset(capacity));
   // The alignment padding is part of the payload: zero it so payloads are a function of the input.
   std::memset(out + fmt.value_bytes(capacity), 0, fmt.scales_offset(capacity) - fmt.value_bytes(capacity));
@@ -61,10 +62,18 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
     const float inv = amax > 0.0f ? qmax / amax : 0.0f;
     scales[b] = scale;
     if (stochastic) {
+      // Element k has low index word lo0 + k; past a 2^32 boundary its high word is one more.
       const uint64_t first = index_base + base;
+      const uint32_t lo0 = static_cast<uint32_t>(first), hi0 = static_cast<uint32_t>(first >> 32);
+      const uint32_t key_here = rng_word_key(key, hi0), key_next = rng_word_key(key, hi0 + 1);
       for (size_t k = 0; k < m; ++k) {
-        const float v = std::floor(x[k] * inv + uniform01(key, first + k));
-        q[k] = static_cast<int32_t>(std::min(qmax, std::max(-qmax, v)));
+        const uint32_t lo = lo0 + static_cast<uint32_t>(k);
+        const float y = x[k] * inv + uniform01_word(lo < lo0 ? key_next : key_here, lo);
+        // floor(y) by truncation and a correction for negative non-integers: vectorizes where
+        // std::floor would not without -fno-trapping-math. |y| <= qmax + 1 fits int32.
+        int32_t t = static_cast<int32_t>(y);
+        t -= static_cast<float>(t) > y ? 1 : 0;
+        q[k] = std::min(iqmax, std::max(-iqmax, t));
       }
     } else {
       for (size_t k = 0; k < m; ++k) {

@@ -17,14 +17,10 @@ namespace {
 constexpr double kAim = 1.25;
 
 using Candidate = TopKCandidate;
-// Larger magnitude first; among equal magnitudes the lower index first.
-inline bool before(const Candidate& a, const Candidate& b) {
-  return a.mag > b.mag || (a.mag == b.mag && a.index < b.index);
-}
-
 template <class T>
 void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<Candidate>& out) {
   out.clear();
+  out.reserve(cap);
   for (size_t i = 0; i < count; ++i) {
     const float m = std::fabs(load_f32(in[i]));
     if (m >= thr) {
@@ -73,9 +69,21 @@ bool top_k_sampled(size_t count, size_t k, size_t* sample_rank, size_t* stride) 
 }
 
 void top_k_trim(std::vector<TopKCandidate>& cand, size_t k) {
-  std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
-  cand.resize(k);
-  std::sort(cand.begin(), cand.end(), [](const Candidate& a, const Candidate& b) { return a.index < b.index; });
+  // The k-th largest magnitude t; then one pass in index order keeps everything above t and the
+  // lowest-index elements equal to t. The candidates stay in index order: no sort needed.
+  std::vector<float> mags(cand.size());
+  for (size_t i = 0; i < cand.size(); ++i) mags[i] = cand[i].mag;
+  std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<float>());
+  const float t = mags[k - 1];
+  size_t above = 0;
+  for (const Candidate& c : cand) above += c.mag > t ? 1 : 0;
+  size_t ties = k - above, kept = 0;
+  for (const Candidate& c : cand) {
+    const bool keep = c.mag > t || (c.mag == t && ties > 0);
+    if (c.mag == t && keep) --ties;
+    if (keep) cand[kept++] = c;
+  }
+  cand.resize(kept);
 }
 
 TopKPath top_k_select(DType dtype, const void* in, size_t count, size_t k, float* values, int32_t* indices) {

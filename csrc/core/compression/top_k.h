@@ -38,7 +38,8 @@ struct TopKCandidate {
   float mag;
   int32_t index;
 };
-// Keeps the k candidates first in (larger magnitude, then lower index) order, sorted by index.
+// Keeps the k candidates first in (larger magnitude, then lower index) order. `cand` must be in
+// ascending index order (as every gather produces it) and stays so.
 void top_k_trim(std::vector<TopKCandidate>& cand, size_t k);
 
 // Selects exactly min(k, count) elements of `in` (float32, bfloat16 or float16) with the largest
