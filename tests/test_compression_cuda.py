@@ -3,14 +3,17 @@
 Both sides use the same formats, random streams and explicitly rounded float32 arithmetic, so a
 payload, a residual or a top-k selection must come out identical on either device.
 """
+
 import pytest
 import torch
 from braid.comm import _C
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not getattr(_C, "has_cuda_kernels", False),
-                       reason="needs a CUDA device and a CUDA build of braid"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not getattr(_C, "has_cuda_kernels", False),
+        reason="needs a CUDA device and a CUDA build of braid",
+    ),
 ]
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -19,7 +22,12 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_quantize_and_dequantize_match_cpu(bits, block, dtype, stochastic):
-    for count, chunk, nchunks in ((1, 0, 1), (1000, 0, 1), (4099, 0, 1), (3001, 1024 if block != 6 else 1002, 3)):
+    for count, chunk, nchunks in (
+        (1, 0, 1),
+        (1000, 0, 1),
+        (4099, 0, 1),
+        (3001, 1024 if block != 6 else 1002, 3),
+    ):
         x = (torch.randn(count) * 3).to(dtype)
         res = torch.randn(count) * 0.01
         cpu_res, gpu_res = res.clone(), res.cuda()
