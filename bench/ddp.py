@@ -4,9 +4,10 @@ gloo DDP, braid's exact hook and each compressed hook, and the exposed communica
     python -m braid.bench ddp                       # 2 ranks, ~25M parameters
     python -m braid.bench ddp --steps 6 --modes gloo,braid,int8 --json results/ddp.json
 
-Every mode trains the same model from the same weights on the same batches (forward, backward,
-SGD step). A step is timed from a barrier to the end of optimizer.step(); the figure is the
-median over ``--steps`` timed steps of the slowest rank, after ``--warmup`` steps (DDP rebuilds
+Every mode trains its own copy of the same model from the same weights on the same batches
+(forward, backward, SGD step); the modes take turns step by step. A step is timed from a barrier
+to the end of optimizer.step(); the figure is the median over ``--steps`` timed steps of the
+slowest rank, after ``--warmup`` steps (DDP rebuilds
 its buckets after step 1 and the compressors start after their 2-step warm-up). ``compute`` runs
 the same steps without DDP on every rank at once (the same contention for the cores, no
 communication); exposed communication = step time - compute step time. The wire ratio is that
@@ -77,11 +78,10 @@ def _run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=args.timeout)
-        results = {}
+        runs = {}
         for mode in args.modes:
             torch.manual_seed(0)
             model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-            nparams = sum(p.numel() for p in model.parameters())
             net = model
             compressor = None
             if mode != "compute":
@@ -96,32 +96,48 @@ def _run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, 
                     }[mode]
                     state, hook = ddp.comm_hook(c, compressor)
                     net.register_comm_hook(state, hook)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            g = torch.Generator().manual_seed(rank)
-            times, losses = [], []
-            wire0 = None
-            for step in range(args.warmup + args.steps):
-                if step == args.warmup and compressor is not None:
-                    wire0 = compressor.wire_total
-                ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            runs[mode] = {
+                "model": model,
+                "net": net,
+                "compressor": compressor,
+                "times": [],
+                "losses": [],
+                "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
+                "wire0": None,
+            }
+        g = torch.Generator().manual_seed(rank)
+        # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
+        # machine hit every mode alike instead of whichever mode happened to run then.
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            for mode in args.modes:
+                run = runs[mode]
+                if step == args.warmup and run["compressor"] is not None:
+                    run["wire0"] = run["compressor"].wire_total
                 dist.barrier()
                 t0 = time.perf_counter()
-                logits = net(ids[:, :-1])
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1)
-                )
-                opt.zero_grad(set_to_none=False)
+                logits = run["net"](ids[:, :-1])
+                targets = ids[:, 1:].reshape(-1)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets)
+                run["opt"].zero_grad(set_to_none=False)
                 loss.backward()
-                opt.step()
+                run["opt"].step()
                 if step >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-                    losses.append(loss.item())
+                    run["times"].append(time.perf_counter() - t0)
+                    run["losses"].append(loss.item())
+        results = {}
+        for mode, run in runs.items():
             ratio = None
-            if compressor is not None:  # the timed steps only (the warm-up is exact)
-                sent = compressor.wire_total.sent - wire0.sent
-                ratio = (compressor.wire_total.dense - wire0.dense) / sent if sent else None
-            results[mode] = {"times": times, "nparams": nparams, "loss": losses[-1], "wire_ratio": ratio}
-            del net, model, opt
+            comp = run["compressor"]
+            if comp is not None:  # the timed steps only (the warm-up is exact)
+                sent = comp.wire_total.sent - run["wire0"].sent
+                ratio = (comp.wire_total.dense - run["wire0"].dense) / sent if sent else None
+            results[mode] = {
+                "times": run["times"],
+                "loss": run["losses"][-1],
+                "wire_ratio": ratio,
+                "nparams": sum(p.numel() for p in run["model"].parameters()),
+            }
         c.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, results)
@@ -169,7 +185,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default: all)"
     )
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
     parser.add_argument("--vocab", type=int, default=12288)
     parser.add_argument("--dim", type=int, default=512)
