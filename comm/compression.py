@@ -13,7 +13,6 @@ input, per key) and a warm-up of exact reductions. A compressor's state is expli
 from __future__ import annotations
 
 import math
-import threading
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
@@ -72,42 +71,34 @@ def _key_hash(key: Hashable) -> int:
 
 
 class CompressedWork:
-    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread;
-    decoding into the caller's tensor happens once, in ``wait()`` or in the future's callback."""
+    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread,
+    and decoding into the caller's tensor is chained to it, so it happens once, on that thread,
+    as soon as the collective completes (it issues no collective, so it may run there)."""
 
     def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
         self._work = work
-        self._finish_fn: Optional[Callable[[], None]] = finish
-        self._tensor = tensor
-        self._lock = threading.Lock()
 
-    def _finish(self) -> None:
-        with self._lock:
-            fn, self._finish_fn = self._finish_fn, None
-        if fn is not None:
-            fn()
+        def decode(fut: torch.futures.Future) -> list:
+            fut.value()  # raises the collective's error
+            finish()
+            return [tensor]
+
+        self._decoded = work.get_future().then(decode)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the collective is done and the result decoded; raises its error. With
-        ``timeout`` (seconds) returns False if it is still running then."""
-        if not self._work.wait(timeout):
+        ``timeout`` (seconds) returns False if the collective is still running then."""
+        if not self._work.wait(timeout):  # raises braid's typed errors
             return False
-        self._finish()
+        self._decoded.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._decoded.done()
 
     def get_future(self) -> torch.futures.Future:
-        """A future holding ``[tensor]`` once the result is decoded into it. The decoding runs in
-        the callback, on braid's progress thread (it issues no collective)."""
-
-        def done(fut: torch.futures.Future) -> list:
-            fut.value()  # raises the collective's error
-            self._finish()
-            return [self._tensor]
-
-        return self._work.get_future().then(done)
+        """A future holding ``[tensor]`` once the result is decoded into it."""
+        return self._decoded
 
 
 class Compressor:
