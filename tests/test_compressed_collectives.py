@@ -233,3 +233,34 @@ def top_k_telescopes(rank, n, store_path):
 def test_top_k_error_feedback_telescopes_across_ranks(n):
     errs = run_ranks(top_k_telescopes, n)
     assert max(errs) < 1e-3  # 25 float32 sums of values of order 10
+
+
+def compressed_arguments(rank, n, store_path):
+    """Bad compressed calls raise naming the argument; on one rank a compressed all-reduce is the
+    exact one and sends nothing."""
+    failures = []
+    with make_comm(rank, n, store_path) as c:
+        q = Int8Quantizer()
+        for call, exc in (
+            (lambda: c.all_reduce(torch.ones(4), op="max", compression=q), ValueError),
+            (lambda: c.all_reduce(torch.ones(4, dtype=torch.int32), compression=q), TypeError),
+            (lambda: c.all_reduce(torch.ones(4, dtype=torch.float64), compression=q), TypeError),
+        ):
+            try:
+                call()
+                failures.append(f"{exc.__name__} not raised")
+            except exc:
+                pass
+        t = torch.arange(10, dtype=torch.float32)
+        for _ in range(3):
+            c.all_reduce(t, op="sum", compression=q)
+        if not torch.equal(t, torch.arange(10, dtype=torch.float32)) or c.last_wire_bytes.sent != 0:
+            failures.append(f"world of one: {t} {c.last_wire_bytes}")
+        c.all_reduce(t)
+        if c.last_wire_bytes is not None:
+            failures.append("a plain all_reduce must reset last_wire_bytes")
+    return failures
+
+
+def test_compressed_arguments_and_world_of_one():
+    assert run_ranks(compressed_arguments, 1) == [[]]
