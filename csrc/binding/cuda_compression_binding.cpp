@@ -2,7 +2,7 @@
 // sizes by argument name, then launches on torch's current stream of the tensor's device.
 #ifdef BRAID_WITH_CUDA
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <string>
@@ -51,7 +51,7 @@ at::Tensor quantize_cuda(py::handle input, py::handle residual, int bits, int64_
                            in.options().dtype(at::kByte));
   check_cuda(cuda::quantize(fmt, to_dtype(in.scalar_type(), "input"), in.data_ptr(),
                             r.defined() ? r.data_ptr<float>() : nullptr, n, chunk, static_cast<size_t>(nchunks),
-                            stochastic, seed, index_base, q.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream()),
+                            stochastic, seed, index_base, q.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
              "quantize");
   return q;
 }
@@ -69,7 +69,7 @@ void dequantize_cuda(py::handle payload, int bits, int64_t block, py::handle out
     throw py::value_error("payload must hold at least " + std::to_string(nchunks * fmt.bytes(chunk)) + " bytes");
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, to_dtype(out.scalar_type(), "output"),
-                              out.data_ptr(), at::cuda::getCurrentCUDAStream()),
+                              out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
              "dequantize");
 }
 
@@ -83,7 +83,7 @@ void dequantize_accumulate_cuda(py::handle payload, int bits, int64_t block, py:
     throw py::value_error("payload must hold " + std::to_string(fmt.bytes(n)) + " bytes");
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::dequantize_accumulate(fmt, q.data_ptr<uint8_t>(), n, acc.data_ptr<float>(),
-                                         at::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "dequantize_accumulate");
 }
 
@@ -100,7 +100,7 @@ void error_feedback_cuda(py::handle input, py::handle residual, py::handle sent)
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::error_feedback_update(to_dtype(in.scalar_type(), "input"), in.data_ptr(), r.data_ptr<float>(),
                                          s.defined() ? s.data_ptr<float>() : nullptr, static_cast<size_t>(in.numel()),
-                                         at::cuda::getCurrentCUDAStream()),
+                                         c10::cuda::getCurrentCUDAStream()),
              "error_feedback");
 }
 
@@ -117,7 +117,7 @@ py::tuple top_k_cuda(py::handle input, int64_t k) {
     py::gil_scoped_release nogil;  // synchronizes the stream
     check_cuda(cuda::top_k_select(to_dtype(in.scalar_type(), "input"), in.data_ptr(), static_cast<size_t>(in.numel()),
                                   static_cast<size_t>(kk), values.data_ptr<float>(), indices.data_ptr<int32_t>(),
-                                  &path, at::cuda::getCurrentCUDAStream()),
+                                  &path, c10::cuda::getCurrentCUDAStream()),
                "top_k");
   }
   return py::make_tuple(values, indices, path == TopKPath::kExact);
@@ -136,7 +136,7 @@ void scatter_add_cuda(py::handle accumulator, py::handle indices, py::handle val
   }
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::scatter_add(acc.data_ptr<float>(), idx.data_ptr<int32_t>(), val.data_ptr<float>(),
-                               static_cast<size_t>(idx.numel()), at::cuda::getCurrentCUDAStream()),
+                               static_cast<size_t>(idx.numel()), c10::cuda::getCurrentCUDAStream()),
              "scatter_add");
 }
 
