@@ -28,8 +28,10 @@ def uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The counter-based uniform of element ``index`` (int64) under ``seed`` (counter_rng.h)."""
     k_lo = mix32(torch.tensor((seed & M32) ^ 0x9E3779B9))
     k_hi = mix32(torch.tensor(((seed >> 32) & M32) ^ 0x85EBCA6B))
-    word_key = mix32((index >> 32) ^ k_hi) ^ k_lo
-    return (mix32((index & M32) ^ word_key) >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    pair = index >> 1
+    h = mix32((pair & M32) ^ (mix32((pair >> 32) ^ k_hi) ^ k_lo))
+    bits = torch.where(index & 1 == 1, h >> 16, h & 0xFFFF)
+    return bits.to(torch.float32) * (1.0 / 65536.0)
 
 
 def quantize(

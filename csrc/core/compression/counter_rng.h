@@ -33,18 +33,27 @@ BRAID_HOST_DEVICE inline RngKey rng_key(uint64_t seed) {
   return RngKey{mix32(static_cast<uint32_t>(seed) ^ 0x9e3779b9U), mix32(static_cast<uint32_t>(seed >> 32) ^ 0x85ebca6bU)};
 }
 
-// Key of the elements whose 64-bit index has high word `hi` (constant over 2^32 elements, so
-// loops compute it once per block).
+// Elements 2p and 2p + 1 share one 32-bit hash of the pair index p: the low 16 bits make the
+// uniform of the even element, the high 16 bits that of the odd one. Half a hash round (one
+// 32-bit multiply) per element is what stochastic rounding costs on the CPU; 16 bits of dither
+// leave a rounding bias below 2^-16 of a quantization step.
+
+// Key of the pairs whose 64-bit index has high word `hi` (constant over 2^32 pairs, so loops
+// compute it once per block).
 BRAID_HOST_DEVICE inline uint32_t rng_word_key(RngKey k, uint32_t hi) { return mix32(hi ^ k.hi) ^ k.lo; }
 
-// Uniform in [0, 1) with 24 random bits (every value exactly representable in float32) for the
-// element whose index has low word `lo`, under the key of its high word: one hash round per
-// element (two 32-bit multiplies), which is what stochastic rounding costs on the CPU.
-BRAID_HOST_DEVICE inline float uniform01_word(uint32_t word_key, uint32_t lo) {
-  return static_cast<float>(mix32(lo ^ word_key) >> 8) * (1.0f / 16777216.0f);
-}
+// The hash of the pair whose index has low word `lo`, under the key of its high word.
+BRAID_HOST_DEVICE inline uint32_t pair_hash(uint32_t word_key, uint32_t lo) { return mix32(lo ^ word_key); }
+
+// The two uniforms in [0, 1) of a pair hash (every value exactly representable in float32).
+BRAID_HOST_DEVICE inline float uniform_even(uint32_t h) { return static_cast<float>(h & 0xFFFFu) * (1.0f / 65536.0f); }
+BRAID_HOST_DEVICE inline float uniform_odd(uint32_t h) { return static_cast<float>(h >> 16) * (1.0f / 65536.0f); }
+
+// The uniform of the element at 64-bit `index`.
 BRAID_HOST_DEVICE inline float uniform01(RngKey k, uint64_t index) {
-  return uniform01_word(rng_word_key(k, static_cast<uint32_t>(index >> 32)), static_cast<uint32_t>(index));
+  const uint64_t pair = index >> 1;
+  const uint32_t h = pair_hash(rng_word_key(k, static_cast<uint32_t>(pair >> 32)), static_cast<uint32_t>(pair));
+  return (index & 1) ? uniform_odd(h) : uniform_even(h);
 }
 
 }  // namespace braid
