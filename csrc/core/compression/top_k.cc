@@ -24,8 +24,10 @@ void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<
   constexpr size_t kBlock = 256, kGroup = 16;
   alignas(64) float mags[kBlock];
   int32_t hits[kBlock / kGroup];
-  out.clear();
-  out.reserve(cap);
+  // Room for `cap` candidates plus one block: the scan below writes every element of a group and
+  // advances only past the hits (no branch to mispredict), so it may write one group past the end.
+  out.resize(cap + kBlock);
+  size_t n = 0;
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
     const T* __restrict src = in + base;
@@ -39,16 +41,19 @@ void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<
       total += h;
     }
     if (total == 0) continue;
-    if (out.size() + static_cast<size_t>(total) > cap) {
+    if (n + static_cast<size_t>(total) > cap) {
       out.clear();
       return;  // too many: the caller falls back to the exact path
     }
     for (size_t g = 0; g < kBlock / kGroup; ++g) {
       if (hits[g] == 0) continue;
-      for (size_t j = g * kGroup; j < (g + 1) * kGroup; ++j)
-        if (mags[j] >= thr) out.push_back({mags[j], static_cast<int32_t>(base + j)});
+      for (size_t j = g * kGroup; j < (g + 1) * kGroup; ++j) {
+        out[n] = {mags[j], static_cast<int32_t>(base + j)};
+        n += mags[j] >= thr ? 1 : 0;
+      }
     }
   }
+  out.resize(n);
 }
 
 template <class T>
