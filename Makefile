@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 NPROC ?= 2
 BUILD_DIR ?= build/cmake
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_CHECK_DIR ?= build/cuda-check
 
 .PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check clean
 
@@ -22,7 +24,17 @@ deps: $(VENV)/.deps
 install: deps
 	$(PIP) install --no-build-isolation --no-deps -e .
 
-test: install test-cpp test-py
+test: install cuda-check test-cpp test-py
+
+# The CUDA sources are torch-free: compiling them for sm_90 needs only nvcc, no GPU.
+cuda-check:
+	@if [ -n "$(NVCC)" ]; then \
+	  mkdir -p $(CUDA_CHECK_DIR) && \
+	  for f in $$(find csrc/cuda -name '*.cu' | sort); do \
+	    echo "nvcc -arch=sm_90 -c $$f"; \
+	    $(NVCC) -std=c++17 -arch=sm_90 -Icsrc -c $$f -o $(CUDA_CHECK_DIR)/$$(basename $$f .cu).o || exit 1; \
+	  done; \
+	else echo "nvcc not found: CUDA sources not compile-checked"; fi
 
 test-py:
 	$(PY) -m pytest tests -q
@@ -47,6 +59,9 @@ bench: install
 	$(PY) -m braid.bench collectives --nproc 2 --json results/collectives.json --plot results/collectives.png
 	$(PY) -m braid.bench tp --nproc 2 --json results/tp.json
 	$(PY) -m braid.bench sharding --nproc 2 --json results/sharding.json
+	$(PY) -m braid.bench ddp --json results/ddp.json
+	$(PY) -m braid.bench compression --json results/compression.json
+	$(PY) -m braid.bench attention --json results/attention.json --plot results/attention.png
 
 bench-peers:
 	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev

@@ -9,10 +9,10 @@ input, per key) and a warm-up of exact reductions. A compressor's state is expli
     c.all_reduce(grad, op="avg", compression=q, key="layer1")
     c.last_wire_bytes            # WireStats(sent=..., received=..., dense=...)
 """
+
 from __future__ import annotations
 
 import math
-import threading
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
@@ -71,41 +71,34 @@ def _key_hash(key: Hashable) -> int:
 
 
 class CompressedWork:
-    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread;
-    decoding into the caller's tensor happens once, in ``wait()`` or in the future's callback."""
+    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread,
+    and decoding into the caller's tensor is chained to it, so it happens once, on that thread,
+    as soon as the collective completes (it issues no collective, so it may run there)."""
 
     def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
         self._work = work
-        self._finish_fn: Optional[Callable[[], None]] = finish
-        self._tensor = tensor
-        self._lock = threading.Lock()
 
-    def _finish(self) -> None:
-        with self._lock:
-            fn, self._finish_fn = self._finish_fn, None
-        if fn is not None:
-            fn()
+        def decode(fut: torch.futures.Future) -> list:
+            fut.value()  # raises the collective's error
+            finish()
+            return [tensor]
+
+        self._decoded = work.get_future().then(decode)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the collective is done and the result decoded; raises its error. With
-        ``timeout`` (seconds) returns False if it is still running then."""
-        if not self._work.wait(timeout):
+        ``timeout`` (seconds) returns False if the collective is still running then."""
+        if not self._work.wait(timeout):  # raises braid's typed errors
             return False
-        self._finish()
+        self._decoded.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._decoded.done()
 
     def get_future(self) -> torch.futures.Future:
-        """A future holding ``[tensor]`` once the result is decoded into it. The decoding runs in
-        the callback, on braid's progress thread (it issues no collective)."""
-        def done(fut: torch.futures.Future) -> list:
-            fut.value()  # raises the collective's error
-            self._finish()
-            return [self._tensor]
-
-        return self._work.get_future().then(done)
+        """A future holding ``[tensor]`` once the result is decoded into it."""
+        return self._decoded
 
 
 class Compressor:
@@ -121,8 +114,10 @@ class Compressor:
 
     def __init__(self, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
-            raise ValueError(f"warmup_steps must be an int >= 2 (DDP rebuilds its buckets after step 1), "
-                             f"got {warmup_steps!r}")
+            raise ValueError(
+                f"warmup_steps must be an int >= 2 (DDP rebuilds its buckets after step 1), "
+                f"got {warmup_steps!r}"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.error_feedback = bool(error_feedback)
@@ -139,18 +134,22 @@ class Compressor:
 
     def state_dict(self) -> dict:
         """Everything needed to resume: configuration, residuals (copies), call counts, wire totals."""
-        return {"type": type(self).__name__, "config": self._config(),
-                "residuals": {k: v.clone() for k, v in self._residuals.items()},
-                "calls": dict(self._calls),
-                "wire_total": (self.wire_total.sent, self.wire_total.received, self.wire_total.dense)}
+        return {
+            "type": type(self).__name__,
+            "config": self._config(),
+            "residuals": {k: v.clone() for k, v in self._residuals.items()},
+            "calls": dict(self._calls),
+            "wire_total": (self.wire_total.sent, self.wire_total.received, self.wire_total.dense),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores what :meth:`state_dict` returned (of a compressor of the same type and config)."""
         if state.get("type") != type(self).__name__:
             raise ValueError(f"state is of a {state.get('type')}, not of a {type(self).__name__}")
         if state.get("config") != self._config():
-            raise ValueError(f"state was saved with config {state.get('config')}, this compressor has "
-                             f"{self._config()}")
+            raise ValueError(
+                f"state was saved with config {state.get('config')}, this compressor has {self._config()}"
+            )
         self._residuals = {k: v.detach().to(torch.float32).clone() for k, v in state["residuals"].items()}
         self._calls = dict(state["calls"])
         self.wire_total = WireStats(*state["wire_total"])
@@ -182,9 +181,16 @@ class Compressor:
         return bufs if bufs is not None and fits(bufs) else make()
 
     # -- the all-reduce --------------------------------------------------------------------
-    def all_reduce(self, comm: "Communicator", tensor: torch.Tensor, op: str = "avg", *,
-                   key: Hashable = "default", async_op: bool = False,
-                   step: Optional[int] = None) -> Optional[CompressedWork]:
+    def all_reduce(
+        self,
+        comm: "Communicator",
+        tensor: torch.Tensor,
+        op: str = "avg",
+        *,
+        key: Hashable = "default",
+        async_op: bool = False,
+        step: Optional[int] = None,
+    ) -> Optional[CompressedWork]:
         """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg"). ``step``
         overrides the per-key call count that the warm-up compares with (the DDP hook passes its
         iteration). Sets ``comm.last_wire_bytes``. Async calls return a :class:`CompressedWork`."""
@@ -193,7 +199,9 @@ class Compressor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}")
+            raise TypeError(
+                f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}"
+            )
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor must be a CPU tensor, got a tensor on {tensor.device}")
         calls = self._calls.get(key, 0)
@@ -205,8 +213,10 @@ class Compressor:
         code = _AVG if op == "avg" else _SUM
         if step < self.warmup_steps or n == 1:
             work = comm._c.all_reduce(flat, code, async_op)
-            stats = WireStats(*(2 * [dense_wire_bytes(flat.numel() * flat.element_size(), n)]),
-                              dense_wire_bytes(flat.numel() * flat.element_size(), n))
+            stats = WireStats(
+                *(2 * [dense_wire_bytes(flat.numel() * flat.element_size(), n)]),
+                dense_wire_bytes(flat.numel() * flat.element_size(), n),
+            )
             finish = None
         else:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
@@ -225,8 +235,9 @@ class Compressor:
             return None
         return CompressedWork(work, done, tensor)
 
-    def _compressed(self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable,
-                    seed: int, async_op: bool) -> tuple:
+    def _compressed(
+        self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable, seed: int, async_op: bool
+    ) -> tuple:
         """Issues the compressed collective; returns (work or None, finish, WireStats)."""
         raise NotImplementedError
 
@@ -267,15 +278,30 @@ class _BlockQuantizer(Compressor):
         cb = self.wire_bytes(chunk)
 
         def make() -> list:
-            return [torch.empty(n * cb, dtype=torch.uint8), torch.empty(n * cb, dtype=torch.uint8),
-                    torch.empty(chunk, dtype=torch.float32), torch.empty(n * cb, dtype=torch.uint8)]
+            return [
+                torch.empty(n * cb, dtype=torch.uint8),
+                torch.empty(n * cb, dtype=torch.uint8),
+                torch.empty(chunk, dtype=torch.float32),
+                torch.empty(n * cb, dtype=torch.uint8),
+            ]
 
         bufs = self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
         send, recv, acc, gathered = bufs
         residual = self._residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
-        work = comm._c.quantized_all_reduce(send, recv, acc, gathered, self.bits, self.block, chunk,
-                                            op_code == _AVG, self.stochastic, _mix64(seed, 1), async_op)
+        work = comm._c.quantized_all_reduce(
+            send,
+            recv,
+            acc,
+            gathered,
+            self.bits,
+            self.block,
+            chunk,
+            op_code == _AVG,
+            self.stochastic,
+            _mix64(seed, 1),
+            async_op,
+        )
 
         def finish() -> None:
             _C.dequantize(gathered, self.bits, self.block, flat, chunk)
@@ -291,9 +317,18 @@ class Int8Quantizer(_BlockQuantizer):
 
     bits = 8
 
-    def __init__(self, block: int = 256, stochastic: bool = True, *, error_feedback: bool = True,
-                 warmup_steps: int = 2, seed: int = 0):
-        super().__init__(block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+    def __init__(
+        self,
+        block: int = 256,
+        stochastic: bool = True,
+        *,
+        error_feedback: bool = True,
+        warmup_steps: int = 2,
+        seed: int = 0,
+    ):
+        super().__init__(
+            block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed
+        )
 
 
 class Int4Quantizer(_BlockQuantizer):
@@ -302,9 +337,18 @@ class Int4Quantizer(_BlockQuantizer):
 
     bits = 4
 
-    def __init__(self, block: int = 128, stochastic: bool = True, *, error_feedback: bool = True,
-                 warmup_steps: int = 2, seed: int = 0):
-        super().__init__(block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+    def __init__(
+        self,
+        block: int = 128,
+        stochastic: bool = True,
+        *,
+        error_feedback: bool = True,
+        warmup_steps: int = 2,
+        seed: int = 0,
+    ):
+        super().__init__(
+            block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed
+        )
 
 
 class TopK(Compressor):
@@ -313,7 +357,9 @@ class TopK(Compressor):
     k * world_size * 8 bytes would exceed the dense tensor, the dense all-reduce is cheaper and
     is used instead."""
 
-    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0):
+    def __init__(
+        self, ratio: float = 0.01, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0
+    ):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         super().__init__(error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
@@ -352,16 +398,16 @@ class TopK(Compressor):
         if residual is not None:
             _C.scatter_add(residual, indices, values.neg())  # the sent entries leave the residual: x - x = 0
         send = torch.empty(8 * k, dtype=torch.uint8)
-        send[:4 * k].view(torch.float32).copy_(values)
-        send[4 * k:].view(torch.int32).copy_(indices)
+        send[: 4 * k].view(torch.float32).copy_(values)
+        send[4 * k :].view(torch.int32).copy_(indices)
         gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
         work = comm._c.all_gather(gathered, send, async_op)
 
         def finish() -> None:
             acc = torch.zeros(numel, dtype=torch.float32)
             for r in range(n):  # rank order: every rank sums the same pairs in the same order
-                part = gathered[r * 8 * k:(r + 1) * 8 * k]
-                _C.scatter_add(acc, part[4 * k:].view(torch.int32), part[:4 * k].view(torch.float32))
+                part = gathered[r * 8 * k : (r + 1) * 8 * k]
+                _C.scatter_add(acc, part[4 * k :].view(torch.int32), part[: 4 * k].view(torch.float32))
             if op_code == _AVG:
                 acc.div_(n)
             flat.copy_(acc)
@@ -375,8 +421,14 @@ class Cast(Compressor):
     16-bit values in float32 and rounds once. With error feedback the rounding error of the
     cast is carried to the next call."""
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, *, error_feedback: bool = True,
-                 warmup_steps: int = 2, seed: int = 0):
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        error_feedback: bool = True,
+        warmup_steps: int = 2,
+        seed: int = 0,
+    ):
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}")
         super().__init__(error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)

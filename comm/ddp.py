@@ -8,6 +8,7 @@ The hook issues an async braid all-reduce per bucket and returns the torch futur
 progress thread completes; the averaged (decompressed) gradients land in place in
 ``bucket.buffer()``, so ``gradient_as_bucket_view=True`` works as is.
 """
+
 import os
 from typing import Any, Callable, Optional, Tuple
 
@@ -29,7 +30,9 @@ def _min_bytes_from_env() -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"BRAID_COMPRESS_MIN_BYTES must be an integer number of bytes, got {raw!r}") from None
+        raise ValueError(
+            f"BRAID_COMPRESS_MIN_BYTES must be an integer number of bytes, got {raw!r}"
+        ) from None
     if value < 0:
         raise ValueError(f"BRAID_COMPRESS_MIN_BYTES must be >= 0, got {value}")
     return value
@@ -43,16 +46,20 @@ class CommHookState:
     communicator: after loading, set ``state.communicator`` before the next backward.
     """
 
-    def __init__(self, communicator: Optional[Communicator], compression: Optional[Compressor],
-                 min_compress_bytes: int):
+    def __init__(
+        self, communicator: Optional[Communicator], compression: Optional[Compressor], min_compress_bytes: int
+    ):
         self.communicator = communicator
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
         self.step = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "min_compress_bytes": self.min_compress_bytes,
-                "compression": None if self.compression is None else self.compression.state_dict()}
+        return {
+            "step": self.step,
+            "min_compress_bytes": self.min_compress_bytes,
+            "compression": None if self.compression is None else self.compression.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if (state["compression"] is None) != (self.compression is None):
@@ -63,7 +70,11 @@ class CommHookState:
             self.compression.load_state_dict(state["compression"])
 
     def __getstate__(self) -> dict:
-        return {"compression": self.compression, "min_compress_bytes": self.min_compress_bytes, "step": self.step}
+        return {
+            "compression": self.compression,
+            "min_compress_bytes": self.min_compress_bytes,
+            "step": self.step,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.communicator = None
@@ -84,8 +95,10 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
     is over. Returns a future of the bucket's tensor."""
     c = state.communicator
     if c is None:
-        raise RuntimeError("the braid comm hook state has no communicator (set state.communicator after "
-                           "loading a checkpoint)")
+        raise RuntimeError(
+            "the braid comm hook state has no communicator (set state.communicator after "
+            "loading a checkpoint)"
+        )
     buf = bucket.buffer()
     step = state.step
     if bucket.is_last():
@@ -99,8 +112,12 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
     return work.get_future().then(_bucket_tensor)
 
 
-def comm_hook(communicator: Communicator, compression: Optional[Compressor] = None, *,
-              min_compress_bytes: Optional[int] = None) -> Tuple[CommHookState, Callable[..., Any]]:
+def comm_hook(
+    communicator: Communicator,
+    compression: Optional[Compressor] = None,
+    *,
+    min_compress_bytes: Optional[int] = None,
+) -> Tuple[CommHookState, Callable[..., Any]]:
     """Returns ``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
     Args:
@@ -115,9 +132,15 @@ def comm_hook(communicator: Communicator, compression: Optional[Compressor] = No
     if not isinstance(communicator, Communicator):
         raise TypeError(f"communicator must be a braid.comm.Communicator, got {type(communicator).__name__}")
     if compression is not None and not isinstance(compression, Compressor):
-        raise TypeError(f"compression must be a braid.comm compressor or None, got {type(compression).__name__}")
+        raise TypeError(
+            f"compression must be a braid.comm compressor or None, got {type(compression).__name__}"
+        )
     if min_compress_bytes is None:
         min_compress_bytes = _min_bytes_from_env()
-    elif isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, int) or min_compress_bytes < 0:
+    elif (
+        isinstance(min_compress_bytes, bool)
+        or not isinstance(min_compress_bytes, int)
+        or min_compress_bytes < 0
+    ):
         raise ValueError(f"min_compress_bytes must be an int >= 0, got {min_compress_bytes!r}")
     return CommHookState(communicator, compression, min_compress_bytes), braid_hook

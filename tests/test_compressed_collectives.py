@@ -5,6 +5,7 @@ pipeline in torch (quantize every rank's input, sum the decoded chunks in rank o
 re-quantize, decode) and compares bit for bit; the test process checks that all ranks hold the
 same bits. Tiny slots push the all-to-all and all-gather through their pipelined paths.
 """
+
 import pytest
 import torch
 from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, _C
@@ -27,9 +28,11 @@ def all_to_all_grid(rank, n, store_path, seed):
                     out = torch.full((n * m,), 77, dtype=dtype)
                     inp = inputs[rank].clone()
                     c.all_to_all(out, inp)
-                    expected = torch.cat([inputs[r][rank * m:(rank + 1) * m] for r in range(n)])
+                    expected = torch.cat([inputs[r][rank * m : (rank + 1) * m] for r in range(n)])
                     log.check(f"{tunables} {dtype} m {m}", out, expected, rank_specific=True)
-                    log.check(f"{tunables} {dtype} m {m}: input untouched", inp, inputs[rank], rank_specific=True)
+                    log.check(
+                        f"{tunables} {dtype} m {m}: input untouched", inp, inputs[rank], rank_specific=True
+                    )
             w = c.all_to_all(torch.empty(4 * n), torch.full((4 * n,), float(rank)), async_op=True)
             w.wait()
     return log.summary()
@@ -51,17 +54,23 @@ def _expected_quantized(q, inputs, residuals, op, n, call, dtype):
     cb = _C.quantized_bytes(chunk, q.bits, q.block)
     payloads, new_res = [], []
     for r in range(n):
-        p, res = ref.quantize(inputs[r], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk, n)
+        p, res = ref.quantize(
+            inputs[r], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk, n
+        )
         payloads.append(p)
         new_res.append(res)
     gathered = []
     for j in range(n):
         acc = torch.zeros(chunk)
         for r in range(n):
-            acc = acc + ref.dequantize(payloads[r][j * cb:(j + 1) * cb], chunk, q.bits, q.block, torch.float32)
+            acc = acc + ref.dequantize(
+                payloads[r][j * cb : (j + 1) * cb], chunk, q.bits, q.block, torch.float32
+            )
         if op == "avg":
             acc = acc / torch.full_like(acc, n)
-        p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, j, call), 1), index_base=j * chunk)
+        p, _ = ref.quantize(
+            acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, j, call), 1), index_base=j * chunk
+        )
         gathered.append(p)
     return ref.dequantize(torch.cat(gathered), numel, q.bits, q.block, dtype, chunk), new_res
 
@@ -94,7 +103,8 @@ def _expected_cast(q, inputs, residuals, op, n, dtype):
 
 def _expected_wire(q, numel, n, elem_size):
     if isinstance(q, (Int8Quantizer, Int4Quantizer)):
-        chunk = -(-(-(-numel // n)) // q.block) * q.block
+        per_rank = (numel + n - 1) // n
+        chunk = (per_rank + q.block - 1) // q.block * q.block
         values = chunk if q.bits == 8 else (chunk + 1) // 2
         return 2 * (n - 1) * (-(-values // 4) * 4 + 4 * (chunk // q.block))
     if isinstance(q, TopK):
@@ -137,8 +147,9 @@ def compressed_grid(rank, n, store_path, seed, name):
                             ef = q.error_feedback
                             base = residuals if ef else [torch.zeros(numel) for _ in range(n)]
                             if isinstance(q, (Int8Quantizer, Int4Quantizer)):
-                                expected, new_res = _expected_quantized(q, inputs, base if ef else [None] * n,
-                                                                        op, n, call, dtype)
+                                expected, new_res = _expected_quantized(
+                                    q, inputs, base if ef else [None] * n, op, n, call, dtype
+                                )
                             elif isinstance(q, TopK):
                                 expected, new_res = _expected_top_k(q, inputs, base, op, n, dtype)
                             else:
@@ -146,13 +157,20 @@ def compressed_grid(rank, n, store_path, seed, name):
                             log.check(f"{what} call {call}", t, expected)
                             if ef:
                                 residuals = new_res
-                                log.check(f"{what} call {call} residual", q.residual(KEY), residuals[rank],
-                                          rank_specific=True)
+                                log.check(
+                                    f"{what} call {call} residual",
+                                    q.residual(KEY),
+                                    residuals[rank],
+                                    rank_specific=True,
+                                )
                             wire = c.last_wire_bytes
                             want = _expected_wire(q, numel, n, t.element_size())
-                            log.expect(f"{what} wire", wire.sent == want == wire.received,
-                                       f"{wire} vs {want}")
-                            log.expect(f"{what} dense", wire.dense == dense_wire_bytes(numel * t.element_size(), n))
+                            log.expect(
+                                f"{what} wire", wire.sent == want == wire.received, f"{wire} vs {want}"
+                            )
+                            log.expect(
+                                f"{what} dense", wire.dense == dense_wire_bytes(numel * t.element_size(), n)
+                            )
     return log.summary()
 
 
@@ -215,3 +233,34 @@ def top_k_telescopes(rank, n, store_path):
 def test_top_k_error_feedback_telescopes_across_ranks(n):
     errs = run_ranks(top_k_telescopes, n)
     assert max(errs) < 1e-3  # 25 float32 sums of values of order 10
+
+
+def compressed_arguments(rank, n, store_path):
+    """Bad compressed calls raise naming the argument; on one rank a compressed all-reduce is the
+    exact one and sends nothing."""
+    failures = []
+    with make_comm(rank, n, store_path) as c:
+        q = Int8Quantizer()
+        for call, exc in (
+            (lambda: c.all_reduce(torch.ones(4), op="max", compression=q), ValueError),
+            (lambda: c.all_reduce(torch.ones(4, dtype=torch.int32), compression=q), TypeError),
+            (lambda: c.all_reduce(torch.ones(4, dtype=torch.float64), compression=q), TypeError),
+        ):
+            try:
+                call()
+                failures.append(f"{exc.__name__} not raised")
+            except exc:
+                pass
+        t = torch.arange(10, dtype=torch.float32)
+        for _ in range(3):
+            c.all_reduce(t, op="sum", compression=q)
+        if not torch.equal(t, torch.arange(10, dtype=torch.float32)) or c.last_wire_bytes.sent != 0:
+            failures.append(f"world of one: {t} {c.last_wire_bytes}")
+        c.all_reduce(t)
+        if c.last_wire_bytes is not None:
+            failures.append("a plain all_reduce must reset last_wire_bytes")
+    return failures
+
+
+def test_compressed_arguments_and_world_of_one():
+    assert run_ranks(compressed_arguments, 1) == [[]]

@@ -5,6 +5,7 @@ bfloat16 and float16 inputs at sizes that are not multiples of the block, in the
 chunked (all-reduce) layout. Top-k is checked by its defining property, stochastic rounding by
 its mean, error feedback by telescoping.
 """
+
 import pickle
 
 import pytest
@@ -19,9 +20,11 @@ SIZES = (0, 1, 7, 127, 129, 256, 1000, 4099)
 
 def _input(count: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(count, generator=g) * torch.rand(count, generator=g).mul(8).exp2()  # blocks of varied scale
+    x = (
+        torch.randn(count, generator=g) * torch.rand(count, generator=g).mul(8).exp2()
+    )  # blocks of varied scale
     if count > 3:
-        x[count // 2: count // 2 + 3] = 0  # exact zeros, and an all-zero tail block when small
+        x[count // 2 : count // 2 + 3] = 0  # exact zeros, and an all-zero tail block when small
     return x.to(dtype)
 
 
@@ -50,7 +53,8 @@ def test_quantize_matches_reference(bits, block, dtype, stochastic):
 def test_chunked_layout_matches_reference(bits, block, nchunks):
     """The all-reduce layout: one padded chunk per rank, elements numbered globally for the RNG."""
     for count in (1, 500, 1001, 3000):
-        chunk = max(block, -(-(-(-count // nchunks)) // block) * block)
+        per_chunk = (count + nchunks - 1) // nchunks
+        chunk = max(block, (per_chunk + block - 1) // block * block)
         x = _input(count, torch.float32, seed=count)
         res = torch.randn(count) * 0.01
         expected, expected_res = ref.quantize(x, res, bits, block, True, 7, chunk, nchunks)
@@ -78,7 +82,9 @@ def test_wire_size_is_the_format():
     for count in (0, 1, 255, 256, 257, 1001):
         assert _C.quantized_bytes(count, 8, 256) == -(-count // 4) * 4 + 4 * -(-count // 256)
         assert _C.quantized_bytes(count, 4, 128) == -(-((count + 1) // 2) // 4) * 4 + 4 * -(-count // 128)
-        assert _C.quantize(torch.randn(count), None, 4, 128, True, 0).numel() == _C.quantized_bytes(count, 4, 128)
+        assert _C.quantize(torch.randn(count), None, 4, 128, True, 0).numel() == _C.quantized_bytes(
+            count, 4, 128
+        )
     big = 1 << 20
     assert 4 * big / _C.quantized_bytes(big, 8, 256) >= 3.9
     assert 4 * big / _C.quantized_bytes(big, 4, 128) >= 7.5
@@ -112,7 +118,7 @@ def test_stochastic_rounding_is_unbiased(bits):
         _C.dequantize(_C.quantize(x, None, bits, block, True, seed), bits, block, out)
         total += out
     bias = (total / trials - x).abs().max().item()
-    assert bias < 6 * step / (2 * trials ** 0.5)
+    assert bias < 6 * step / (2 * trials**0.5)
     _C.dequantize(_C.quantize(x, None, bits, block, False, 0), bits, block, out)
     assert (out - x).abs().max().item() > 0.3 * step  # nearest rounding keeps its error
 
@@ -221,7 +227,11 @@ def test_bad_kernel_arguments_named():
         (lambda: _C.quantize(x, None, 8, 0, True, 0), ValueError, "block"),
         (lambda: _C.quantize(x.double(), None, 8, 256, True, 0), TypeError, "input"),
         (lambda: _C.quantize(x, torch.zeros(9), 8, 256, True, 0), ValueError, "residual"),
-        (lambda: _C.quantize(x, torch.zeros(10, dtype=torch.float16), 8, 256, True, 0), TypeError, "residual"),
+        (
+            lambda: _C.quantize(x, torch.zeros(10, dtype=torch.float16), 8, 256, True, 0),
+            TypeError,
+            "residual",
+        ),
         (lambda: _C.quantize(x[::2], None, 8, 256, True, 0), ValueError, "contiguous"),
         (lambda: _C.quantize(x, None, 8, 256, True, 0, 0, 100, 1), ValueError, "chunk"),
         (lambda: _C.quantize(x, None, 8, 4, True, 0, 0, 4, 2), ValueError, "nchunks"),

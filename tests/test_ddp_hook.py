@@ -5,6 +5,7 @@ step 1) with gloo DDP, the exact braid hook and the int8 and top-k hooks, with
 gradient_as_bucket_view, static_graph and no_sync accumulation in the mix, and returns every
 run's parameters and held-out loss.
 """
+
 import pickle
 from datetime import timedelta
 
@@ -13,15 +14,20 @@ import torch
 import torch.distributed as dist
 from helpers.ranks import COMM_TIMEOUT_S, make_comm, open_store, run_ranks
 
-STEPS = 100       # training runs compared by loss
+STEPS = 100  # training runs compared by loss
 EXACT_STEPS = 30  # runs compared parameter by parameter with gloo DDP
 IN, HIDDEN = 16, 48
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)  # identical initial parameters on every rank and in every run
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
 
 
 _G = torch.Generator().manual_seed(123)
@@ -49,8 +55,7 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps):
     m = DDP(model, bucket_cap_mb=0.004, gradient_as_bucket_view=bucket_view, static_graph=static_graph)
     state = None
     if mode != "gloo":
-        compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank),
-                       "topk": comm.TopK(0.05)}[mode]
+        compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank), "topk": comm.TopK(0.05)}[mode]
         state, hook = ddp.comm_hook(c, compression, min_compress_bytes=0)
         m.register_comm_hook(state, hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
@@ -72,8 +77,13 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps):
 
 
 def ddp_runs(rank, n, store_path, variants):
-    dist.init_process_group("gloo", store=open_store(store_path + ".pg"), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=open_store(store_path + ".pg"),
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=COMM_TIMEOUT_S),
+    )
     try:
         out = {}
         with make_comm(rank, n, store_path) as c:
@@ -131,8 +141,13 @@ def hook_without_compression_for_small_buckets(rank, n, store_path):
     from braid.comm import ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", store=open_store(store_path + ".pg"), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=open_store(store_path + ".pg"),
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=COMM_TIMEOUT_S),
+    )
     try:
         with make_comm(rank, n, store_path) as c:
             q = comm.Int8Quantizer()

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../core/communicator.h"
+#include "../core/compression/quantize.h"
 #include "../core/dtype.h"
 #include "../core/work.h"
 
@@ -114,7 +115,36 @@ inline at::Tensor checked_contiguous(const py::handle& obj, const char* arg, std
   return t;
 }
 
+// The quantization format of (bits, block), validated.
+inline QuantFormat checked_format(int bits, int64_t block) {
+  if (bits != 8 && bits != 4) throw py::value_error("bits must be 8 or 4, got " + std::to_string(bits));
+  if (block < 1 || block > static_cast<int64_t>(kMaxQuantBlock))
+    throw py::value_error("block must be in [1, " + std::to_string(kMaxQuantBlock) + "], got " + std::to_string(block));
+  if (bits == 4 && block % 2 != 0)
+    throw py::value_error("block must be even for 4-bit quantization (two values per byte), got " + std::to_string(block));
+  return QuantFormat{bits, static_cast<size_t>(block)};
+}
+
+// `chunk` 0 means one chunk of the whole input (the plain layout).
+inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
+  if (chunk == 0) {
+    if (nchunks != 1) throw py::value_error("nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
+    return count;
+  }
+  if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
+    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
+                          std::to_string(chunk));
+  if (nchunks < 1 || static_cast<size_t>(chunk) * static_cast<size_t>(nchunks) < count)
+    throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
+                          std::to_string(nchunks) + " * " + std::to_string(chunk));
+  return static_cast<size_t>(chunk);
+}
+
 // Python bindings of the compression kernels and the quantized all-reduce (compression_binding.cpp).
 void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator);
+#ifdef BRAID_WITH_CUDA
+// Python bindings of the CUDA compression kernels (cuda_compression_binding.cpp, CUDA builds only).
+void bind_cuda_compression(py::module_& m);
+#endif
 
 }  // namespace braid

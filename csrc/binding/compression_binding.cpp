@@ -15,15 +15,6 @@ namespace {
 
 const std::initializer_list<at::ScalarType> kFloatTypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
-QuantFormat checked_format(int bits, int64_t block) {
-  if (bits != 8 && bits != 4) throw py::value_error("bits must be 8 or 4, got " + std::to_string(bits));
-  if (block < 1 || block > static_cast<int64_t>(kMaxQuantBlock))
-    throw py::value_error("block must be in [1, " + std::to_string(kMaxQuantBlock) + "], got " + std::to_string(block));
-  if (bits == 4 && block % 2 != 0)
-    throw py::value_error("block must be even for 4-bit quantization (two values per byte), got " + std::to_string(block));
-  return QuantFormat{bits, static_cast<size_t>(block)};
-}
-
 // A uint8 buffer of exactly `bytes` bytes, 4-byte aligned (the scales are float32).
 at::Tensor checked_payload(const py::handle& obj, const char* arg, size_t bytes) {
   at::Tensor q = checked_contiguous(obj, arg, {at::kByte});
@@ -39,21 +30,6 @@ void check_same_numel(const at::Tensor& a, const char* an, const at::Tensor& b, 
   if (a.numel() != b.numel())
     throw py::value_error(std::string(bn) + ".numel() must equal " + an + ".numel() (" + std::to_string(a.numel()) +
                           "), got " + std::to_string(b.numel()));
-}
-
-// `chunk` 0 means one chunk of the whole input (the plain layout).
-size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
-  if (chunk == 0) {
-    if (nchunks != 1) throw py::value_error("nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
-    return count;
-  }
-  if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
-    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
-                          std::to_string(chunk));
-  if (nchunks < 1 || static_cast<size_t>(chunk) * static_cast<size_t>(nchunks) < count)
-    throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
-                          std::to_string(nchunks) + " * " + std::to_string(chunk));
-  return static_cast<size_t>(chunk);
 }
 
 at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int64_t block, bool stochastic,

@@ -271,5 +271,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_backend(m);
 
   bind_compression(m, communicator);
+#ifdef BRAID_WITH_CUDA
+  bind_cuda_compression(m);
+  m.attr("has_cuda_kernels") = true;
+#else
+  m.attr("has_cuda_kernels") = false;
+#endif
   m.def("reduce_tensors", &reduce_tensors, py::arg("inputs"), py::arg("op"), py::arg("world_size") = 1);
 }

@@ -1,5 +1,6 @@
 """Pure-torch references of braid's compression kernels, written from the format description
 (csrc/core/compression/*.h), for bitwise comparison with the C++ kernels."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,14 +28,23 @@ def uniform01(seed: int, index: torch.Tensor) -> torch.Tensor:
     """The counter-based uniform of element ``index`` (int64) under ``seed`` (counter_rng.h)."""
     k_lo = mix32(torch.tensor((seed & M32) ^ 0x9E3779B9))
     k_hi = mix32(torch.tensor(((seed >> 32) & M32) ^ 0x85EBCA6B))
-    a = mix32((index & M32) ^ k_lo)
-    b = mix32(a ^ k_hi ^ _mul32(index >> 32, 0x27D4EB2F))
-    return (b >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    pair = index >> 1
+    h = mix32((pair & M32) ^ (mix32((pair >> 32) ^ k_hi) ^ k_lo))
+    bits = torch.where(index & 1 == 1, h >> 16, h & 0xFFFF)
+    return bits.to(torch.float32) * (1.0 / 65536.0)
 
 
-def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block: int, stochastic: bool,
-             seed: int, chunk: int = 0, nchunks: int = 1,
-             index_base: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def quantize(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    bits: int,
+    block: int,
+    stochastic: bool,
+    seed: int,
+    chunk: int = 0,
+    nchunks: int = 1,
+    index_base: int = 0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Returns (payload bytes, new residual) as braid's quantize lays them out."""
     qmax = 127.0 if bits == 8 else 7.0
     count = x.numel()
@@ -49,7 +59,7 @@ def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block
     deq_all = torch.zeros(nchunks * chunk, dtype=torch.float32)
     payloads = []
     for j in range(nchunks):
-        xc = padded[j * chunk:(j + 1) * chunk]
+        xc = padded[j * chunk : (j + 1) * chunk]
         nblocks = -(-chunk // block)
         xb = torch.zeros(nblocks * block)
         xb[:chunk] = xc
@@ -68,8 +78,8 @@ def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block
         q = q.reshape(-1)[:chunk]
         valid = max(0, min(chunk, count - j * chunk))
         q[valid:] = 0
-        q_all[j * chunk:(j + 1) * chunk] = q
-        deq_all[j * chunk:(j + 1) * chunk] = q * scale.repeat_interleave(block)[:chunk]
+        q_all[j * chunk : (j + 1) * chunk] = q
+        deq_all[j * chunk : (j + 1) * chunk] = q * scale.repeat_interleave(block)[:chunk]
         qi = q.to(torch.int64)
         if bits == 8:
             values = qi.to(torch.int8).view(torch.uint8)
@@ -79,7 +89,11 @@ def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block
                 nib = torch.cat([nib, torch.tensor([8])])
             values = (nib[0::2] | (nib[1::2] << 4)).to(torch.uint8)
         pad = (-values.numel()) % 4
-        payloads += [values, torch.zeros(pad, dtype=torch.uint8), scale.reshape(-1).contiguous().view(torch.uint8)]
+        payloads += [
+            values,
+            torch.zeros(pad, dtype=torch.uint8),
+            scale.reshape(-1).contiguous().view(torch.uint8),
+        ]
     payload = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.uint8)
     new_res = None
     if residual is not None:
@@ -87,8 +101,9 @@ def quantize(x: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block
     return payload, new_res
 
 
-def dequantize(payload: torch.Tensor, count: int, bits: int, block: int, dtype: torch.dtype,
-               chunk: int = 0) -> torch.Tensor:
+def dequantize(
+    payload: torch.Tensor, count: int, bits: int, block: int, dtype: torch.dtype, chunk: int = 0
+) -> torch.Tensor:
     """Decodes braid's chunked layout: q * scale rounded once to ``dtype``."""
     if chunk == 0:
         chunk = count
@@ -98,7 +113,7 @@ def dequantize(payload: torch.Tensor, count: int, bits: int, block: int, dtype: 
     nblocks = -(-chunk // block)
     cb = scales_off + 4 * nblocks
     for j in range(-(-count // chunk) if chunk else 0):
-        part = payload[j * cb:(j + 1) * cb]
+        part = payload[j * cb : (j + 1) * cb]
         if bits == 8:
             q = part[:chunk].view(torch.int8).to(torch.float32)
         else:
@@ -106,5 +121,5 @@ def dequantize(payload: torch.Tensor, count: int, bits: int, block: int, dtype: 
             q = torch.stack([(b & 15) - 8, (b >> 4) - 8], dim=1).reshape(-1)[:chunk].to(torch.float32)
         scale = part[scales_off:cb].view(torch.float32).repeat_interleave(block)[:chunk]
         valid = min(chunk, count - j * chunk)
-        out[j * chunk:j * chunk + valid] = (q * scale)[:valid].to(dtype)
+        out[j * chunk : j * chunk + valid] = (q * scale)[:valid].to(dtype)
     return out

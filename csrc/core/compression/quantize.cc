@@ -43,6 +43,7 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
   alignas(64) float x[kMaxQuantBlock];
   alignas(64) int32_t q[kMaxQuantBlock + 1];
   const float qmax = static_cast<float>(fmt.qmax());
+  const int32_t iqmax = fmt.qmax();
   float* scales = reinterpret_cast<float*>(out + fmt.scales_offset(capacity));
   // The alignment padding is part of the payload: zero it so payloads are a function of the input.
   std::memset(out + fmt.value_bytes(capacity), 0, fmt.scales_offset(capacity) - fmt.value_bytes(capacity));
@@ -61,11 +62,33 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
     const float inv = amax > 0.0f ? qmax / amax : 0.0f;
     scales[b] = scale;
     if (stochastic) {
+      // floor(y) by truncation and a correction for negative non-integers: vectorizes where
+      // std::floor would not without -fno-trapping-math. |y| <= qmax + 1 fits int32.
+      auto round_down = [iqmax](float y) {
+        int32_t t = static_cast<int32_t>(y);
+        t -= static_cast<float>(t) > y ? 1 : 0;
+        return std::min(iqmax, std::max(-iqmax, t));
+      };
       const uint64_t first = index_base + base;
-      for (size_t k = 0; k < m; ++k) {
-        const float v = std::floor(x[k] * inv + uniform01(key, first + k));
-        q[k] = static_cast<int32_t>(std::min(qmax, std::max(-qmax, v)));
+      size_t k = 0;
+      if (m > 0 && (first & 1) != 0) {  // an odd first element: the second half of its pair
+        q[0] = round_down(x[0] * inv + uniform01(key, first));
+        k = 1;
       }
+      // Whole pairs: pair p has low index word lo0 + p; past a 2^32 boundary its high word is one more.
+      const uint64_t pair0 = (first + k) >> 1;
+      const uint32_t lo0 = static_cast<uint32_t>(pair0), hi0 = static_cast<uint32_t>(pair0 >> 32);
+      const uint32_t key_here = rng_word_key(key, hi0), key_next = rng_word_key(key, hi0 + 1);
+      const size_t pairs = (m - k) / 2;
+      float* __restrict xs = x + k;
+      int32_t* __restrict qs = q + k;
+      for (size_t p = 0; p < pairs; ++p) {
+        const uint32_t lo = lo0 + static_cast<uint32_t>(p);
+        const uint32_t h = pair_hash(lo < lo0 ? key_next : key_here, lo);
+        qs[2 * p] = round_down(xs[2 * p] * inv + uniform_even(h));
+        qs[2 * p + 1] = round_down(xs[2 * p + 1] * inv + uniform_odd(h));
+      }
+      if (k + 2 * pairs < m) q[m - 1] = round_down(x[m - 1] * inv + uniform01(key, first + m - 1));
     } else {
       for (size_t k = 0; k < m; ++k) {
         const float v = round_even(x[k] * inv);

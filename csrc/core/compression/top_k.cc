@@ -13,62 +13,66 @@
 namespace braid {
 namespace {
 
-// Sample size: the k-th largest of 16384 draws estimates a 1% quantile within about 8% (its
-// relative standard error is about 1/sqrt(k_sample) = 1/sqrt(164)), so a threshold aimed at
-// 1.25 k keeps at least k candidates except on rare samples.
-constexpr size_t kSample = 16384;
+// Aim the sampled threshold at 1.25 k candidates (see kTopKSample).
 constexpr double kAim = 1.25;
-// More candidates than this many times k means the threshold was far too low: exact path.
-constexpr size_t kMaxOverselect = 4;
 
-struct Candidate {
-  float mag;
-  int32_t index;
-};
-// Larger magnitude first; among equal magnitudes the lower index first.
-inline bool before(const Candidate& a, const Candidate& b) {
-  return a.mag > b.mag || (a.mag == b.mag && a.index < b.index);
-}
-
+using Candidate = TopKCandidate;
 template <class T>
 void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<Candidate>& out) {
-  out.clear();
-  for (size_t i = 0; i < count; ++i) {
-    const float m = std::fabs(load_f32(in[i]));
-    if (m >= thr) {
-      if (out.size() == cap) {
-        out.clear();
-        return;  // too many: the caller falls back to the exact path
+  // Blocks of 256 magnitudes; hits counted per group of 16 in vectorized loops, and only groups
+  // with a hit scanned element by element (at k = 1% about one group in seven).
+  constexpr size_t kBlock = 256, kGroup = 16;
+  alignas(64) float mags[kBlock];
+  int32_t hits[kBlock / kGroup];
+  // Room for `cap` candidates plus one block: the scan below writes every element of a group and
+  // advances only past the hits (no branch to mispredict), so it may write one group past the end.
+  out.resize(cap + kBlock);
+  size_t n = 0;
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t len = std::min(kBlock, count - base);
+    const T* __restrict src = in + base;
+    for (size_t j = 0; j < len; ++j) mags[j] = std::fabs(load_f32(src[j]));
+    for (size_t j = len; j < kBlock; ++j) mags[j] = -1.0f;  // the tail of the last block never hits
+    int32_t total = 0;
+    for (size_t g = 0; g < kBlock / kGroup; ++g) {
+      int32_t h = 0;
+      for (size_t j = 0; j < kGroup; ++j) h += mags[g * kGroup + j] >= thr ? 1 : 0;
+      hits[g] = h;
+      total += h;
+    }
+    if (total == 0) continue;
+    if (n + static_cast<size_t>(total) > cap) {
+      out.clear();
+      return;  // too many: the caller falls back to the exact path
+    }
+    for (size_t g = 0; g < kBlock / kGroup; ++g) {
+      if (hits[g] == 0) continue;
+      for (size_t j = g * kGroup; j < (g + 1) * kGroup; ++j) {
+        out[n] = {mags[j], static_cast<int32_t>(base + j)};
+        n += mags[j] >= thr ? 1 : 0;
       }
-      out.push_back({m, static_cast<int32_t>(i)});
     }
   }
+  out.resize(n);
 }
 
 template <class T>
 TopKPath select_typed(const T* in, size_t count, size_t k, float* values, int32_t* indices) {
   std::vector<Candidate> cand;
   TopKPath path = TopKPath::kExact;
-  if (count > 2 * kSample && k * kSample >= 8 * count) {
-    // Sampled threshold (only when the sample holds at least 8 expected winners). One draw per
-    // stride of the input, at a hashed offset inside it, so periodic structure is not aliased.
-    std::vector<float> s(kSample);
-    const size_t stride = count / kSample;
-    for (size_t j = 0; j < kSample; ++j)
-      s[j] = std::fabs(load_f32(in[j * stride + mix32(static_cast<uint32_t>(j)) % stride]));
-    const double want = kAim * static_cast<double>(k) * kSample / static_cast<double>(count);
-    const size_t r = std::min(kSample - 1, static_cast<size_t>(want));
+  size_t r = 0, stride = 0;
+  if (top_k_sampled(count, k, &r, &stride)) {
+    std::vector<float> s(kTopKSample);
+    for (size_t j = 0; j < kTopKSample; ++j) s[j] = std::fabs(load_f32(in[top_k_sample_index(j, stride)]));
     std::nth_element(s.begin(), s.begin() + r, s.end(), std::greater<float>());
-    gather_above(in, count, s[r], kMaxOverselect * k, cand);
+    gather_above(in, count, s[r], kTopKMaxOverselect * k, cand);
     if (cand.size() >= k) path = TopKPath::kSampled;
   }
   if (path == TopKPath::kExact) {
     cand.resize(count);
     for (size_t i = 0; i < count; ++i) cand[i] = {std::fabs(load_f32(in[i])), static_cast<int32_t>(i)};
   }
-  std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
-  cand.resize(k);
-  std::sort(cand.begin(), cand.end(), [](const Candidate& a, const Candidate& b) { return a.index < b.index; });
+  top_k_trim(cand, k);
   for (size_t j = 0; j < k; ++j) {
     indices[j] = cand[j].index;
     values[j] = load_f32(in[cand[j].index]);
@@ -77,6 +81,33 @@ TopKPath select_typed(const T* in, size_t count, size_t k, float* values, int32_
 }
 
 }  // namespace
+
+bool top_k_sampled(size_t count, size_t k, size_t* sample_rank, size_t* stride) {
+  // Only when the sample holds at least 8 expected winners and the input is well over the sample.
+  if (count <= 2 * kTopKSample || k * kTopKSample < 8 * count) return false;
+  const double want = kAim * static_cast<double>(k) * kTopKSample / static_cast<double>(count);
+  *sample_rank = std::min(kTopKSample - 1, static_cast<size_t>(want));
+  *stride = count / kTopKSample;
+  return true;
+}
+
+void top_k_trim(std::vector<TopKCandidate>& cand, size_t k) {
+  // The k-th largest magnitude t; then one pass in index order keeps everything above t and the
+  // lowest-index elements equal to t. The candidates stay in index order: no sort needed.
+  std::vector<float> mags(cand.size());
+  for (size_t i = 0; i < cand.size(); ++i) mags[i] = cand[i].mag;
+  std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<float>());
+  const float t = mags[k - 1];
+  size_t above = 0;
+  for (const Candidate& c : cand) above += c.mag > t ? 1 : 0;
+  size_t ties = k - above, kept = 0;
+  for (const Candidate& c : cand) {
+    const bool keep = c.mag > t || (c.mag == t && ties > 0);
+    if (c.mag == t && keep) --ties;
+    if (keep) cand[kept++] = c;
+  }
+  cand.resize(kept);
+}
 
 TopKPath top_k_select(DType dtype, const void* in, size_t count, size_t k, float* values, int32_t* indices) {
   k = std::min(k, count);

@@ -4,8 +4,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "../dtype.h"
+#include "counter_rng.h"
 
 namespace braid {
 
@@ -14,6 +16,31 @@ enum class TopKPath : int {
   kSampled = 0,  // a threshold estimated from a sample kept between k and kMaxOverselect * k
   kExact = 1,    // the sample missed by a wide margin: exact selection over every element
 };
+
+// The pieces of the selection that the CUDA version shares, so both pick the same elements.
+// Sample size: the k-th largest of 16384 draws estimates a 1% quantile within about 8% (its
+// relative standard error is about 1/sqrt(k_sample) = 1/sqrt(164)), so a threshold aimed at
+// 1.25 k keeps at least k candidates except on rare samples.
+constexpr size_t kTopKSample = 16384;
+// More candidates than this many times k means the threshold was far too low: exact path.
+constexpr size_t kTopKMaxOverselect = 4;
+
+// Whether the sampled threshold is tried for (count, k); if so `sample_rank` receives the order
+// statistic of the sample (0 = largest) used as the threshold and `stride` the sampling stride.
+bool top_k_sampled(size_t count, size_t k, size_t* sample_rank, size_t* stride);
+// Input index of sample j: one draw per stride, at a hashed offset inside it, so periodic
+// structure in the gradient is not aliased.
+BRAID_HOST_DEVICE inline size_t top_k_sample_index(size_t j, size_t stride) {
+  return j * stride + mix32(static_cast<uint32_t>(j)) % stride;
+}
+
+struct TopKCandidate {
+  float mag;
+  int32_t index;
+};
+// Keeps the k candidates first in (larger magnitude, then lower index) order. `cand` must be in
+// ascending index order (as every gather produces it) and stays so.
+void top_k_trim(std::vector<TopKCandidate>& cand, size_t k);
 
 // Selects exactly min(k, count) elements of `in` (float32, bfloat16 or float16) with the largest
 // magnitudes; writes their values as float32 and their indices in ascending order. Ties at the

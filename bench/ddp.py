@@ -1,0 +1,231 @@
+"""DDP benchmark: step time of a small transformer language model on CPU ranks, with torch's
+gloo DDP, braid's exact hook and each compressed hook, and the exposed communication time.
+
+    python -m braid.bench ddp                       # 2 ranks, ~25M parameters
+    python -m braid.bench ddp --steps 6 --modes gloo,braid,int8 --json results/ddp.json
+
+Every mode trains its own copy of the same model from the same weights on the same batches
+(forward, backward, SGD step); the modes take turns step by step. A step is timed from a barrier
+to the end of optimizer.step(); the figure is the median over ``--steps`` timed steps of the
+slowest rank, after ``--warmup`` steps (DDP rebuilds
+its buckets after step 1 and the compressors start after their 2-step warm-up). ``compute`` runs
+the same steps without DDP on every rank at once (the same contention for the cores, no
+communication); exposed communication = step time - compute step time. The wire ratio is that
+of the compressed buckets over the timed steps (buckets under 64 KiB travel uncompressed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import report
+
+MODES = ("compute", "gloo", "braid", "bf16", "int8", "int4", "topk")
+DESCRIPTIONS = {
+    "compute": "no DDP, no communication (the floor)",
+    "gloo": "torch DDP, gloo all-reduce",
+    "braid": "DDP + braid exact hook",
+    "bf16": "DDP + braid hook, Cast(bfloat16)",
+    "int8": "DDP + braid hook, Int8Quantizer()",
+    "int4": "DDP + braid hook, Int4Quantizer()",
+    "topk": "DDP + braid hook, TopK(0.01)",
+}
+
+
+class TinyLM(torch.nn.Module):
+    """A GPT-style decoder: token + position embeddings, pre-norm blocks, tied output layer."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
+        layer = torch.nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+        )
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.register_buffer(
+            "mask", torch.nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids) + self.pos[: ids.shape[1]]
+        h = self.norm(self.blocks(h, mask=self.mask, is_causal=True))
+        return h @ self.tok.weight.t()
+
+
+def _run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, queue) -> None:
+    try:
+        torch.set_num_threads(args.threads)
+        store = dist.FileStore(store_path, world)
+        timeout = timedelta(seconds=args.timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        from braid import comm
+        from braid.comm import ddp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=args.timeout)
+        runs = {}
+        for mode in args.modes:
+            torch.manual_seed(0)
+            model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+            net = model
+            compressor = None
+            if mode != "compute":
+                net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+                if mode != "gloo":
+                    compressor = {
+                        "braid": None,
+                        "bf16": comm.Cast(torch.bfloat16),
+                        "int8": comm.Int8Quantizer(),
+                        "int4": comm.Int4Quantizer(),
+                        "topk": comm.TopK(0.01),
+                    }[mode]
+                    state, hook = ddp.comm_hook(c, compressor)
+                    net.register_comm_hook(state, hook)
+            runs[mode] = {
+                "model": model,
+                "net": net,
+                "compressor": compressor,
+                "times": [],
+                "losses": [],
+                "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
+                "wire0": None,
+            }
+        g = torch.Generator().manual_seed(rank)
+        # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
+        # machine hit every mode alike instead of whichever mode happened to run then.
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            for mode in args.modes:
+                run = runs[mode]
+                if step == args.warmup and run["compressor"] is not None:
+                    run["wire0"] = run["compressor"].wire_total
+                dist.barrier()
+                t0 = time.perf_counter()
+                logits = run["net"](ids[:, :-1])
+                targets = ids[:, 1:].reshape(-1)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets)
+                run["opt"].zero_grad(set_to_none=False)
+                loss.backward()
+                run["opt"].step()
+                if step >= args.warmup:
+                    run["times"].append(time.perf_counter() - t0)
+                    run["losses"].append(loss.item())
+        results = {}
+        for mode, run in runs.items():
+            ratio = None
+            comp = run["compressor"]
+            if comp is not None:  # the timed steps only (the warm-up is exact)
+                sent = comp.wire_total.sent - run["wire0"].sent
+                ratio = (comp.wire_total.dense - run["wire0"].dense) / sent if sent else None
+            results[mode] = {
+                "times": run["times"],
+                "loss": run["losses"][-1],
+                "wire_ratio": ratio,
+                "nparams": sum(p.numel() for p in run["model"].parameters()),
+            }
+        c.close()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        dist.destroy_process_group()
+        if rank == 0:
+            queue.put(gathered)
+    except Exception:  # noqa: BLE001 -- reported with the rank; the parent fails the run
+        sys.stderr.write(f"braid.bench ddp: rank {rank} failed:\n{traceback.format_exc()}")
+        queue.put(None)
+
+
+def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]:
+    rows = []
+    for mode in modes:
+        per_step = [
+            max(r[mode]["times"][i] for r in gathered) for i in range(len(gathered[0][mode]["times"]))
+        ]
+        rows.append(
+            {
+                "mode": mode,
+                "step_s": statistics.median(per_step),
+                "loss": gathered[0][mode]["loss"],
+                "wire_ratio": gathered[0][mode]["wire_ratio"],
+                "nparams": gathered[0][mode]["nparams"],
+            }
+        )
+    base = {r["mode"]: r["step_s"] for r in rows}
+    lines = [f"{'mode':<9}{'step':>10}{'exposed comm':>14}{'vs gloo':>9}{'wire ratio':>12}  what"]
+    for r in rows:
+        exposed = r["step_s"] - base["compute"] if "compute" in base and r["mode"] != "compute" else None
+        r["exposed_s"] = exposed
+        vs = r["step_s"] / base["gloo"] if "gloo" in base else math.nan
+        lines.append(
+            f"{r['mode']:<9}{r['step_s'] * 1e3:>8.0f}ms"
+            f"{'-' if exposed is None else f'{exposed * 1e3:.0f}ms':>14}{vs:>8.2f}x"
+            f"{'-' if not r['wire_ratio'] else format(r['wire_ratio'], '.2f') + 'x':>12}  "
+            f"{DESCRIPTIONS[r['mode']]}"
+        )
+    return "\n".join(lines), rows
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default: all)"
+    )
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
+    parser.add_argument("--vocab", type=int, default=12288)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for every wait")
+    parser.add_argument("--json", metavar="PATH", help="write machine info and rows as JSON")
+    args = parser.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    machine = report.machine_info()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="braid-bench-ddp-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_run_rank, args=(r, args.nproc, store_path, args, queue))
+            for r in range(args.nproc)
+        ]
+        for p in procs:
+            p.start()
+        gathered = queue.get()
+        for p in procs:
+            p.join()
+    if gathered is None:
+        return 1
+    text, rows = _table(gathered, args.modes)
+    print(
+        f"# braid DDP benchmark: {args.nproc} ranks x {args.threads} thread, {rows[0]['nparams'] / 1e6:.1f}M "
+        f"parameters (dim {args.dim}, {args.layers} layers, vocab {args.vocab}), batch {args.batch} x seq "
+        f"{args.seq} per rank, buckets {args.bucket_mb:g} MB, median of {args.steps} steps; "
+        f"load average {machine['load_average']}"
+    )
+    print(text)
+    if args.json:
+        report.write_json(args.json, {"machine": machine, "args": vars(args), "rows": rows})
+    return 0

@@ -1,0 +1,179 @@
+// CUDA block quantization: one thread block per quantization block; the block is staged in
+// shared memory, its absmax reduced with warp shuffles, then rounded (nearest or stochastic from
+// the same counter-based stream as the CPU) and packed.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../../core/compression/counter_rng.h"
+#include "compression_cuda.h"
+#include "device_math.cuh"
+
+namespace braid {
+namespace cuda {
+namespace {
+
+// Layout of one chunk, computed on the host from QuantFormat.
+struct Layout {
+  size_t chunk;             // elements per chunk
+  size_t blocks_per_chunk;  // scales per chunk
+  size_t chunk_bytes;       // fmt.bytes(chunk)
+  size_t value_bytes;       // fmt.value_bytes(chunk)
+  size_t scales_offset;     // fmt.scales_offset(chunk)
+  size_t block;
+  int bits;
+  float qmax;
+};
+
+Layout layout_of(QuantFormat fmt, size_t chunk) {
+  return Layout{chunk, fmt.blocks(chunk), fmt.bytes(chunk), fmt.value_bytes(chunk), fmt.scales_offset(chunk),
+                fmt.block, fmt.bits, static_cast<float>(fmt.qmax())};
+}
+
+__device__ float block_max(float v) {
+  __shared__ float partial[32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) partial[0] = v;
+  }
+  __syncthreads();
+  return partial[0];
+}
+
+template <class T>
+__global__ void quantize_kernel(Layout L, const T* __restrict__ in, float* __restrict__ residual, size_t count,
+                                bool stochastic, RngKey key, uint64_t index_base, uint8_t* __restrict__ out) {
+  extern __shared__ float xs[];  // the block's inputs, then its rounded values
+  const size_t j = blockIdx.x / L.blocks_per_chunk, b = blockIdx.x % L.blocks_per_chunk;
+  const size_t first = j * L.chunk + b * L.block;  // element index of the block's first element
+  const size_t mb = min(L.block, L.chunk - b * L.block);
+  const size_t m = first < count ? min(mb, count - first) : 0;
+  float amax = 0.0f;
+  for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
+    float x = 0.0f;
+    if (k < m) x = residual != nullptr ? __fadd_rn(load_f32(in, first + k), residual[first + k]) : load_f32(in, first + k);
+    xs[k] = x;
+    amax = fmaxf(amax, fabsf(x));
+  }
+  amax = block_max(amax);
+  const float scale = __fdiv_rn(amax, L.qmax);
+  const float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
+  uint8_t* o = out + j * L.chunk_bytes;
+  if (threadIdx.x == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
+  if (b == 0 && threadIdx.x < L.scales_offset - L.value_bytes) o[L.value_bytes + threadIdx.x] = 0;  // padding
+  for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
+    float q = 0.0f;
+    if (k < m) {
+      const float v = __fmul_rn(xs[k], inv);
+      q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + first + k))) : rintf(v);
+      q = fminf(L.qmax, fmaxf(-L.qmax, q));
+      if (residual != nullptr) residual[first + k] = __fsub_rn(xs[k], __fmul_rn(q, scale));
+    }
+    if (L.bits == 8) {
+      reinterpret_cast<int8_t*>(o)[b * L.block + k] = static_cast<int8_t>(q);
+    } else {
+      xs[k] = q;
+    }
+  }
+  if (L.bits == 4) {
+    __syncthreads();
+    uint8_t* vals = o + b * L.block / 2;
+    for (size_t p = threadIdx.x; p < (mb + 1) / 2; p += blockDim.x) {
+      const int lo = static_cast<int>(xs[2 * p]) + 8;
+      const int hi = (2 * p + 1 < mb ? static_cast<int>(xs[2 * p + 1]) : 0) + 8;
+      vals[p] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+// One thread block per quantization block; `Acc` chooses between writing and accumulating.
+template <class T, bool Accumulate>
+__global__ void dequantize_kernel(Layout L, const uint8_t* __restrict__ in, size_t count, T* __restrict__ out) {
+  const size_t j = blockIdx.x / L.blocks_per_chunk, b = blockIdx.x % L.blocks_per_chunk;
+  const size_t first = j * L.chunk + b * L.block;
+  if (first >= count) return;
+  const size_t m = min(min(L.block, L.chunk - b * L.block), count - first);
+  const uint8_t* src = in + j * L.chunk_bytes;
+  const float scale = reinterpret_cast<const float*>(src + L.scales_offset)[b];
+  for (size_t k = threadIdx.x; k < m; k += blockDim.x) {
+    const size_t e = b * L.block + k;
+    float q;
+    if (L.bits == 8) {
+      q = static_cast<float>(reinterpret_cast<const int8_t*>(src)[e]);
+    } else {
+      const uint8_t byte = src[e / 2];
+      q = static_cast<float>(static_cast<int>((e & 1) ? (byte >> 4) : (byte & 15)) - 8);
+    }
+    const float v = __fmul_rn(q, scale);
+    if constexpr (Accumulate) {
+      out[first + k] = __fadd_rn(out[first + k], v);
+    } else {
+      out[first + k] = store_f32<T>(v);
+    }
+  }
+}
+
+int threads_for(size_t block) { return block >= 256 ? 256 : (block >= 64 ? 64 : 32); }
+
+template <class T>
+cudaError_t launch_quantize(QuantFormat fmt, const void* in, float* residual, size_t count, size_t chunk,
+                            size_t nchunks, bool stochastic, uint64_t seed, uint64_t index_base, uint8_t* out,
+                            cudaStream_t stream) {
+  const Layout L = layout_of(fmt, chunk);
+  const size_t grid = nchunks * L.blocks_per_chunk;
+  if (grid == 0) return cudaSuccess;
+  quantize_kernel<T><<<static_cast<unsigned>(grid), threads_for(fmt.block), fmt.block * sizeof(float), stream>>>(
+      L, static_cast<const T*>(in), residual, count, stochastic, rng_key(seed), index_base, out);
+  return cudaGetLastError();
+}
+
+template <class T, bool Accumulate>
+cudaError_t launch_dequantize(QuantFormat fmt, const uint8_t* in, size_t count, size_t chunk, void* out,
+                              cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const Layout L = layout_of(fmt, chunk);
+  const size_t grid = ((count + chunk - 1) / chunk) * L.blocks_per_chunk;
+  dequantize_kernel<T, Accumulate><<<static_cast<unsigned>(grid), threads_for(fmt.block), 0, stream>>>(
+      L, in, count, static_cast<T*>(out));
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t quantize(QuantFormat fmt, DType dtype, const void* in, float* residual, size_t count, size_t chunk,
+                     size_t nchunks, bool stochastic, uint64_t seed, uint64_t index_base, uint8_t* out,
+                     cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return launch_quantize<float>(fmt, in, residual, count, chunk, nchunks, stochastic, seed, index_base, out, stream);
+    case DType::kBFloat16:
+      return launch_quantize<__nv_bfloat16>(fmt, in, residual, count, chunk, nchunks, stochastic, seed, index_base,
+                                            out, stream);
+    case DType::kFloat16:
+      return launch_quantize<__half>(fmt, in, residual, count, chunk, nchunks, stochastic, seed, index_base, out,
+                                     stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dequantize(QuantFormat fmt, const uint8_t* in, size_t count, size_t chunk, DType dtype, void* out,
+                       cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32: return launch_dequantize<float, false>(fmt, in, count, chunk, out, stream);
+    case DType::kBFloat16: return launch_dequantize<__nv_bfloat16, false>(fmt, in, count, chunk, out, stream);
+    case DType::kFloat16: return launch_dequantize<__half, false>(fmt, in, count, chunk, out, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t dequantize_accumulate(QuantFormat fmt, const uint8_t* in, size_t count, float* acc, cudaStream_t stream) {
+  return launch_dequantize<float, true>(fmt, in, count, count, acc, stream);
+}
+
+}  // namespace cuda
+}  // namespace braid
