@@ -36,7 +36,6 @@ Without a CUDA GPU it says so and exits 0. Exit status 3 when a check failed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -178,16 +177,9 @@ def table(records: Sequence[dict], head_dim: int, causal: bool, impls: Sequence[
 
 def plot(path: str, records: Sequence[dict], impls: Sequence[str], title: str) -> None:
     """PNG of TFLOP/s against seq: one panel per (head dim, causal, pass), one line per impl."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     panels = sorted({(r["head_dim"], r["causal"], r["pass"]) for r in records},
                     key=lambda x: (x[0], x[1], PASSES.index(x[2])))
-    ncols = 4 if len(panels) >= 4 else len(panels)
-    nrows = -(-len(panels) // ncols)
-    fig = Figure(figsize=(4.6 * ncols, 3.8 * nrows))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).flat
+    fig, axes = report.panel_grid(len(panels), 4, (4.6, 3.8))
     for (head_dim, causal, p), ax in zip(panels, axes):
         for impl in impls:
             rows = sorted((r for r in records if (r["impl"], r["head_dim"], r["causal"], r["pass"])
@@ -204,12 +196,7 @@ def plot(path: str, records: Sequence[dict], impls: Sequence[str], title: str) -
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.legend(fontsize=8)
-    for ax in list(axes):
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    report.save_panels(fig, axes, path, title)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

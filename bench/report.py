@@ -152,17 +152,33 @@ def _json_lines(value: object, depth: int) -> str:
     return json.dumps(value)
 
 
-def plot_busbw(path: str, records: Sequence[dict], title: str) -> None:
-    """PNG of busbw against size: one panel per op, one line per impl, wrong results crossed out."""
+def panel_grid(count: int, max_cols: int, panel_size: tuple[float, float]):
+    """A matplotlib figure (no display needed) with ``count`` panels in rows of ``max_cols``;
+    returns (figure, iterator over the axes). Pass both to :func:`save_panels`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    ops = ops_of(records)
-    ncols = min(2, len(ops))
-    nrows = -(-len(ops) // ncols)
-    fig = Figure(figsize=(6.4 * ncols, 4.4 * nrows))
+    ncols = min(max_cols, count)
+    nrows = -(-count // ncols)
+    fig = Figure(figsize=(panel_size[0] * ncols, panel_size[1] * nrows))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False).flat
+    return fig, fig.subplots(nrows, ncols, squeeze=False).flat
+
+
+def save_panels(fig, axes, path: str, title: str) -> None:
+    """Hides the panels ``axes`` still holds (unused), titles the figure and writes it as PNG."""
+    for ax in list(axes):
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def plot_busbw(path: str, records: Sequence[dict], title: str) -> None:
+    """PNG of busbw against size: one panel per op, one line per impl, wrong results crossed out."""
+    ops = ops_of(records)
+    fig, axes = panel_grid(len(ops), 2, (6.4, 4.4))
     for op, ax in zip(ops, axes):  # ops first: zip must not take an axis it will not use
         wrong_labelled = False
         for impl in impls_of(records):
@@ -186,9 +202,4 @@ def plot_busbw(path: str, records: Sequence[dict], title: str) -> None:
         ax.set_xlabel("size S (bytes)")
         ax.set_ylabel("busbw (GB/s)")
         ax.legend(fontsize=8)
-    for ax in list(axes):
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_panels(fig, axes, path, title)

@@ -34,22 +34,19 @@ training (the two stand-ins compute something else: no check).
 from __future__ import annotations
 
 import argparse
-import gc
+import functools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from braid import comm
 from braid.comm import fsdp
 
-from . import launch, report
+from . import launch, report, turns
 from .models import LanguageModel
 from .tp import LocalCommunicator
 
@@ -66,13 +63,9 @@ class ModelShape:
 
     @classmethod
     def parse(cls, text: str) -> "ModelShape":
-        parts = text.lower().split("x")
-        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"model must be VOCABxDIMxHEADSxHIDDENxLAYERS, got {text!r}")
-        return cls(*map(int, parts))
+        return turns.parse_dims(cls, text, "VOCABxDIMxHEADSxHIDDENxLAYERS")
 
-    def __str__(self) -> str:
-        return f"{self.vocab}x{self.dim}x{self.heads}x{self.hidden}x{self.layers}"
+    __str__ = turns.format_dims
 
 
 # 24.1M parameters: 5 blocks of 3.15M, embedding and head of 4.2M each.
@@ -142,21 +135,10 @@ UNCHECKED = ("fsdp2-nocomm", "local")
 
 @dataclass(frozen=True)
 class Config:
+    run: turns.RunOptions
     model: ModelShape
     batch: int
     seq: int
-    impls: tuple[str, ...]
-    warmup: int
-    steps: int
-    rounds: int
-    threads: int
-    timeout: float
-    deadline: float
-    started: float
-    launcher: str
-    bind: str
-    machine: dict
-    json_path: str | None
 
 
 def _memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -187,37 +169,25 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
     return loss.item()
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progress) -> list[dict]:
     shape = config.model
     ids = torch.randint(0, shape.vocab, (config.batch, config.seq + 1),
                         generator=torch.Generator().manual_seed(1 + rank))
     models, opts, losses = {}, {}, {}
     nparams = 0
-    for impl in config.impls:
+    run = config.run
+    for impl in run.impls:
         torch.manual_seed(0)
         dense = LanguageModel(shape.vocab, shape.dim, shape.heads, shape.hidden, shape.layers)
         nparams = sum(p.numel() for p in dense.parameters())
         models[impl] = IMPLS[impl](dense, c)
         opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
         progress(impl, "warmup", 4 * nparams)
-        losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(config.warmup)]
-    per_step: dict[str, list[float]] = {impl: [] for impl in models}
-    for _ in range(config.rounds):
-        for impl, model in models.items():
-            progress(impl, "step", 4 * nparams)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(config.steps):
-                _step(model, opts[impl], ids, shape.vocab)
-            per_step[impl].append((time.perf_counter() - start) / config.steps)
-    step = {impl: statistics.median(_max_over_ranks(times)) for impl, times in per_step.items()}
-    memory = dict(zip(models, _max_over_ranks([float(_memory_bytes(models[i], opts[i])) for i in models])))
+        losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(run.warmup)]
+    steps = {impl: functools.partial(_step, models[impl], opts[impl], ids, shape.vocab) for impl in models}
+    step = turns.time_in_turns(steps, run, progress, 4 * nparams)
+    held = [float(_memory_bytes(models[i], opts[i])) for i in models]
+    memory = dict(zip(models, turns.max_over_ranks(held)))
     ref = losses.get(REFERENCE)
     errors = {impl: max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl not in UNCHECKED
               else None for impl in models}
@@ -235,22 +205,10 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
 
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
-    if config.bind == "core":
-        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
-    torch.set_num_threads(config.threads)
-    launch.init_gloo(rank, world_size, store_port, config.timeout)
-    try:
-        c = comm.init(timeout=config.timeout)
-        progress = report.Progress(len(config.impls) * (1 + config.rounds), enabled=rank == 0)
+    with turns.rank_session(rank, world_size, store_port, config.run) as c:
+        progress = report.Progress(len(config.run.impls) * (1 + config.run.rounds), enabled=rank == 0)
         records = _bench(c, rank, world_size, config, progress)
         progress.close()
-        c.close()
-        # FSDP2 modules hold the DeviceMesh and its gloo group: they must be gone, and every rank
-        # done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return _report(config, records, world_size) if rank == 0 else 0
 
 
@@ -274,41 +232,22 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
     if bad:
         print("# losses differ from fsdp2-gloo: " + ", ".join(f"{r['impl']} ({r['err']:.3g})" for r in bad))
-    print(f"# wall time {time.time() - config.started:.1f} s, load average "
+    print(f"# wall time {time.time() - config.run.started:.1f} s, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
-    if config.json_path:
-        settings = {"world_size": world_size, "launcher": config.launcher, "model": str(config.model),
-                    "batch": config.batch, "seq": config.seq, "impls": list(config.impls),
-                    "warmup": config.warmup, "steps": config.steps, "rounds": config.rounds,
-                    "threads": config.threads, "bind": config.bind}
-        report.write_json(config.json_path, {
-            "benchmark": "sharding", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": dict(config.machine, torch=torch.__version__, loadavg=os.getloadavg()),
-            "config": settings, "records": records})
+    if config.run.json_path:
+        turns.write_json(config.run, "sharding",
+                         {"model": str(config.model), "batch": config.batch, "seq": config.seq}, records)
     return launch.EXIT_FINDINGS if bad else 0
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to spawn (default 2); ignored under torchrun")
     p.add_argument("--model", type=ModelShape.parse, default=DEFAULT_MODEL,
                    help=f"VOCABxDIMxHEADSxHIDDENxLAYERS (default {DEFAULT_MODEL})")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank and step (default 2)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--impls", default=",".join(IMPLS),
-                   help=f"comma-separated, from {','.join(IMPLS)} (default: all)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per impl (default 2)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per round (default 2)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per rank (default 1: with 2 ranks on 2 cores, one core each)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take (default 300)")
-    p.add_argument("--deadline", type=float, default=3600.0,
-                   help="seconds the whole run may take (default 3600)")
-    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
-                   help="rank placement, as for the collectives benchmark (default auto)")
-    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    turns.add_run_arguments(p, IMPLS, warmup=2, steps=2, rounds=5, timeout=300.0, deadline=3600.0,
+                            nproc_help="ranks to spawn")
     return p
 
 
@@ -317,26 +256,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     started = time.time()
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    impls = tuple(dict.fromkeys(i.strip() for i in args.impls.split(",") if i.strip()))
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown or not impls:
-        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
-                     f"choose from {', '.join(IMPLS)}")
-    for name in ("batch", "seq", "warmup", "steps", "rounds", "threads"):
+    run = turns.run_options(parser, args, IMPLS, started)
+    for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if args.model.dim % args.model.heads:
         parser.error(f"--model {args.model}: dim must divide by heads")
-    launcher = launch.launcher()
-    world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
-    config = Config(args.model, args.batch, args.seq, impls, args.warmup, args.steps, args.rounds,
-                    args.threads, args.timeout, started + args.deadline, started, launcher,
-                    launch.resolve_bind(args.bind, world_size), report.machine_info(), args.json)
-    if launcher == "torchrun":
-        return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), world_size, None, config)
-    print(f"# braid.bench sharding: {world_size} ranks ({launcher}), {config.threads} torch thread(s) per "
-          f"rank, impls {' '.join(impls)}", flush=True)
-    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)
+    return turns.start(_run_rank, Config(run, args.model, args.batch, args.seq), run, "sharding")
 
 
 if __name__ == "__main__":

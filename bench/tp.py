@@ -29,21 +29,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import os
-import statistics
+import functools
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
 import torch
-import torch.distributed as dist
-from braid import comm
 from braid.comm import tp
 
-from . import launch, report
+from . import launch, report, turns
 from .models import BLOCK_PLAN, Block
 
 IMPLS = ("braid", "dtensor", "compute")
@@ -59,13 +54,9 @@ class Shape:
 
     @classmethod
     def parse(cls, text: str) -> "Shape":
-        parts = text.lower().split("x")
-        if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"shape must be DIMxHEADSxHIDDENxBATCHxSEQ, got {text!r}")
-        return cls(*map(int, parts))
+        return turns.parse_dims(cls, text, "DIMxHEADSxHIDDENxBATCHxSEQ")
 
-    def __str__(self) -> str:
-        return f"{self.dim}x{self.heads}x{self.hidden}x{self.batch}x{self.seq}"
+    __str__ = turns.format_dims
 
 
 # From latency-bound (small activations, many collectives per unit of arithmetic) to
@@ -75,19 +66,8 @@ DEFAULT_SHAPES = (Shape(256, 8, 1024, 4, 128), Shape(512, 8, 2048, 4, 256), Shap
 
 @dataclass(frozen=True)
 class Config:
+    run: turns.RunOptions
     shapes: tuple[Shape, ...]
-    impls: tuple[str, ...]
-    warmup: int
-    steps: int
-    rounds: int
-    threads: int
-    timeout: float
-    deadline: float
-    started: float
-    launcher: str
-    bind: str
-    machine: dict
-    json_path: str | None
 
 
 class _Done:
@@ -143,13 +123,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor) -> tor
     return out
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _bench_shape(shape: Shape, c, rank: int, world_size: int, config: Config,
+def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOptions,
                  progress: report.Progress) -> list[dict]:
     torch.manual_seed(0)
     dense = Block(shape.dim, shape.heads, shape.hidden)
@@ -164,26 +138,18 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, config: Config,
         "compute": lambda: tp.parallelize(copy.deepcopy(dense), LocalCommunicator(rank, world_size),
                                           BLOCK_PLAN, src=None),
     }
-    models = {impl: builders[impl]() for impl in config.impls}
+    models = {impl: builders[impl]() for impl in run.impls}
     errors = {}
     for impl, model in models.items():
         progress(impl, "check", shape.batch * shape.seq * shape.dim * 4)
         out = _step(model, x, weights)
         errors[impl] = max((out.detach() - ref_out).abs().max().item(),
                            (x.grad - ref_grad).abs().max().item())
-        for _ in range(config.warmup - 1):
+        for _ in range(run.warmup - 1):
             _step(model, x, weights)
-    per_step: dict[str, list[float]] = {impl: [] for impl in models}
-    for _ in range(config.rounds):
-        for impl, model in models.items():
-            progress(impl, "step", shape.batch * shape.seq * shape.dim * 4)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(config.steps):
-                _step(model, x, weights)
-            per_step[impl].append((time.perf_counter() - start) / config.steps)
-    step = {impl: statistics.median(_max_over_ranks(times)) for impl, times in per_step.items()}
-    errors = dict(zip(errors, _max_over_ranks(list(errors.values()))))
+    steps = {impl: functools.partial(_step, model, x, weights) for impl, model in models.items()}
+    step = turns.time_in_turns(steps, run, progress, shape.batch * shape.seq * shape.dim * 4)
+    errors = dict(zip(errors, turns.max_over_ranks(list(errors.values()))))
     compute = step.get("compute")
     records = []
     for impl in models:
@@ -200,26 +166,14 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, config: Config,
 
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
-    if config.bind == "core":
-        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
-    torch.set_num_threads(config.threads)
-    launch.init_gloo(rank, world_size, store_port, config.timeout)
-    try:
-        c = comm.init(timeout=config.timeout)
-        progress = report.Progress(len(config.shapes) * len(config.impls) * (1 + config.rounds),
-                                   enabled=rank == 0)
+    run = config.run
+    with turns.rank_session(rank, world_size, store_port, run) as c:
+        progress = report.Progress(len(config.shapes) * len(run.impls) * (1 + run.rounds), enabled=rank == 0)
         records = []
         for shape in config.shapes:
-            records += _bench_shape(shape, c, rank, world_size, config, progress)
+            records += _bench_shape(shape, c, rank, world_size, run, progress)
         progress.close()
-        c.close()
-        # DTensor modules hold the DeviceMesh and its gloo group: they must be gone, and every
-        # rank done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
-        gc.collect()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return _report(config, records, world_size) if rank == 0 else 0
+    return _report(config, records) if rank == 0 else 0
 
 
 def _table(records: list[dict]) -> str:
@@ -235,7 +189,7 @@ def _table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _report(config: Config, records: list[dict], world_size: int) -> int:
+def _report(config: Config, records: list[dict]) -> int:
     print(_table(records))
     # The block computes in float32 with O(1) values: a correct sharded step differs from the
     # dense one by rounding only.
@@ -243,39 +197,19 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     if bad:
         print("# results differ from the dense block: "
               + ", ".join(f"{r['impl']} {r['dim']} ({r['err']:.3g})" for r in bad))
-    print(f"# wall time {time.time() - config.started:.1f} s", flush=True)
-    if config.json_path:
-        settings = {"world_size": world_size, "launcher": config.launcher,
-                    "shapes": [str(s) for s in config.shapes], "impls": list(config.impls),
-                    "warmup": config.warmup, "steps": config.steps, "rounds": config.rounds,
-                    "threads": config.threads, "bind": config.bind}
-        report.write_json(config.json_path, {
-            "benchmark": "tp", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": dict(config.machine, torch=torch.__version__), "config": settings,
-            "records": records})
+    print(f"# wall time {time.time() - config.run.started:.1f} s", flush=True)
+    if config.run.json_path:
+        turns.write_json(config.run, "tp", {"shapes": [str(s) for s in config.shapes]}, records)
     return launch.EXIT_FINDINGS if bad else 0
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks (the TP degree) to spawn (default 2); ignored under torchrun")
     p.add_argument("--shapes", type=Shape.parse, nargs="+", default=DEFAULT_SHAPES,
                    help="blocks as DIMxHEADSxHIDDENxBATCHxSEQ (default: "
                         + " ".join(map(str, DEFAULT_SHAPES)) + ")")
-    p.add_argument("--impls", default=",".join(IMPLS),
-                   help=f"comma-separated, from {','.join(IMPLS)} (default: all)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per impl and shape (default 3)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; the median is reported (default 5)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per rank (default 1: with 2 ranks on 2 cores, one core each)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take (default 120)")
-    p.add_argument("--deadline", type=float, default=1800.0,
-                   help="seconds the whole run may take (default 1800)")
-    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
-                   help="rank placement, as for the collectives benchmark (default auto)")
-    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    turns.add_run_arguments(p, IMPLS, warmup=3, steps=3, rounds=5, timeout=120.0, deadline=1800.0,
+                            nproc_help="ranks (the TP degree) to spawn")
     return p
 
 
@@ -284,30 +218,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     started = time.time()
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    impls = tuple(dict.fromkeys(i.strip() for i in args.impls.split(",") if i.strip()))
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown or not impls:
-        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
-                     f"choose from {', '.join(IMPLS)}")
-    for name in ("warmup", "steps", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    launcher = launch.launcher()
-    world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
+    run = turns.run_options(parser, args, IMPLS, started)
     for shape in args.shapes:
         for name, value in (("heads", shape.heads), ("hidden", shape.hidden)):
-            if value % world_size:
-                parser.error(f"--shapes {shape}: {name}={value} does not divide by {world_size} ranks")
+            if value % run.world_size:
+                parser.error(f"--shapes {shape}: {name}={value} does not divide by {run.world_size} ranks")
         if shape.dim % shape.heads:
             parser.error(f"--shapes {shape}: dim must divide by heads")
-    config = Config(tuple(args.shapes), impls, args.warmup, args.steps, args.rounds, args.threads,
-                    args.timeout, started + args.deadline, started, launcher,
-                    launch.resolve_bind(args.bind, world_size), report.machine_info(), args.json)
-    if launcher == "torchrun":
-        return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), world_size, None, config)
-    print(f"# braid.bench tp: {world_size} ranks ({launcher}), {config.threads} torch thread(s) per rank, "
-          f"impls {' '.join(impls)}", flush=True)
-    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)
+    return turns.start(_run_rank, Config(run, tuple(args.shapes)), run, "tp")
 
 
 if __name__ == "__main__":

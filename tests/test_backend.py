@@ -246,7 +246,7 @@ def test_ddp_fsdp2_and_dtensor_train_as_on_gloo(world_size):
 def _run_unsupported(rank, world_size, store_path):
     with braid_default_group(rank, world_size, store_path):
         with pytest.raises(TypeError, match="unsupported dtype"):
-            dist.all_reduce(torch.ones(2, dtype=torch.uint8))
+            dist.all_reduce(torch.ones(2, dtype=torch.bool))
         with pytest.raises(ValueError, match="reduce op .* is not supported"):
             dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
         # Argument errors are raised before anything is sent: the group still works.

@@ -16,6 +16,7 @@ be shared with another branch of the graph (the two inputs of an add receive the
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -105,106 +106,58 @@ def all_reduce(x: torch.Tensor, communicator: Any, *, async_op: bool = False) ->
     return Pending(work, lambda: x) if async_op else x
 
 
-class _CopyToRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any) -> torch.Tensor:
-        ctx.communicator = communicator
-        return x.view_as(x)
+def _sum(x: torch.Tensor, dim: int, communicator: Any) -> torch.Tensor:
+    # On a copy: `x` may be an input of the graph, or a gradient shared with another branch.
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), communicator)
+
+
+def _identity(x: torch.Tensor, dim: int, communicator: Any) -> torch.Tensor:
+    return x.view_as(x)
+
+
+class _Region(Function):
+    """One edge of a region: ``forward_op`` in the forward, ``backward_op`` on the gradient, both
+    ``(tensor, dim, communicator) -> tensor``."""
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.communicator), None
-
-
-class _ReduceFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any) -> torch.Tensor:
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), communicator)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _ScatterToRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int) -> torch.Tensor:
-        ctx.communicator, ctx.dim = communicator, dim
-        return split(x, dim, communicator, "scatter_to_region")
+    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int, forward_op: Callable,
+                backward_op: Callable) -> torch.Tensor:
+        ctx.communicator, ctx.dim, ctx.backward_op = communicator, dim, backward_op
+        return forward_op(x, dim, communicator)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad, ctx.dim, ctx.communicator), None, None
-
-
-class _GatherFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int) -> torch.Tensor:
-        ctx.communicator, ctx.dim = communicator, dim
-        return all_gather(x, dim, communicator, what="gather_from_region")
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        return split(grad, ctx.dim, ctx.communicator), None, None
-
-
-class _GatherFromSequenceRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int, partial_grad: bool) -> torch.Tensor:
-        ctx.communicator, ctx.dim, ctx.partial_grad = communicator, dim, partial_grad
-        return all_gather(x, dim, communicator, what="gather_from_sequence_region")
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.partial_grad:
-            return reduce_scatter(grad, ctx.dim, ctx.communicator), None, None, None
-        return split(grad, ctx.dim, ctx.communicator), None, None, None
-
-
-class _ReduceScatterToSequenceRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int) -> torch.Tensor:
-        ctx.communicator, ctx.dim = communicator, dim
-        return reduce_scatter(x, dim, communicator, what="reduce_scatter_to_sequence_region")
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather(grad, ctx.dim, ctx.communicator), None, None
+        return ctx.backward_op(grad, ctx.dim, ctx.communicator), None, None, None, None
 
 
 def copy_to_region(x: torch.Tensor, communicator: Any) -> torch.Tensor:
     """Enters a tensor-parallel region with a replicated input: identity forward, gradient summed
     over ranks in the backward."""
-    return _CopyToRegion.apply(x, communicator)
+    return _Region.apply(x, communicator, 0, _identity, _sum)
 
 
 def reduce_from_region(x: torch.Tensor, communicator: Any) -> torch.Tensor:
     """Leaves a region whose ranks hold partial sums: all-reduce forward, identity backward."""
-    return _ReduceFromRegion.apply(x, communicator)
+    return _Region.apply(x, communicator, 0, _sum, _identity)
 
 
 def scatter_to_region(x: torch.Tensor, communicator: Any, dim: int = -1) -> torch.Tensor:
     """Keeps this rank's slice of ``x`` along ``dim`` (default: the last); the backward
     all-gathers the gradient."""
-    return _ScatterToRegion.apply(x, communicator, dim)
+    return _Region.apply(x, communicator, dim, partial(split, what="scatter_to_region"), all_gather)
 
 
 def gather_from_region(x: torch.Tensor, communicator: Any, dim: int = -1) -> torch.Tensor:
     """Concatenates the ranks' slices along ``dim`` (default: the last); the backward keeps this
     rank's slice of the gradient."""
-    return _GatherFromRegion.apply(x, communicator, dim)
+    return _Region.apply(x, communicator, dim, partial(all_gather, what="gather_from_region"), split)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1) -> torch.Tensor:
     """Enters sequence parallelism: keeps this rank's slice of the sequence dimension ``dim``; the
     backward all-gathers the gradient along it."""
-    return _ScatterToRegion.apply(x, communicator, dim)
+    return _Region.apply(x, communicator, dim, partial(split, what="scatter_to_sequence_region"), all_gather)
 
 
 def gather_from_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1, *,
@@ -215,11 +168,13 @@ def gather_from_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1
     each rank's gradient of it is partial and the backward reduce-scatters it (the default). Pass
     False when what follows is replicated (every rank computes the same thing, e.g. a loss on the
     gathered output): the gradients are then equal and the backward keeps this rank's slice."""
-    return _GatherFromSequenceRegion.apply(x, communicator, dim, bool(tensor_parallel_output_grad))
+    return _Region.apply(x, communicator, dim, partial(all_gather, what="gather_from_sequence_region"),
+                         reduce_scatter if tensor_parallel_output_grad else split)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1) -> torch.Tensor:
     """Sums partial results over ranks and keeps this rank's sequence slice along ``dim``; the
     backward all-gathers the gradient."""
-    return _ReduceScatterToSequenceRegion.apply(x, communicator, dim)
+    forward_op = partial(reduce_scatter, what="reduce_scatter_to_sequence_region")
+    return _Region.apply(x, communicator, dim, forward_op, all_gather)
 

@@ -17,17 +17,10 @@ namespace braid {
 namespace {
 
 DType dtype_of(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    default:
-      TORCH_CHECK_TYPE(false, "braid ", op, ": unsupported dtype ", t.scalar_type(),
-                       "; braid supports float32, float64, float16, bfloat16, int32 and int64");
-  }
+  auto d = dtype_from(t.scalar_type());
+  TORCH_CHECK_TYPE(d.has_value(), "braid ", op, ": unsupported dtype ", t.scalar_type(), "; braid supports ",
+                   kSupportedDTypes);
+  return *d;
 }
 
 ReduceOp op_of(const c10d::ReduceOp& op, const char* what) {
@@ -293,7 +286,7 @@ class BraidBackend final : public c10d::Backend {
                 "splits of dimension 0)");
     at::Tensor in = input.contiguous();
     Buffer out = contiguous(output);
-    if (out.data.is_same(in) || (in.numel() > 0 && out.data.data_ptr() == in.data_ptr())) in = in.clone();
+    if (overlaps(out.data, in)) in = in.clone();  // the all-to-all is never in place
     Batch b;
     b.add(make(CollKind::kAllToAll, dtype_of(in, "alltoall_base"), static_cast<size_t>(in.numel() / size_),
                in.data_ptr(), out.data.data_ptr()));
@@ -430,9 +423,7 @@ class BraidBackend final : public c10d::Backend {
     // The core accepts only an exact in-place alias (output = the rank's slice of input); any
     // other overlap goes through a copy of the input.
     const auto* ib = static_cast<const char*>(in.data_ptr());
-    const auto* ob = static_cast<const char*>(out.data.data_ptr());
-    const bool overlap = in.numel() > 0 && out.data.numel() > 0 && ob < ib + in.nbytes() && ib < ob + out.data.nbytes();
-    if (overlap && ob != ib + rank_ * out.data.nbytes()) in = in.clone();
+    if (overlaps(in, out.data) && out.data.data_ptr() != ib + rank_ * out.data.nbytes()) in = in.clone();
     Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.data.numel(), in.data_ptr(), out.data.data_ptr());
     r.op = op_of(op, what);
     b.add(std::move(r));
@@ -460,7 +451,6 @@ class BraidBackend final : public c10d::Backend {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(b.keep));
     auto finish = std::make_shared<std::vector<std::function<void()>>>(std::move(b.finish));
-    auto outputs = std::make_shared<std::vector<at::Tensor>>(std::move(b.outputs));
     std::shared_ptr<Work> last;
     for (size_t i = 0; i < b.requests.size(); ++i) {
       Request& r = b.requests[i];
@@ -468,14 +458,7 @@ class BraidBackend final : public c10d::Backend {
       if (i + 1 == b.requests.size()) r.epilogue = [finish] { for (auto& f : *finish) f(); };
       last = comm_->submit(std::move(r), true);
     }
-    last->on_complete([fut, outputs](const Work& w) {
-      if (w.succeeded()) {
-        fut->markCompleted(c10::IValue(c10::List<at::Tensor>(*outputs)));
-      } else {
-        const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
-        fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
-      }
-    });
+    complete_with(*last, fut, std::move(b.outputs));
     return c10d::Work::create_from_future(fut);
   }
 

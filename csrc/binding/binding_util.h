@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,10 @@ namespace py = pybind11;
 
 inline const char* const kErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch", "CommClosed"};
 
-inline DType to_dtype(at::ScalarType t, const char* arg) {
+constexpr const char* kSupportedDTypes = "float32, float64, float16, bfloat16, int32, int64 and uint8";
+
+// The core's element type of a torch dtype, or nothing when the core has none.
+inline std::optional<DType> dtype_from(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DType::kFloat32;
     case at::kDouble: return DType::kFloat64;
@@ -30,10 +34,35 @@ inline DType to_dtype(at::ScalarType t, const char* arg) {
     case at::kInt: return DType::kInt32;
     case at::kLong: return DType::kInt64;
     case at::kByte: return DType::kUInt8;
-    default:
-      throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) +
-                           "; braid supports float32, float64, float16, bfloat16, int32, int64 and uint8");
+    default: return std::nullopt;
   }
+}
+
+inline DType to_dtype(at::ScalarType t, const char* arg) {
+  if (auto d = dtype_from(t)) return *d;
+  throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) + "; braid supports " +
+                       kSupportedDTypes);
+}
+
+// Whether two tensors' memory ranges intersect (empty tensors intersect nothing).
+inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto* a0 = static_cast<const char*>(a.data_ptr());
+  auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Completes `fut` when `w` does: with `outputs` on success, with braid's error class and message
+// (as the text of a RuntimeError) on failure. Runs on the completing thread.
+inline void complete_with(Work& w, c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> outputs) {
+  w.on_complete([fut = std::move(fut), outputs = std::move(outputs)](const Work& done) {
+    if (done.succeeded()) {
+      fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
+    } else {
+      const char* cls = kErrorClass[static_cast<int>(done.error_kind())];
+      fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + done.error_message())));
+    }
+  });
 }
 
 inline ReduceOp to_op(int op) {
@@ -77,18 +106,7 @@ class PyWork {
   c10::intrusive_ptr<c10::ivalue::Future> future() {
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-      auto fut = future_;
-      auto outs = outputs_;
-      work_->on_complete([fut, outs](const Work& w) {
-        if (w.succeeded()) {
-          c10::List<at::Tensor> list;
-          for (const auto& t : outs) list.push_back(t);
-          fut->markCompleted(c10::IValue(list));
-        } else {
-          const char* cls = kErrorClass[static_cast<int>(w.error_kind())];
-          fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + w.error_message())));
-        }
-      });
+      complete_with(*work_, future_, outputs_);
     }
     return future_;
   }

@@ -20,15 +20,6 @@ namespace py = pybind11;
 namespace braid {
 namespace {
 
-// Tensors whose memory ranges overlap without being the same range are rejected; an exact
-// in-place alias (NCCL-style) is handled by the algorithms.
-bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  auto* a0 = static_cast<const char*>(a.data_ptr());
-  auto* b0 = static_cast<const char*>(b.data_ptr());
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
-}
-
 struct Staged {
   at::Tensor user;     // what the caller passed
   at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)

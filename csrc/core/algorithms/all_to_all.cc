@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "algorithms.h"
+#include "scatter_pipeline.h"
 
 namespace braid {
 
@@ -28,31 +29,21 @@ void oneshot_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
 // of this round for rank j); after step A every rank copies its pieces out; step G frees the slot.
 void pipelined_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out) {
   const size_t es = dtype_size(static_cast<DType>(d.dtype));
-  const int n = g.world_size(), me = g.rank(), nslots = g.layout().nslots;
+  const int n = g.world_size(), me = g.rank();
   const size_t chunk = slot_elems(g.layout().slot_bytes, static_cast<size_t>(n), es);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const size_t m = d.count;
-
-  const uint64_t base = g.arrive(d);
-  size_t round = 0;
-  for (size_t off = 0; off < m; off += chunk, ++round) {
-    const size_t len = std::min(chunk, m - off);
-    const int k = static_cast<int>(round % nslots);
-    const uint64_t step_a = base + 2 * round + 1;
-    if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
-    char* my_slot = g.slot(me, k);
-    for (int j = 0; j < n; ++j)
-      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
-    g.post_next();  // A
-    // Own chunk while the peers publish (skipped when in place).
-    char* own = dst + (me * m + off) * es;
-    if (own != src + (me * m + off) * es) copy_bytes(own, src + (me * m + off) * es, len * es);
-    g.wait_all(step_a);
-    for (int r = 0; r < n; ++r)
-      if (r != me) copy_bytes(dst + (r * m + off) * es, g.slot(r, k) + me * chunk * es, len * es);
-    g.post_next();  // G
-  }
+  scatter_pipeline(
+      g, d, src, chunk,
+      [&](size_t off, size_t len) {  // own chunk while the peers publish (skipped when in place)
+        char* own = dst + (me * m + off) * es;
+        if (own != src + (me * m + off) * es) copy_bytes(own, src + (me * m + off) * es, len * es);
+      },
+      [&](size_t off, size_t len, int k) {
+        for (int r = 0; r < n; ++r)
+          if (r != me) copy_bytes(dst + (r * m + off) * es, g.slot(r, k) + me * chunk * es, len * es);
+      });
 }
 
 }  // namespace braid

@@ -5,6 +5,7 @@
 
 #include "../reduce.h"
 #include "algorithms.h"
+#include "scatter_pipeline.h"
 
 namespace braid {
 
@@ -13,31 +14,20 @@ namespace braid {
 void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out) {
   const auto dt = static_cast<DType>(d.dtype);
   const size_t es = dtype_size(dt);
-  const int n = g.world_size(), me = g.rank(), nslots = g.layout().nslots;
+  const int n = g.world_size(), me = g.rank();
   const size_t chunk = slot_elems(g.layout().slot_bytes, static_cast<size_t>(n), es);
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const size_t m = d.count;
   const bool stream = g.streaming(m * es);
-
-  const uint64_t base = g.arrive(d);
   Operand srcs[kMaxLocalRanks];
-  size_t round = 0;
-  for (size_t off = 0; off < m; off += chunk, ++round) {
-    const size_t len = std::min(chunk, m - off);
-    const int k = static_cast<int>(round % nslots);
-    const uint64_t step_a = base + 2 * round + 1;
-    if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
-    char* my_slot = g.slot(me, k);
-    for (int j = 0; j < n; ++j)
-      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
-    g.post_next();  // A
-    g.wait_all(step_a);
-    for (int r = 0; r < n; ++r)
-      srcs[r] = {r == me ? src + (me * m + off) * es : g.slot(r, k) + me * chunk * es, false};
-    reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, dst + off * es, false, nullptr, len, n, true, stream);
-    g.post_next();  // G
-  }
+  scatter_pipeline(
+      g, d, src, chunk, [](size_t, size_t) {},
+      [&](size_t off, size_t len, int k) {
+        for (int r = 0; r < n; ++r)
+          srcs[r] = {r == me ? src + (me * m + off) * es : g.slot(r, k) + me * chunk * es, false};
+        reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, dst + off * es, false, nullptr, len, n, true, stream);
+      });
 }
 
 // All-gather: slot k holds this rank's piece of the round; every peer copies it out.

@@ -1,0 +1,155 @@
+"""What the model benchmarks (tp, sharding) share: run options, a rank's session, timing in turns.
+
+Implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
+barrier, then ``steps`` calls of one implementation timed together; a round's time per call is
+the slowest rank's, the result the median over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+from braid import comm
+
+from . import launch, report
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a model benchmark runs, from the command line and the launcher."""
+
+    impls: tuple[str, ...]
+    warmup: int
+    steps: int
+    rounds: int
+    threads: int
+    timeout: float
+    deadline: float  # time.time() by which the whole run must be over
+    started: float
+    launcher: str
+    world_size: int
+    bind: str
+    machine: dict
+    json_path: str | None
+
+
+def parse_dims(cls: type, text: str, spelling: str):
+    """``cls`` (a dataclass of positive ints) from ``AxBxC...`` in field order; ``spelling`` shows
+    the expected form in the error."""
+    parts = text.lower().split("x")
+    if len(parts) != len(fields(cls)) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected {spelling} (positive integers), got {text!r}")
+    return cls(*map(int, parts))
+
+
+def format_dims(value) -> str:
+    return "x".join(str(getattr(value, f.name)) for f in fields(value))
+
+
+def add_run_arguments(p: argparse.ArgumentParser, impls: Sequence[str], *, warmup: int, steps: int,
+                      rounds: int, timeout: float, deadline: float, nproc_help: str) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"{nproc_help} (default 2); ignored under torchrun")
+    p.add_argument("--impls", default=",".join(impls),
+                   help=f"comma-separated, from {','.join(impls)} (default: all)")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps per impl (default {warmup})")
+    p.add_argument("--steps", type=int, default=steps, help=f"timed steps per round (default {steps})")
+    p.add_argument("--rounds", type=int, default=rounds,
+                   help=f"rounds; the median is reported (default {rounds})")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (default 1: with 2 ranks on 2 cores, one core each)")
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help=f"seconds any wait may take (default {timeout:g})")
+    p.add_argument("--deadline", type=float, default=deadline,
+                   help=f"seconds the whole run may take (default {deadline:g})")
+    p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                   help="rank placement, as for the collectives benchmark (default auto)")
+    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+
+
+def run_options(parser: argparse.ArgumentParser, args: argparse.Namespace, impls: Sequence[str],
+                started: float) -> RunOptions:
+    """Checks the options of :func:`add_run_arguments` (errors through ``parser``)."""
+    chosen = tuple(dict.fromkeys(i.strip() for i in args.impls.split(",") if i.strip()))
+    unknown = [i for i in chosen if i not in impls]
+    if unknown or not chosen:
+        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(impls)}")
+    for name in ("warmup", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    launcher = launch.launcher()
+    world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
+    return RunOptions(chosen, args.warmup, args.steps, args.rounds, args.threads, args.timeout,
+                      started + args.deadline, started, launcher, world_size,
+                      launch.resolve_bind(args.bind, world_size), report.machine_info(), args.json)
+
+
+def start(rank_fn: Callable[..., int], config, run: RunOptions, name: str) -> int:
+    """Runs ``rank_fn(rank, world_size, store_port, config)`` here (torchrun) or on spawned ranks."""
+    if run.launcher == "torchrun":
+        return launch.run_rank_reporting(rank_fn, int(os.environ["RANK"]), run.world_size, None, config)
+    print(f"# braid.bench {name}: {run.world_size} ranks ({run.launcher}), {run.threads} torch thread(s) "
+          f"per rank, impls {' '.join(run.impls)}", flush=True)
+    return launch.spawn(rank_fn, run.world_size, run.timeout, run.deadline, config)
+
+
+@contextmanager
+def rank_session(rank: int, world_size: int, store_port: int | None, run: RunOptions) -> Iterator:
+    """Placement and threads of this rank, the run's gloo group and a braid communicator on it."""
+    if run.bind == "core":
+        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(run.threads)
+    launch.init_gloo(rank, world_size, store_port, run.timeout)
+    try:
+        c = comm.init(timeout=run.timeout)
+        yield c
+        c.close()
+        # DTensor/FSDP2 modules hold a DeviceMesh and its gloo group: they must be gone, and every
+        # rank done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
+        gc.collect()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise maximum over the ranks (through gloo, outside any timed region)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_in_turns(steps: Mapping[str, Callable[[], object]], run: RunOptions, progress: report.Progress,
+                  nbytes: int) -> dict[str, float]:
+    """Seconds per call of each ``steps[impl]``: the median over rounds of the slowest rank."""
+    per_step: dict[str, list[float]] = {impl: [] for impl in steps}
+    for _ in range(run.rounds):
+        for impl, step in steps.items():
+            progress(impl, "step", nbytes)
+            dist.barrier()
+            begin = time.perf_counter()
+            for _ in range(run.steps):
+                step()
+            per_step[impl].append((time.perf_counter() - begin) / run.steps)
+    return {impl: statistics.median(max_over_ranks(times)) for impl, times in per_step.items()}
+
+
+def write_json(run: RunOptions, benchmark: str, settings: dict, records: list[dict]) -> None:
+    """``{"benchmark", "date", "machine", "config", "records"}`` at ``run.json_path``."""
+    config = {"world_size": run.world_size, "launcher": run.launcher, **settings, "impls": list(run.impls),
+              "warmup": run.warmup, "steps": run.steps, "rounds": run.rounds, "threads": run.threads,
+              "bind": run.bind}
+    report.write_json(run.json_path, {
+        "benchmark": benchmark, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": dict(run.machine, torch=torch.__version__, loadavg=os.getloadavg()),
+        "config": config, "records": records})
