@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import attention_configs as cfg
-from .attention_forward import LOG2E, int32_addressable, strides
+from .attention_forward import LOG2E, int32_addressable, key_range, strides
 
 _LOG2E = tl.constexpr(LOG2E)
 
@@ -226,14 +226,7 @@ def attention_dq_kernel(
     kv_h = hk.to(tl.int32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # The same split of the key range as in the forward kernel.
-    if CAUSAL:
-        hi_full = tl.minimum(seq_k, start_m + 1)
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    else:
-        hi_full = seq_k
-        hi = seq_k
-    hi_full = (hi_full // BLOCK_N) * BLOCK_N
+    hi_full, hi = key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward kernel
     dq = _dq_tiles(dq, q, do, lse2, delta, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn,
                    stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
                    False, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)

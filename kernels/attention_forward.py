@@ -12,6 +12,21 @@ _LN2 = tl.constexpr(0.6931471805599453)  # back from base 2 to the natural-log L
 
 
 @triton.jit
+def key_range(start_m, seq_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys a tile of queries starting at row start_m reads: [0, hi_full) in whole unmasked tiles,
+    then [hi_full, hi) through the masked loop. Causal is aligned top-left as in torch: row i sees
+    keys 0..i, so keys below start_m + 1 are seen by every row of the tile; the rest, up to the
+    last key any row sees, and the ragged end of the keys need the mask."""
+    if CAUSAL:
+        hi_full = tl.minimum(seq_k, start_m + 1)
+        hi = tl.minimum(seq_k, start_m + BLOCK_M)
+    else:
+        hi_full = seq_k
+        hi = seq_k
+    return (hi_full // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd, stride_vn, stride_vd,
                    offs_m, offs_d, d_ok, seq_k, qk_scale, lo, hi,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -109,16 +124,7 @@ def attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Causal is aligned top-left as in torch: row i sees keys 0..i. Keys below start_m + 1 are
-    # seen by every row of the tile; whole tiles of them need no mask. The rest, up to the last
-    # key any row of the tile sees, and the ragged end of the keys, go through the masked loop.
-    if CAUSAL:
-        hi_full = tl.minimum(seq_k, start_m + 1)
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    else:
-        hi_full = seq_k
-        hi = seq_k
-    hi_full = (hi_full // BLOCK_N) * BLOCK_N
+    hi_full, hi = key_range(start_m, seq_k, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, kv_b, kv_h, stride_kn, stride_kd,
                                    stride_vn, stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, 0, hi_full,
                                    False, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
