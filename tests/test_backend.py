@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid import comm  # noqa: F401  (registers the backend)
-from helpers.ranks import COMM_TIMEOUT_S, open_store, run_ranks
+from helpers.ranks import COMM_TIMEOUT_S, process_group, run_ranks
 from torch import nn
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -23,13 +23,8 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 @contextmanager
 def braid_default_group(rank, world_size, store_path):
     """The default process group on braid, plus a gloo group over the same ranks to compare with."""
-    store = dist.PrefixStore("backend-test/", open_store(store_path))
-    dist.init_process_group("braid", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
-    try:
+    with process_group(rank, world_size, store_path, backend="braid"):
         yield dist.new_group(backend="gloo", timeout=timedelta(seconds=COMM_TIMEOUT_S))
-    finally:
-        dist.destroy_process_group()
 
 
 def _values(rank, *shape, salt=0):

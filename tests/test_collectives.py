@@ -7,14 +7,13 @@ one-shot/pipelined switch, several rounds and slot reuse.
 """
 import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from braid import comm
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, reduce_reference
-from helpers.ranks import COMM_TIMEOUT_S, make_comm, new_store_path, open_store, run_ranks
+from helpers.ranks import COMM_TIMEOUT_S, make_comm, new_store_path, open_store, process_group, run_ranks
 
 WORLD_SIZES = (1, 2, 3, 4)
 SLOT_BYTES, ONESHOT_MAX_BYTES, NSLOTS = 1024, 256, 2
@@ -442,10 +441,8 @@ def init_from_env(rank, n, store_path, port):
 
 
 def init_from_process_group(rank, n, store_path):
-    dist.init_process_group("gloo", store=open_store(store_path), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
     log = CaseLog()
-    try:
+    with process_group(rank, n, store_path):
         with comm.init(timeout=COMM_TIMEOUT_S) as c:
             log.expect("rank/world_size from the process group",
                        (c.rank, c.world_size) == (dist.get_rank(), dist.get_world_size()))
@@ -456,8 +453,6 @@ def init_from_process_group(rank, n, store_path):
             dist.all_reduce(gloo)
             log.check("braid and gloo agree", ours, gloo)
             log.check("all_reduce", ours, reduce_reference(inputs, "sum", n))
-    finally:
-        dist.destroy_process_group()
     return log.summary()
 
 

@@ -7,12 +7,10 @@ run's parameters and held-out loss.
 """
 
 import pickle
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers.ranks import COMM_TIMEOUT_S, make_comm, open_store, run_ranks
+from helpers.ranks import make_comm, process_group, run_ranks
 
 STEPS = 100  # training runs compared by loss
 EXACT_STEPS = 30  # runs compared parameter by parameter with gloo DDP
@@ -77,14 +75,7 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps):
 
 
 def ddp_runs(rank, n, store_path, variants):
-    dist.init_process_group(
-        "gloo",
-        store=open_store(store_path + ".pg"),
-        rank=rank,
-        world_size=n,
-        timeout=timedelta(seconds=COMM_TIMEOUT_S),
-    )
-    try:
+    with process_group(rank, n, store_path):
         out = {}
         with make_comm(rank, n, store_path) as c:
             for mode, opts in variants:
@@ -94,8 +85,6 @@ def ddp_runs(rank, n, store_path, variants):
                     steps = pickle.loads(pickle.dumps(state)).state_dict()["step"]
                     out[(mode, "state")] = (steps, state.compression.wire_total.sent)
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 # static_graph is not combined with no_sync: torch's reducer asserts on that pair whatever the hook.
@@ -141,14 +130,7 @@ def hook_without_compression_for_small_buckets(rank, n, store_path):
     from braid.comm import ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group(
-        "gloo",
-        store=open_store(store_path + ".pg"),
-        rank=rank,
-        world_size=n,
-        timeout=timedelta(seconds=COMM_TIMEOUT_S),
-    )
-    try:
+    with process_group(rank, n, store_path):
         with make_comm(rank, n, store_path) as c:
             q = comm.Int8Quantizer()
             m = DDP(_model())
@@ -158,8 +140,6 @@ def hook_without_compression_for_small_buckets(rank, n, store_path):
                 x, y = _batch(rank, step, 0)
                 ((m(x) - y) ** 2).mean().backward()
             return q.wire_total.sent, state.step
-    finally:
-        dist.destroy_process_group()
 
 
 def test_small_buckets_go_uncompressed():

@@ -11,7 +11,6 @@ in near-zero gradients into O(lr) parameter differences.
 import contextlib
 import copy
 import types
-from datetime import timedelta
 
 import pytest
 import torch
@@ -20,9 +19,9 @@ import torch.nn.functional as F
 from braid import comm
 from braid.bench.models import LanguageModel
 from braid.comm import fsdp
-from helpers.ranks import COMM_TIMEOUT_S, make_comm, open_store, run_ranks
+from helpers import MatmulRecorder
+from helpers.ranks import COMM_TIMEOUT_S, make_comm, process_group, run_ranks
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ = 40, 24, 4, 40, 2, 2, 10
@@ -31,13 +30,6 @@ BUCKET_CAP_MB = 4096 / 2**20
 
 
 # -- helpers run in the ranks --------------------------------------------------------------------
-def _init_gloo(rank, world_size, store_path):
-    """A gloo group on the call's store, keys apart from braid's (they share the FileStore)."""
-    store = dist.PrefixStore("gloo/", open_store(store_path))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COMM_TIMEOUT_S))
-
-
 def _model(seed=0):
     torch.manual_seed(seed)
     return LanguageModel(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
@@ -82,8 +74,7 @@ def _assert_same_params(actual: dict, expected: dict):
 
 
 def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None):
-    _init_gloo(rank, world_size, store_path)
-    try:
+    with process_group(rank, world_size, store_path):
         c = make_comm(rank, world_size, store_path)
         ddp = nn.parallel.DistributedDataParallel(_model())
         # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
@@ -113,8 +104,6 @@ def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, pre
             ids = _batch(rank, 99)
             torch.testing.assert_close(sharded(ids), ddp(ids), **TOL)
         return len(sharded.shards)
-    finally:
-        dist.destroy_process_group()
 
 
 def _attr(module, dotted):
@@ -199,8 +188,7 @@ def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    _init_gloo(rank, world_size, store_path)
-    try:
+    with process_group(rank, world_size, store_path):
         c = make_comm(rank, world_size, store_path)
         mesh = init_device_mesh("cpu", (world_size,))
         models = []
@@ -239,8 +227,6 @@ def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False):
             torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
                                        msg=lambda m, n=name: f"{n}: {m}")
         return True
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_comm_objects(rank, world_size, store_path):
@@ -284,19 +270,6 @@ def _run_comm_objects(rank, world_size, store_path):
     return True
 
 
-class _Recorder(TorchDispatchMode):
-    """Logs matrix products in the order they run, interleaved with the communicator's events."""
-
-    def __init__(self, log):
-        super().__init__()
-        self.log = log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
-            self.log.append(("mm", None))
-        return func(*args, **(kwargs or {}))
-
-
 class _RecordingComm:
     """Forwards to a communicator; logs each async launch and each wait with the work's number."""
 
@@ -330,7 +303,7 @@ def _run_schedule(rank, world_size, store_path, stage):
     _loss(sharded, ids).backward()  # the first step records the units' order
     opt.step()
     del log[:]
-    with _Recorder(log):
+    with MatmulRecorder(log, ("mm", None)):
         loss = _loss(sharded, ids)
         log.append(("backward", None))
         loss.backward()

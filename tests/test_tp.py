@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from braid.bench.models import BLOCK_PLAN, BLOCK_SEQUENCE_PLAN, Block, LanguageModel, lm_plan
 from braid.comm import tp
+from helpers import MatmulRecorder
 from helpers.ranks import make_comm, run_ranks
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 VOCAB, DIM, HEADS, HIDDEN, BATCH, SEQ = 48, 24, 12, 48, 2, 12  # all divide by 2, 3 and 4
@@ -184,19 +184,6 @@ def _run_regions(rank, world_size, store_path):
     return True
 
 
-class _Recorder(TorchDispatchMode):
-    """Logs matrix products in the order they run, interleaved with the communicator's events."""
-
-    def __init__(self, log):
-        super().__init__()
-        self.log = log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
-            self.log.append("mm")
-        return func(*args, **(kwargs or {}))
-
-
 class _RecordingComm:
     """Forwards to a communicator and logs each collective (and each async wait) by name."""
 
@@ -227,7 +214,7 @@ def _run_overlap(rank, world_size, store_path, sequence_parallel):
     x = torch.randn(2, 4, 8, requires_grad=True)
     y = layer(x)
     del log[:]
-    with _Recorder(log):
+    with MatmulRecorder(log):
         y.sum().backward()
     return log
 

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -168,3 +169,18 @@ def assert_ranks_agree(summaries: Sequence[dict], min_cases: int = 1) -> None:
     assert len(set(cases)) == 1 and cases[0] >= min_cases, f"cases per rank: {cases}"
     digests = [s["digest"] for s in summaries]
     assert len(set(digests)) == 1, f"ranks hold different result bits: {digests}"
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Appends ``entry`` to ``log`` for every matrix product torch runs inside the ``with`` block
+    (the autograd engine runs backward on this thread, so its products count): tests interleave
+    it with a communicator's events to check what overlaps what."""
+
+    def __init__(self, log: list, entry: object = "mm"):
+        super().__init__()
+        self.log, self.entry = log, entry
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
+            self.log.append(self.entry)
+        return func(*args, **(kwargs or {}))

@@ -23,9 +23,10 @@ import signal
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_connections
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -105,6 +106,19 @@ def open_store(store_path: str) -> dist.FileStore:
     store = dist.FileStore(store_path, -1)
     store.set_timeout(STORE_TIMEOUT)
     return store
+
+
+@contextmanager
+def process_group(rank: int, world_size: int, store_path: str, backend: str = "gloo") -> Iterator[None]:
+    """The torch.distributed default group of `backend` on the call's store (its keys apart from
+    braid's), with the short test timeout; destroyed on exit (gloo on a FileStore aborts at
+    interpreter exit otherwise)."""
+    store = dist.PrefixStore(f"{backend}-pg/", open_store(store_path))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def make_comm(rank: int, world_size: int, store_path: str, **kwargs):
