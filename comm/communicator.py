@@ -111,8 +111,9 @@ class Communicator:
         device: where the tensors live; only ``"cpu"`` (or None) until the CUDA path exists.
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
-        algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us: tunables;
-            ``None`` takes the ``BRAID_*`` environment variable or the built-in default (README).
+        algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us,
+            skew_rounds: tunables; ``None`` takes the ``BRAID_*`` environment variable or the
+            built-in default (README).
 
     All ranks must currently share one host (POSIX shared memory transport).
     """
@@ -127,7 +128,8 @@ class Communicator:
                  nslots: Optional[int] = None,
                  stream_min_bytes: Optional[int] = None,
                  spin_us: Optional[float] = None,
-                 yield_us: Optional[float] = None):
+                 yield_us: Optional[float] = None,
+                 skew_rounds: Optional[bool] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         if not isinstance(world_size, int) or world_size < 1:
@@ -154,6 +156,10 @@ class Communicator:
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
             setattr(tun, name, value)
+        if skew_rounds is not None:
+            if not isinstance(skew_rounds, bool):
+                raise TypeError(f"skew_rounds must be a bool, got {type(skew_rounds).__name__}")
+            tun.skew_rounds = int(skew_rounds)
         self._rank = rank
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"

@@ -215,6 +215,8 @@ def test_constructor_rejects_bad_arguments(store, args, kwargs, error, pattern):
     ("BRAID_ONESHOT_MAX_BYTES", "-5", "BRAID_ONESHOT_MAX_BYTES"),
     ("BRAID_SPIN_US", "fast", "BRAID_SPIN_US"),
     ("BRAID_YIELD_US", "-1", "BRAID_YIELD_US"),
+    ("BRAID_SKEW_ROUNDS", "2", "BRAID_SKEW_ROUNDS"),
+    ("BRAID_SKEW_ROUNDS", "yes", "BRAID_SKEW_ROUNDS"),
 ])
 def test_bad_environment_tunable_named(monkeypatch, name, value, pattern):
     """A malformed or out-of-range BRAID_* variable raises ValueError naming the variable."""
@@ -231,7 +233,8 @@ def test_bad_environment_tunable_named(monkeypatch, name, value, pattern):
     ({"oneshot_max_bytes": -1}, "oneshot_max_bytes"),
     ({"nslots": 1.5}, "nslots"),
     ({"algo": 3}, "algo"),
-], ids=("slot_bytes_negative", "oneshot_max_bytes_negative", "nslots_float", "algo_int"))
+    ({"skew_rounds": 1}, "skew_rounds"),
+], ids=("slot_bytes_negative", "oneshot_max_bytes_negative", "nslots_float", "algo_int", "skew_rounds_int"))
 def test_constructor_names_mistyped_tunable(kwargs, name):
     """A negative or mistyped tunable raises TypeError/ValueError whose message names it."""
     with pytest.raises((TypeError, ValueError), match=name):

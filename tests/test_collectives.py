@@ -79,24 +79,29 @@ def ring_reference(inputs, op: str, n: int) -> torch.Tensor:
 
 def all_reduce_grid(rank, n, store_path, seed):
     log = CaseLog()
-    # "oneshot" forced: messages over the one-shot buffer still go two-shot.
-    for algo in ("auto", "oneshot", "twoshot", "ring"):
+    # "oneshot" forced: messages over the one-shot buffer still go two-shot. Two-shot runs both
+    # schedules (lockstep and skewed rounds) whatever the host's default.
+    for algo, skew in (("auto", None), ("oneshot", None), ("twoshot", False), ("twoshot", True), ("ring", None)):
         reference = ring_reference if algo == "ring" else reduce_reference
-        with make_comm(rank, n, store_path, algo=algo, **TINY) as c:
+        if skew is not None:
+            algo_label = f"{algo} {'skewed' if skew else 'lockstep'}"
+        else:
+            algo_label = algo
+        with make_comm(rank, n, store_path, algo=algo, skew_rounds=skew, **TINY) as c:
             for dtype in DTYPES:
                 for count in boundary_counts("all_reduce", n, dtype, algo):
                     inputs = [make_input(seed, r, count, dtype) for r in range(n)]
                     for op in OPS:
                         t = inputs[rank].clone()
                         c.all_reduce(t, op=op)
-                        log.check(f"{algo} {dtype} count {count} {op}", t, reference(inputs, op, n))
+                        log.check(f"{algo_label} {dtype} count {count} {op}", t, reference(inputs, op, n))
             # Integral values are exact in any order: the ring must also match the rank-ordered
             # reference on them (its order is an implementation choice, exactness is not).
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 inputs = [make_input(seed, r, 3001, dtype, integral=True) for r in range(n)]
                 t = inputs[rank].clone()
                 c.all_reduce(t, op="avg")
-                log.check(f"{algo} {dtype} integral avg", t, reduce_reference(inputs, "avg", n))
+                log.check(f"{algo_label} {dtype} integral avg", t, reduce_reference(inputs, "avg", n))
     return log.summary()
 
 
@@ -339,10 +344,13 @@ def close_with_queued_work(rank, n, store_path, seed):
 
 def shallowest_pipeline(rank, n, store_path, kind):
     """One collective of ``kind`` through the shallowest pipeline (nslots=2), several rounds long."""
+    skew = None
+    if kind.startswith("twoshot"):
+        kind, skew = "twoshot", kind == "twoshot"  # "twoshot" skewed, "twoshot-lockstep" not
     algo = kind if kind in ("twoshot", "ring") else None
     log = CaseLog()
     with make_comm(rank, n, store_path, algo=algo, slot_bytes=SLOT_BYTES, oneshot_max_bytes=ONESHOT_MAX_BYTES,
-                   nslots=2, timeout=3.0) as c:
+                   nslots=2, skew_rounds=skew, timeout=3.0) as c:
         count = 2000  # float32: 8000 bytes, several 1 KiB slot rounds for every kind
         inputs = [make_input(9, r, count, torch.float32, integral=True) for r in range(n)]
         if kind in ("twoshot", "ring"):
@@ -522,7 +530,7 @@ def test_close_finishes_queued_work(n):
 
 
 @pytest.mark.parametrize("kind", [
-    "twoshot",
+    "twoshot", "twoshot-lockstep",
     "ring",
     "reduce_scatter", "all_gather", "broadcast",
 ])

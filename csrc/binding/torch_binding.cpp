@@ -223,7 +223,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("nslots", &Tunables::nslots)
       .def_readwrite("stream_min_bytes", &Tunables::stream_min_bytes)
       .def_readwrite("spin_us", &Tunables::spin_us)
-      .def_readwrite("yield_us", &Tunables::yield_us);
+      .def_readwrite("yield_us", &Tunables::yield_us)
+      .def_readwrite("skew_rounds", &Tunables::skew_rounds);
 
   py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")
       .def("wait", &PyWork::wait, py::arg("timeout") = py::none())

@@ -27,7 +27,8 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
     policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
     policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
-    group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes);
+    group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes,
+                                        tun_.skew_rounds != 0);
   }
 }
 

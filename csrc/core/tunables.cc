@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -71,12 +72,16 @@ Tunables Tunables::from_env() {
   t.stream_min_bytes = env_size("BRAID_STREAM_MIN_BYTES", t.stream_min_bytes);
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
+  if (env("BRAID_SKEW_ROUNDS") != nullptr)
+    t.skew_rounds = static_cast<int>(std::min<size_t>(env_size("BRAID_SKEW_ROUNDS", 0), 2));
   return t;
 }
 
 void Tunables::resolve(int local_world_size) {
   if (oneshot_max_bytes < 0) oneshot_max_bytes = local_world_size == 2 ? (1 << 20) : (32 << 10);
-  if (spin_us < 0) spin_us = local_world_size > usable_cores() ? 0.0 : 20.0;
+  const bool oversubscribed = local_world_size > usable_cores();
+  if (spin_us < 0) spin_us = oversubscribed ? 0.0 : 20.0;
+  if (skew_rounds < 0) skew_rounds = oversubscribed ? 0 : 1;
 }
 
 void Tunables::validate() const {
@@ -85,6 +90,8 @@ void Tunables::validate() const {
   if (oneshot_max_bytes < 0 || oneshot_max_bytes > (int64_t(1) << 30))
     throw std::invalid_argument("oneshot_max_bytes (BRAID_ONESHOT_MAX_BYTES) must be between 0 and 1 GiB");
   if (nslots < 2 || nslots > 64) throw std::invalid_argument("nslots (BRAID_NSLOTS) must be between 2 and 64");
+  if (skew_rounds < -1 || skew_rounds > 1)
+    throw std::invalid_argument("skew_rounds (BRAID_SKEW_ROUNDS) must be 0 or 1");
   if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
 }
 

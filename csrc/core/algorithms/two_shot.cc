@@ -3,12 +3,19 @@
 //
 // Round i uses slot k = i % nslots of every rank. A slot holds one "in" piece per rank (the parts
 // of this rank's input that the peers reduce) and one "out" piece (this rank's reduced part).
-//   step A: copy my input's part j into my slot's piece j for every j != me; post.
-//   step R: wait for every A; reduce part me over ranks 0..n-1 in rank order (own input read
-//           from private memory, the others from their slots), writing to my output and to my
-//           slot's out piece; post.
-//   step G: wait for every R; copy each peer's out piece into my output; post (slot free).
-// Before reusing slot k in round i a rank waits for every peer's G of round i - nslots.
+//   A: copy my input's part j into my slot's piece j for every j != me.
+//   R: once every peer did A, reduce part me over ranks 0..n-1 in rank order (own input read
+//      from private memory, the others from their slots), writing to my output and to my slot's
+//      out piece.
+//   G: once every peer did R, copy each peer's out piece into my output (frees the slot).
+// Before reusing slot k for round i a rank waits for every peer's G of round i - nslots. Each
+// stage posts one step. Two schedules, the same on every rank:
+//  - lockstep: A, R, G of round i, then round i + 1;
+//  - skewed: iteration t runs G of round t - 2, R of round t - 1 and A of round t (empty stages
+//    of the first and last iterations still post), so every wait is for work the peers finished
+//    an iteration earlier and a rank that runs a little behind does not stall the others at each
+//    stage. Faster when every rank has a core of its own; with more ranks than cores the
+//    lockstep schedule is (README: algorithm tunables).
 #include <algorithm>
 
 #include "../reduce.h"
@@ -27,40 +34,82 @@ void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
   const auto op = static_cast<ReduceOp>(d.op);
   const size_t es = dtype_size(dt);
   const int n = g.world_size(), me = g.rank();
-  const int nslots = g.layout().nslots;
+  const size_t nslots = static_cast<size_t>(g.layout().nslots);
   const size_t chunk = slot_elems(g.layout().slot_bytes, static_cast<size_t>(n) + 1, es);
   const size_t out_piece = static_cast<size_t>(n) * chunk * es;  // offset of the out piece
+  const size_t round_elems = static_cast<size_t>(n) * chunk;
+  const size_t rounds = (d.count + round_elems - 1) / round_elems;
+  const bool skewed = g.skewed_rounds();
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
 
+  // Part j of round i is [off + begin(j), off + begin(j + 1)) with off = i * round_elems.
+  struct Round {
+    size_t off, per, block;
+    size_t begin(int j) const { return std::min(static_cast<size_t>(j) * per, block); }
+    size_t len(int j) const { return begin(j + 1) - begin(j); }
+  };
+  auto round_at = [&](size_t i) {
+    const size_t off = i * round_elems;
+    const size_t block = std::min(round_elems, d.count - off);
+    return Round{off, (block + n - 1) / n, block};
+  };
+
   const uint64_t base = g.arrive(d);
+  // The step each stage of round i posts.
+  enum Stage { kA, kR, kG };
+  auto step_of = [&](Stage s, size_t i) -> uint64_t {
+    if (!skewed) return base + 3 * i + 1 + s;
+    switch (s) {
+      case kA: return base + 3 * i + 3;
+      case kR: return base + 3 * (i + 1) + 2;
+      default: return base + 3 * (i + 2) + 1;
+    }
+  };
+
+  auto publish = [&](size_t i) {  // A
+    const Round r = round_at(i);
+    if (i >= nslots) g.wait_all(step_of(kG, i - nslots));
+    char* my_slot = g.slot(me, static_cast<int>(i % nslots));
+    for (int j = 0; j < n; ++j)
+      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (r.off + r.begin(j)) * es, r.len(j) * es);
+  };
   Operand srcs[kMaxLocalRanks];
-  size_t round = 0;
-  for (size_t off = 0; off < d.count; off += static_cast<size_t>(n) * chunk, ++round) {
-    const size_t block = std::min(static_cast<size_t>(n) * chunk, d.count - off);
-    const size_t per = (block + n - 1) / n;  // part j covers [j*per, min((j+1)*per, block))
-    auto part_begin = [&](int j) { return std::min(static_cast<size_t>(j) * per, block); };
-    auto part_len = [&](int j) { return part_begin(j + 1) - part_begin(j); };
-    const int k = static_cast<int>(round % nslots);
-    const uint64_t step_a = base + 3 * round + 1;
-    if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 3 * nslots + 2);  // G, round - nslots
-
-    char* my_slot = g.slot(me, k);
+  auto reduce = [&](size_t i) {  // R
+    const Round r = round_at(i);
+    const int k = static_cast<int>(i % nslots);
+    g.wait_all(step_of(kA, i));
+    for (int q = 0; q < n; ++q)
+      srcs[q] = {q == me ? src + (r.off + r.begin(me)) * es : g.slot(q, k) + me * chunk * es, false};
+    reduce_n(dt, op, srcs, n, dst + (r.off + r.begin(me)) * es, false, g.slot(me, k) + out_piece, r.len(me),
+             n, true);
+  };
+  auto gather = [&](size_t i) {  // G
+    const Round r = round_at(i);
+    const int k = static_cast<int>(i % nslots);
+    g.wait_all(step_of(kR, i));
     for (int j = 0; j < n; ++j)
-      if (j != me) copy_bytes(my_slot + j * chunk * es, src + (off + part_begin(j)) * es, part_len(j) * es);
-    g.post_next();  // A
-    g.wait_all(step_a);
+      if (j != me) copy_bytes(dst + (r.off + r.begin(j)) * es, g.slot(j, k) + out_piece, r.len(j) * es);
+  };
 
-    for (int r = 0; r < n; ++r)
-      srcs[r] = {r == me ? src + (off + part_begin(me)) * es : g.slot(r, k) + me * chunk * es, false};
-    reduce_n(dt, op, srcs, n, dst + (off + part_begin(me)) * es, false, my_slot + out_piece,
-             part_len(me), n, true);
-    g.post_next();  // R
-    g.wait_all(step_a + 1);
-
-    for (int j = 0; j < n; ++j)
-      if (j != me) copy_bytes(dst + (off + part_begin(j)) * es, g.slot(j, k) + out_piece, part_len(j) * es);
-    g.post_next();  // G
+  if (!skewed) {
+    for (size_t i = 0; i < rounds; ++i) {
+      publish(i);
+      g.post_next();
+      reduce(i);
+      g.post_next();
+      gather(i);
+      g.post_next();
+    }
+    return;
+  }
+  for (size_t t = 0; t < rounds + 2; ++t) {
+    if (t >= 2) gather(t - 2);
+    g.post_next();
+    if (t >= 1 && t <= rounds) reduce(t - 1);
+    g.post_next();
+    if (t < rounds) publish(t);
+    g.post_next();
   }
 }
 

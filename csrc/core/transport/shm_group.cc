@@ -130,8 +130,13 @@ size_t ShmLayout::mailbox_offset(int dst, uint64_t chunk) const {
 size_t ShmLayout::total_bytes() const { return mailbox_offset(world_size, 0); }
 
 ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
-                   size_t stream_min_bytes)
-    : rank_(rank), world_(world_size), layout_(layout), policy_(policy), stream_min_bytes_(stream_min_bytes) {
+                   size_t stream_min_bytes, bool skewed_rounds)
+    : rank_(rank),
+      world_(world_size),
+      layout_(layout),
+      policy_(policy),
+      stream_min_bytes_(stream_min_bytes),
+      skewed_rounds_(skewed_rounds) {
   own_ = ShmSegment::create(layout_.total_bytes());
   auto* h = new (own_.data()) SegmentHeader();
   h->magic = kMagic;

@@ -82,8 +82,9 @@ struct SegmentHeader;
 class ShmGroup {
  public:
   // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
+  // `skewed_rounds`: pipelined all-reduces overlap the stages of consecutive rounds.
   ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
-           size_t stream_min_bytes);
+           size_t stream_min_bytes, bool skewed_rounds);
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -111,6 +112,7 @@ class ShmGroup {
 
   // Whether an output of `bytes` is written around the caches (see copy_streaming).
   bool streaming(size_t bytes) const { return bytes >= stream_min_bytes_; }
+  bool skewed_rounds() const { return skewed_rounds_; }
 
   // Point-to-point, in issue order per (sender, receiver) pair. A receive must name the size and
   // dtype of the matching send; a difference raises a mismatch on the receiver.
@@ -150,6 +152,7 @@ class ShmGroup {
   ShmLayout layout_;
   WaitPolicy policy_;
   size_t stream_min_bytes_;
+  bool skewed_rounds_;
   ShmSegment own_;
   std::vector<ShmSegment> peers_;   // index = rank; this rank's entry stays empty
   std::vector<SegmentHeader*> headers_;
