@@ -344,9 +344,8 @@ def close_with_queued_work(rank, n, store_path, seed):
 
 def shallowest_pipeline(rank, n, store_path, kind):
     """One collective of ``kind`` through the shallowest pipeline (nslots=2), several rounds long."""
-    skew = None
-    if kind.startswith("twoshot"):
-        kind, skew = "twoshot", kind == "twoshot"  # "twoshot" skewed, "twoshot-lockstep" not
+    kind, _, schedule = kind.partition("-")  # "-skewed" / "-lockstep": force the round schedule
+    skew = {"skewed": True, "lockstep": False, "": None}[schedule]
     algo = kind if kind in ("twoshot", "ring") else None
     log = CaseLog()
     with make_comm(rank, n, store_path, algo=algo, slot_bytes=SLOT_BYTES, oneshot_max_bytes=ONESHOT_MAX_BYTES,
@@ -530,9 +529,9 @@ def test_close_finishes_queued_work(n):
 
 
 @pytest.mark.parametrize("kind", [
-    "twoshot", "twoshot-lockstep",
+    "twoshot-skewed", "twoshot-lockstep",
     "ring",
-    "reduce_scatter", "all_gather", "broadcast",
+    "reduce_scatter-skewed", "reduce_scatter-lockstep", "all_gather", "broadcast",
 ])
 def test_shallowest_pipelines(kind):
     """nslots=2 (the smallest valid depth; the ring needs one slot to write while its neighbour

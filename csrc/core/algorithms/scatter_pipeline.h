@@ -9,30 +9,52 @@
 
 namespace braid {
 
-// Per round of `chunk` elements: publish this rank's pieces in slot k (step A), run
-// `while_waiting(off, len)`, wait for every peer's step A, run `take(off, len, k)` (piece r for
-// this rank is at g.slot(r, k) + me * chunk * es), post step G. A slot is reused only after every
-// rank posted G for the round that last used it. `d.count` is the length of one piece.
+// Per round of `chunk` elements: publish this rank's pieces in slot k (stage A), run
+// `while_waiting(off, len)`, wait for every peer's A of the round, run `take(off, len, k)` (piece
+// r for this rank is at g.slot(r, k) + me * chunk * es; stage G). A slot is reused only after
+// every rank finished G of the round that last used it. `d.count` is the length of one piece.
+// Each stage posts one step. Lockstep, iteration t runs A and G of round t; skewed
+// (g.skewed_rounds()), iteration t runs A of round t and G of round t - 1, so the wait before G
+// is for a round the peers published an iteration earlier.
 template <class WhileWaiting, class Take>
 void scatter_pipeline(ShmGroup& g, const CollectiveDesc& d, const char* src, size_t chunk,
                       WhileWaiting while_waiting, Take take) {
   const size_t es = dtype_size(static_cast<DType>(d.dtype));
-  const int n = g.world_size(), me = g.rank(), nslots = g.layout().nslots;
+  const int n = g.world_size(), me = g.rank();
+  const size_t nslots = static_cast<size_t>(g.layout().nslots);
   const size_t m = d.count;
+  const size_t rounds = chunk == 0 ? 0 : (m + chunk - 1) / chunk;
+  const bool skewed = g.skewed_rounds();
   const uint64_t base = g.arrive(d);
-  size_t round = 0;
-  for (size_t off = 0; off < m; off += chunk, ++round) {
-    const size_t len = std::min(chunk, m - off);
-    const int k = static_cast<int>(round % nslots);
-    const uint64_t step_a = base + 2 * round + 1;
-    if (round >= static_cast<size_t>(nslots)) g.wait_all(step_a - 2 * nslots + 1);
-    char* my_slot = g.slot(me, k);
+  auto step_a = [&](size_t i) { return base + 2 * i + 1; };
+  auto step_g = [&](size_t i) { return base + 2 * i + (skewed ? 4 : 2); };
+
+  auto publish = [&](size_t i) {
+    const size_t off = i * chunk, len = std::min(chunk, m - off);
+    if (i >= nslots) g.wait_all(step_g(i - nslots));
+    char* my_slot = g.slot(me, static_cast<int>(i % nslots));
     for (int j = 0; j < n; ++j)
       if (j != me) copy_bytes(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
-    g.post_next();  // A
-    while_waiting(off, len);
-    g.wait_all(step_a);
-    take(off, len, k);
+  };
+  auto gather = [&](size_t i) {
+    const size_t off = i * chunk, len = std::min(chunk, m - off);
+    g.wait_all(step_a(i));
+    take(off, len, static_cast<int>(i % nslots));
+  };
+
+  for (size_t t = 0; t < rounds + (skewed ? 1 : 0); ++t) {
+    if (t < rounds) {
+      publish(t);
+      g.post_next();  // A
+      while_waiting(t * chunk, std::min(chunk, m - t * chunk));
+    } else {
+      g.post_next();
+    }
+    if (!skewed) {
+      gather(t);
+    } else if (t >= 1) {
+      gather(t - 1);
+    }
     g.post_next();  // G
   }
 }
