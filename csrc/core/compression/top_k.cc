@@ -5,7 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "../half.h"
 #include "counter_rng.h"
@@ -17,43 +24,107 @@ namespace {
 constexpr double kAim = 1.25;
 
 using Candidate = TopKCandidate;
+static_assert(sizeof(Candidate) == 8 && offsetof(Candidate, index) == 4, "take_group writes 64-bit pairs");
+
+// Candidates are ordered by magnitude, compared as bit patterns with the sign cleared: for floats
+// the order is the same (a NaN, whose pattern is above infinity's, counts as the largest).
+inline uint32_t mag_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b & 0x7fffffffu;
+}
+
+// Appends (value, index) for the first `valid` of 16 values (v[0..16) at input index `first`)
+// whose magnitude is >= thr; returns how many. `out` must have room for 16.
+inline size_t take_group(const float* v, int32_t first, float thr, int valid, Candidate* out) {
+#if defined(__AVX512F__)
+  const __m512i bits = _mm512_loadu_si512(v);
+  const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
+  const __mmask16 lanes = static_cast<__mmask16>(valid >= 16 ? 0xffff : (1u << valid) - 1);
+  const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, mag, _mm512_set1_ps(thr), _CMP_GE_OQ);
+  // No early exit for groups without a hit: at a few percent most groups hold one, and the
+  // branch would be mispredicted often; the stores below are cheap.
+  // Interleave (value, index) pairs: 64-bit lanes in Candidate's memory layout.
+  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(first),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i lo = _mm512_permutex2var_epi32(
+      bits, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), idx);
+  const __m512i hi = _mm512_permutex2var_epi32(
+      bits, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), idx);
+  const __mmask8 hit_lo = static_cast<__mmask8>(hit & 0xff), hit_hi = static_cast<__mmask8>(hit >> 8);
+  // Compress in registers, then plain full-width stores (the memory form of compress is slow on
+  // some cores; `out` has room for 16 pairs, so the lanes past the hits may be written).
+  _mm512_storeu_si512(out, _mm512_maskz_compress_epi64(hit_lo, lo));
+  const size_t n_lo = static_cast<size_t>(__builtin_popcount(hit_lo));
+  _mm512_storeu_si512(out + n_lo, _mm512_maskz_compress_epi64(hit_hi, hi));
+  return n_lo + static_cast<size_t>(__builtin_popcount(hit_hi));
+#else
+  // Writes every lane and advances only past the hits (no branch to mispredict).
+  size_t n = 0;
+  for (int j = 0; j < valid; ++j) {
+    out[n] = {v[j], first + j};
+    n += std::fabs(v[j]) >= thr ? 1 : 0;
+  }
+  return n;
+#endif
+}
+
+// Every element with |x| >= thr as (value in float32, index), in index order; empty when more
+// than `cap` (the caller falls back to the exact path).
 template <class T>
 void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<Candidate>& out) {
-  // Blocks of 256 magnitudes; hits counted per group of 16 in vectorized loops, and only groups
-  // with a hit scanned element by element (at k = 1% about one group in seven).
   constexpr size_t kBlock = 256, kGroup = 16;
-  alignas(64) float mags[kBlock];
-  int32_t hits[kBlock / kGroup];
-  // Room for `cap` candidates plus one block: the scan below writes every element of a group and
-  // advances only past the hits (no branch to mispredict), so it may write one group past the end.
-  out.resize(cap + kBlock);
+  alignas(64) float vals[kBlock];
+  out.resize(cap + kGroup);  // room for `cap` candidates plus one group's writes
   size_t n = 0;
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
-    const T* __restrict src = in + base;
-    for (size_t j = 0; j < len; ++j) mags[j] = std::fabs(load_f32(src[j]));
-    for (size_t j = len; j < kBlock; ++j) mags[j] = -1.0f;  // the tail of the last block never hits
-    int32_t total = 0;
-    for (size_t g = 0; g < kBlock / kGroup; ++g) {
-      int32_t h = 0;
-      for (size_t j = 0; j < kGroup; ++j) h += mags[g * kGroup + j] >= thr ? 1 : 0;
-      hits[g] = h;
-      total += h;
+    const float* v = vals;
+    if constexpr (std::is_same_v<T, float>) {
+      if (len == kBlock) v = in + base;  // float32 is read in place
     }
-    if (total == 0) continue;
-    if (n + static_cast<size_t>(total) > cap) {
-      out.clear();
-      return;  // too many: the caller falls back to the exact path
+    if (v == vals) {
+      const T* __restrict src = in + base;
+      for (size_t j = 0; j < len; ++j) vals[j] = load_f32(src[j]);
+      for (size_t j = len; j < kBlock; ++j) vals[j] = 0.0f;  // lanes past `len` are masked off
     }
-    for (size_t g = 0; g < kBlock / kGroup; ++g) {
-      if (hits[g] == 0) continue;
-      for (size_t j = g * kGroup; j < (g + 1) * kGroup; ++j) {
-        out[n] = {mags[j], static_cast<int32_t>(base + j)};
-        n += mags[j] >= thr ? 1 : 0;
+    for (size_t g = 0; g * kGroup < len; ++g) {
+      const int valid = static_cast<int>(std::min(kGroup, len - g * kGroup));
+      n += take_group(v + g * kGroup, static_cast<int32_t>(base + g * kGroup), thr, valid, out.data() + n);
+      if (n > cap) {
+        out.clear();
+        return;
       }
     }
   }
   out.resize(n);
+}
+
+// The bit pattern t of the k-th largest magnitude (1 <= k <= cand.size()) and how many
+// candidates equal to t belong to the k largest (*ties; the other k - *ties are above t): a radix
+// select, one histogram of the upper 16 bits, then one of the lower 16 bits inside the bin that
+// holds it.
+uint32_t kth_largest_bits(const std::vector<Candidate>& cand, size_t k, size_t* ties) {
+  std::vector<uint32_t> hist(size_t(1) << 16, 0);
+  for (const Candidate& c : cand) ++hist[mag_bits(c.value) >> 16];
+  size_t need = k;  // rank still to descend, counted from the top of the remaining bins
+  uint32_t hi = 0xffff;
+  for (;; --hi) {
+    if (hist[hi] >= need) break;
+    need -= hist[hi];
+  }
+  std::fill(hist.begin(), hist.end(), 0);
+  for (const Candidate& c : cand) {
+    const uint32_t b = mag_bits(c.value);
+    if ((b >> 16) == hi) ++hist[b & 0xffff];
+  }
+  uint32_t lo = 0xffff;
+  for (;; --lo) {
+    if (hist[lo] >= need) break;
+    need -= hist[lo];
+  }
+  *ties = need;
+  return (hi << 16) | lo;
 }
 
 template <class T>
@@ -70,12 +141,12 @@ TopKPath select_typed(const T* in, size_t count, size_t k, float* values, int32_
   }
   if (path == TopKPath::kExact) {
     cand.resize(count);
-    for (size_t i = 0; i < count; ++i) cand[i] = {std::fabs(load_f32(in[i])), static_cast<int32_t>(i)};
+    for (size_t i = 0; i < count; ++i) cand[i] = {load_f32(in[i]), static_cast<int32_t>(i)};
   }
   top_k_trim(cand, k);
   for (size_t j = 0; j < k; ++j) {
     indices[j] = cand[j].index;
-    values[j] = load_f32(in[cand[j].index]);
+    values[j] = cand[j].value;
   }
   return path;
 }
@@ -94,16 +165,17 @@ bool top_k_sampled(size_t count, size_t k, size_t* sample_rank, size_t* stride) 
 void top_k_trim(std::vector<TopKCandidate>& cand, size_t k) {
   // The k-th largest magnitude t; then one pass in index order keeps everything above t and the
   // lowest-index elements equal to t. The candidates stay in index order: no sort needed.
-  std::vector<float> mags(cand.size());
-  for (size_t i = 0; i < cand.size(); ++i) mags[i] = cand[i].mag;
-  std::nth_element(mags.begin(), mags.begin() + (k - 1), mags.end(), std::greater<float>());
-  const float t = mags[k - 1];
-  size_t above = 0;
-  for (const Candidate& c : cand) above += c.mag > t ? 1 : 0;
-  size_t ties = k - above, kept = 0;
+  if (k >= cand.size()) return;
+  if (k == 0) {
+    cand.clear();
+    return;
+  }
+  size_t ties = 0, kept = 0;
+  const uint32_t t = kth_largest_bits(cand, k, &ties);
   for (const Candidate& c : cand) {
-    const bool keep = c.mag > t || (c.mag == t && ties > 0);
-    if (c.mag == t && keep) --ties;
+    const uint32_t b = mag_bits(c.value);
+    const bool keep = b > t || (b == t && ties > 0);
+    if (b == t && keep) --ties;
     if (keep) cand[kept++] = c;
   }
   cand.resize(kept);

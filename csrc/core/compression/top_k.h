@@ -34,9 +34,14 @@ BRAID_HOST_DEVICE inline size_t top_k_sample_index(size_t j, size_t stride) {
   return j * stride + mix32(static_cast<uint32_t>(j)) % stride;
 }
 
+// An element of the input: its value (or magnitude) in float32 and its index. Ordered by
+// magnitude, |value|. The default constructor leaves both unset, so that buffers of candidates
+// are sized without being zeroed.
 struct TopKCandidate {
-  float mag;
+  float value;
   int32_t index;
+  TopKCandidate() {}  // NOLINT: deliberately uninitialized
+  TopKCandidate(float v, int32_t i) : value(v), index(i) {}
 };
 // Keeps the k candidates first in (larger magnitude, then lower index) order. `cand` must be in
 // ascending index order (as every gather produces it) and stays so.
