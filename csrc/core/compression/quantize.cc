@@ -82,12 +82,19 @@ void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid,
       const size_t pairs = (m - k) / 2;
       float* __restrict xs = x + k;
       int32_t* __restrict qs = q + k;
+      // The pair hashes first (one vectorized loop), then read as 16-bit halves in element
+      // order: on a little-endian host the low half of pair p's hash (the even element's
+      // uniform_even) comes first, so element j's dither is halves[j], a unit-stride loop.
+      alignas(64) uint32_t hashes[kMaxQuantBlock / 2 + 1];
+      alignas(64) uint16_t halves[kMaxQuantBlock + 2];
       for (size_t p = 0; p < pairs; ++p) {
         const uint32_t lo = lo0 + static_cast<uint32_t>(p);
-        const uint32_t h = pair_hash(lo < lo0 ? key_next : key_here, lo);
-        qs[2 * p] = round_down(xs[2 * p] * inv + uniform_even(h));
-        qs[2 * p + 1] = round_down(xs[2 * p + 1] * inv + uniform_odd(h));
+        hashes[p] = pair_hash(lo < lo0 ? key_next : key_here, lo);
       }
+      static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "halves[] assumes little-endian hashes");
+      std::memcpy(halves, hashes, pairs * sizeof(uint32_t));
+      for (size_t j = 0; j < 2 * pairs; ++j)
+        qs[j] = round_down(xs[j] * inv + static_cast<float>(halves[j]) * (1.0f / 65536.0f));
       if (k + 2 * pairs < m) q[m - 1] = round_down(x[m - 1] * inv + uniform01(key, first + m - 1));
     } else {
       for (size_t k = 0; k < m; ++k) {
