@@ -81,7 +81,8 @@ def all_reduce_grid(rank, n, store_path, seed):
     log = CaseLog()
     # "oneshot" forced: messages over the one-shot buffer still go two-shot. Two-shot runs both
     # schedules (lockstep and skewed rounds) whatever the host's default.
-    for algo, skew in (("auto", None), ("oneshot", None), ("twoshot", False), ("twoshot", True), ("ring", None)):
+    schedules = (("auto", None), ("oneshot", None), ("twoshot", False), ("twoshot", True), ("ring", None))
+    for algo, skew in schedules:
         reference = ring_reference if algo == "ring" else reduce_reference
         if skew is not None:
             algo_label = f"{algo} {'skewed' if skew else 'lockstep'}"
