@@ -23,39 +23,43 @@ void scatter_pipeline(ShmGroup& g, const CollectiveDesc& d, const char* src, siz
   const int n = g.world_size(), me = g.rank();
   const size_t nslots = static_cast<size_t>(g.layout().nslots);
   const size_t m = d.count;
-  const size_t rounds = chunk == 0 ? 0 : (m + chunk - 1) / chunk;
+  const size_t rounds = (m + chunk - 1) / chunk;
   const bool skewed = g.skewed_rounds();
   const uint64_t base = g.arrive(d);
   auto step_a = [&](size_t i) { return base + 2 * i + 1; };
   auto step_g = [&](size_t i) { return base + 2 * i + (skewed ? 4 : 2); };
 
-  auto publish = [&](size_t i) {
+  auto publish = [&](size_t i) {  // A, then the caller's work that needs no peer
     const size_t off = i * chunk, len = std::min(chunk, m - off);
     if (i >= nslots) g.wait_all(step_g(i - nslots));
     char* my_slot = g.slot(me, static_cast<int>(i % nslots));
     for (int j = 0; j < n; ++j)
       if (j != me) copy_bytes(my_slot + j * chunk * es, src + (j * m + off) * es, len * es);
+    g.post_next();
+    while_waiting(off, len);
   };
-  auto gather = [&](size_t i) {
+  auto gather = [&](size_t i) {  // G
     const size_t off = i * chunk, len = std::min(chunk, m - off);
     g.wait_all(step_a(i));
     take(off, len, static_cast<int>(i % nslots));
   };
 
-  for (size_t t = 0; t < rounds + (skewed ? 1 : 0); ++t) {
-    if (t < rounds) {
-      publish(t);
-      g.post_next();  // A
-      while_waiting(t * chunk, std::min(chunk, m - t * chunk));
-    } else {
+  if (!skewed) {
+    for (size_t i = 0; i < rounds; ++i) {
+      publish(i);
+      gather(i);
       g.post_next();
     }
-    if (!skewed) {
-      gather(t);
-    } else if (t >= 1) {
-      gather(t - 1);
+    return;
+  }
+  for (size_t t = 0; t < rounds + 1; ++t) {
+    if (t < rounds) {
+      publish(t);
+    } else {
+      g.post_next();  // the last iteration's empty A
     }
-    g.post_next();  // G
+    if (t >= 1) gather(t - 1);
+    g.post_next();
   }
 }
 
