@@ -264,7 +264,10 @@ class Communicator:
         """
         if compression is None:
             self.last_wire_bytes = None
-            return _wrap(self._c.all_reduce(tensor, _op_code(op), async_op))
+            # The common spelling without a call: this line is on the latency of every small call.
+            code = _OP_CODES.get(op) if op.__class__ is str else None
+            w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
+            return None if w is None else Work(w)
         code = _op_code(op)
         if code not in (0, 1):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")

@@ -61,6 +61,7 @@ void Communicator::check_open() const {
 }
 
 void Communicator::check_not_poisoned() {
+  if (!poisoned_.load(std::memory_order_acquire)) return;
   std::lock_guard<std::mutex> lk(poison_mu_);
   if (poison_kind_ != ErrorKind::kNone)
     throw CommError(poison_kind_, "communicator is unusable after an earlier error (rebuild it): " + poison_msg_);
@@ -173,6 +174,7 @@ void Communicator::execute(Request& r) {
       if (poison_kind_ == ErrorKind::kNone) {
         poison_kind_ = e.kind();
         poison_msg_ = e.what();
+        poisoned_.store(true, std::memory_order_release);
       }
     }
     if (group_) group_->publish_failure(e.kind(), e.what());

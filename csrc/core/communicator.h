@@ -84,6 +84,7 @@ class Communicator {
   uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)
   std::atomic<bool> closed_{false};
   std::mutex poison_mu_;
+  std::atomic<bool> poisoned_{false};  // set once poison_kind_ is; read without the lock
   ErrorKind poison_kind_ = ErrorKind::kNone;
   std::string poison_msg_;
 };

@@ -268,13 +268,15 @@ std::string ShmGroup::missing_ranks(const int* peers, int npeers, const Awaited&
 }
 
 template <class Awaited>
-void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string& during) {
+void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing) {
+  // Formatted only for an error: waits are on the latency path of every small collective.
+  auto during = [&] { return doing ? " during " + *doing : current_ ? " during " + current_->describe() : std::string(); };
   for (int i = 0; i < npeers; ++i) {
     const int r = peers[i];
     SegmentHeader* h = headers_[r];
     if (!awaited(r)) continue;  // only those we still need
     if (h->state.load(std::memory_order_acquire) == kStateLeft)
-      throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + during +
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + during() +
                                             " while rank " + std::to_string(rank_) + " waited for it");
     bool dead = false;
     if (pidfds_[r] >= 0) {
@@ -285,7 +287,7 @@ void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& aw
     }
     // A peer may post its last step and exit at once: look at the counter again before blaming it.
     if (dead && awaited(r))
-      throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + during);
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + during());
   }
 }
 
@@ -301,7 +303,6 @@ void ShmGroup::wait_slow(const int* peers, int npeers, const Awaited& awaited, c
       if (awaited(peers[i])) return false;
     return true;
   };
-  const std::string during = doing ? " during " + *doing : current_ ? " during " + current_->describe() : "";
   check_abort();
   const auto start = Clock::now();
   // Phase 1: spin. Cheap when peers are running on other cores and about to post.
@@ -335,7 +336,7 @@ void ShmGroup::wait_slow(const int* peers, int npeers, const Awaited& awaited, c
     check_abort();
     const auto now = Clock::now();
     if (now - last_liveness >= kLivenessPeriod) {
-      check_peers_alive(peers, npeers, awaited, during);
+      check_peers_alive(peers, npeers, awaited, doing);
       last_liveness = now;
     }
     if (now >= deadline) {

@@ -140,7 +140,7 @@ class ShmGroup {
   void check_abort();
   [[noreturn]] void raise_abort();
   template <class Awaited>
-  void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string& during);
+  void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
   std::string rank_label(int r) const;
   template <class Awaited>
   std::string missing_ranks(const int* peers, int npeers, const Awaited& awaited) const;
