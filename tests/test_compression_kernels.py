@@ -68,6 +68,22 @@ def test_chunked_layout_matches_reference(bits, block, nchunks):
         assert torch.equal(out, ref.dequantize(expected, count, bits, block, torch.float32, chunk))
 
 
+@pytest.mark.parametrize("bits,block", [(8, 5), (8, 63), (4, 6), (4, 128)])
+def test_stochastic_streams_at_odd_and_wrapping_indices(bits, block):
+    """Blocks that open on an odd element index (odd blocks, odd index bases) and pair indices that
+    cross 2^32 draw the same dithers as the reference, with and without error feedback."""
+    for index_base in (1, 3, (1 << 33) - 7, (1 << 33) - 6):
+        for count in (1, 2, 9, 130, 515):
+            x = _input(count, torch.float32, seed=count)
+            res = torch.randn(count) * 0.01
+            expected, expected_res = ref.quantize(x, res, bits, block, True, 11, index_base=index_base)
+            mine = res.clone()
+            got = _C.quantize(x, mine, bits, block, True, 11, index_base)
+            what = f"index_base {index_base} count {count}"
+            assert torch.equal(got, expected), what
+            assert torch.equal(mine, expected_res), what
+
+
 def test_dequantize_accumulate_adds_in_float32():
     x = _input(1000, torch.float32)
     q = _C.quantize(x, None, 8, 100, False, 0)

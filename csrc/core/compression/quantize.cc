@@ -23,16 +23,139 @@ inline float round_even(float v) {
 
 // Magnitude ordering of non-NaN floats equals the ordering of their bits without the sign: an
 // integer max reduction, which vectorizes (a float max reduction needs -ffast-math).
-inline float block_absmax(const float* x, size_t m) {
-  uint32_t best = 0;
-  for (size_t k = 0; k < m; ++k) {
-    uint32_t u;
-    std::memcpy(&u, &x[k], 4);
-    best = std::max(best, u & 0x7FFFFFFFu);
-  }
+inline uint32_t magnitude_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u & 0x7FFFFFFFu;
+}
+
+inline float from_bits(uint32_t u) {
   float a;
-  std::memcpy(&a, &best, 4);
+  std::memcpy(&a, &u, 4);
   return a;
+}
+
+// Stages the block's inputs (plus the residual, with error feedback) in float32 and returns
+// their absmax, in one pass.
+template <class T>
+inline float stage_block(const T* __restrict src, const float* __restrict r, size_t m, float* __restrict x) {
+  uint32_t best = 0;
+  if (r != nullptr) {
+    for (size_t k = 0; k < m; ++k) {
+      x[k] = load_f32(src[k]) + r[k];
+      best = std::max(best, magnitude_bits(x[k]));
+    }
+  } else {
+    for (size_t k = 0; k < m; ++k) {
+      x[k] = load_f32(src[k]);
+      best = std::max(best, magnitude_bits(x[k]));
+    }
+  }
+  return from_bits(best);
+}
+
+// Rounds the staged block x[0, m) to integers t in [-qmax, qmax] and, in the same pass, stores
+// t + bias as a byte (int8: the two's complement byte; int4: the nibble value t + 8) and, with
+// error feedback, the residual x - t * scale. `dither` (stochastic rounding) holds each
+// element's 16-bit uniform; null rounds to nearest even.
+template <bool kResidual>
+inline void round_block(const float* __restrict x, const uint16_t* __restrict dither, size_t m, float inv, float scale,
+                        int32_t iqmax, int32_t bias, uint8_t* __restrict qb, float* __restrict r) {
+  const float qmax = static_cast<float>(iqmax);
+  if (dither != nullptr) {
+    for (size_t j = 0; j < m; ++j) {
+      // floor(y) by truncation and a correction for negative non-integers: vectorizes where
+      // std::floor would not without -fno-trapping-math. |y| <= qmax + 1 fits int32.
+      const float y = x[j] * inv + static_cast<float>(dither[j]) * (1.0f / 65536.0f);
+      int32_t t = static_cast<int32_t>(y);
+      t -= static_cast<float>(t) > y ? 1 : 0;
+      t = std::min(iqmax, std::max(-iqmax, t));
+      qb[j] = static_cast<uint8_t>(t + bias);
+      if (kResidual) r[j] = x[j] - static_cast<float>(t) * scale;
+    }
+  } else {
+    for (size_t j = 0; j < m; ++j) {
+      const float v = std::min(qmax, std::max(-qmax, round_even(x[j] * inv)));
+      qb[j] = static_cast<uint8_t>(static_cast<int32_t>(v) + bias);
+      if (kResidual) r[j] = x[j] - v * scale;
+    }
+  }
+}
+
+// The 16-bit uniforms of elements first .. first + m - 1, in element order. Pair p's hash holds
+// the even element's uniform in its low half and the odd one's in its high half: the pair hashes
+// come from one vectorized loop and are read as halves (little-endian), with the odd element
+// that may open the block and the even one that may close it drawn singly.
+inline void block_dither(RngKey key, uint64_t first, size_t m, uint16_t* halves) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "halves assume little-endian pair hashes");
+  if (m == 0) return;
+  size_t k = 0;
+  auto single = [&](uint64_t index) {
+    const uint64_t pair = index >> 1;
+    const uint32_t h = pair_hash(rng_word_key(key, static_cast<uint32_t>(pair >> 32)), static_cast<uint32_t>(pair));
+    return static_cast<uint16_t>((index & 1) ? h >> 16 : h & 0xFFFFu);
+  };
+  if ((first & 1) != 0) halves[k++] = single(first);
+  // Whole pairs: pair p has low index word lo0 + p; past a 2^32 boundary its high word is one more.
+  const uint64_t pair0 = (first + k) >> 1;
+  const uint32_t lo0 = static_cast<uint32_t>(pair0), hi0 = static_cast<uint32_t>(pair0 >> 32);
+  const uint32_t key_here = rng_word_key(key, hi0), key_next = rng_word_key(key, hi0 + 1);
+  const size_t pairs = (m - k) / 2;
+  uint16_t* __restrict dst = halves + k;
+  for (size_t p = 0; p < pairs; ++p) {
+    const uint32_t lo = lo0 + static_cast<uint32_t>(p);
+    const uint32_t h = pair_hash(lo < lo0 ? key_next : key_here, lo);
+    std::memcpy(dst + 2 * p, &h, sizeof h);
+  }
+  if (k + 2 * pairs < m) halves[m - 1] = single(first + m - 1);
+}
+
+// Scratch of one block, in L1.
+struct BlockScratch {
+  alignas(64) float x[kMaxQuantBlock];
+  alignas(64) uint16_t halves[kMaxQuantBlock];
+  alignas(64) uint8_t staged[kMaxQuantBlock + 2];  // int4: biased values before packing
+};
+
+// One block of mb elements (m of them valid, the rest encoded as zeros) at element `first` of
+// the stream. kM > 0 is the common case of a whole block of a default size, known at compile
+// time (m == mb == kM, even `first`): loops without remainders or trip-count checks.
+template <size_t kM, class T>
+inline void quantize_block(QuantFormat fmt, const T* in, float* residual, size_t m_arg, size_t mb_arg,
+                           bool stochastic, RngKey key, uint64_t first, uint8_t* values, float* scale_out,
+                           BlockScratch& s) {
+  const size_t m = kM ? kM : m_arg, mb = kM ? kM : mb_arg;
+  const bool int8 = fmt.bits == 8;
+  const int32_t iqmax = fmt.qmax();
+  const float qmax = static_cast<float>(iqmax);
+  const float amax = stage_block(in, residual, m, s.x);
+  const float scale = amax / qmax;
+  const float inv = amax > 0.0f ? qmax / amax : 0.0f;
+  *scale_out = scale;
+  const uint16_t* dither = nullptr;
+  if (stochastic) {
+    block_dither(key, first, m, s.halves);
+    dither = s.halves;
+  }
+  // int8 values go straight to the payload; int4 ones are staged for packing.
+  uint8_t* qb = int8 ? values : s.staged;
+  const int32_t bias = int8 ? 0 : 8;
+  if (residual != nullptr)
+    round_block<true>(s.x, dither, m, inv, scale, iqmax, bias, qb, residual);
+  else
+    round_block<false>(s.x, dither, m, inv, scale, iqmax, bias, qb, nullptr);
+  if (int8) {
+    if (m < mb) std::memset(qb + m, 0, mb - m);  // elements past `valid` encode as zeros
+    return;
+  }
+  for (size_t k = m; k < mb + 1; ++k) s.staged[k] = 8;  // zeros, and the spare nibble of an odd block
+  // Two staged bytes (a, b) < 16 read as w = a | b << 8: w | w >> 4 has a | b << 4 in its low byte.
+  const size_t pairs = (mb + 1) / 2;
+  for (size_t k = 0; k < pairs; ++k) {
+    uint16_t w;
+    std::memcpy(&w, s.staged + 2 * k, 2);
+    values[k] = static_cast<uint8_t>(w | (w >> 4));
+  }
 }
 
 // One chunk: `valid` elements of `in` quantized into the layout of `capacity` elements; the
@@ -40,82 +163,23 @@ inline float block_absmax(const float* x, size_t m) {
 template <class T>
 void quantize_chunk(QuantFormat fmt, const T* in, float* residual, size_t valid, size_t capacity, bool stochastic,
                     RngKey key, uint64_t index_base, uint8_t* out) {
-  alignas(64) float x[kMaxQuantBlock];
-  alignas(64) int32_t q[kMaxQuantBlock + 1];
-  const float qmax = static_cast<float>(fmt.qmax());
-  const int32_t iqmax = fmt.qmax();
+  BlockScratch scratch;
   float* scales = reinterpret_cast<float*>(out + fmt.scales_offset(capacity));
   // The alignment padding is part of the payload: zero it so payloads are a function of the input.
   std::memset(out + fmt.value_bytes(capacity), 0, fmt.scales_offset(capacity) - fmt.value_bytes(capacity));
   for (size_t b = 0, base = 0; base < capacity; ++b, base += fmt.block) {
     const size_t mb = std::min(fmt.block, capacity - base);
     const size_t m = valid > base ? std::min(mb, valid - base) : 0;
-    const T* __restrict src = in + base;
-    if (residual != nullptr) {
-      const float* __restrict r = residual + base;
-      for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]) + r[k];
-    } else {
-      for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]);
-    }
-    const float amax = block_absmax(x, m);
-    const float scale = amax / qmax;
-    const float inv = amax > 0.0f ? qmax / amax : 0.0f;
-    scales[b] = scale;
-    if (stochastic) {
-      // floor(y) by truncation and a correction for negative non-integers: vectorizes where
-      // std::floor would not without -fno-trapping-math. |y| <= qmax + 1 fits int32.
-      auto round_down = [iqmax](float y) {
-        int32_t t = static_cast<int32_t>(y);
-        t -= static_cast<float>(t) > y ? 1 : 0;
-        return std::min(iqmax, std::max(-iqmax, t));
-      };
-      const uint64_t first = index_base + base;
-      size_t k = 0;
-      if (m > 0 && (first & 1) != 0) {  // an odd first element: the second half of its pair
-        q[0] = round_down(x[0] * inv + uniform01(key, first));
-        k = 1;
-      }
-      // Whole pairs: pair p has low index word lo0 + p; past a 2^32 boundary its high word is one more.
-      const uint64_t pair0 = (first + k) >> 1;
-      const uint32_t lo0 = static_cast<uint32_t>(pair0), hi0 = static_cast<uint32_t>(pair0 >> 32);
-      const uint32_t key_here = rng_word_key(key, hi0), key_next = rng_word_key(key, hi0 + 1);
-      const size_t pairs = (m - k) / 2;
-      float* __restrict xs = x + k;
-      int32_t* __restrict qs = q + k;
-      // The pair hashes first (one vectorized loop), then read as 16-bit halves in element
-      // order: on a little-endian host the low half of pair p's hash (the even element's
-      // uniform_even) comes first, so element j's dither is halves[j], a unit-stride loop.
-      alignas(64) uint32_t hashes[kMaxQuantBlock / 2 + 1];
-      alignas(64) uint16_t halves[kMaxQuantBlock + 2];
-      for (size_t p = 0; p < pairs; ++p) {
-        const uint32_t lo = lo0 + static_cast<uint32_t>(p);
-        hashes[p] = pair_hash(lo < lo0 ? key_next : key_here, lo);
-      }
-      static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "halves[] assumes little-endian hashes");
-      std::memcpy(halves, hashes, pairs * sizeof(uint32_t));
-      for (size_t j = 0; j < 2 * pairs; ++j)
-        qs[j] = round_down(xs[j] * inv + static_cast<float>(halves[j]) * (1.0f / 65536.0f));
-      if (k + 2 * pairs < m) q[m - 1] = round_down(x[m - 1] * inv + uniform01(key, first + m - 1));
-    } else {
-      for (size_t k = 0; k < m; ++k) {
-        const float v = round_even(x[k] * inv);
-        q[k] = static_cast<int32_t>(std::min(qmax, std::max(-qmax, v)));
-      }
-    }
-    if (residual != nullptr) {
-      float* __restrict r = residual + base;
-      for (size_t k = 0; k < m; ++k) r[k] = x[k] - static_cast<float>(q[k]) * scale;
-    }
-    for (size_t k = m; k < mb + 1; ++k) q[k] = 0;  // padding, and the spare nibble of an odd block
-    if (fmt.bits == 8) {
-      int8_t* __restrict o = reinterpret_cast<int8_t*>(out) + base;
-      for (size_t k = 0; k < mb; ++k) o[k] = static_cast<int8_t>(q[k]);
-    } else {
-      uint8_t* __restrict o = out + base / 2;
-      const size_t pairs = (mb + 1) / 2;
-      for (size_t k = 0; k < pairs; ++k)
-        o[k] = static_cast<uint8_t>((q[2 * k] + 8) | ((q[2 * k + 1] + 8) << 4));
-    }
+    const uint64_t first = index_base + base;
+    float* r = residual != nullptr ? residual + base : nullptr;
+    uint8_t* values = out + (fmt.bits == 8 ? base : base / 2);
+    const bool whole = m == mb && (!stochastic || (first & 1) == 0);
+    if (whole && m == 256)
+      quantize_block<256>(fmt, in + base, r, m, mb, stochastic, key, first, values, scales + b, scratch);
+    else if (whole && m == 128)
+      quantize_block<128>(fmt, in + base, r, m, mb, stochastic, key, first, values, scales + b, scratch);
+    else
+      quantize_block<0>(fmt, in + base, r, m, mb, stochastic, key, first, values, scales + b, scratch);
   }
 }
 
