@@ -3,6 +3,11 @@ gloo DDP, braid's exact hook and each compressed hook, and the exposed communica
 
     python -m braid.bench ddp                       # 2 ranks, ~25M parameters
     python -m braid.bench ddp --steps 6 --modes gloo,braid,int8 --json results/ddp.json
+    python -m braid.bench ddp --modes compute,gloo,braid --shapes 4x128,1x128,1x32
+
+``--shapes`` runs one table per (batch x sequence length) per rank, with the same model: how much
+of a step communication takes, and so what an exact hook can save, depends on the tokens each
+rank computes per step against the fixed gradient bytes.
 
 Every mode trains its own copy of the same model from the same weights on the same batches
 (forward, backward, SGD step); the modes take turns step by step. A step is timed from a barrier
@@ -63,7 +68,8 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.tok(ids) + self.pos[: ids.shape[1]]
-        h = self.norm(self.blocks(h, mask=self.mask, is_causal=True))
+        s = ids.shape[1]
+        h = self.norm(self.blocks(h, mask=self.mask[:s, :s], is_causal=True))
         return h @ self.tok.weight.t()
 
 
@@ -74,79 +80,91 @@ def _run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, 
         timeout = timedelta(seconds=args.timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         from braid import comm
-        from braid.comm import ddp
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
         c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=args.timeout)
-        runs = {}
-        for mode in args.modes:
-            torch.manual_seed(0)
-            model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-            net = model
-            compressor = None
-            if mode != "compute":
-                net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
-                if mode != "gloo":
-                    compressor = {
-                        "braid": None,
-                        "bf16": comm.Cast(torch.bfloat16),
-                        "int8": comm.Int8Quantizer(),
-                        "int4": comm.Int4Quantizer(),
-                        "topk": comm.TopK(0.01),
-                    }[mode]
-                    state, hook = ddp.comm_hook(c, compressor)
-                    net.register_comm_hook(state, hook)
-            runs[mode] = {
-                "model": model,
-                "net": net,
-                "compressor": compressor,
-                "times": [],
-                "losses": [],
-                "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
-                "wire0": None,
-            }
-        g = torch.Generator().manual_seed(rank)
-        # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
-        # machine hit every mode alike instead of whichever mode happened to run then.
-        for step in range(args.warmup + args.steps):
-            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-            for mode in args.modes:
-                run = runs[mode]
-                if step == args.warmup and run["compressor"] is not None:
-                    run["wire0"] = run["compressor"].wire_total
-                dist.barrier()
-                t0 = time.perf_counter()
-                logits = run["net"](ids[:, :-1])
-                targets = ids[:, 1:].reshape(-1)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets)
-                run["opt"].zero_grad(set_to_none=False)
-                loss.backward()
-                run["opt"].step()
-                if step >= args.warmup:
-                    run["times"].append(time.perf_counter() - t0)
-                    run["losses"].append(loss.item())
-        results = {}
-        for mode, run in runs.items():
-            ratio = None
-            comp = run["compressor"]
-            if comp is not None:  # the timed steps only (the warm-up is exact)
-                sent = comp.wire_total.sent - run["wire0"].sent
-                ratio = (comp.wire_total.dense - run["wire0"].dense) / sent if sent else None
-            results[mode] = {
-                "times": run["times"],
-                "loss": run["losses"][-1],
-                "wire_ratio": ratio,
-                "nparams": sum(p.numel() for p in run["model"].parameters()),
-            }
+        per_shape = []
+        for batch, seq in args.shapes:
+            per_shape.append(_run_shape(rank, args, c, batch, seq))
         c.close()
         gathered = [None] * world
-        dist.all_gather_object(gathered, results)
+        dist.all_gather_object(gathered, per_shape)
         dist.destroy_process_group()
         if rank == 0:
             queue.put(gathered)
     except Exception:  # noqa: BLE001 -- reported with the rank; the parent fails the run
         sys.stderr.write(f"braid.bench ddp: rank {rank} failed:\n{traceback.format_exc()}")
         queue.put(None)
+
+
+def _run_shape(rank: int, args: argparse.Namespace, c, batch: int, seq: int) -> dict:
+    """Trains every mode for the warm-up and timed steps on (batch, seq) token batches; returns
+    each mode's step times, last loss, wire ratio and parameter count on this rank."""
+    from braid import comm
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    max_seq = max(s for _, s in args.shapes)  # one model for every shape
+    runs = {}
+    for mode in args.modes:
+        torch.manual_seed(0)
+        model = TinyLM(args.vocab, args.dim, args.layers, args.heads, max_seq)
+        net = model
+        compressor = None
+        if mode != "compute":
+            net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
+            if mode != "gloo":
+                compressor = {
+                    "braid": None,
+                    "bf16": comm.Cast(torch.bfloat16),
+                    "int8": comm.Int8Quantizer(),
+                    "int4": comm.Int4Quantizer(),
+                    "topk": comm.TopK(0.01),
+                }[mode]
+                state, hook = ddp.comm_hook(c, compressor)
+                net.register_comm_hook(state, hook)
+        runs[mode] = {
+            "model": model,
+            "net": net,
+            "compressor": compressor,
+            "times": [],
+            "losses": [],
+            "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
+            "wire0": None,
+        }
+    g = torch.Generator().manual_seed(rank)
+    # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
+    # machine hit every mode alike instead of whichever mode happened to run then.
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, args.vocab, (batch, seq + 1), generator=g)
+        for mode in args.modes:
+            run = runs[mode]
+            if step == args.warmup and run["compressor"] is not None:
+                run["wire0"] = run["compressor"].wire_total
+            dist.barrier()
+            t0 = time.perf_counter()
+            logits = run["net"](ids[:, :-1])
+            targets = ids[:, 1:].reshape(-1)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets)
+            run["opt"].zero_grad(set_to_none=False)
+            loss.backward()
+            run["opt"].step()
+            if step >= args.warmup:
+                run["times"].append(time.perf_counter() - t0)
+                run["losses"].append(loss.item())
+    results = {}
+    for mode, run in runs.items():
+        ratio = None
+        comp = run["compressor"]
+        if comp is not None:  # the timed steps only (the warm-up is exact)
+            sent = comp.wire_total.sent - run["wire0"].sent
+            ratio = (comp.wire_total.dense - run["wire0"].dense) / sent if sent else None
+        results[mode] = {
+            "times": run["times"],
+            "loss": run["losses"][-1],
+            "wire_ratio": ratio,
+            "nparams": sum(p.numel() for p in run["model"].parameters()),
+        }
+    return results
 
 
 def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]:
@@ -193,6 +211,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument(
+        "--shapes",
+        metavar="BxS,...",
+        help="comma-separated batch x sequence length per rank, one table each (default: --batch x --seq)",
+    )
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for every wait")
@@ -202,6 +225,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    args.shapes = _parse_shapes(parser, args.shapes) if args.shapes else [(args.batch, args.seq)]
     machine = report.machine_info()
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -218,14 +242,34 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             p.join()
     if gathered is None:
         return 1
-    text, rows = _table(gathered, args.modes)
-    print(
-        f"# braid DDP benchmark: {args.nproc} ranks x {args.threads} thread, {rows[0]['nparams'] / 1e6:.1f}M "
-        f"parameters (dim {args.dim}, {args.layers} layers, vocab {args.vocab}), batch {args.batch} x seq "
-        f"{args.seq} per rank, buckets {args.bucket_mb:g} MB, median of {args.steps} steps; "
-        f"load average {machine['load_average']}"
-    )
-    print(text)
+    all_rows = []
+    for i, (batch, seq) in enumerate(args.shapes):
+        text, rows = _table([per_rank[i] for per_rank in gathered], args.modes)
+        for r in rows:
+            r.update(batch=batch, seq=seq)
+        all_rows.extend(rows)
+        print(
+            f"# braid DDP benchmark: {args.nproc} ranks x {args.threads} thread, "
+            f"{rows[0]['nparams'] / 1e6:.1f}M parameters (dim {args.dim}, {args.layers} layers, "
+            f"vocab {args.vocab}), batch {batch} x seq "
+            f"{seq} per rank, buckets {args.bucket_mb:g} MB, median of {args.steps} steps; "
+            f"load average {machine['load_average']}"
+        )
+        print(text)
     if args.json:
-        report.write_json(args.json, {"machine": machine, "args": vars(args), "rows": rows})
+        report.write_json(args.json, {"machine": machine, "args": vars(args), "rows": all_rows})
     return 0
+
+
+def _parse_shapes(parser: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        try:
+            batch, seq = (int(p) for p in parts)
+        except ValueError:
+            parser.error(f"--shapes: expected BATCHxSEQ items such as 4x128, got {item!r}")
+        if batch < 1 or seq < 1:
+            parser.error(f"--shapes: batch and sequence length must be >= 1, got {item!r}")
+        shapes.append((batch, seq))
+    return shapes
