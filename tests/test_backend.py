@@ -126,8 +126,9 @@ def _run_point_to_point(rank, world_size, store_path):
     n = world_size
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     with braid_default_group(rank, world_size, store_path):
-        # Ring exchanges with isend/irecv, and with batch_isend_irecv, from empty to 3 MiB.
-        for size in (0, 1, 1000, 3 << 18):
+        # Ring exchanges with isend/irecv, and with batch_isend_irecv, from empty to 12 MiB: past
+        # the 4 MiB of mailbox per pair, every rank's send waits for the receive it issued after it.
+        for size in (0, 1, 1000, 3 << 18, 3 << 20):
             out = torch.arange(size, dtype=torch.float32) + 1000 * rank
             got = torch.full((size,), -1.0)
             works = [dist.isend(out, nxt), dist.irecv(got, prv)]

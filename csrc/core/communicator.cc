@@ -29,6 +29,7 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
     group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes,
                                         tun_.skew_rounds != 0);
+    engine_.set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
   }
 }
 
@@ -71,14 +72,113 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
   if (!async && engine_.run_if_idle([&] { execute(req); })) return nullptr;
-  auto work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
+  std::shared_ptr<Work> work;
+  if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
+    auto shared = std::make_shared<Request>(std::move(req));
+    work = std::make_shared<Work>([this, shared] { execute(*shared); });
+    work->set_p2p(shared);
+  } else {
+    work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
+  }
+  engine_.enqueue(work);  // behind the async work issued before it
+  if (p2p_waiting_.load(std::memory_order_seq_cst)) group_->wake();
   if (!async) {
-    engine_.enqueue(work);  // behind the async work issued before it
     work->wait();
     return nullptr;
   }
-  engine_.enqueue(work);
   return work;
+}
+
+void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
+  struct Active {
+    std::shared_ptr<Work> work;
+    Request* req;
+    P2POp op;
+  };
+  std::vector<Active> active;  // issue order
+  size_t admitted = 0;
+  auto admit = [&] {
+    for (; admitted < batch.size(); ++admitted) {
+      auto* r = static_cast<Request*>(batch[admitted]->p2p().get());
+      Active a{batch[admitted], r, P2POp{}};
+      a.op.peer = r->root;
+      a.op.send = r->kind == CollKind::kSend;
+      a.op.data = a.op.send ? const_cast<char*>(static_cast<const char*>(r->in)) : static_cast<char*>(r->out);
+      a.op.bytes = r->count * dtype_size(r->dtype);
+      a.op.dtype = r->dtype;
+      active.push_back(std::move(a));
+    }
+  };
+  // Transfers in one direction with one peer go in issue order: only the first may move.
+  auto lane_head = [&](size_t i) {
+    for (size_t j = 0; j < i; ++j)
+      if (active[j].op.peer == active[i].op.peer && active[j].op.send == active[i].op.send) return false;
+    return true;
+  };
+  try {
+    check_not_poisoned();
+    uint64_t seen = engine_.enqueued();
+    admit();
+    while (!active.empty()) {
+      bool moved = false;
+      for (size_t i = 0; i < active.size();) {
+        if (!lane_head(i)) {
+          ++i;
+          continue;
+        }
+        const size_t before = active[i].op.off;
+        if (group_->advance(active[i].op)) {
+          if (active[i].req->epilogue) active[i].req->epilogue();
+          std::shared_ptr<Work> w = std::move(active[i].work);
+          active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+          w->complete();
+          moved = true;
+          continue;
+        }
+        moved = moved || active[i].op.off != before;
+        ++i;
+      }
+      // Point-to-point issued since (e.g. the receive that the blocked send's peer waits for).
+      const uint64_t now = engine_.enqueued();
+      if (now != seen) {
+        seen = now;
+        const size_t had = batch.size();
+        engine_.take_p2p(batch);
+        admit();
+        moved = moved || batch.size() != had;
+      }
+      if (moved || active.empty()) continue;
+      std::vector<P2POp*> heads;
+      for (size_t i = 0; i < active.size(); ++i)
+        if (lane_head(i)) heads.push_back(&active[i].op);
+      p2p_waiting_.store(true, std::memory_order_seq_cst);
+      struct Clear {
+        std::atomic<bool>& flag;
+        ~Clear() { flag.store(false, std::memory_order_seq_cst); }
+      } clear{p2p_waiting_};
+      group_->wait_p2p(heads.data(), static_cast<int>(heads.size()),
+                       [&] { return engine_.enqueued() != seen; });
+    }
+  } catch (const CommError& e) {
+    poison(e);
+    for (auto& a : active) a.work->fail(e.kind(), e.what());
+    for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(e.kind(), e.what());
+  } catch (const std::exception& e) {
+    for (auto& a : active) a.work->fail(ErrorKind::kGeneric, e.what());
+    for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(ErrorKind::kGeneric, e.what());
+  }
+}
+
+void Communicator::poison(const CommError& e) {
+  {
+    std::lock_guard<std::mutex> lk(poison_mu_);
+    if (poison_kind_ == ErrorKind::kNone) {
+      poison_kind_ = e.kind();
+      poison_msg_ = e.what();
+      poisoned_.store(true, std::memory_order_release);
+    }
+  }
+  if (group_) group_->publish_failure(e.kind(), e.what());
 }
 
 std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std::shared_ptr<void> keepalive,
@@ -169,15 +269,7 @@ void Communicator::execute(Request& r) {
     }
     if (r.epilogue) r.epilogue();
   } catch (const CommError& e) {
-    {
-      std::lock_guard<std::mutex> lk(poison_mu_);
-      if (poison_kind_ == ErrorKind::kNone) {
-        poison_kind_ = e.kind();
-        poison_msg_ = e.what();
-        poisoned_.store(true, std::memory_order_release);
-      }
-    }
-    if (group_) group_->publish_failure(e.kind(), e.what());
+    poison(e);
     throw;
   }
 }

@@ -72,6 +72,10 @@ class Communicator {
  private:
   void execute(Request& r);
   void execute_local(Request& r);
+  // Runs the point-to-point works the engine hands over together (ProgressEngine::P2PRunner).
+  void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
+  // Records the first communication error and tells the peers.
+  void poison(const CommError& e);
   void check_open() const;
   void check_not_poisoned();
 
@@ -83,6 +87,7 @@ class Communicator {
   ProgressEngine engine_;
   uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)
   std::atomic<bool> closed_{false};
+  std::atomic<bool> p2p_waiting_{false};  // run_p2p sleeps: new work must wake it
   std::mutex poison_mu_;
   std::atomic<bool> poisoned_{false};  // set once poison_kind_ is; read without the lock
   ErrorKind poison_kind_ = ErrorKind::kNone;

@@ -17,7 +17,16 @@ void ProgressEngine::enqueue(const std::shared_ptr<Work>& w) {
   }
   if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
   queue_.push_back(w);
+  enqueued_.fetch_add(1, std::memory_order_seq_cst);
   cv_.notify_all();
+}
+
+void ProgressEngine::take_p2p(std::vector<std::shared_ptr<Work>>& batch) {
+  std::lock_guard<std::mutex> lk(mu_);
+  while (!queue_.empty() && queue_.front()->p2p()) {
+    batch.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
 }
 
 void ProgressEngine::loop() {
@@ -28,8 +37,20 @@ void ProgressEngine::loop() {
     auto w = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
-    lk.unlock();
-    w->run();
+    if (w->p2p() && p2p_runner_) {
+      std::vector<std::shared_ptr<Work>> batch{std::move(w)};
+      while (!queue_.empty() && queue_.front()->p2p()) {
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      lk.unlock();
+      p2p_runner_(batch);
+      batch.clear();  // outside the lock (see Work::finish)
+    } else {
+      lk.unlock();
+      w->run();
+      w.reset();
+    }
     lk.lock();
     busy_ = false;
     cv_.notify_all();

@@ -2,11 +2,14 @@
 // latency for blocking calls), otherwise on one background thread started on first use.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "work.h"
 
@@ -38,6 +41,17 @@ class ProgressEngine {
   }
   // Non-blocking: queues `w` for the progress thread.
   void enqueue(const std::shared_ptr<Work>& w);
+
+  // Point-to-point works (Work::p2p()) at the head of the queue are handed to `runner` together,
+  // all the consecutive ones, instead of one at a time: a send that waits for its receiver must
+  // not keep the receive queued behind it from running. The runner completes each work; while it
+  // runs it may call take_p2p() for the point-to-point works queued right behind them since.
+  using P2PRunner = std::function<void(std::vector<std::shared_ptr<Work>>& batch)>;
+  void set_p2p_runner(P2PRunner runner) { p2p_runner_ = std::move(runner); }
+  // Appends to `batch` the point-to-point works now at the head of the queue.
+  void take_p2p(std::vector<std::shared_ptr<Work>>& batch);
+  // Counts enqueue() calls: a runner that waits watches it to notice new work.
+  uint64_t enqueued() const { return enqueued_.load(std::memory_order_seq_cst); }
   // Runs what is queued, then stops the thread. Later submissions are refused by the owner.
   void shutdown();
 
@@ -51,6 +65,8 @@ class ProgressEngine {
   bool busy_ = false;   // a work is executing (inline or on the thread)
   bool stop_ = false;
   std::thread thread_;
+  P2PRunner p2p_runner_;
+  std::atomic<uint64_t> enqueued_{0};
 };
 
 }  // namespace braid

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -22,6 +23,14 @@ class Work {
   void run() noexcept;
   // Marks the work failed without running it.
   void fail(ErrorKind kind, const std::string& msg) noexcept;
+  // Marks the work done without running its body (its job was done by someone else, e.g. the
+  // engine's point-to-point runner).
+  void complete() noexcept { finish(ErrorKind::kNone, {}); }
+
+  // Point-to-point work carries its request here (opaque to the engine), so that consecutive
+  // transfers can be advanced together instead of one blocking the next.
+  void set_p2p(std::shared_ptr<void> request) { p2p_ = std::move(request); }
+  const std::shared_ptr<void>& p2p() const { return p2p_; }
 
   bool is_completed() const;
   bool succeeded() const;
@@ -38,6 +47,7 @@ class Work {
   void finish(ErrorKind kind, std::string msg) noexcept;
 
   std::function<void()> body_;
+  std::shared_ptr<void> p2p_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;

@@ -1,6 +1,7 @@
 // Point-to-point through the shared-memory mailboxes: ring exchanges of every size class, flow
 // control past the mailbox depth, interleaving with collectives, and size mismatches.
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "check.h"
@@ -116,5 +117,63 @@ BRAID_TEST(size_mismatch_raises_on_the_receiver) {
                                                 ctx.comm.submit(p2p(CollKind::kRecv, 0, in), false));
       CHECK_MSG(msg.find("expected 48 bytes of float32 from rank 0, which sent 40 bytes") != std::string::npos, msg);
     }
+  });
+}
+
+// Exchanges larger than the mailboxes, both ways at once: every rank issues its send before its
+// receive (async, as batch_isend_irecv does). The progress thread advances queued transfers
+// together, so the sends cannot block the receives queued behind them. Several exchanges in
+// flight, to the next and (at 3 ranks) the previous rank, with a receive issued before its send
+// on one side, and a collective queued behind them.
+BRAID_TEST(large_exchanges_both_ways_advance_together) {
+  const size_t big = (braid::kMailboxDepth + 2) * kChunkFloats + 3;
+  for (int world : {2, 3}) {
+    GroupSpec g;
+    g.world = world;
+    g.tunables = tiny_tunables(braid::Algo::kAuto);
+    run_group(g, [&](RankCtx& ctx) {
+      const int next = (ctx.rank + 1) % world, prev = (ctx.rank + world - 1) % world;
+      std::vector<std::vector<float>> outs, ins;
+      for (int m = 0; m < 3; ++m) {
+        outs.push_back(message(ctx.rank, m, big + static_cast<size_t>(m)));
+        ins.emplace_back(big + static_cast<size_t>(m), -1.0f);
+      }
+      std::vector<float> back_out = message(ctx.rank, 9, big), back_in(big, -1.0f);
+      std::vector<std::shared_ptr<braid::Work>> works;
+      for (int m = 0; m < 3; ++m) works.push_back(ctx.comm.submit(p2p(CollKind::kSend, next, outs[m]), true));
+      // The reverse direction (another pair of ranks when world > 2), receive first on one side.
+      const bool reverse = world > 2;
+      if (reverse && ctx.rank == 0) {
+        works.push_back(ctx.comm.submit(p2p(CollKind::kRecv, next, back_in), true));
+        works.push_back(ctx.comm.submit(p2p(CollKind::kSend, prev, back_out), true));
+      } else if (reverse) {
+        works.push_back(ctx.comm.submit(p2p(CollKind::kSend, prev, back_out), true));
+        works.push_back(ctx.comm.submit(p2p(CollKind::kRecv, next, back_in), true));
+      }
+      for (int m = 0; m < 3; ++m) works.push_back(ctx.comm.submit(p2p(CollKind::kRecv, prev, ins[m]), true));
+      CallSpec sum;
+      sum.count = 777;
+      run_and_check(ctx.comm, sum);  // queued behind the transfers, in issue order
+      for (auto& w : works) CHECK(w->wait());
+      for (int m = 0; m < 3; ++m) check_message(ins[m], prev, m);
+      if (reverse) check_message(back_in, next, 9);
+    });
+  }
+}
+
+// A blocking receive issued while a large async send waits for its receiver joins the transfers
+// the progress thread advances.
+BRAID_TEST(blocking_receive_behind_a_waiting_send) {
+  const size_t big = (braid::kMailboxDepth + 3) * kChunkFloats;
+  GroupSpec g;
+  g.world = 2;
+  g.tunables = tiny_tunables(braid::Algo::kAuto);
+  run_group(g, [&](RankCtx& ctx) {
+    const int other = 1 - ctx.rank;
+    std::vector<float> out = message(ctx.rank, 4, big), in(big, -1.0f);
+    auto sent = ctx.comm.submit(p2p(CollKind::kSend, other, out), true);
+    ctx.comm.submit(p2p(CollKind::kRecv, other, in), false);
+    CHECK(sent->wait());
+    check_message(in, other, 4);
   });
 }

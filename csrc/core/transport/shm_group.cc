@@ -303,6 +303,12 @@ void ShmGroup::wait_slow(const int* peers, int npeers, const Awaited& awaited, c
       if (awaited(peers[i])) return false;
     return true;
   };
+  wait_until(peers, npeers, awaited, reached, doing);
+}
+
+template <class Awaited, class Reached>
+void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, const Reached& reached,
+                          const std::string* doing) {
   check_abort();
   const auto start = Clock::now();
   // Phase 1: spin. Cheap when peers are running on other cores and about to post.
@@ -373,51 +379,96 @@ uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
   return s;
 }
 
+std::string P2POp::describe() const {
+  return std::string(send ? "send of " : "recv of ") + std::to_string(bytes) + " bytes " + (send ? "to" : "from") +
+         " rank " + std::to_string(peer);
+}
+
+bool ShmGroup::p2p_ready(const P2POp& op) const {
+  if (op.done) return true;
+  if (op.send) return header(op.peer)->mailbox_taken[rank_].load(std::memory_order_acquire) + kMailboxDepth > sent_[op.peer];
+  return header(op.peer)->mailbox_sent[rank_].load(std::memory_order_acquire) > taken_[op.peer];
+}
+
+bool ShmGroup::advance(P2POp& op) {
+  while (!op.done && p2p_ready(op)) {
+    const int peer = op.peer;
+    if (op.send) {
+      // Chunk k reuses the mailbox slot of chunk k - depth, which the receiver has taken (ready).
+      const uint64_t k = sent_[peer];
+      char* slot = bases_[rank_] + layout_.mailbox_offset(peer, k);
+      const size_t n = std::min(op.bytes - op.off, kMailboxChunkBytes);
+      auto* c = reinterpret_cast<MailboxChunk*>(slot);
+      c->total_bytes = op.bytes;
+      c->offset = op.off;
+      c->bytes = n;
+      c->dtype = static_cast<uint32_t>(op.dtype);
+      if (n > 0) std::memcpy(slot + kChunkHeader, op.data + op.off, n);
+      sent_[peer] = k + 1;
+      publish(header(rank_)->mailbox_sent[peer], k + 1);  // release: the chunk is visible first
+      op.off += n;
+    } else {
+      const uint64_t k = taken_[peer];
+      const char* slot = bases_[peer] + layout_.mailbox_offset(rank_, k);
+      const auto* c = reinterpret_cast<const MailboxChunk*>(slot);
+      if (c->total_bytes != op.bytes || c->dtype != static_cast<uint32_t>(op.dtype) || c->offset != op.off ||
+          c->bytes > kMailboxChunkBytes || c->bytes > op.bytes - op.off)
+        throw CommError(ErrorKind::kMismatch,
+                        "point-to-point mismatch: rank " + std::to_string(rank_) + " expected " +
+                            std::to_string(op.bytes) + " bytes of " + dtype_name(op.dtype) + " from rank " +
+                            std::to_string(peer) + ", which sent " + std::to_string(c->total_bytes) + " bytes of " +
+                            dtype_name(static_cast<DType>(c->dtype)));
+      if (c->bytes > 0) std::memcpy(op.data + op.off, slot + kChunkHeader, c->bytes);
+      op.off += c->bytes;
+      taken_[peer] = k + 1;
+      publish(header(rank_)->mailbox_taken[peer], k + 1);
+    }
+    op.done = op.off >= op.bytes;
+  }
+  return op.done;
+}
+
+void ShmGroup::wait_p2p(P2POp* const* ops, int nops, const std::function<bool()>& interrupted) {
+  auto ready = [&] {
+    for (int i = 0; i < nops; ++i)
+      if (p2p_ready(*ops[i])) return true;
+    return interrupted();
+  };
+  if (ready()) return;
+  int peers[kMaxLocalRanks];
+  int npeers = 0;
+  for (int i = 0; i < nops; ++i)
+    if (std::find(peers, peers + npeers, ops[i]->peer) == peers + npeers) peers[npeers++] = ops[i]->peer;
+  auto awaited = [&](int r) {
+    for (int i = 0; i < nops; ++i)
+      if (ops[i]->peer == r && !p2p_ready(*ops[i])) return true;
+    return false;
+  };
+  std::string doing = ops[0]->describe();
+  for (int i = 1; i < nops; ++i) doing += (i + 1 == nops ? " and " : ", ") + ops[i]->describe();
+  wait_until(peers, npeers, awaited, ready, &doing);
+}
+
 void ShmGroup::send(int dst, const void* data, size_t bytes, DType dtype) {
-  const SegmentHeader* peer = header(dst);
-  const std::string doing = "send of " + std::to_string(bytes) + " bytes to rank " + std::to_string(dst);
-  size_t off = 0;
-  do {
-    const uint64_t k = sent_[dst];
-    // Chunk k reuses the mailbox slot of chunk k - depth: wait until the receiver took that one.
-    auto full = [&](int) { return peer->mailbox_taken[rank_].load(std::memory_order_acquire) + kMailboxDepth <= k; };
-    if (full(dst)) wait_slow(&dst, 1, full, &doing);
-    char* slot = bases_[rank_] + layout_.mailbox_offset(dst, k);
-    const size_t n = std::min(bytes - off, kMailboxChunkBytes);
-    auto* c = reinterpret_cast<MailboxChunk*>(slot);
-    c->total_bytes = bytes;
-    c->offset = off;
-    c->bytes = n;
-    c->dtype = static_cast<uint32_t>(dtype);
-    if (n > 0) std::memcpy(slot + kChunkHeader, static_cast<const char*>(data) + off, n);
-    sent_[dst] = k + 1;
-    publish(header(rank_)->mailbox_sent[dst], k + 1);  // release: the chunk is visible first
-    off += n;
-  } while (off < bytes);
+  P2POp op;
+  op.peer = dst;
+  op.send = true;
+  op.data = const_cast<char*>(static_cast<const char*>(data));  // read only
+  op.bytes = bytes;
+  op.dtype = dtype;
+  P2POp* ops[] = {&op};
+  while (!advance(op)) wait_p2p(ops, 1, [] { return false; });
 }
 
 void ShmGroup::recv(int src, void* data, size_t bytes, DType dtype) {
-  const SegmentHeader* peer = header(src);
-  const std::string doing = "recv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(src);
-  size_t off = 0;
-  do {
-    const uint64_t k = taken_[src];
-    auto empty = [&](int) { return peer->mailbox_sent[rank_].load(std::memory_order_acquire) <= k; };
-    if (empty(src)) wait_slow(&src, 1, empty, &doing);
-    const char* slot = bases_[src] + layout_.mailbox_offset(rank_, k);
-    const auto* c = reinterpret_cast<const MailboxChunk*>(slot);
-    if (c->total_bytes != bytes || c->dtype != static_cast<uint32_t>(dtype) || c->offset != off ||
-        c->bytes > kMailboxChunkBytes || c->bytes > bytes - off)
-      throw CommError(ErrorKind::kMismatch,
-                      "point-to-point mismatch: rank " + std::to_string(rank_) + " expected " + std::to_string(bytes) +
-                          " bytes of " + dtype_name(dtype) + " from rank " + std::to_string(src) + ", which sent " +
-                          std::to_string(c->total_bytes) + " bytes of " +
-                          dtype_name(static_cast<DType>(c->dtype)));
-    if (c->bytes > 0) std::memcpy(static_cast<char*>(data) + off, slot + kChunkHeader, c->bytes);
-    off += c->bytes;
-    taken_[src] = k + 1;
-    publish(header(rank_)->mailbox_taken[src], k + 1);
-  } while (off < bytes);
+  P2POp op;
+  op.peer = src;
+  op.send = false;
+  op.data = static_cast<char*>(data);
+  op.bytes = bytes;
+  op.dtype = dtype;
+  P2POp* ops[] = {&op};
+  while (!advance(op)) wait_p2p(ops, 1, [] { return false; });
 }
 
 char* ShmGroup::oneshot(int rank, uint64_t seq) const {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,18 @@ struct WaitPolicy {
 
 struct SegmentHeader;
 
+// One point-to-point transfer in progress (see ShmGroup::advance).
+struct P2POp {
+  int peer = 0;
+  bool send = true;
+  char* data = nullptr;  // send: read only
+  size_t bytes = 0;
+  DType dtype = DType::kFloat32;
+  size_t off = 0;        // bytes moved so far
+  bool done = false;     // a zero-byte transfer still moves one (empty) chunk
+  std::string describe() const;
+};
+
 class ShmGroup {
  public:
   // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
@@ -118,6 +131,14 @@ class ShmGroup {
   // dtype of the matching send; a difference raises a mismatch on the receiver.
   void send(int dst, const void* data, size_t bytes, DType dtype);
   void recv(int src, void* data, size_t bytes, DType dtype);
+  // The same transfers a chunk at a time, so that several advance together: advance() moves
+  // every chunk it can without waiting and returns whether `op` is finished; wait_p2p() waits
+  // until one of `ops` can move a chunk or `interrupted()` is true (deadline, liveness and abort
+  // as every wait). Only the first unfinished op of each (direction, peer) may be advanced.
+  bool advance(P2POp& op);
+  void wait_p2p(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
+  // Wakes every waiter of the host (e.g. a wait_p2p whose `interrupted` became true).
+  void wake() noexcept { wake_all(); }
 
   char* oneshot(int rank, uint64_t seq) const;
   char* slot(int rank, int k) const;
@@ -134,6 +155,12 @@ class ShmGroup {
   // liveness); `doing` names the operation in errors (the current collective when null).
   template <class Awaited>
   void wait_slow(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
+  // wait_slow with its own end condition: returns once `reached()`; `awaited` names the peers
+  // still missing in errors.
+  template <class Awaited, class Reached>
+  void wait_until(const int* peers, int npeers, const Awaited& awaited, const Reached& reached,
+                  const std::string* doing);
+  bool p2p_ready(const P2POp& op) const;
   void wait_slow(const int* peers, int npeers, uint64_t step);
   template <class Awaited>
   bool missing_peer_shares_cpu(const int* peers, int npeers, const Awaited& awaited) const;
