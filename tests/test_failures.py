@@ -245,6 +245,9 @@ def test_mismatched_collectives_raise_on_every_rank(case, n):
     once and stays poisoned; no data is reduced with the wrong partner."""
     for r, result in enumerate(run_ranks(collective_mismatch, n, case)):
         _assert_raised(result["seen"], comm.CollectiveMismatch, DETECTION_LIMIT_S)
+        if case == "algo":  # both descriptions name their algorithm
+            assert "algo twoshot" in result["seen"]["message"], result["seen"]
+            assert "algo ring" in result["seen"]["message"], result["seen"]
         _assert_poisoned(result["poisoned"], comm.CollectiveMismatch)
         assert result["leaked"] == [], r
 

@@ -18,6 +18,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "../tunables.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define BRAID_CPU_RELAX() _mm_pause()
@@ -112,7 +114,7 @@ std::string CollectiveDesc::describe() const {
   if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
     s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
   if (k == CollKind::kBroadcast) s << ", src " << root;
-  s << ", algo " << algo << ")";
+  s << ", algo " << algo_name(static_cast<Algo>(algo)) << ")";  // algo is a byte: not a character
   return s.str();
 }
 
