@@ -138,25 +138,25 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        from .attention_forward import attention_forward
+        from .attention_forward import LN2, attention_forward
 
         # Gradients of unused outputs arrive as None instead of zero tensors: an unused LSE then
         # costs nothing in the backward.
         ctx.set_materialize_grads(False)
         precision = _dot_precision(q)
-        o, lse = attention_forward(q, k, v, causal, scale, precision)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse2 = attention_forward(q, k, v, causal, scale, precision)
+        ctx.save_for_backward(q, k, v, o, lse2)
         ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
-        return o, lse
+        return o, lse2 * LN2
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, dlse: torch.Tensor):
         from .attention_backward import attention_backward
 
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse2 = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, dlse, ctx.causal, ctx.scale, ctx.precision)
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse2, dlse, ctx.causal, ctx.scale, ctx.precision)
         return dq, dk, dv, None, None
 
 

@@ -18,8 +18,6 @@ import triton.language as tl
 from . import attention_configs as cfg
 from .attention_forward import LOG2E, int32_addressable, key_range, strides
 
-_LOG2E = tl.constexpr(LOG2E)
-
 
 @triton.jit
 def attention_delta_kernel(Out, DO, DELTA,
@@ -67,7 +65,7 @@ def _dkdv_tiles(dk, dv, k, v, q_src, do_src, q_b, q_h, lse_ptr, delta_ptr,
                         other=0.0)
             do = tl.load(do_src + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=tile_mask,
                          other=0.0)
-        lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0) * _LOG2E
+        lse2 = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
         if MASKED:
@@ -214,7 +212,7 @@ def attention_dq_kernel(
                 mask=tile_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=tile_mask, other=0.0)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_ok, other=0.0) * _LOG2E
+    lse2 = tl.load(LSE + bh.to(tl.int64) * seq_q + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * seq_q + offs_m, mask=row_ok, other=0.0)
     if USE_TMA:
         k_src = K
@@ -247,11 +245,11 @@ _dq_tuned = triton.autotune(cfg.DQ_CONFIGS, key=cfg.TUNING_KEY,
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, scale: float,
+                       lse2: torch.Tensor, dlse: Optional[torch.Tensor], causal: bool, scale: float,
                        dot_precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (in the dtypes and layouts of q, k, v) from the output gradient `do`, the LSE's
-    gradient `dlse` (None when the LSE was not used) and what the forward kept: its inputs, output
-    and float32 LSE."""
+    """dQ, dK, dV (in the dtypes and layouts of q, k, v) from the output gradient `do`, the
+    natural-log LSE's gradient `dlse` (None when the LSE was not used) and what the forward kept:
+    its inputs, output and float32 base-2 LSE `lse2`."""
     do, q, k, v, o = (int32_addressable(t) for t in (do, q, k, v, o))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -285,9 +283,9 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,
             "USE_TMA": use_tma}
     tail = (seq_q, seq_k, scale, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
-    dkdv_args = (dkdv_q, k, v, dkdv_do, lse, delta, dk, dv, *strides(q), *strides(k), *strides(v),
+    dkdv_args = (dkdv_q, k, v, dkdv_do, lse2, delta, dk, dv, *strides(q), *strides(k), *strides(v),
                  *strides(do), *strides(dk), *strides(dv), kv_heads, group, *tail)
-    dq_args = (q, dq_k, dq_v, do, lse, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do),
+    dq_args = (q, dq_k, dq_v, do, lse2, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do),
                *strides(dq), heads, group, *tail)
     if interpreting:
         blocks = cfg.INTERPRETER_DKDV

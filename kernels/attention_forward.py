@@ -8,7 +8,7 @@ import triton.language as tl
 from . import attention_configs as cfg
 
 LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 so that exp2 can be used
-_LN2 = tl.constexpr(0.6931471805599453)  # back from base 2 to the natural-log LSE
+LN2 = 0.6931471805599453  # back from base 2 to the natural-log LSE callers see
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def attention_forward_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O = softmax(Q K^T * scale) V for one BLOCK_M tile of queries of one (batch, head), and
-    LSE = the natural-log logsumexp of each row's scaled scores, in float32.
+    LSE = the base-2 logsumexp of each row's scaled scores (m + log2(l)), in float32.
 
     qk_scale is the softmax scale times log2(e). The kv head of query head h is h // group.
     BUCKET_Q and BUCKET_K only key the autotuner. With USE_TMA, K and V are tensor descriptors
@@ -132,8 +132,7 @@ def attention_forward_kernel(
                                    stride_vn, stride_vd, offs_m, offs_d, d_ok, seq_k, qk_scale, hi_full, hi,
                                    True, CAUSAL, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_D)
 
-    tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, (m_i + tl.log2(l_i)) * _LN2,
-             mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * seq_q + offs_m, m_i + tl.log2(l_i), mask=row_ok)
     o = acc / l_i[:, None]
     o_base = Out + b * stride_ob + h * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, o.to(Out.dtype.element_ty),
@@ -165,7 +164,10 @@ def int32_addressable(t: torch.Tensor) -> torch.Tensor:
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                       dot_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the forward kernel on (B, H, S, D) tensors of any strides; k and v may have fewer
-    heads (a divisor of q's). Returns the output (q's dtype and layout) and the float32 LSE (B, H, Sq)."""
+    heads (a divisor of q's). Returns the output (q's dtype and layout) and the float32 base-2 LSE
+    (B, H, Sq): the backward recomputes P = exp2(S * scale * log2(e) - LSE) from it, which is
+    consistent with the forward's own exponents only in base 2 (converting to the natural log and
+    back would add a rounding per row, the same for every key of the row, that dK accumulates)."""
     q, k, v = (int32_addressable(t) for t in (q, k, v))
     batch, heads, seq_q, head_dim = q.shape
     group = heads // k.shape[1]
