@@ -16,7 +16,7 @@ all: install
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install "$(TORCH_SPEC)" numpy triton pytest pytest-benchmark pytest-timeout ninja matplotlib
+	$(PIP) install "$(TORCH_SPEC)" numpy triton==3.9.0 pytest pytest-benchmark pytest-timeout ninja matplotlib
 	touch $@
 
 deps: $(VENV)/.deps
