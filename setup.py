@@ -32,7 +32,11 @@ def extension():
     march = os.environ.get("BRAID_MARCH", "native")
     # -ffp-contract=off: no fused multiply-adds behind the source's back, so the compression
     # kernels round exactly as their pure-torch references (and as every other rank's build).
-    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden", "-ffp-contract=off"]
+    # -fno-trapping-math: floating-point exceptions are never enabled here, so the compiler may
+    # evaluate both arms of a select (the float16 conversions need that to vectorize); no result
+    # changes.
+    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
+           "-ffp-contract=off", "-fno-trapping-math"]
     if march:
         cxx.append(f"-march={march}")
     core = sources("csrc/core/**/*.cc")

@@ -24,8 +24,8 @@ template <> struct Traits<BF16> {
 };
 template <> struct Traits<F16> {
   using Acc = float;
-  static float load(F16 x) { return static_cast<float>(x.value); }
-  static F16 store(float x) { return F16{static_cast<_Float16>(x)}; }
+  static float load(F16 x) { return f16_to_f32(x.bits); }
+  static F16 store(float x) { return F16{f32_to_f16(x)}; }
 };
 
 // NaN propagates through max/min as in torch (x != x is false for integers and folds away).
@@ -46,6 +46,15 @@ struct MinOp {
   template <class A> static A apply(A a, A b) { return (a <= b || a != a) ? a : b; }
 };
 
+// The accumulators of a block, rounded to the element type.
+template <class T, class Acc> void store_block(const Acc* __restrict tmp, T* __restrict o, size_t m) {
+  if constexpr (std::is_same_v<T, F16>) {
+    f32_to_f16_n(tmp, reinterpret_cast<uint16_t*>(o), m);
+  } else {
+    for (size_t k = 0; k < m; ++k) o[k] = Traits<T>::store(tmp[k]);
+  }
+}
+
 // 512 accumulators: 2-4 KB, resident in L1 across the passes over the inputs.
 constexpr size_t kBlock = 512;
 
@@ -65,6 +74,15 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
         } else {
           for (size_t k = 0; k < m; ++k) tmp[k] = Op::apply(tmp[k], s[k]);
         }
+      } else if constexpr (std::is_same_v<T, F16>) {  // converted a block at a time (F16C)
+        const uint16_t* s = static_cast<const uint16_t*>(srcs[j].ptr) + base;
+        if (j == 0) {
+          f16_to_f32_n(s, tmp, m);
+        } else {
+          alignas(64) float conv[kBlock];
+          f16_to_f32_n(s, conv, m);
+          for (size_t k = 0; k < m; ++k) tmp[k] = Op::apply(tmp[k], conv[k]);
+        }
       } else {
         const T* __restrict s = static_cast<const T*>(srcs[j].ptr) + base;
         if (j == 0) {
@@ -79,7 +97,7 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
       for (size_t k = 0; k < m; ++k) tmp[k] = tmp[k] / d;
     }
     if (stream && !dst_acc && dst2 == nullptr) {
-      for (size_t k = 0; k < m; ++k) staged[k] = Traits<T>::store(tmp[k]);
+      store_block(tmp, staged, m);
       copy_streaming(static_cast<T*>(dst) + base, staged, m * sizeof(T), /*fence=*/false);
       continue;
     }
@@ -90,8 +108,7 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
         Acc* __restrict o = static_cast<Acc*>(out) + base;
         for (size_t k = 0; k < m; ++k) o[k] = tmp[k];
       } else {
-        T* __restrict o = static_cast<T*>(out) + base;
-        for (size_t k = 0; k < m; ++k) o[k] = Traits<T>::store(tmp[k]);
+        store_block(tmp, static_cast<T*>(out) + base, m);
       }
     }
   }

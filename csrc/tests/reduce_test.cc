@@ -1,9 +1,12 @@
 // Reduction kernels (braid::reduce_n) against the scalar references, bit for bit.
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <vector>
 
 #include "check.h"
+#include "core/half.h"
 #include "core/reduce.h"
 #include "reference.h"
 
@@ -170,6 +173,56 @@ BRAID_TEST(half_references_round_to_nearest_even) {
   }
   CHECK_EQ(bad_f16, 0);
   CHECK_EQ(bad_bf16, 0);
+}
+
+// The kernels' own float16 conversions (bit arithmetic that vectorizes) against the references:
+// every float16 pattern one way; the other way every rounding case (just below, at and just above
+// the halfway point, with both parities) for each of the 2^19 upper bit patterns of a float32,
+// which covers every exponent (subnormal results, overflow, infinities and NaNs included), and a
+// hashed sample of all the other low bits.
+BRAID_TEST(float16_conversions_match_the_reference_bit_for_bit) {
+  // float16 -> float32: the scalar function and the array one (F16C where built with it; an
+  // odd count leaves a scalar tail).
+  std::vector<uint16_t> halves(0x10000);
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) halves[h] = static_cast<uint16_t>(h);
+  std::vector<float> wide(halves.size());
+  braid::f16_to_f32_n(halves.data(), wide.data(), 0xFFFF);
+  wide[0xFFFF] = braid::f16_to_f32(0xFFFF);
+  int bad = 0;
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) {
+    const float want = ref_f16_to_f32(static_cast<uint16_t>(h));
+    for (float got : {braid::f16_to_f32(static_cast<uint16_t>(h)), wide[h]})
+      if (std::isnan(want) ? !std::isnan(got) : std::memcmp(&got, &want, 4) != 0) ++bad;
+  }
+  CHECK_EQ(bad, 0);
+  // float32 -> float16, in batches through both functions.
+  std::vector<float> batch;
+  std::vector<uint16_t> narrow;
+  auto flush = [&] {
+    narrow.resize(batch.size());
+    braid::f32_to_f16_n(batch.data(), narrow.data(), batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const uint16_t want = ref_f32_to_f16(batch[i]);
+      if (narrow[i] != want || braid::f32_to_f16(batch[i]) != want) ++bad;
+    }
+    batch.clear();
+  };
+  auto check = [&](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    batch.push_back(f);
+    if (batch.size() == 4099) flush();
+  };
+  for (uint32_t hi = 0; hi < (1u << 19); ++hi)
+    for (uint32_t lo : {0x0000u, 0x0001u, 0x0FFFu, 0x1000u, 0x1001u, 0x1FFFu})
+      check((hi << 13) | lo);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < (1 << 22); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
+    check(static_cast<uint32_t>(x >> 16));
+  }
+  flush();
+  CHECK_EQ(bad, 0);
 }
 
 BRAID_TEST(reduce_n_matches_reference_for_every_dtype_and_op) {
