@@ -440,16 +440,17 @@ class Cast(Compressor):
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
         n, numel = comm.world_size, flat.numel()
         residual = self._residual_for(key, numel)
-        if residual is not None:
-            _C.error_feedback(flat, residual, None)  # residual = input + residual
-            sent = residual.to(self.dtype)
-            residual.sub_(sent.to(torch.float32))  # what the cast dropped
-        else:
-            sent = flat.to(self.dtype)
+        bufs = self._take_scratch(
+            key, lambda: [torch.empty(numel, dtype=self.dtype)], lambda b: b[0].numel() == numel
+        )
+        sent = bufs[0]
+        # One pass: sent = round(input + residual), residual = what the rounding dropped.
+        _C.cast(flat, residual, sent)
         work = comm._c.all_reduce(sent, op_code, async_op)
 
         def finish() -> None:
             flat.copy_(sent)
+            self._scratch[key] = bufs
 
         moved = dense_wire_bytes(numel * sent.element_size(), n)
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))

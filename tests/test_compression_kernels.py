@@ -170,6 +170,29 @@ def test_error_feedback_kernel_matches_reference():
         assert torch.equal(res, expected)
 
 
+@pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float16))
+def test_cast_kernel_matches_reference(out_dtype):
+    """sent = round(x + residual) and residual = (x + residual) - sent, bit for bit as torch
+    computes them, including values that overflow float16, subnormals, infinities and NaN."""
+    for dtype in FLOATS:
+        for count in SIZES:
+            x = _input(count, dtype, seed=count)
+            if count >= 8:
+                x[:6] = torch.tensor([7e4, -1e-6, 3e-8, float("inf"), float("nan"), -0.0]).to(dtype)
+            res = torch.randn(count) * 0.01
+            res[:6] = 0  # the special values reach the rounding as they are
+            full = x.float() + res
+            expected = full.to(out_dtype)
+            sent = torch.empty(count, dtype=out_dtype)
+            _C.cast(x, res, sent)
+            exact = dict(rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(sent, expected, **exact)
+            torch.testing.assert_close(res, full - expected.float(), **exact)
+            plain = torch.empty(count, dtype=out_dtype)
+            _C.cast(x, None, plain)
+            torch.testing.assert_close(plain, x.float().to(out_dtype), **exact)
+
+
 def _check_top_k(x: torch.Tensor, k: int, values, indices) -> None:
     k = min(k, x.numel())
     assert values.numel() == indices.numel() == k
@@ -254,6 +277,10 @@ def test_bad_kernel_arguments_named():
         (lambda: _C.dequantize(torch.zeros(3, dtype=torch.uint8), 8, 256, x), ValueError, "payload"),
         (lambda: _C.top_k(x, -1), ValueError, "k"),
         (lambda: _C.error_feedback(x, torch.zeros(10), torch.zeros(3)), ValueError, "sent"),
+        (lambda: _C.cast(x, None, torch.empty(10)), TypeError, "out"),
+        (lambda: _C.cast(x, torch.zeros(9), torch.empty(10, dtype=torch.bfloat16)), ValueError, "residual"),
+        (lambda: _C.cast(x, None, torch.empty(9, dtype=torch.float16)), ValueError, "out"),
+        (lambda: _C.cast(x, None, x.view(torch.bfloat16)[:10]), ValueError, "overlap"),
     ]
     for fn, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):

@@ -133,6 +133,28 @@ void error_feedback_tensor(py::handle input, py::handle residual, py::handle sen
                         static_cast<size_t>(in.numel()));
 }
 
+void cast_tensor(py::handle input, py::handle residual, py::handle out) {
+  at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
+  at::Tensor o = checked_contiguous(out, "out", {at::kBFloat16, at::kHalf});
+  check_same_numel(in, "input", o, "out");
+  at::Tensor res;
+  if (!residual.is_none()) {
+    res = checked_contiguous(residual, "residual", {at::kFloat});
+    check_same_numel(in, "input", res, "residual");
+  }
+  auto overlaps = [&](const at::Tensor& t) {
+    const auto* a = static_cast<const char*>(t.data_ptr());
+    const auto* b = static_cast<const char*>(o.data_ptr());
+    return t.numel() > 0 && a < b + o.nbytes() && b < a + t.nbytes();
+  };
+  if (overlaps(in) || (res.defined() && overlaps(res)))
+    throw py::value_error("out must not overlap input or residual");
+  const DType dt = to_dtype(in.scalar_type(), "input"), odt = to_dtype(o.scalar_type(), "out");
+  py::gil_scoped_release nogil;
+  cast_with_feedback(dt, in.data_ptr(), res.defined() ? res.data_ptr<float>() : nullptr, odt, o.data_ptr(),
+                     static_cast<size_t>(in.numel()));
+}
+
 // The middle of a quantized all-reduce as one unit of work (see quantized_all_reduce.h).
 py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::handle recv, py::handle accumulator,
                                         py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
@@ -195,6 +217,7 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
   m.def("top_k", &top_k_tensor, py::arg("input"), py::arg("k"));
   m.def("scatter_add", &scatter_add_tensor, py::arg("accumulator"), py::arg("indices"), py::arg("values"));
   m.def("error_feedback", &error_feedback_tensor, py::arg("input"), py::arg("residual"), py::arg("sent"));
+  m.def("cast", &cast_tensor, py::arg("input"), py::arg("residual"), py::arg("out"));
   communicator.def("quantized_all_reduce", &quantized_all_reduce_tensors, py::arg("send"), py::arg("recv"),
                    py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
                    py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"));
