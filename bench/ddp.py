@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import statistics
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import report
+from . import launch, report
 
 MODES = ("compute", "gloo", "braid", "bf16", "int8", "int4", "topk")
 DESCRIPTIONS = {
@@ -73,30 +68,28 @@ class TinyLM(torch.nn.Module):
         return h @ self.tok.weight.t()
 
 
-def _run_rank(rank: int, world: int, store_path: str, args: argparse.Namespace, queue) -> None:
-    try:
-        torch.set_num_threads(args.threads)
-        store = dist.FileStore(store_path, world)
-        timeout = timedelta(seconds=args.timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        from braid import comm
+def _run_rank(rank: int, world: int, store_port: int | None, args: argparse.Namespace) -> int:
+    """One rank: every shape, then rank 0 gathers the figures and reports them."""
+    launch.start_rank(rank, world, store_port, bind=args.bind, threads=args.threads, timeout_s=args.timeout)
+    from braid import comm
 
-        c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=args.timeout)
-        per_shape = []
-        for batch, seq in args.shapes:
-            per_shape.append(_run_shape(rank, args, c, batch, seq))
+    try:
+        c = comm.init(timeout=args.timeout)
+        total = len(args.shapes) * (args.warmup + args.steps) * len(args.modes)
+        progress = report.Progress(total, enabled=rank == 0)
+        per_shape = [_run_shape(rank, args, c, batch, seq, progress) for batch, seq in args.shapes]
+        progress.close()
         c.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, per_shape)
+    finally:
         dist.destroy_process_group()
-        if rank == 0:
-            queue.put(gathered)
-    except Exception:  # noqa: BLE001 -- reported with the rank; the parent fails the run
-        sys.stderr.write(f"braid.bench ddp: rank {rank} failed:\n{traceback.format_exc()}")
-        queue.put(None)
+    return _report(args, gathered) if rank == 0 else 0
 
 
-def _run_shape(rank: int, args: argparse.Namespace, c, batch: int, seq: int) -> dict:
+def _run_shape(
+    rank: int, args: argparse.Namespace, c, batch: int, seq: int, progress: report.Progress
+) -> dict:
     """Trains every mode for the warm-up and timed steps on (batch, seq) token batches; returns
     each mode's step times, last loss, wire ratio and parameter count on this rank."""
     from braid import comm
@@ -138,6 +131,7 @@ def _run_shape(rank: int, args: argparse.Namespace, c, batch: int, seq: int) -> 
         ids = torch.randint(0, args.vocab, (batch, seq + 1), generator=g)
         for mode in args.modes:
             run = runs[mode]
+            progress(mode, f"{batch}x{seq} step {step + 1}/{args.warmup + args.steps}", None)
             if step == args.warmup and run["compressor"] is not None:
                 run["wire0"] = run["compressor"].wire_total
             dist.barrier()
@@ -219,6 +213,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for every wait")
+    parser.add_argument("--deadline", type=float, default=7200.0, help="seconds the whole run may take")
+    parser.add_argument("--bind", choices=("auto", "core", "none"), default="none",
+                        help="rank placement as for the collectives benchmark (default none: "
+                             "braid's and gloo's communication threads run wherever a core is free)")
     parser.add_argument("--json", metavar="PATH", help="write machine info and rows as JSON")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
@@ -226,22 +224,19 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     args.shapes = _parse_shapes(parser, args.shapes) if args.shapes else [(args.batch, args.seq)]
-    machine = report.machine_info()
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="braid-bench-ddp-") as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_run_rank, args=(r, args.nproc, store_path, args, queue))
-            for r in range(args.nproc)
-        ]
-        for p in procs:
-            p.start()
-        gathered = queue.get()
-        for p in procs:
-            p.join()
-    if gathered is None:
-        return 1
+    args.machine = report.machine_info()
+    args.bind = launch.resolve_bind(args.bind, args.nproc)
+    started = time.time()
+    if launch.launcher() == "torchrun":
+        return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                                         None, args)
+    return launch.spawn(_run_rank, args.nproc, args.timeout, started + args.deadline, args)
+
+
+def _report(args: argparse.Namespace, gathered: list) -> int:
+    """Prints one table per shape and writes the JSON (rank 0)."""
+    machine = args.machine
+    world = len(gathered)
     all_rows = []
     for i, (batch, seq) in enumerate(args.shapes):
         text, rows = _table([per_rank[i] for per_rank in gathered], args.modes)
@@ -249,15 +244,16 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             r.update(batch=batch, seq=seq)
         all_rows.extend(rows)
         print(
-            f"# braid DDP benchmark: {args.nproc} ranks x {args.threads} thread, "
+            f"# braid DDP benchmark: {world} ranks x {args.threads} thread, "
             f"{rows[0]['nparams'] / 1e6:.1f}M parameters (dim {args.dim}, {args.layers} layers, "
             f"vocab {args.vocab}), batch {batch} x seq "
             f"{seq} per rank, buckets {args.bucket_mb:g} MB, median of {args.steps} steps; "
             f"load average {machine['load_average']}"
         )
-        print(text)
+        print(text, flush=True)
     if args.json:
-        report.write_json(args.json, {"machine": machine, "args": vars(args), "rows": all_rows})
+        settings = {k: v for k, v in vars(args).items() if k != "machine"}
+        report.write_json(args.json, {"machine": machine, "args": settings, "rows": all_rows})
     return 0
 
 

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 EXIT_FAILED = 1
@@ -57,6 +58,15 @@ def init_gloo(rank: int, world_size: int, store_port: int | None, timeout_s: flo
     else:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def start_rank(rank: int, world_size: int, store_port: int | None, *, bind: str, threads: int,
+               timeout_s: float) -> None:
+    """A rank's start: placement (``bind`` "core" pins it), torch threads, the run's gloo group."""
+    if bind == "core":
+        bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.set_num_threads(threads)
+    init_gloo(rank, world_size, store_port, timeout_s)
 
 
 def run_rank_reporting(fn: RankFn, rank: int, world_size: int, store_port: int | None, *args) -> int:

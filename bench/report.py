@@ -34,14 +34,14 @@ class Progress:
         self._last_line = 0.0
         self._width = 0
 
-    def __call__(self, impl: str, op: str, nbytes: int) -> None:
-        """Announces the next cell."""
+    def __call__(self, impl: str, op: str, nbytes: int | None) -> None:
+        """Announces the next cell (``nbytes`` None: no size to show)."""
         self._done += 1
         if not self._enabled:
             return
         filled = 20 * (self._done - 1) // self._total  # cells finished before this one
         line = (f"[{'#' * filled}{'-' * (20 - filled)}] {self._done:>{len(str(self._total))}}/{self._total}"
-                f"  {impl} {op} {human_bytes(nbytes)}")
+                f"  {impl} {op}" + ("" if nbytes is None else f" {human_bytes(nbytes)}"))
         if self._tty:
             self._stream.write("\r" + line.ljust(self._width))
             self._width = len(line)

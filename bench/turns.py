@@ -106,10 +106,7 @@ def start(rank_fn: Callable[..., int], config, run: RunOptions, name: str) -> in
 @contextmanager
 def rank_session(rank: int, world_size: int, store_port: int | None, run: RunOptions) -> Iterator:
     """Placement and threads of this rank, the run's gloo group and a braid communicator on it."""
-    if run.bind == "core":
-        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
-    torch.set_num_threads(run.threads)
-    launch.init_gloo(rank, world_size, store_port, run.timeout)
+    launch.start_rank(rank, world_size, store_port, bind=run.bind, threads=run.threads, timeout_s=run.timeout)
     try:
         c = comm.init(timeout=run.timeout)
         yield c
