@@ -113,6 +113,10 @@ def cpu_rows(numel: int, repeats: int) -> list[dict]:
     add("error feedback update", lambda: _C.error_feedback(x, res, out))
     bf = x.to(torch.bfloat16)
     add("cast to bfloat16 (torch)", lambda: bf.copy_(x), numel * 2, _rel_error(x, bf))
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        sent = torch.empty(numel, dtype=dtype)
+        add(f"cast to {name} + error feedback", functools.partial(_C.cast, x, res, sent), numel * 2,
+            _rel_error(x, x.to(dtype)))
     for r in rows:
         r["gbps"] = nbytes / r["seconds"] / 1e9
         r["vs_copy"] = copy_s / r["seconds"]

@@ -3,6 +3,10 @@
 
 #include "../half.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
 namespace braid {
 namespace {
 
@@ -15,26 +19,51 @@ void update_typed(const T* __restrict in, float* __restrict residual, const floa
   }
 }
 
-template <class In, class Out>
-void cast_typed(const In* __restrict in, float* __restrict residual, Out* __restrict out, size_t count) {
-  if (residual != nullptr) {
-    for (size_t i = 0; i < count; ++i) {
-      const float x = load_f32(in[i]) + residual[i];
-      const Out s = store_from_f32<Out>(x);
-      out[i] = s;
-      residual[i] = x - load_f32(s);
-    }
+// Arrays to and from a 16-bit format, as raw bits (F16C for float16 where the target has it).
+template <class Out> void round16_n(const float* __restrict x, uint16_t* __restrict out, size_t m) {
+  if constexpr (std::is_same_v<Out, BF16>) {
+    for (size_t k = 0; k < m; ++k) out[k] = f32_to_bf16(x[k]);
   } else {
-    for (size_t i = 0; i < count; ++i) out[i] = store_from_f32<Out>(load_f32(in[i]));
+    f32_to_f16_n(x, out, m);
+  }
+}
+template <class Out> void widen16_n(const uint16_t* __restrict bits, float* __restrict x, size_t m) {
+  if constexpr (std::is_same_v<Out, BF16>) {
+    for (size_t k = 0; k < m; ++k) x[k] = bf16_to_f32(bits[k]);
+  } else {
+    f16_to_f32_n(bits, x, m);
+  }
+}
+
+// A block at a time, each step its own loop (rounding and widening in one loop body do not
+// vectorize for float16): x = in + residual, out = round(x), residual = x - widen(out).
+template <class In, class Out>
+void cast_typed(const In* __restrict in, float* __restrict residual, uint16_t* __restrict out, size_t count) {
+  constexpr size_t kBlock = 512;
+  alignas(64) float x[kBlock];
+  alignas(64) float back[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t m = std::min(kBlock, count - base);
+    const In* __restrict src = in + base;
+    if (residual != nullptr) {
+      float* __restrict r = residual + base;
+      for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]) + r[k];
+      round16_n<Out>(x, out + base, m);
+      widen16_n<Out>(out + base, back, m);
+      for (size_t k = 0; k < m; ++k) r[k] = x[k] - back[k];
+    } else {
+      for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]);
+      round16_n<Out>(x, out + base, m);
+    }
   }
 }
 
 template <class Out>
-void cast_from(DType in_dtype, const void* in, float* residual, Out* out, size_t count) {
+void cast_from(DType in_dtype, const void* in, float* residual, uint16_t* out, size_t count) {
   switch (in_dtype) {
-    case DType::kFloat32: return cast_typed(static_cast<const float*>(in), residual, out, count);
-    case DType::kBFloat16: return cast_typed(static_cast<const BF16*>(in), residual, out, count);
-    case DType::kFloat16: return cast_typed(static_cast<const F16*>(in), residual, out, count);
+    case DType::kFloat32: return cast_typed<float, Out>(static_cast<const float*>(in), residual, out, count);
+    case DType::kBFloat16: return cast_typed<BF16, Out>(static_cast<const BF16*>(in), residual, out, count);
+    case DType::kFloat16: return cast_typed<F16, Out>(static_cast<const F16*>(in), residual, out, count);
     default: return;
   }
 }
@@ -42,8 +71,9 @@ void cast_from(DType in_dtype, const void* in, float* residual, Out* out, size_t
 }  // namespace
 
 void cast_with_feedback(DType in_dtype, const void* in, float* residual, DType out_dtype, void* out, size_t count) {
-  if (out_dtype == DType::kBFloat16) return cast_from(in_dtype, in, residual, static_cast<BF16*>(out), count);
-  if (out_dtype == DType::kFloat16) return cast_from(in_dtype, in, residual, static_cast<F16*>(out), count);
+  auto* bits = static_cast<uint16_t*>(out);
+  if (out_dtype == DType::kBFloat16) return cast_from<BF16>(in_dtype, in, residual, bits, count);
+  if (out_dtype == DType::kFloat16) return cast_from<F16>(in_dtype, in, residual, bits, count);
 }
 
 void error_feedback_update(DType dtype, const void* in, float* residual, const float* sent, size_t count) {
