@@ -404,13 +404,17 @@ class TopK(Compressor):
         work = comm._c.all_gather(gathered, send, async_op)
 
         def finish() -> None:
-            acc = torch.zeros(numel, dtype=torch.float32)
+            if flat.dtype == torch.float32:  # summed in place: no dense temporary
+                acc = flat.zero_()
+            else:
+                acc = torch.zeros(numel, dtype=torch.float32)
             for r in range(n):  # rank order: every rank sums the same pairs in the same order
                 part = gathered[r * 8 * k : (r + 1) * 8 * k]
                 _C.scatter_add(acc, part[4 * k :].view(torch.int32), part[: 4 * k].view(torch.float32))
             if op_code == _AVG:
                 acc.div_(n)
-            flat.copy_(acc)
+            if acc is not flat:
+                flat.copy_(acc)
 
         moved = (n - 1) * 8 * k
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
