@@ -228,6 +228,14 @@ def test_top_k_paths():
     assert exact
     _check_top_k(sparse, 1000, values, indices)
     assert torch.equal(indices[values == 0].long(), torch.nonzero(sparse == 0).flatten()[:700])
+    # A sampled threshold of 0 (80% zeros, k = 30%) keeps every element of a tensor whose last
+    # block ends in a partial group (100003 = 390 * 256 + 163).
+    tail = torch.randn(100003, generator=torch.Generator().manual_seed(5))
+    tail[torch.rand(100003, generator=torch.Generator().manual_seed(6)) < 0.8] = 0
+    values, indices, exact = _C.top_k(tail, 30000)
+    assert not exact
+    _check_top_k(tail, 30000, values, indices)
+    assert int(indices.max()) < 100003
 
 
 def test_scatter_add_matches_index_add():

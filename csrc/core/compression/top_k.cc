@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,36 @@ inline uint32_t mag_bits(float v) {
   std::memcpy(&b, &v, sizeof b);
   return b & 0x7fffffffu;
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// AVX2 has no compress: a table gives, for each 4-bit hit mask, the permutation of 32-bit lanes
+// that moves the hit (value, index) pairs of four elements to the front, in order.
+struct PairPermutations {
+  alignas(32) int32_t lanes[16][8];
+};
+constexpr PairPermutations make_pair_permutations() {
+  PairPermutations p{};
+  for (int m = 0; m < 16; ++m) {
+    int o = 0;
+    for (int j = 0; j < 4; ++j) {
+      if ((m >> j) & 1) {
+        p.lanes[m][2 * o] = 2 * j;
+        p.lanes[m][2 * o + 1] = 2 * j + 1;
+        ++o;
+      }
+    }
+  }
+  return p;
+}
+constexpr PairPermutations kPairPerm = make_pair_permutations();
+
+// Appends the hit pairs of four elements held as interleaved (value, index) 32-bit lanes.
+inline size_t take_quad(__m256i pairs, unsigned mask4, Candidate* out) {
+  const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPairPerm.lanes[mask4]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(pairs, perm));
+  return static_cast<size_t>(__builtin_popcount(mask4));
+}
+#endif
 
 // Appends (value, index) for the first `valid` of 16 values (v[0..16) at input index `first`)
 // whose magnitude is >= thr; returns how many. `out` must have room for 16.
@@ -58,6 +88,29 @@ inline size_t take_group(const float* v, int32_t first, float thr, int valid, Ca
   const size_t n_lo = static_cast<size_t>(__builtin_popcount(hit_lo));
   _mm512_storeu_si512(out + n_lo, _mm512_maskz_compress_epi64(hit_hi, hi));
   return n_lo + static_cast<size_t>(__builtin_popcount(hit_hi));
+#elif defined(__AVX2__)
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 t = _mm256_set1_ps(thr);
+  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+  unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v0, abs_mask), t, _CMP_GE_OQ))) |
+                 static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v1, abs_mask), t, _CMP_GE_OQ)))
+                     << 8;
+  hit &= valid >= 16 ? 0xffffu : (1u << valid) - 1;
+  // Most groups hold no hit at the usual ratios: without compress, skipping them is cheaper than
+  // the permutations a miss would cost.
+  if (hit == 0) return 0;
+  size_t n = 0;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bits = _mm256_castps_si256(h == 0 ? v0 : v1);
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(first + 8 * h), lane);
+    const __m256i lo = _mm256_unpacklo_epi32(bits, idx);  // pairs 0 1 | 4 5
+    const __m256i hi = _mm256_unpackhi_epi32(bits, idx);  // pairs 2 3 | 6 7
+    const unsigned m = (hit >> (8 * h)) & 0xffu;
+    n += take_quad(_mm256_permute2x128_si256(lo, hi, 0x20), m & 0xfu, out + n);
+    n += take_quad(_mm256_permute2x128_si256(lo, hi, 0x31), m >> 4, out + n);
+  }
+  return n;
 #else
   // Writes every lane and advances only past the hits (no branch to mispredict).
   size_t n = 0;
