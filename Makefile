@@ -59,7 +59,7 @@ bench: install
 	$(PY) -m braid.bench collectives --nproc 2 --json results/collectives.json --plot results/collectives.png
 	$(PY) -m braid.bench tp --nproc 2 --json results/tp.json
 	$(PY) -m braid.bench sharding --nproc 2 --json results/sharding.json
-	$(PY) -m braid.bench ddp --json results/ddp.json
+	$(PY) -m braid.bench ddp --shapes 1x32,2x64,4x128 --json results/ddp.json
 	$(PY) -m braid.bench compression --json results/compression.json
 	$(PY) -m braid.bench attention --json results/attention.json --plot results/attention.png
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import launch, report
+from . import launch, report, turns
 
 MODES = ("compute", "gloo", "braid", "bf16", "int8", "int4", "topk")
 DESCRIPTIONS = {
@@ -70,20 +70,13 @@ class TinyLM(torch.nn.Module):
 
 def _run_rank(rank: int, world: int, store_port: int | None, args: argparse.Namespace) -> int:
     """One rank: every shape, then rank 0 gathers the figures and reports them."""
-    launch.start_rank(rank, world, store_port, bind=args.bind, threads=args.threads, timeout_s=args.timeout)
-    from braid import comm
-
-    try:
-        c = comm.init(timeout=args.timeout)
+    with turns.rank_session(rank, world, store_port, args) as c:
         total = len(args.shapes) * (args.warmup + args.steps) * len(args.modes)
         progress = report.Progress(total, enabled=rank == 0)
         per_shape = [_run_shape(rank, args, c, batch, seq, progress) for batch, seq in args.shapes]
         progress.close()
-        c.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, per_shape)
-    finally:
-        dist.destroy_process_group()
     return _report(args, gathered) if rank == 0 else 0
 
 

@@ -105,7 +105,9 @@ def start(rank_fn: Callable[..., int], config, run: RunOptions, name: str) -> in
 
 @contextmanager
 def rank_session(rank: int, world_size: int, store_port: int | None, run: RunOptions) -> Iterator:
-    """Placement and threads of this rank, the run's gloo group and a braid communicator on it."""
+    """Placement and threads of this rank, the run's gloo group and a braid communicator on it.
+    ``run`` needs only ``bind``, ``threads`` and ``timeout`` (the DDP benchmark passes its
+    argparse namespace)."""
     launch.start_rank(rank, world_size, store_port, bind=run.bind, threads=run.threads, timeout_s=run.timeout)
     try:
         c = comm.init(timeout=run.timeout)
