@@ -421,9 +421,11 @@ class TopK(Compressor):
 
 
 class Cast(Compressor):
-    """Sends the tensor as ``dtype`` (torch.bfloat16 or torch.float16): braid accumulates the
-    16-bit values in float32 and rounds once. With error feedback the rounding error of the
-    cast is carried to the next call."""
+    """Sends the tensor as ``dtype`` (torch.bfloat16 or torch.float16, rounded to nearest even):
+    braid accumulates the 16-bit values in float32 and rounds once. With error feedback the
+    rounding error of the cast is carried to the next call; rounding and the residual update are
+    one C++ pass over the tensor, into a send buffer kept per key. Values beyond float16's range
+    become infinities (bfloat16 has float32's range)."""
 
     def __init__(
         self,
