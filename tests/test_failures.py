@@ -157,6 +157,13 @@ def absent_rank(rank, n, store_path, absent, async_op):
 def peer_closes(rank, n, store_path):
     c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S, **TINY)
     c.barrier()
+    # Every rank returns from the barrier before one leaves. Otherwise a rank that is slow to see
+    # the barrier complete (3 ranks share 2 cores) may still be waiting in it when another rank
+    # reports the departure from the next collective: the group is aborted, so it raises in the
+    # barrier instead, which is not the case under test.
+    store = open_store(store_path)
+    store.set(f"past_barrier{rank}", "1")
+    store.wait([f"past_barrier{r}" for r in range(n)], timedelta(seconds=60))
     if rank == n - 1:
         c.close()  # leaves while the others start a collective
         return None

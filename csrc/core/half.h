@@ -30,7 +30,7 @@ inline uint16_t f32_to_bf16(float f) {
 // that loops over them vectorize on any x86 level (given -fno-trapping-math, which lets the
 // compiler evaluate both arms of a select). _Float16 casts compile to one scalar vcvtph2ps /
 // vcvtps2ph, or a libgcc call, per element and kept every float16 loop scalar. Same results as
-// torch's conversions, NaN -> 0x7E00.
+// torch's conversions, except that every NaN becomes 0x7E00 (torch keeps a NaN's sign).
 inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t em = h & 0x7FFFu;  // exponent and mantissa

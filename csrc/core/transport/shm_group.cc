@@ -65,7 +65,8 @@ struct SegmentHeader {
   alignas(kLine) std::atomic<uint32_t> abort_epoch;
   alignas(kLine) std::atomic<uint32_t> state;
   uint32_t error_kind;
-  char error_msg[496];
+  uint64_t fail_seq;  // the collective this rank was in (or last ran) when it failed
+  char error_msg[488];
   // Point-to-point progress: chunks this rank posted to each destination, and took from each
   // source (see ShmGroup::send). Each side writes only its own arrays.
   alignas(kLine) std::atomic<uint64_t> mailbox_sent[kMaxLocalRanks];
@@ -237,6 +238,17 @@ void ShmGroup::check_abort() {
   if (hub_->abort_epoch.load(std::memory_order_acquire) != 0) raise_abort();
 }
 
+void ShmGroup::check_abort_at(uint64_t seq) {
+  if (hub_->abort_epoch.load(std::memory_order_acquire) == 0) return;
+  bool later_only = false;
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_ || headers_[r]->state.load(std::memory_order_acquire) != kStateFailed) continue;
+    if (headers_[r]->fail_seq <= seq) raise_abort();
+    later_only = true;
+  }
+  if (!later_only) raise_abort();
+}
+
 void ShmGroup::raise_abort() {
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
@@ -368,9 +380,11 @@ uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
   current_ = &me->desc[d.seq & 1];
   const uint64_t s = post_next();
   wait_all(s);
-  // A peer that failed (e.g. timed out) before this rank arrived must not be answered with
-  // success here while it reported an error.
-  check_abort();
+  // A peer that failed (e.g. timed out) in this collective before this rank arrived must not be
+  // answered with success here while it reported an error. A failure from a later collective
+  // does not concern this one: the peer that failed there had finished this one (it could not
+  // start the next otherwise), and this rank learns of it at its next collective.
+  check_abort_at(d.seq);
   for (int r : all_peers_) {
     const CollectiveDesc& theirs = header(r)->desc[d.seq & 1];
     if (!(theirs == d))
@@ -485,6 +499,7 @@ void ShmGroup::publish_failure(ErrorKind kind, const std::string& msg) noexcept 
   SegmentHeader* me = header(rank_);
   if (me->state.load(std::memory_order_acquire) != kStateAlive || hub_ == nullptr) return;
   me->error_kind = static_cast<uint32_t>(kind);
+  me->fail_seq = current_ != nullptr ? current_->seq : 0;
   std::memset(me->error_msg, 0, sizeof(me->error_msg));
   std::memcpy(me->error_msg, msg.data(), std::min(msg.size(), sizeof(me->error_msg) - 1));
   me->state.store(kStateFailed, std::memory_order_release);

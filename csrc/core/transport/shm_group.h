@@ -165,6 +165,9 @@ class ShmGroup {
   template <class Awaited>
   bool missing_peer_shares_cpu(const int* peers, int npeers, const Awaited& awaited) const;
   void check_abort();
+  // check_abort for the arrival at collective `seq`: ignores failures that peers published from
+  // later collectives.
+  void check_abort_at(uint64_t seq);
   [[noreturn]] void raise_abort();
   template <class Awaited>
   void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
