@@ -101,6 +101,13 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
       copy_streaming(static_cast<T*>(dst) + base, staged, m * sizeof(T), /*fence=*/false);
       continue;
     }
+    if (!dst_acc && dst2 != nullptr && !std::is_same_v<T, Acc>) {
+      // Two destinations of a half type: round once, store the bits twice.
+      store_block(tmp, staged, m);
+      std::memcpy(static_cast<T*>(dst) + base, staged, m * sizeof(T));
+      std::memcpy(static_cast<T*>(dst2) + base, staged, m * sizeof(T));
+      continue;
+    }
     void* outs[2] = {dst, dst2};
     for (void* out : outs) {
       if (out == nullptr) continue;
