@@ -142,12 +142,7 @@ void cast_tensor(py::handle input, py::handle residual, py::handle out) {
     res = checked_contiguous(residual, "residual", {at::kFloat});
     check_same_numel(in, "input", res, "residual");
   }
-  auto overlaps = [&](const at::Tensor& t) {
-    const auto* a = static_cast<const char*>(t.data_ptr());
-    const auto* b = static_cast<const char*>(o.data_ptr());
-    return t.numel() > 0 && a < b + o.nbytes() && b < a + t.nbytes();
-  };
-  if (overlaps(in) || (res.defined() && overlaps(res)))
+  if (overlaps(in, o) || (res.defined() && overlaps(res, o)))
     throw py::value_error("out must not overlap input or residual");
   const DType dt = to_dtype(in.scalar_type(), "input"), odt = to_dtype(o.scalar_type(), "out");
   py::gil_scoped_release nogil;

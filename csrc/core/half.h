@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
@@ -99,6 +100,23 @@ struct BF16 {
 struct F16 {
   uint16_t bits;
 };
+
+// Arrays of either 16-bit format (T = BF16 or F16), as raw bits, to and from float32: float16
+// through the F16C paths above.
+template <class T> void widen_n(const uint16_t* src, float* dst, size_t n) {
+  if constexpr (std::is_same_v<T, BF16>) {
+    for (size_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+  } else {
+    f16_to_f32_n(src, dst, n);
+  }
+}
+template <class T> void narrow_n(const float* src, uint16_t* dst, size_t n) {
+  if constexpr (std::is_same_v<T, BF16>) {
+    for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+  } else {
+    f32_to_f16_n(src, dst, n);
+  }
+}
 
 // Loads any floating element type as float32 (the accumulator of every compression kernel).
 inline float load_f32(float x) { return x; }

@@ -48,8 +48,8 @@ struct MinOp {
 
 // The accumulators of a block, rounded to the element type.
 template <class T, class Acc> void store_block(const Acc* __restrict tmp, T* __restrict o, size_t m) {
-  if constexpr (std::is_same_v<T, F16>) {
-    f32_to_f16_n(tmp, reinterpret_cast<uint16_t*>(o), m);
+  if constexpr (std::is_same_v<T, F16> || std::is_same_v<T, BF16>) {
+    narrow_n<T>(tmp, reinterpret_cast<uint16_t*>(o), m);
   } else {
     for (size_t k = 0; k < m; ++k) o[k] = Traits<T>::store(tmp[k]);
   }
@@ -77,10 +77,10 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
       } else if constexpr (std::is_same_v<T, F16>) {  // converted a block at a time (F16C)
         const uint16_t* s = static_cast<const uint16_t*>(srcs[j].ptr) + base;
         if (j == 0) {
-          f16_to_f32_n(s, tmp, m);
+          widen_n<F16>(s, tmp, m);
         } else {
           alignas(64) float conv[kBlock];
-          f16_to_f32_n(s, conv, m);
+          widen_n<F16>(s, conv, m);
           for (size_t k = 0; k < m; ++k) tmp[k] = Op::apply(tmp[k], conv[k]);
         }
       } else {

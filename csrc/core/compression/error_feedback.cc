@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 namespace braid {
 namespace {
@@ -16,22 +15,6 @@ void update_typed(const T* __restrict in, float* __restrict residual, const floa
     for (size_t i = 0; i < count; ++i) residual[i] = (load_f32(in[i]) + residual[i]) - sent[i];
   } else {
     for (size_t i = 0; i < count; ++i) residual[i] = load_f32(in[i]) + residual[i];
-  }
-}
-
-// Arrays to and from a 16-bit format, as raw bits (F16C for float16 where the target has it).
-template <class Out> void round16_n(const float* __restrict x, uint16_t* __restrict out, size_t m) {
-  if constexpr (std::is_same_v<Out, BF16>) {
-    for (size_t k = 0; k < m; ++k) out[k] = f32_to_bf16(x[k]);
-  } else {
-    f32_to_f16_n(x, out, m);
-  }
-}
-template <class Out> void widen16_n(const uint16_t* __restrict bits, float* __restrict x, size_t m) {
-  if constexpr (std::is_same_v<Out, BF16>) {
-    for (size_t k = 0; k < m; ++k) x[k] = bf16_to_f32(bits[k]);
-  } else {
-    f16_to_f32_n(bits, x, m);
   }
 }
 
@@ -48,12 +31,12 @@ void cast_typed(const In* __restrict in, float* __restrict residual, uint16_t* _
     if (residual != nullptr) {
       float* __restrict r = residual + base;
       for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]) + r[k];
-      round16_n<Out>(x, out + base, m);
-      widen16_n<Out>(out + base, back, m);
+      narrow_n<Out>(x, out + base, m);
+      widen_n<Out>(out + base, back, m);
       for (size_t k = 0; k < m; ++k) r[k] = x[k] - back[k];
     } else {
       for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]);
-      round16_n<Out>(x, out + base, m);
+      narrow_n<Out>(x, out + base, m);
     }
   }
 }

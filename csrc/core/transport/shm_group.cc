@@ -240,13 +240,13 @@ void ShmGroup::check_abort() {
 
 void ShmGroup::check_abort_at(uint64_t seq) {
   if (hub_->abort_epoch.load(std::memory_order_acquire) == 0) return;
-  bool later_only = false;
+  bool any_failed = false;  // published before the epoch moved; none found: raise all the same
   for (int r = 0; r < world_; ++r) {
     if (r == rank_ || headers_[r]->state.load(std::memory_order_acquire) != kStateFailed) continue;
     if (headers_[r]->fail_seq <= seq) raise_abort();
-    later_only = true;
+    any_failed = true;
   }
-  if (!later_only) raise_abort();
+  if (!any_failed) raise_abort();
 }
 
 void ShmGroup::raise_abort() {
