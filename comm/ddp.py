@@ -24,18 +24,17 @@ DEFAULT_MIN_COMPRESS_BYTES = 64 * 1024
 
 
 def _min_bytes_from_env() -> int:
+    """BRAID_COMPRESS_MIN_BYTES: a byte count, optionally with a K, M or G suffix (as the other
+    BRAID_* sizes)."""
     raw = os.environ.get("BRAID_COMPRESS_MIN_BYTES")
     if raw is None or raw == "":
         return DEFAULT_MIN_COMPRESS_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"BRAID_COMPRESS_MIN_BYTES must be an integer number of bytes, got {raw!r}"
-        ) from None
-    if value < 0:
-        raise ValueError(f"BRAID_COMPRESS_MIN_BYTES must be >= 0, got {value}")
-    return value
+    shift = {"K": 10, "M": 20, "G": 30}.get(raw[-1].upper(), 0)
+    digits = raw[:-1] if shift else raw
+    if not digits.isdigit():
+        raise ValueError("BRAID_COMPRESS_MIN_BYTES must be a non-negative integer number of bytes, "
+                         f"optionally with a K, M or G suffix; got {raw!r}")
+    return int(digits) << shift
 
 
 class CommHookState:

@@ -209,7 +209,12 @@ def test_constructor_rejects_bad_arguments(store, args, kwargs, error, pattern):
 
 @pytest.mark.parametrize("name, value, pattern", [
     ("BRAID_ALGO", "fastest", "BRAID_ALGO"),
-    ("BRAID_SLOT_BYTES", "1k", "BRAID_SLOT_BYTES"),
+    ("BRAID_SLOT_BYTES", "1kb", "BRAID_SLOT_BYTES"),
+    ("BRAID_SLOT_BYTES", "2T", "BRAID_SLOT_BYTES"),
+    ("BRAID_SLOT_BYTES", "99999999999999999999", "BRAID_SLOT_BYTES"),
+    ("BRAID_SLOT_BYTES", "M", "BRAID_SLOT_BYTES"),
+    ("BRAID_STREAM_MIN_BYTES", "-1", "BRAID_STREAM_MIN_BYTES"),
+    ("BRAID_STREAM_MIN_BYTES", "17179869184G", "BRAID_STREAM_MIN_BYTES"),
     ("BRAID_SLOT_BYTES", "100", "BRAID_SLOT_BYTES"),
     ("BRAID_NSLOTS", "0", "BRAID_NSLOTS"),
     ("BRAID_ONESHOT_MAX_BYTES", "-5", "BRAID_ONESHOT_MAX_BYTES"),

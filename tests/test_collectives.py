@@ -5,6 +5,8 @@ test process then checks that all ranks ran the same cases and hold the same bit
 (1 KiB, 2 of them) and a 256-byte one-shot limit push a few hundred elements through every
 one-shot/pipelined switch, several rounds and slot reuse.
 """
+import glob
+import os
 import socket
 import time
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid import comm
+from braid.comm import _C
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, reduce_reference
 from helpers.ranks import COMM_TIMEOUT_S, make_comm, new_store_path, open_store, process_group, run_ranks
 
@@ -574,6 +577,46 @@ def test_tunables_from_environment(monkeypatch):
         assert (c.all_reduce_algorithm(100), c.all_reduce_algorithm(101)) == ("oneshot", "twoshot")
     with comm.Communicator(open_store(new_store_path()), 0, 1, timeout=5.0, oneshot_max_bytes=1000) as c:
         assert c.all_reduce_algorithm(1000) == "oneshot"
+
+
+def test_environment_sizes_take_suffixes(monkeypatch):
+    """Byte-count variables accept K, M and G suffixes (powers of 1024, either case)."""
+    for raw, value in (("512K", 512 << 10), ("3m", 3 << 20), ("1G", 1 << 30), ("4096", 4096)):
+        monkeypatch.setenv("BRAID_SLOT_BYTES", raw)
+        monkeypatch.setenv("BRAID_STREAM_MIN_BYTES", raw)
+        t = _C.Tunables.from_env()
+        assert (t.slot_bytes, t.stream_min_bytes) == (value, value), raw
+
+
+def _last_level_cache_bytes() -> int:
+    best_level, best = 0, 0
+    for entry in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        with open(os.path.join(entry, "level")) as f:
+            level = int(f.read())
+        with open(os.path.join(entry, "size")) as f:
+            raw = f.read().strip()
+        size = int(raw.rstrip("KM")) << {"K": 10, "M": 20}.get(raw[-1], 0)
+        if level > best_level:
+            best_level, best = level, size
+    return best
+
+
+def test_streaming_threshold_shares_the_cache_among_local_ranks(monkeypatch):
+    """By default outputs are streamed once all local ranks' outputs together exceed half the
+    last-level cache; an explicit value is kept as given."""
+    monkeypatch.delenv("BRAID_STREAM_MIN_BYTES", raising=False)
+    llc = _last_level_cache_bytes()
+    if llc == 0:
+        pytest.skip("sysfs lists no CPU caches here")
+    for n in (1, 2, 3, 4):
+        t = _C.Tunables.from_env()
+        assert t.stream_min_bytes == -1
+        t.resolve(n)
+        assert t.stream_min_bytes == llc // 2 // n
+    t = _C.Tunables.from_env()
+    t.stream_min_bytes = 12345
+    t.resolve(4)
+    assert t.stream_min_bytes == 12345
 
 
 def _free_port() -> int:

@@ -146,6 +146,24 @@ def test_small_buckets_go_uncompressed():
     assert run_ranks(hook_without_compression_for_small_buckets, 2) == [(0, 4), (0, 4)]
 
 
+@pytest.mark.parametrize("raw, value", [("", 64 << 10), ("0", 0), ("1000", 1000), ("256K", 256 << 10),
+                                        ("2m", 2 << 20), ("1G", 1 << 30)])
+def test_compress_min_bytes_from_environment(monkeypatch, raw, value):
+    from braid.comm import ddp
+
+    monkeypatch.setenv("BRAID_COMPRESS_MIN_BYTES", raw)
+    assert ddp._min_bytes_from_env() == value
+
+
+@pytest.mark.parametrize("raw", ["-1", "1.5", "K", "12kb", "big"])
+def test_bad_compress_min_bytes_named(monkeypatch, raw):
+    from braid.comm import ddp
+
+    monkeypatch.setenv("BRAID_COMPRESS_MIN_BYTES", raw)
+    with pytest.raises(ValueError, match="BRAID_COMPRESS_MIN_BYTES"):
+        ddp._min_bytes_from_env()
+
+
 def test_comm_hook_arguments_validated():
     from braid.comm import Int8Quantizer, ddp
 

@@ -215,6 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Tunables>(m, "Tunables")
       .def(py::init<>())
       .def_static("from_env", &Tunables::from_env)
+      .def("resolve", &Tunables::resolve, py::arg("local_world_size"),
+           "Fills in the defaults that depend on the number of local ranks and the host.")
       .def_property(
           "algo", [](const Tunables& t) { return std::string(algo_name(t.algo)); },
           [](Tunables& t, const std::string& s) { t.algo = parse_algo(s); })

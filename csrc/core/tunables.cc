@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <stdexcept>
+#include <string>
 
 namespace braid {
 namespace {
@@ -17,13 +19,29 @@ const char* env(const char* name) {
   return (v != nullptr && *v != '\0') ? v : nullptr;
 }
 
+// A byte count: digits with an optional K, M or G suffix (powers of 1024, either case).
 size_t env_size(const char* name, size_t dflt) {
   const char* v = env(name);
   if (v == nullptr) return dflt;
+  auto bad = [&] {
+    return std::invalid_argument(std::string(name) +
+                                 " must be a non-negative integer, optionally with a K, M or G suffix; got '" +
+                                 v + "'");
+  };
+  if (*v < '0' || *v > '9') throw bad();
   char* end = nullptr;
+  errno = 0;
   unsigned long long x = std::strtoull(v, &end, 10);
-  if (end == v || *end != '\0' || *v == '-') throw std::invalid_argument(std::string(name) + " must be a non-negative integer, got '" + v + "'");
-  return static_cast<size_t>(x);
+  int shift = 0;
+  switch (*end) {
+    case '\0': break;
+    case 'k': case 'K': shift = 10; ++end; break;
+    case 'm': case 'M': shift = 20; ++end; break;
+    case 'g': case 'G': shift = 30; ++end; break;
+    default: throw bad();
+  }
+  if (*end != '\0' || errno == ERANGE || x > (~0ull >> shift)) throw bad();
+  return static_cast<size_t>(x << shift);
 }
 
 double env_double(const char* name, double dflt) {
@@ -33,6 +51,29 @@ double env_double(const char* name, double dflt) {
   double x = std::strtod(v, &end);
   if (end == v || *end != '\0') throw std::invalid_argument(std::string(name) + " must be a number, got '" + v + "'");
   return x;
+}
+
+// The size of the last-level cache the ranks of the host share: the highest-level cache of CPU 0
+// that sysfs lists (the kernel's view; the CPUID figures the C library reports can describe the
+// physical host rather than the virtual machine), else sysconf, else 32 MiB.
+size_t last_level_cache_bytes() {
+  int best_level = 0;
+  size_t best = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size)) break;
+    char* end = nullptr;
+    size_t bytes = std::strtoull(size.c_str(), &end, 10);
+    if (*end == 'K') bytes <<= 10;
+    else if (*end == 'M') bytes <<= 20;
+    if (level > best_level && bytes > 0) best_level = level, best = bytes;
+  }
+  if (best_level >= 2) return best;
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return l3 > 0 ? static_cast<size_t>(l3) : (size_t{32} << 20);
 }
 
 int usable_cores() {
@@ -69,7 +110,8 @@ Tunables Tunables::from_env() {
     t.oneshot_max_bytes = static_cast<int64_t>(env_size("BRAID_ONESHOT_MAX_BYTES", 0));
   t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
   t.nslots = static_cast<int>(env_size("BRAID_NSLOTS", static_cast<size_t>(t.nslots)));
-  t.stream_min_bytes = env_size("BRAID_STREAM_MIN_BYTES", t.stream_min_bytes);
+  if (env("BRAID_STREAM_MIN_BYTES") != nullptr)
+    t.stream_min_bytes = static_cast<int64_t>(env_size("BRAID_STREAM_MIN_BYTES", 0));
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
   if (env("BRAID_SKEW_ROUNDS") != nullptr)
@@ -79,6 +121,7 @@ Tunables Tunables::from_env() {
 
 void Tunables::resolve(int local_world_size) {
   if (oneshot_max_bytes < 0) oneshot_max_bytes = local_world_size == 2 ? (1 << 20) : (32 << 10);
+  if (stream_min_bytes < 0) stream_min_bytes = static_cast<int64_t>(last_level_cache_bytes() / 2 / local_world_size);
   const bool oversubscribed = local_world_size > usable_cores();
   if (spin_us < 0) spin_us = oversubscribed ? 0.0 : 20.0;
   if (skew_rounds < 0) skew_rounds = oversubscribed ? 0 : 1;

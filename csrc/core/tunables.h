@@ -33,10 +33,14 @@ struct Tunables {
   // 1 MiB 19.2 / 13.8 / 8.4; at 4 ranks 512 KiB is as good as any.
   size_t slot_bytes = 512 * 1024;
   // BRAID_STREAM_MIN_BYTES: reduce_scatter, all_gather and broadcast outputs at least this large
-  // are written with non-temporal stores (they would not stay in cache; the stores skip the
-  // read-for-ownership). Measured at 2 ranks: all_gather busbw 4.4 -> 8.2 GB/s and broadcast
-  // 9.4 -> 21.9 GB/s at 256 MB; slightly slower at 4 MB, hence 8 MiB.
-  size_t stream_min_bytes = size_t(8) << 20;
+  // (bytes per rank) are written with non-temporal stores: they would not stay in cache, and the
+  // stores skip the read-for-ownership. What matters is whether the outputs of all local ranks
+  // together fit the shared last-level cache, so the default (-1) is half the L3 divided by the
+  // number of local ranks: 8 MiB for 2 ranks and 4 MiB for 4 on a 32 MiB L3. Measured on the
+  // 2-core VM: at 2 ranks all_gather busbw 4.4 -> 8.2 GB/s and broadcast 9.4 -> 21.9 GB/s at
+  // 256 MB, slightly slower at 4 MB (4 MB per rank still fits); at 4 ranks streaming from 4 MiB
+  // made the 4 MB all_gather 1.5-2x faster (README).
+  int64_t stream_min_bytes = -1;
   // BRAID_NSLOTS: pipeline depth (slots in flight per rank). At least 2: the ring writes slot
   // p while its right neighbour still reads slot p - 1.
   int nslots = 4;
@@ -52,7 +56,8 @@ struct Tunables {
   double yield_us = 50.0;
 
   static Tunables from_env();
-  // Fills in what depends on the world size and the host: one-shot limit, spin budget, skew.
+  // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,
+  // spin budget, skew.
   void resolve(int local_world_size);
   void validate() const;  // throws std::invalid_argument naming the knob
 };
