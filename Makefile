@@ -65,7 +65,7 @@ bench: install
 
 bench-peers:
 	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev
-	$(PIP) install mpi4py
+	$(PIP) install mpi4py deepspeed "$(TORCH_SPEC)"
 
 clean:
 	rm -rf build dist *.egg-info results

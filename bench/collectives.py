@@ -1,4 +1,4 @@
-"""Collectives benchmark: braid against torch.distributed gloo and Open MPI, printed like nccl-tests.
+"""Collectives benchmark: braid against gloo, Open MPI and DeepSpeed, printed like nccl-tests.
 
     python -m braid.bench collectives                   # spawns --nproc ranks (default 2)
     python -m braid.bench collectives --nproc 4 --ops all_reduce --max-bytes 1M --json r.json
@@ -8,10 +8,12 @@ Launch. Without RANK and WORLD_SIZE in the environment this process hosts a TCPS
 loopback port, spawns the ranks and watches them: when one fails, the others get a few seconds to
 report their side, then are stopped, and the run fails; the whole run has a deadline (--deadline;
 under torchrun it bounds the MPI peer only). Every rank joins a gloo process group and a braid
-communicator over that store, so braid and gloo run in the same processes, one after the other.
-Every collective wait has a deadline (--timeout). Rank 0 then runs the Open MPI peer
-(mpi_peer.py) under its own ``mpirun --oversubscribe -np N`` when mpi4py imports and mpirun
-exists, merges its records, prints and writes the results; the other ranks stay quiet.
+communicator over that store, and, when deepspeed imports, loads DeepSpeed's shared-memory
+all_reduce (deepspeed_peer.py; all_reduce only): these implementations run in the same
+processes and take turns at each op and size. Every collective wait has a deadline
+(--timeout). Rank 0 then runs the Open MPI peer (mpi_peer.py) under its own ``mpirun
+--oversubscribe -np N`` when mpi4py imports and mpirun exists, merges its records, prints and
+writes the results; the other ranks stay quiet.
 
 Measurement (protocol.py), on zero-filled buffers: warm-up, then batches of k back-to-back calls
 (k from --time-budget, or --iters), a barrier of the implementation under test before each
@@ -63,9 +65,9 @@ import torch
 import torch.distributed as dist
 from braid import comm
 
-from . import launch, mpi_peer, protocol, report
+from . import deepspeed_peer, launch, mpi_peer, protocol, report
 
-IMPLS = ("braid", "gloo", "mpi")
+IMPLS = ("braid", "gloo", "mpi", "deepspeed")
 
 # torch 2.13 renamed the single-tensor gloo collectives; older versions have the old names only.
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -94,7 +96,8 @@ class Config:
 
 
 class TorchBackend:
-    """protocol.Backend over torch tensors. Timings and #wrong cross ranks through the gloo group."""
+    """protocol.Backend over torch tensors. Timings and #wrong cross ranks through the gloo group.
+    ``ops`` are the collectives it implements (the keys of ``calls``)."""
 
     def __init__(self, name: str, dtype: str,
                  calls: dict[str, Callable[[torch.Tensor, torch.Tensor], object]],
@@ -103,6 +106,7 @@ class TorchBackend:
         self._dtype = getattr(torch, dtype)
         self._calls = calls
         self._barrier = barrier
+        self.ops = tuple(calls)
 
     def bind(self, op: str, send: np.ndarray, out_count: int | None
              ) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
@@ -140,6 +144,14 @@ def gloo_backend(dtype: str) -> TorchBackend:
     }, dist.barrier)
 
 
+def deepspeed_backend(rank: int, world_size: int, config: "Config") -> TorchBackend:
+    """DeepSpeed's shared-memory all_reduce (deepspeed_peer.py); RuntimeError when it cannot run."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    run_id = f"{os.getppid() if config.launcher == 'spawn' else os.environ.get('MASTER_PORT', 0)}"
+    all_reduce = deepspeed_peer.shm_all_reduce(rank, world_size, local, config.dtype, run_id)
+    return TorchBackend("deepspeed", config.dtype, {"all_reduce": lambda out, x: all_reduce(x)}, dist.barrier)
+
+
 # -- one rank ------------------------------------------------------------------------------------
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
     if config.bind == "core":
@@ -156,12 +168,15 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
             backends.append(braid_backend(braid, config.dtype))
         if "gloo" in config.impls:
             backends.append(gloo_backend(config.dtype))
-        progress = report.Progress(len(backends) * len(config.ops) * len(config.sizes),
-                                   enabled=rank == 0)
-        records = []
-        for backend in backends:
-            records += protocol.run_suite(backend, config.ops, config.sizes, config.dtype, rank,
-                                          world_size, config.timing, progress)
+        if "deepspeed" in config.impls and set(config.ops) & set(deepspeed_peer.OPS):
+            try:
+                backends.append(deepspeed_backend(rank, world_size, config))
+            except RuntimeError as e:
+                if rank == 0:
+                    print(f"braid.bench: DeepSpeed peer skipped: {e}", file=sys.stderr)
+        progress = report.Progress(protocol.planned(backends, config.ops, config.sizes), enabled=rank == 0)
+        records = protocol.run_suite(backends, config.ops, config.sizes, config.dtype, rank, world_size,
+                                     config.timing, progress)
         progress.close()
         if braid is not None:
             braid.close()
@@ -302,7 +317,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--ops", type=_parse_list(protocol.OPS), default=protocol.OPS,
                    help=f"comma-separated collectives (default {','.join(protocol.OPS)})")
     p.add_argument("--impls", type=_parse_list(IMPLS), default=None,
-                   help="comma-separated implementations (default: braid,gloo and mpi when available)")
+                   help="comma-separated implementations (default: braid, gloo, and mpi and "
+                   "deepspeed when available; deepspeed measures all_reduce only)")
     p.add_argument("--min-bytes", type=_parse_bytes, default=4096,
                    help="smallest S; K, M, G are powers of 1024 (default 4K)")
     p.add_argument("--max-bytes", type=_parse_bytes, default=256 << 20, help="largest S (default 256M)")
@@ -351,13 +367,19 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if launcher == "torchrun" and args.nproc not in (None, world_size):
         note(f"--nproc {args.nproc} ignored: torchrun started {world_size} ranks")
     mpi_missing = _mpi_unavailable(args.dtype)
+    ds_missing = deepspeed_peer.unavailable(args.dtype)
     impls = args.impls
     if impls is None:
-        impls = ("braid", "gloo") + (() if mpi_missing else ("mpi",))
+        impls = (("braid", "gloo") + (() if mpi_missing else ("mpi",))
+                 + (() if ds_missing else ("deepspeed",)))
         if mpi_missing:
             note(f"Open MPI peer skipped: {mpi_missing}")
+        if ds_missing:
+            note(f"DeepSpeed peer skipped: {ds_missing}")
     elif "mpi" in impls and mpi_missing:
         parser.error(f"--impls mpi: {mpi_missing}")
+    elif "deepspeed" in impls and ds_missing:
+        parser.error(f"--impls deepspeed: {ds_missing}")
     if not protocol.check_is_exact(args.dtype, world_size):
         note(f"{args.dtype} cannot hold the check's sums exactly at {world_size} ranks: "
              "#wrong will count rounding")

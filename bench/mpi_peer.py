@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world_size = comm.Get_rank(), comm.Get_size()
     try:
         progress = report.Progress(len(ops) * len(sizes), enabled=rank == 0)
-        records = protocol.run_suite(MpiBackend(comm), ops, sizes, args.dtype, rank, world_size,
+        records = protocol.run_suite([MpiBackend(comm)], ops, sizes, args.dtype, rank, world_size,
                                      timing, progress)
         progress.close()
         if rank == 0:

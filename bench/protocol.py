@@ -1,7 +1,7 @@
 """Timing and correctness protocol of the collectives benchmark, shared by every implementation.
 
 numpy only: the Open MPI peer (``mpi_peer.py``) runs it without importing torch. An implementation
-is a :class:`Backend`; :func:`run_suite` measures it over ops and sizes and returns records.
+is a :class:`Backend`; :func:`run_suite` measures backends over ops and sizes and returns records.
 
 Timing, for each (op, size), on zero-filled buffers: ``warmup`` calls, the slowest rank's median
 warm-up call sets ``k`` (calls per batch) so that ``batches`` batches fill about ``time_budget``
@@ -202,23 +202,41 @@ def _round(x: float) -> float:
     return float(f"{x:.6g}")  # timing noise is far above 6 significant digits
 
 
-def run_suite(backend: Backend, ops: Sequence[str], sizes: Sequence[int], dtype: str, rank: int,
+def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int], dtype: str, rank: int,
               world_size: int, timing: Timing, progress: Callable[[str, str, int], None]) -> list[dict]:
-    """Measures ``backend`` on every op and size; ``progress(impl, op, bytes)`` precedes each."""
+    """Measures every backend on every op it implements (its ``ops`` attribute, all of ``ops``
+    when it has none) and size; ``progress(impl, op, bytes)`` precedes each measurement.
+
+    The backends take turns at each (op, size): a slow phase of the machine (another tenant, a
+    frequency change) then hits all of them alike instead of whichever ran during it, which keeps
+    the side-by-side ratios meaningful on a noisy host."""
     records = []
     for op in ops:
         for nbytes in sizes:
-            progress(backend.name, op, nbytes)
             count = message_count(op, nbytes, dtype, world_size)
-            if count == 0:
-                continue
-            # Timed calls run on zeros, which repeated in-place sums keep finite (anything else
-            # overflows: inf, or signed-integer overflow in C++). np.full writes every page: an
-            # untouched calloc'd input would be read from the one shared zero page, in cache.
-            call = backend.bind(op, np.full(send_count(op, world_size, count), 0, numpy_dtype(dtype)),
-                                output_count(op, world_size, count))[0]
-            seconds, k = time_collective(call, backend, timing)
-            del call  # frees the timing buffers before the check allocates its own
-            wrong = count_wrong(op, count, dtype, backend, rank, world_size)
-            records.append(record(backend.name, op, world_size, count, dtype, seconds, k, wrong))
+            for backend in backends:
+                if op not in getattr(backend, "ops", ops):
+                    continue
+                progress(backend.name, op, nbytes)
+                if count == 0:
+                    continue
+                records.append(_measure(backend, op, count, dtype, rank, world_size, timing))
     return records
+
+
+def planned(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int]) -> int:
+    """How many measurements run_suite makes (for the progress bar)."""
+    return len(sizes) * sum(op in getattr(b, "ops", ops) for b in backends for op in ops)
+
+
+def _measure(backend: Backend, op: str, count: int, dtype: str, rank: int, world_size: int,
+             timing: Timing) -> dict:
+    # Timed calls run on zeros, which repeated in-place sums keep finite (anything else
+    # overflows: inf, or signed-integer overflow in C++). np.full writes every page: an
+    # untouched calloc'd input would be read from the one shared zero page, in cache.
+    call = backend.bind(op, np.full(send_count(op, world_size, count), 0, numpy_dtype(dtype)),
+                        output_count(op, world_size, count))[0]
+    seconds, k = time_collective(call, backend, timing)
+    del call  # frees the timing buffers before the check allocates its own
+    wrong = count_wrong(op, count, dtype, backend, rank, world_size)
+    return record(backend.name, op, world_size, count, dtype, seconds, k, wrong)

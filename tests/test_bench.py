@@ -1,0 +1,81 @@
+"""The collectives benchmark's protocol and a short end-to-end run (no timing is checked)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from braid.bench import protocol
+
+
+class LocalBackend:
+    """One rank: every collective is the identity (in place) or a copy, optionally corrupted."""
+
+    def __init__(self, name, ops=None, corrupt=False, log=None):
+        self.name = name
+        if ops is not None:
+            self.ops = ops
+        self._corrupt = corrupt
+        self._log = log if log is not None else []
+
+    def bind(self, op, send, out_count):
+        out = send if out_count is None else np.empty(out_count, send.dtype)
+
+        def call():
+            self._log.append((self.name, op, send.nbytes))
+            if out is not send:
+                out[:] = send
+            if self._corrupt:
+                out[:1] += 1
+
+        return call, lambda: out
+
+    def barrier(self):
+        pass
+
+    def reduce(self, values, how):
+        return list(values)
+
+
+TIMING = protocol.Timing(warmup=1, batches=2, time_budget=0.0, iters=1)
+
+
+def test_backends_take_turns_at_each_size():
+    """Every backend runs at a size before any runs the next one; ops a backend lacks are
+    skipped; planned() counts what run_suite measures."""
+    log, seen = [], []
+    backends = [LocalBackend("a", log=log), LocalBackend("b", ops=("all_reduce",), log=log)]
+    ops, sizes = ("all_reduce", "broadcast"), (64, 256)
+    records = protocol.run_suite(backends, ops, sizes, "float32", 0, 1, TIMING,
+                                 lambda impl, op, nbytes: seen.append((impl, op, nbytes)))
+    assert seen == [("a", "all_reduce", 64), ("b", "all_reduce", 64), ("a", "all_reduce", 256),
+                    ("b", "all_reduce", 256), ("a", "broadcast", 64), ("a", "broadcast", 256)]
+    assert [(r["impl"], r["op"], r["bytes"]) for r in records] == seen
+    assert protocol.planned(backends, ops, sizes) == len(seen)
+    assert all(r["wrong"] == 0 and r["iters"] == 1 for r in records)
+    # The calls themselves interleave the same way (warm-up, timed batches, then the check).
+    assert [name for name, op, _ in log if op == "all_reduce"][:5] == ["a"] * 4 + ["b"]
+
+
+def test_wrong_results_are_counted():
+    records = protocol.run_suite([LocalBackend("bad", corrupt=True)], ("all_reduce",), (64,),
+                                 "float32", 0, 1, TIMING, lambda *a: None)
+    assert records[0]["wrong"] == 1
+
+
+@pytest.mark.timeout(240)
+def test_collectives_benchmark_runs(tmp_path):
+    """Two spawned ranks, braid and gloo, tiny sizes: JSON with every record checked and right."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid,gloo",
+         "--ops", "all_reduce,all_gather", "--max-bytes", "16K", "--iters", "2", "--batches", "2",
+         "--warmup", "1", "--timeout", "60", "--deadline", "200", "--json", str(out)],
+        capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    keys = sorted((r["impl"], r["op"], r["bytes"]) for r in doc["records"])
+    assert keys == sorted((impl, op, b) for impl in ("braid", "gloo") for op in ("all_reduce", "all_gather")
+                          for b in (4096, 16384))
+    assert all(r["wrong"] == 0 for r in doc["records"])
+    assert "# busbw ratio braid / gloo" in proc.stdout
