@@ -10,7 +10,7 @@ report their side, then are stopped, and the run fails; the whole run has a dead
 under torchrun it bounds the MPI peer only). Every rank joins a gloo process group and a braid
 communicator over that store, and, when deepspeed imports, loads DeepSpeed's shared-memory
 all_reduce (deepspeed_peer.py; all_reduce only): these implementations run in the same
-processes and take turns at each op and size. Every collective wait has a deadline
+processes, their timed batches alternating at each op and size. Every collective wait has a deadline
 (--timeout). Rank 0 then runs the Open MPI peer (mpi_peer.py) under its own ``mpirun
 --oversubscribe -np N`` when mpi4py imports and mpirun exists, merges its records, prints and
 writes the results; the other ranks stay quiet.

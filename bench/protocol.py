@@ -8,6 +8,7 @@ warm-up call sets ``k`` (calls per batch) so that ``batches`` batches fill about
 seconds; then ``batches`` times: barrier, ``k`` back-to-back calls timed with
 ``time.perf_counter``. A rank's time per call is batch time / k; the batch's time is the slowest
 rank's; the result is the median over batches. Timings cross ranks only after the timed region.
+Several implementations in one process alternate batch by batch.
 
 Correctness: fresh buffers filled with small integers every rank can regenerate for every rank
 (rank r's element i is ``r + 1 + i % 13``), one call, and a count of the output elements that
@@ -157,27 +158,34 @@ class Backend(Protocol):
         """Element-wise "max" or "sum" of ``values`` over ranks, outside any timed region."""
 
 
-def time_collective(call: Callable[[], None], backend: Backend, timing: Timing) -> tuple[float, int]:
-    """Seconds per call (median over batches of the slowest rank) and calls per batch."""
-    warm = []
-    for _ in range(timing.warmup):
-        start = time.perf_counter()
-        call()
-        warm.append(time.perf_counter() - start)
-    # Every rank must issue the same number of calls: k comes from a value all ranks agree on.
-    slowest = backend.reduce([statistics.median(warm)], "max")[0]
-    if timing.iters:
-        k = timing.iters
-    else:
-        k = max(1, min(MAX_ITERS_PER_BATCH, int(timing.time_budget / (timing.batches * slowest))))
-    per_call = []
-    for _ in range(timing.batches):
-        backend.barrier()
-        start = time.perf_counter()
-        for _ in range(k):
+def time_collectives(calls: Sequence[Callable[[], None]], backends: Sequence[Backend],
+                     timing: Timing) -> list[tuple[float, int]]:
+    """Per backend, seconds per call (median over batches of the slowest rank) and calls per
+    batch. Warm-up first, backend by backend; then batch b of every backend before batch b + 1
+    of any, so that the backends' batches interleave in time."""
+    ks = []
+    for call, backend in zip(calls, backends):
+        warm = []
+        for _ in range(timing.warmup):
+            start = time.perf_counter()
             call()
-        per_call.append((time.perf_counter() - start) / k)
-    return statistics.median(backend.reduce(per_call, "max")), k
+            warm.append(time.perf_counter() - start)
+        # Every rank must issue the same number of calls: k comes from a value all ranks agree on.
+        slowest = backend.reduce([statistics.median(warm)], "max")[0]
+        if timing.iters:
+            ks.append(timing.iters)
+        else:
+            ks.append(max(1, min(MAX_ITERS_PER_BATCH, int(timing.time_budget / (timing.batches * slowest)))))
+    per_call: list[list[float]] = [[] for _ in backends]
+    for _ in range(timing.batches):
+        for call, backend, k, times in zip(calls, backends, ks, per_call):
+            backend.barrier()
+            start = time.perf_counter()
+            for _ in range(k):
+                call()
+            times.append((time.perf_counter() - start) / k)
+    return [(statistics.median(backend.reduce(times, "max")), k)
+            for backend, k, times in zip(backends, ks, per_call)]
 
 
 def count_wrong(op: str, count: int, dtype: str, backend: Backend, rank: int, world_size: int) -> int:
@@ -205,38 +213,35 @@ def _round(x: float) -> float:
 def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int], dtype: str, rank: int,
               world_size: int, timing: Timing, progress: Callable[[str, str, int], None]) -> list[dict]:
     """Measures every backend on every op it implements (its ``ops`` attribute, all of ``ops``
-    when it has none) and size; ``progress(impl, op, bytes)`` precedes each measurement.
+    when it has none) and size; ``progress(impl, op, bytes)`` precedes each (op, size) with the
+    names of the backends measured there.
 
-    The backends take turns at each (op, size): a slow phase of the machine (another tenant, a
-    frequency change) then hits all of them alike instead of whichever ran during it, which keeps
-    the side-by-side ratios meaningful on a noisy host."""
+    The backends share each (op, size): their timed batches alternate (time_collectives), so a
+    slow phase of the machine (another tenant, a frequency change) falls on all of them alike
+    instead of on whichever ran during it, which keeps the side-by-side ratios meaningful on a
+    noisy host."""
     records = []
     for op in ops:
+        here = [b for b in backends if op in getattr(b, "ops", ops)]
         for nbytes in sizes:
             count = message_count(op, nbytes, dtype, world_size)
-            for backend in backends:
-                if op not in getattr(backend, "ops", ops):
-                    continue
+            for backend in here:
                 progress(backend.name, op, nbytes)
-                if count == 0:
-                    continue
-                records.append(_measure(backend, op, count, dtype, rank, world_size, timing))
+            if count == 0 or not here:
+                continue
+            # Timed calls run on zeros, which repeated in-place sums keep finite (anything else
+            # overflows: inf, or signed-integer overflow in C++). np.full writes every page: an
+            # untouched calloc'd input would be read from the one shared zero page, in cache.
+            calls = [b.bind(op, np.full(send_count(op, world_size, count), 0, numpy_dtype(dtype)),
+                            output_count(op, world_size, count))[0] for b in here]
+            timed = time_collectives(calls, here, timing)
+            del calls  # frees the timing buffers before the checks allocate their own
+            for backend, (seconds, k) in zip(here, timed):
+                wrong = count_wrong(op, count, dtype, backend, rank, world_size)
+                records.append(record(backend.name, op, world_size, count, dtype, seconds, k, wrong))
     return records
 
 
 def planned(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int]) -> int:
     """How many measurements run_suite makes (for the progress bar)."""
     return len(sizes) * sum(op in getattr(b, "ops", ops) for b in backends for op in ops)
-
-
-def _measure(backend: Backend, op: str, count: int, dtype: str, rank: int, world_size: int,
-             timing: Timing) -> dict:
-    # Timed calls run on zeros, which repeated in-place sums keep finite (anything else
-    # overflows: inf, or signed-integer overflow in C++). np.full writes every page: an
-    # untouched calloc'd input would be read from the one shared zero page, in cache.
-    call = backend.bind(op, np.full(send_count(op, world_size, count), 0, numpy_dtype(dtype)),
-                        output_count(op, world_size, count))[0]
-    seconds, k = time_collective(call, backend, timing)
-    del call  # frees the timing buffers before the check allocates its own
-    wrong = count_wrong(op, count, dtype, backend, rank, world_size)
-    return record(backend.name, op, world_size, count, dtype, seconds, k, wrong)
