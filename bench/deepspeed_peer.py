@@ -54,31 +54,53 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def _agreed(error: str | None) -> None:
+    """Raises RuntimeError on every rank when any rank had ``error`` (the lowest failing rank's
+    reason is shown where this rank has none), so that no rank goes on to wait for the others in
+    DeepSpeed's own handshake, which has no deadline."""
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise RuntimeError(error or "it failed on another rank (see that rank's message)")
+
+
+def _load(rank: int):
+    """The op's module, built once (rank 0 first: concurrent ninja builds of one directory collide)."""
+    def load():
+        with _stdout_to_stderr():
+            from deepspeed.accelerator import get_accelerator
+
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is None:
+                raise RuntimeError("this DeepSpeed has no ShareMemCommBuilder op for the CPU")
+            return builder.load(verbose=False)
+
+    module, error = None, None
+    for turn in (0, 1):
+        if (rank == 0) == (turn == 0):
+            try:
+                module = load()
+            except Exception as e:  # noqa: BLE001 -- a broken install or build: report, skip the peer
+                error = f"loading DeepSpeed's shared-memory op failed: {type(e).__name__}: {e}"
+        _agreed(error)
+    return module
+
+
 def shm_all_reduce(rank: int, world_size: int, local_world_size: int, dtype: str, run_id: str
                    ) -> Callable[[torch.Tensor], object]:
     """Builds (first use) and initializes DeepSpeed's shared-memory all_reduce on every rank of
     the default (gloo) process group; returns the in-place sum. ``run_id`` names this run's
     segments (DeepSpeed derives them from MASTER_ADDR and MASTER_PORT). Raises RuntimeError with
-    the reason when the op cannot reduce ``dtype`` here; every rank reaches the same verdict
-    (one host, one CPU model)."""
+    the reason on every rank when the op cannot reduce ``dtype`` here."""
     if local_world_size != world_size:
         raise RuntimeError("DeepSpeed's shared-memory all_reduce needs every rank on one host")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # its CUDA accelerator has no such op
-    with _stdout_to_stderr():
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None:
-            raise RuntimeError("this DeepSpeed has no ShareMemCommBuilder op for the CPU")
-        # Rank 0 builds first: concurrent ninja builds of one extension directory collide.
-        if rank != 0:
-            dist.barrier()
-        module = builder.load(verbose=False)
-        if rank == 0:
-            dist.barrier()
+    module = _load(rank)
+    error = None
     if module.vector_kernel_level() < _LEVEL_NEEDED[dtype]:
         need = "AVX2" if _LEVEL_NEEDED[dtype] == 1 else "AVX-512BW"
-        raise RuntimeError(f"DeepSpeed's {dtype} all_reduce kernel needs {need}, which this CPU lacks")
+        error = f"DeepSpeed's {dtype} all_reduce kernel needs {need}, which this CPU lacks"
+    _agreed(error)
     names = {"LOCAL_SIZE": str(world_size), "MASTER_ADDR": "braid-bench", "MASTER_PORT": run_id}
     saved = {k: os.environ.get(k) for k in names}
     os.environ.update(names)
