@@ -64,14 +64,11 @@ inline void round_block(const float* __restrict x, const uint16_t* __restrict di
   const float qmax = static_cast<float>(iqmax);
   if (dither != nullptr) {
     for (size_t j = 0; j < m; ++j) {
-      // floor(y) by truncation and a correction for negative non-integers: vectorizes where
-      // std::floor would not without -fno-trapping-math. |y| <= qmax + 1 fits int32.
+      // floor(y) is exact; one vroundps (the build has -fno-trapping-math). |y| <= qmax + 1.
       const float y = x[j] * inv + static_cast<float>(dither[j]) * (1.0f / 65536.0f);
-      int32_t t = static_cast<int32_t>(y);
-      t -= static_cast<float>(t) > y ? 1 : 0;
-      t = std::min(iqmax, std::max(-iqmax, t));
-      qb[j] = static_cast<uint8_t>(t + bias);
-      if (kResidual) r[j] = x[j] - static_cast<float>(t) * scale;
+      const float v = std::min(qmax, std::max(-qmax, std::floor(y)));
+      qb[j] = static_cast<uint8_t>(static_cast<int32_t>(v) + bias);
+      if (kResidual) r[j] = x[j] - v * scale;
     }
   } else {
     for (size_t j = 0; j < m; ++j) {
