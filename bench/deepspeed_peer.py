@@ -1,9 +1,10 @@
 """DeepSpeed peer of the collectives benchmark: DeepSpeed's CPU shared-memory all_reduce.
 
 DeepSpeed ships a shared-memory all_reduce for CPU inference (``deepspeed.comm.inference_all_reduce``,
-built from its ``ShareMemCommBuilder`` op with ninja on first use); it is the fastest CPU
-all_reduce among the common libraries, which makes it the peer to beat beside gloo and Open MPI.
-It runs in the benchmark's own ranks, after braid and gloo, on the same buffers and protocol.
+built from its ``ShareMemCommBuilder`` op with ninja on first use), the strongest CPU all_reduce
+of the common libraries that we know of: the peer to beat beside gloo and Open MPI. It runs in
+the benchmark's own ranks, its timed batches alternating with braid's and gloo's, on the same
+buffers and protocol.
 
 Only what the op implements is measured: all_reduce with sum, float32 (its kernels need AVX2),
 bfloat16 and float16 (AVX-512BW), every rank on one host. The op is called directly
@@ -55,8 +56,8 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 
 def _agreed(error: str | None) -> None:
-    """Raises RuntimeError on every rank when any rank had ``error`` (the lowest failing rank's
-    reason is shown where this rank has none), so that no rank goes on to wait for the others in
+    """Raises RuntimeError on every rank when any rank had ``error`` (its own reason, or a
+    pointer to the failing rank's), so that no rank goes on to wait for the others in
     DeepSpeed's own handshake, which has no deadline."""
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
