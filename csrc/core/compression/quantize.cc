@@ -13,14 +13,6 @@
 namespace braid {
 namespace {
 
-// Round to nearest even for |v| < 2^22: adding 1.5 * 2^23 leaves no fraction bits, and the
-// subtraction is exact. Unlike std::rint it vectorizes without -fno-trapping-math. The values
-// here are at most qmax (127) in magnitude.
-inline float round_even(float v) {
-  constexpr float kMagic = 12582912.0f;
-  return (v + kMagic) - kMagic;
-}
-
 // Magnitude ordering of non-NaN floats equals the ordering of their bits without the sign: an
 // integer max reduction, which vectorizes (a float max reduction needs -ffast-math).
 inline uint32_t magnitude_bits(float v) {
@@ -72,7 +64,8 @@ inline void round_block(const float* __restrict x, const uint16_t* __restrict di
     }
   } else {
     for (size_t j = 0; j < m; ++j) {
-      const float v = std::min(qmax, std::max(-qmax, round_even(x[j] * inv)));
+      // Round to nearest even (the default mode); one vroundps under -fno-trapping-math.
+      const float v = std::min(qmax, std::max(-qmax, std::nearbyint(x[j] * inv)));
       qb[j] = static_cast<uint8_t>(static_cast<int32_t>(v) + bias);
       if (kResidual) r[j] = x[j] - v * scale;
     }
