@@ -92,9 +92,16 @@ inline void block_dither(RngKey key, uint64_t first, size_t m, uint16_t* halves)
   const uint32_t key_here = rng_word_key(key, hi0), key_next = rng_word_key(key, hi0 + 1);
   const size_t pairs = (m - k) / 2;
   uint16_t* __restrict dst = halves + k;
-  for (size_t p = 0; p < pairs; ++p) {
-    const uint32_t lo = lo0 + static_cast<uint32_t>(p);
-    const uint32_t h = pair_hash(lo < lo0 ? key_next : key_here, lo);
+  // The pairs before the low word wraps use key_here, the rest key_next: two loops without a
+  // per-pair select (the wrap happens at most once per block, past 2^33 elements).
+  const uint64_t before_wrap = (uint64_t{1} << 32) - lo0;
+  const size_t unwrapped = pairs < before_wrap ? pairs : static_cast<size_t>(before_wrap);
+  for (size_t p = 0; p < unwrapped; ++p) {
+    const uint32_t h = pair_hash(key_here, lo0 + static_cast<uint32_t>(p));
+    std::memcpy(dst + 2 * p, &h, sizeof h);
+  }
+  for (size_t p = unwrapped; p < pairs; ++p) {
+    const uint32_t h = pair_hash(key_next, lo0 + static_cast<uint32_t>(p));
     std::memcpy(dst + 2 * p, &h, sizeof h);
   }
   if (k + 2 * pairs < m) halves[m - 1] = single(first + m - 1);
