@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -155,28 +156,37 @@ void gather_above(const T* in, size_t count, float thr, size_t cap, std::vector<
 
 // The bit pattern t of the k-th largest magnitude (1 <= k <= cand.size()) and how many
 // candidates equal to t belong to the k largest (*ties; the other k - *ties are above t): a radix
-// select, one histogram of the upper 16 bits, then one of the lower 16 bits inside the bin that
-// holds it.
+// select on the upper 16 bits, over the range of bins the candidates occupy (a few hundred for
+// candidates above a sampled threshold: no 65536-bin histogram to clear and scan), then an
+// nth_element over the lower 16 bits of the candidates in the bin that holds t.
 uint32_t kth_largest_bits(const std::vector<Candidate>& cand, size_t k, size_t* ties) {
-  std::vector<uint32_t> hist(size_t(1) << 16, 0);
-  for (const Candidate& c : cand) ++hist[mag_bits(c.value) >> 16];
-  size_t need = k;  // rank still to descend, counted from the top of the remaining bins
-  uint32_t hi = 0xffff;
-  for (;; --hi) {
-    if (hist[hi] >= need) break;
-    need -= hist[hi];
+  uint32_t top = 0, bottom = 0xffff;
+  for (const Candidate& c : cand) {
+    const uint32_t u = mag_bits(c.value) >> 16;
+    top = std::max(top, u);
+    bottom = std::min(bottom, u);
   }
-  std::fill(hist.begin(), hist.end(), 0);
+  std::vector<uint32_t> hist(top - bottom + 1, 0);
+  for (const Candidate& c : cand) ++hist[(mag_bits(c.value) >> 16) - bottom];
+  size_t need = k;  // rank still to descend, counted from the top of the remaining bins
+  uint32_t hi = top;
+  for (;; --hi) {
+    if (hist[hi - bottom] >= need) break;
+    need -= hist[hi - bottom];
+  }
+  std::vector<uint32_t> low;
+  low.reserve(hist[hi - bottom]);
   for (const Candidate& c : cand) {
     const uint32_t b = mag_bits(c.value);
-    if ((b >> 16) == hi) ++hist[b & 0xffff];
+    if ((b >> 16) == hi) low.push_back(b & 0xffff);
   }
-  uint32_t lo = 0xffff;
-  for (;; --lo) {
-    if (hist[lo] >= need) break;
-    need -= hist[lo];
-  }
-  *ties = need;
+  std::nth_element(low.begin(), low.begin() + (need - 1), low.end(), std::greater<uint32_t>());
+  const uint32_t lo = low[need - 1];
+  // After nth_element the elements before position need - 1 are >= lo: those above lo are the
+  // ones ranked before t; the rest of the need are ties.
+  size_t above = 0;
+  for (size_t j = 0; j + 1 < need; ++j) above += low[j] > lo;
+  *ties = need - above;
   return (hi << 16) | lo;
 }
 
