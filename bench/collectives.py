@@ -30,7 +30,8 @@ op and size: >1 means braid is faster.
 --json writes::
 
     {"benchmark": "collectives", "date": ISO 8601 UTC, "machine": {hostname, cpu, logical_cpus,
-     usable_cpus, memory_gib, load_average, platform, python, torch, numpy, braid, mpi_library},
+     usable_cpus, memory_gib, load_average, platform, python, torch, numpy, braid, mpi_library,
+     deepspeed},
      "config": {world_size, launcher, ops, impls, dtype, sizes, warmup, batches, time_budget_s,
      iters, timeout_s, bind},
      "records": [{"impl", "op", "world_size", "bytes", "count", "dtype", "time_us", "algbw_gbps",
@@ -245,9 +246,9 @@ def _header(config: Config, world_size: int) -> str:
     ])
 
 
-def _braid_version() -> str | None:
+def _version(package: str = "braid") -> str | None:
     try:
-        return metadata.version("braid")
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
@@ -275,7 +276,8 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     sys.stdout.flush()
     if config.json_path:
         machine = dict(config.machine, torch=torch.__version__, numpy=np.__version__,
-                       braid=_braid_version(), mpi_library=mpi_library)
+                       braid=_version(), mpi_library=mpi_library,
+                       deepspeed=_version("deepspeed") if "deepspeed" in config.impls else None)
         timing = config.timing
         settings = {"world_size": world_size, "launcher": config.launcher, "ops": list(config.ops),
                     "impls": list(config.impls), "dtype": config.dtype, "sizes": list(config.sizes),
