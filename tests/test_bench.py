@@ -79,3 +79,44 @@ def test_collectives_benchmark_runs(tmp_path):
                           for b in (4096, 16384))
     assert all(r["wrong"] == 0 for r in doc["records"])
     assert "# busbw ratio braid / gloo" in proc.stdout
+
+
+def deepspeed_agreement(rank, n, store_path):
+    """Each rank in turn fails alone; every rank must raise, the failing one with its reason."""
+    from braid.bench import deepspeed_peer
+    from helpers.ranks import process_group
+
+    seen = []
+    with process_group(rank, n, store_path):
+        deepspeed_peer._agreed(None)  # nobody failed: returns on every rank
+        for failing in range(n):
+            try:
+                deepspeed_peer._agreed("boom" if rank == failing else None)
+                seen.append(None)
+            except RuntimeError as e:
+                seen.append(str(e))
+    return seen
+
+
+def test_deepspeed_peer_failures_reach_every_rank():
+    """The DeepSpeed peer's ranks agree on a failure before DeepSpeed's own handshake (which has
+    no deadline): one rank's failure makes every rank give up."""
+    from helpers.ranks import run_ranks
+
+    results = run_ranks(deepspeed_agreement, 3)
+    for rank, seen in enumerate(results):
+        assert seen[rank] == "boom"
+        assert all(s is not None and "another rank" in s for j, s in enumerate(seen) if j != rank)
+
+
+def test_deepspeed_peer_availability_named():
+    """Why the peer cannot run: deepspeed missing, or a dtype its kernels lack."""
+    import importlib.util
+
+    from braid.bench import deepspeed_peer
+
+    installed = importlib.util.find_spec("deepspeed") is not None
+    for dtype in ("int32", "float64"):
+        why = deepspeed_peer.unavailable(dtype)
+        assert why is not None and (f"no {dtype} kernel" if installed else "not installed") in why
+    assert (deepspeed_peer.unavailable("float32") is None) == installed
