@@ -148,19 +148,16 @@ def gloo_backend(dtype: str) -> TorchBackend:
 def deepspeed_backend(rank: int, world_size: int, config: "Config") -> TorchBackend:
     """DeepSpeed's shared-memory all_reduce (deepspeed_peer.py); RuntimeError when it cannot run."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    run_id = f"{os.getppid() if config.launcher == 'spawn' else os.environ.get('MASTER_PORT', 0)}"
+    run_id = str(os.getppid() if config.launcher == "spawn" else os.environ.get("MASTER_PORT", 0))
     all_reduce = deepspeed_peer.shm_all_reduce(rank, world_size, local, config.dtype, run_id)
     return TorchBackend("deepspeed", config.dtype, {"all_reduce": lambda out, x: all_reduce(x)}, dist.barrier)
 
 
 # -- one rank ------------------------------------------------------------------------------------
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
-    if config.bind == "core":
-        launch.bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
-    # Nothing measured uses torch's thread pool; OpenMP workers spinning after a buffer
-    # conversion would steal the cores the collectives run on.
-    torch.set_num_threads(1)
-    launch.init_gloo(rank, world_size, store_port, config.timeout)
+    # One torch thread: nothing measured uses torch's thread pool, and OpenMP workers spinning
+    # after a buffer conversion would steal the cores the collectives run on.
+    launch.start_rank(rank, world_size, store_port, bind=config.bind, threads=1, timeout_s=config.timeout)
     try:
         backends = []
         braid = None

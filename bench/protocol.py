@@ -222,7 +222,7 @@ def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[i
     noisy host."""
     records = []
     for op in ops:
-        here = [b for b in backends if op in getattr(b, "ops", ops)]
+        here = [b for b in backends if op in _ops_of(b, ops)]
         for nbytes in sizes:
             count = message_count(op, nbytes, dtype, world_size)
             for backend in here:
@@ -244,4 +244,9 @@ def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[i
 
 def planned(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int]) -> int:
     """How many measurements run_suite makes (for the progress bar)."""
-    return len(sizes) * sum(op in getattr(b, "ops", ops) for b in backends for op in ops)
+    return len(sizes) * sum(len(_ops_of(b, ops)) for b in backends)
+
+
+def _ops_of(backend: Backend, ops: Sequence[str]) -> list[str]:
+    """The ops of ``ops`` that ``backend`` implements (its ``ops`` attribute; all without one)."""
+    return [op for op in ops if op in getattr(backend, "ops", ops)]
