@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include "../dtype.h"
 #include "counter_rng.h"
@@ -34,18 +33,11 @@ BRAID_HOST_DEVICE inline size_t top_k_sample_index(size_t j, size_t stride) {
   return j * stride + mix32(static_cast<uint32_t>(j)) % stride;
 }
 
-// An element of the input: its value (or magnitude) in float32 and its index. Ordered by
-// magnitude, |value|. The default constructor leaves both unset, so that buffers of candidates
-// are sized without being zeroed.
-struct TopKCandidate {
-  float value;
-  int32_t index;
-  TopKCandidate() {}  // NOLINT: deliberately uninitialized
-  TopKCandidate(float v, int32_t i) : value(v), index(i) {}
-};
-// Keeps the k candidates first in (larger magnitude, then lower index) order. `cand` must be in
-// ascending index order (as every gather produces it) and stays so.
-void top_k_trim(std::vector<TopKCandidate>& cand, size_t k);
+// Of c candidates (values[j], indices[j]), in ascending index order, writes the k = min(k, c)
+// with the largest magnitudes (ties at the k-th magnitude go to the lower index) to out_values /
+// out_indices, still in index order. Only the magnitudes of `values` matter for the choice.
+void top_k_trim(const float* values, const int32_t* indices, size_t c, size_t k, float* out_values,
+                int32_t* out_indices);
 
 // Selects exactly min(k, count) elements of `in` (float32, bfloat16 or float16) with the largest
 // magnitudes; writes their values as float32 and their indices in ascending order. Ties at the

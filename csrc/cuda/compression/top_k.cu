@@ -134,11 +134,9 @@ cudaError_t select_typed(DType dtype, const T* in, size_t count, size_t k, float
   BRAID_CUDA_TRY(cudaMemcpyAsync(hi.data(), cand.as<int32_t>(), c * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   BRAID_CUDA_TRY(cudaMemcpyAsync(hm.data(), mags.as<float>(), c * sizeof(float), cudaMemcpyDeviceToHost, stream));
   BRAID_CUDA_TRY(cudaStreamSynchronize(stream));
-  std::vector<TopKCandidate> cs(c);
-  for (size_t j = 0; j < c; ++j) cs[j] = {hm[j], hi[j]};
-  top_k_trim(cs, k);
   std::vector<int32_t> keep(k);
-  for (size_t j = 0; j < k; ++j) keep[j] = cs[j].index;
+  std::vector<float> kept_mags(k);
+  top_k_trim(hm.data(), hi.data(), c, k, kept_mags.data(), keep.data());
   BRAID_CUDA_TRY(cudaMemcpyAsync(indices, keep.data(), k * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
   values_kernel<T><<<grid_for(k), kThreads, 0, stream>>>(in, indices, k, values);
   BRAID_CUDA_TRY(cudaGetLastError());
