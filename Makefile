@@ -9,7 +9,7 @@ BUILD_DIR ?= build/cmake
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_CHECK_DIR ?= build/cuda-check
 
-.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check clean
+.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean
 
 all: install
 
@@ -35,6 +35,25 @@ cuda-check:
 	    $(NVCC) -std=c++17 -arch=sm_90 -Icsrc -c $$f -o $(CUDA_CHECK_DIR)/$$(basename $$f .cu).o || exit 1; \
 	  done; \
 	else echo "nvcc not found: CUDA sources not compile-checked"; fi
+	@$(MAKE) --no-print-directory cuda-binding-check
+
+# The CUDA half of the torch binding only builds where torch has CUDA; here it is type-checked
+# (-fsyntax-only) with BRAID_WITH_CUDA against the installed torch's headers and the CUDA
+# toolkit's. The CPU wheel ships c10/cuda's headers but not the one torch's cmake generates
+# (cuda_cmake_macros.h, one define); a stand-in for it goes in the check's include folder.
+CUDA_BINDING_SOURCES := csrc/binding/cuda_compression_binding.cpp csrc/binding/torch_binding.cpp
+cuda-binding-check:
+	@if [ -n "$(NVCC)" ] && [ -x "$(PY)" ]; then \
+	  stub=$(CUDA_CHECK_DIR)/include/c10/cuda/impl && mkdir -p $$stub && \
+	  printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $$stub/cuda_cmake_macros.h && \
+	  cuda_inc=$$($(NVCC) --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="\(-I[^"]*\)".*/\1/p' | head -1) && \
+	  torch_inc=$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; print(' '.join('-isystem ' + p for p in include_paths() + [sysconfig.get_paths()['include']]))") && \
+	  for f in $(CUDA_BINDING_SOURCES); do \
+	    echo "c++ -fsyntax-only -DBRAID_WITH_CUDA $$f"; \
+	    $(CXX) -std=c++17 -fsyntax-only -Wall -Wno-unused-parameter -fvisibility=hidden -DBRAID_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc $$f || exit 1; \
+	  done; \
+	else echo "nvcc or $(PY) not found: the CUDA binding not type-checked"; fi
 
 test-py:
 	$(PY) -m pytest tests -q
