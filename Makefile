@@ -1,4 +1,5 @@
 # braid: one-command setup, test and benchmark.  `make test`, `make bench`.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -81,6 +82,33 @@ bench: install
 	$(PY) -m braid.bench ddp --shapes 1x32,2x64,4x128 --json results/ddp.json
 	$(PY) -m braid.bench compression --json results/compression.json
 	$(PY) -m braid.bench attention --json results/attention.json --plot results/attention.png
+
+# On a machine with a CUDA GPU whose Python already has torch with CUDA, triton and pytest (no
+# venv, no network needed): build braid with its CUDA sources, run the GPU tests and the GPU
+# benchmarks. Logs, JSON and plots go to GPU_OUT; each step runs even if the one before failed,
+# and the target fails at the end if any did. Three targets, so each fits one limited call.
+GPU_PY ?= python3
+GPU_OUT ?= results/gpu
+GPU_JOBS ?= $(shell nproc)
+.PHONY: gpu-build gpu-test gpu-bench
+gpu-build:
+	mkdir -p $(GPU_OUT)
+	MAX_JOBS=$(GPU_JOBS) $(GPU_PY) -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -20 | tee $(GPU_OUT)/build.log
+	$(GPU_PY) -c "import torch; from braid.comm import _C; assert torch.cuda.is_available(), 'no CUDA device'; \
+	  assert _C.has_cuda_kernels, 'built without the CUDA kernels'; print(torch.cuda.get_device_name(0))" | tee -a $(GPU_OUT)/build.log
+gpu-test:
+	mkdir -p $(GPU_OUT)
+	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py tests/test_compression_cuda.py \
+	  tests/test_compression_kernels.py -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; \
+	  exit $${PIPESTATUS[0]}
+gpu-bench:
+	mkdir -p $(GPU_OUT)
+	status=0; \
+	$(GPU_PY) -m braid.bench compression --json $(GPU_OUT)/compression.json 2>&1 | tee $(GPU_OUT)/compression.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	$(GPU_PY) -m braid.bench attention --json $(GPU_OUT)/attention.json --plot $(GPU_OUT)/attention.png 2>&1 \
+	  | tee $(GPU_OUT)/attention.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	exit $$status
 
 bench-peers:
 	apt-get update && apt-get install -y openmpi-bin libopenmpi-dev
