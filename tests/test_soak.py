@@ -1,0 +1,164 @@
+"""Long random schedules of mixed collectives on 2-4 ranks.
+
+The other collective tests walk grids one kind at a time; here one seeded schedule (the same on
+every rank) interleaves every kind, dtype, op and size class on two communicators used
+alternately (one with the default algorithms, one forced onto the ring, both with small slots so
+that most messages take several pipelined rounds, and other tunables drawn from the seed),
+blocking and async calls mixed, async work waited in a different order on every rank,
+compressed all-reduces among them. Every plain result must equal its reference bit for bit,
+every result (compressed ones included) must be the same on all ranks, and nothing may hang.
+``SOAK_STEPS=5000 pytest tests/test_soak.py`` runs longer
+schedules (default 200 operations each, a few seconds in all).
+"""
+import os
+import random
+
+import pytest
+import torch
+from braid.comm import Cast, Int8Quantizer, TopK
+from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, reduce_reference
+from helpers.ranks import make_comm, run_ranks
+
+STEPS = int(os.environ.get("SOAK_STEPS", "200"))
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier", "compressed")
+WEIGHTS = (6, 2, 2, 2, 1, 1, 2)
+SENTINEL = 77
+
+
+def _count(rng: random.Random) -> int:
+    """Mostly a few hundred to a few thousand elements (several rounds of the tiny slots), some
+    empty or tiny messages (one-shot), a few tens of thousands."""
+    r = rng.random()
+    if r < 0.15:
+        return rng.choice((0, 1, 2, 3))
+    if r < 0.55:
+        return rng.randint(4, 400)
+    if r < 0.95:
+        return rng.randint(400, 6000)
+    return rng.randint(6000, 50000)
+
+
+def _tunables(rng: random.Random) -> dict:
+    """Small slots (most messages take several rounds, slots are reused), drawn per schedule:
+    pipeline depth, one-shot limit, streaming (non-temporal) outputs or not, skewed or lockstep
+    two-shot rounds."""
+    return {"slot_bytes": rng.choice((1024, 4096, 16384)), "nslots": rng.choice((2, 3, 4)),
+            "oneshot_max_bytes": rng.choice((256, 2048)), "stream_min_bytes": rng.choice((0, None)),
+            "skew_rounds": rng.choice((True, False))}
+
+
+def _compressor(rng: random.Random):
+    kind = rng.choice(("int8", "topk", "cast"))
+    if kind == "int8":
+        return kind, Int8Quantizer(block=rng.choice((32, 256)), seed=rng.randint(0, 99), warmup_steps=2)
+    if kind == "topk":
+        return kind, TopK(rng.choice((0.05, 0.3)), warmup_steps=2)
+    return kind, Cast(torch.bfloat16, warmup_steps=2)
+
+
+def _issue(c, rng, i, rank, n, seed, compressors, integral):
+    """Issues operation ``i`` of the schedule. Returns (what, work or None, outputs, expected,
+    rank_specific); expected None means only agreement across ranks is checked. ``integral``: the
+    all-reduce inputs are whole numbers, whose reductions are exact in any order (the ring
+    reduces each chunk in its own rotation of the ranks, not in rank order)."""
+    kind = rng.choices(KINDS, WEIGHTS)[0]
+    async_op = rng.random() < 0.5
+    dtype = rng.choice(DTYPES)
+    count = _count(rng)
+    s = seed * 100003 + i
+    if kind == "all_reduce":
+        op = rng.choice(OPS)
+        inputs = [make_input(s, r, count, dtype, integral=integral) for r in range(n)]
+        t = inputs[rank].clone()
+        if rng.random() < 0.2 and count > 1:  # a strided view
+            base = torch.stack([t, t], dim=1)
+            t = base[:, 1]
+        work = c.all_reduce(t, op=op, async_op=async_op)
+        return f"#{i} all_reduce {dtype} {count} {op}", work, [t], [reduce_reference(inputs, op, n)], False
+    if kind == "reduce_scatter":
+        op = rng.choice(OPS)
+        full = [make_input(s, r, n * count, dtype) for r in range(n)]
+        out = torch.full((count,), SENTINEL, dtype=dtype)
+        expected = reduce_reference(full, op, n)[rank * count:(rank + 1) * count]
+        work = c.reduce_scatter(out, full[rank].clone(), op=op, async_op=async_op)
+        return f"#{i} reduce_scatter {dtype} {count} {op}", work, [out], [expected], True
+    if kind == "all_gather":
+        inputs = [make_input(s, r, count, dtype) for r in range(n)]
+        out = torch.full((n * count,), SENTINEL, dtype=dtype)
+        work = c.all_gather(out, inputs[rank], async_op=async_op)
+        return f"#{i} all_gather {dtype} {count}", work, [out], [torch.cat(inputs)], False
+    if kind == "broadcast":
+        src = rng.randrange(n)
+        inputs = [make_input(s, r, count, dtype) for r in range(n)]
+        t = inputs[rank].clone()
+        work = c.broadcast(t, src=src, async_op=async_op)
+        return f"#{i} broadcast {dtype} {count} from {src}", work, [t], [inputs[src]], False
+    if kind == "all_to_all":
+        full = [make_input(s, r, n * count, dtype) for r in range(n)]
+        out = torch.full((n * count,), SENTINEL, dtype=dtype)
+        expected = torch.cat([full[r][rank * count:(rank + 1) * count] for r in range(n)])
+        work = c.all_to_all(out, full[rank].clone(), async_op=async_op)
+        return f"#{i} all_to_all {dtype} {count}", work, [out], [expected], True
+    if kind == "barrier":
+        return f"#{i} barrier", c.barrier(async_op=async_op), [], [], False
+    # Compressed: one compressor per key, reused, so residuals carry over (and are rebuilt when
+    # the key's size changes); the result is checked for agreement across ranks only.
+    key = f"k{rng.randrange(3)}"
+    if key not in compressors:
+        compressors[key] = _compressor(rng)
+    name, q = compressors[key]
+    dtype = rng.choice((torch.float32, torch.bfloat16))
+    count = max(count, 1)
+    t = make_input(s, rank, count, dtype)
+    op = rng.choice(("sum", "avg"))
+    work = c.all_reduce(t, op=op, compression=q, key=key, async_op=async_op)
+    return f"#{i} {name} {key} {dtype} {count} {op}", work, [t], [None], False
+
+
+def random_schedule(rank, n, store_path, seed):
+    log = CaseLog()
+    rng = random.Random(seed)  # the same draws on every rank: the same schedule
+    waits = random.Random(seed * 7919 + rank)  # each rank's own order of waiting
+    comms = [make_comm(rank, n, store_path, **_tunables(rng)),
+             make_comm(rank, n, store_path, algo="ring", **_tunables(rng))]
+    compressors = [{}, {}]
+    pending = []
+
+    def finish(batch):
+        for k in sorted(range(len(batch)), key=lambda _: waits.random()):
+            what, work, _, _, _ = batch[k]
+            log.expect(f"{what}: wait() returns True", work.wait() is True)
+        for what, _, outs, expected, rank_specific in batch:
+            check(what, outs, expected, rank_specific)
+
+    def check(what, outs, expected, rank_specific):
+        for out, exp in zip(outs, expected):
+            if exp is None:
+                log.expect(f"{what}: finite", bool(torch.isfinite(out).all()))
+                log.check(what, out, out)  # into the cross-rank digest
+            else:
+                log.check(what, out, exp, rank_specific=rank_specific)
+
+    try:
+        for i in range(STEPS):
+            which = rng.randrange(2)
+            what, work, outs, expected, rank_specific = _issue(comms[which], rng, i, rank, n, seed,
+                                                               compressors[which], integral=which == 1)
+            if work is None:
+                check(what, outs, expected, rank_specific)
+            else:
+                pending.append((what, work, outs, expected, rank_specific))
+            if pending and rng.random() < 0.15:
+                take = rng.randint(1, len(pending))
+                finish(pending[:take])
+                pending = pending[take:]
+        finish(pending)
+    finally:
+        for c in comms:
+            c.close()
+    return log.summary()
+
+
+@pytest.mark.parametrize("n,seed", [(2, 1), (3, 2), (4, 3)])
+def test_random_schedule(n, seed):
+    assert_ranks_agree(run_ranks(random_schedule, n, seed), min_cases=STEPS)
