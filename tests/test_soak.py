@@ -7,8 +7,8 @@ that most messages take several pipelined rounds, and other tunables drawn from 
 blocking and async calls mixed, async work waited in a different order on every rank,
 compressed all-reduces among them. Every plain result must equal its reference bit for bit,
 every result (compressed ones included) must be the same on all ranks, and nothing may hang.
-``SOAK_STEPS=5000 pytest tests/test_soak.py`` runs longer
-schedules (default 200 operations each, a few seconds in all).
+``SOAK_STEPS=5000 pytest tests/test_soak.py`` runs longer schedules (default 200 operations
+each, a few seconds in all).
 """
 import os
 import random
