@@ -12,12 +12,14 @@ each, a few seconds in all).
 """
 import os
 import random
+import time
 
 import pytest
 import torch
 from braid.comm import Cast, Int8Quantizer, TopK
-from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, reduce_reference
-from helpers.ranks import make_comm, run_ranks
+from braid.comm import CommError, PeerError
+from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, braid_segments, make_input, reduce_reference
+from helpers.ranks import FreshRanks, make_comm, open_store, run_ranks
 
 STEPS = int(os.environ.get("SOAK_STEPS", "200"))
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier", "compressed")
@@ -115,21 +117,15 @@ def _issue(c, rng, i, rank, n, seed, compressors, integral):
     return f"#{i} {name} {key} {dtype} {count} {op}", work, [t], [None], False
 
 
-def random_schedule(rank, n, store_path, seed):
-    log = CaseLog()
+def _play(rank, n, seed, comms, log, before_step=lambda i: None, call_started=None):
+    """Runs the schedule of ``seed`` on ``comms``, checking into ``log``. ``before_step(i)`` runs
+    before operation i; ``call_started[0]`` is set to time.monotonic() before every call."""
     rng = random.Random(seed)  # the same draws on every rank: the same schedule
     waits = random.Random(seed * 7919 + rank)  # each rank's own order of waiting
-    comms = [make_comm(rank, n, store_path, **_tunables(rng)),
-             make_comm(rank, n, store_path, algo="ring", **_tunables(rng))]
+    started = call_started if call_started is not None else [0.0]
+    _tunables(rng), _tunables(rng)  # the draws that made the communicators (_communicators)
     compressors = [{}, {}]
     pending = []
-
-    def finish(batch):
-        for k in sorted(range(len(batch)), key=lambda _: waits.random()):
-            what, work, _, _, _ = batch[k]
-            log.expect(f"{what}: wait() returns True", work.wait() is True)
-        for what, _, outs, expected, rank_specific in batch:
-            check(what, outs, expected, rank_specific)
 
     def check(what, outs, expected, rank_specific):
         for out, exp in zip(outs, expected):
@@ -139,20 +135,43 @@ def random_schedule(rank, n, store_path, seed):
             else:
                 log.check(what, out, exp, rank_specific=rank_specific)
 
+    def finish(batch):
+        for k in sorted(range(len(batch)), key=lambda _: waits.random()):
+            what, work, _, _, _ = batch[k]
+            started[0] = time.monotonic()
+            log.expect(f"{what}: wait() returns True", work.wait() is True)
+        for what, _, outs, expected, rank_specific in batch:
+            check(what, outs, expected, rank_specific)
+
+    for i in range(STEPS):
+        before_step(i)
+        which = rng.randrange(2)
+        started[0] = time.monotonic()
+        what, work, outs, expected, rank_specific = _issue(comms[which], rng, i, rank, n, seed,
+                                                           compressors[which], integral=which == 1)
+        if work is None:
+            check(what, outs, expected, rank_specific)
+        else:
+            pending.append((what, work, outs, expected, rank_specific))
+        if pending and rng.random() < 0.15:
+            take = rng.randint(1, len(pending))
+            finish(pending[:take])
+            pending = pending[take:]
+    finish(pending)
+
+
+def _communicators(rank, n, store_path, seed, **kwargs):
+    """The schedule's two communicators: default algorithms, and the ring; tunables from the seed."""
+    rng = random.Random(seed)
+    return [make_comm(rank, n, store_path, **_tunables(rng), **kwargs),
+            make_comm(rank, n, store_path, algo="ring", **_tunables(rng), **kwargs)]
+
+
+def random_schedule(rank, n, store_path, seed):
+    log = CaseLog()
+    comms = _communicators(rank, n, store_path, seed)
     try:
-        for i in range(STEPS):
-            which = rng.randrange(2)
-            what, work, outs, expected, rank_specific = _issue(comms[which], rng, i, rank, n, seed,
-                                                               compressors[which], integral=which == 1)
-            if work is None:
-                check(what, outs, expected, rank_specific)
-            else:
-                pending.append((what, work, outs, expected, rank_specific))
-            if pending and rng.random() < 0.15:
-                take = rng.randint(1, len(pending))
-                finish(pending[:take])
-                pending = pending[take:]
-        finish(pending)
+        _play(rank, n, seed, comms, log)
     finally:
         for c in comms:
             c.close()
@@ -162,3 +181,64 @@ def random_schedule(rank, n, store_path, seed):
 @pytest.mark.parametrize("n,seed", [(2, 1), (3, 2), (4, 3)])
 def test_random_schedule(n, seed):
     assert_ranks_agree(run_ranks(random_schedule, n, seed), min_cases=STEPS)
+
+
+# A dead peer must be reported "within about a second" (DESIGN section 5); as in test_failures.
+DETECTION_LIMIT_S = 2.0
+
+
+def schedule_with_death(rank, n, store_path, seed, victim, die_at):
+    """The schedule of ``seed``, except that rank ``victim`` ends its process before operation
+    ``die_at``, whatever it has in flight. Every other rank must raise PeerError from the first
+    call that needs the victim, within the detection limit of that call's start or the death,
+    whichever came later; then both communicators refuse work at once or raise too."""
+    store = open_store(store_path)
+    comms = _communicators(rank, n, store_path, seed, timeout=30.0)
+    started = [0.0]
+
+    def before_step(i):
+        if rank == victim and i == die_at:
+            store.set("died", repr(time.monotonic()))
+            os._exit(3)  # no close(): only the process ending tells the peers
+
+    try:
+        _play(rank, n, seed, comms, CaseLog(), before_step, started)
+    except CommError as e:
+        raised = time.monotonic()
+        died = float(store.get("died").decode())
+        after = []
+        for c in comms:
+            try:
+                c.all_reduce(torch.ones(3))
+                after.append("returned")
+            except CommError as later:
+                after.append(type(later).__name__)
+        return {"type": type(e).__name__, "message": str(e), "late_s": raised - max(started[0], died),
+                "after": after, "leaked": braid_segments([os.getpid()])}
+    finally:
+        for c in comms:
+            c.close()
+    return {"type": None, "message": "the schedule finished without the victim"}
+
+
+@pytest.mark.parametrize("n,seed", [(2, 11), (3, 12), (4, 13)])
+def test_peer_dies_anywhere_in_a_schedule(n, seed):
+    """Each case kills a different rank at a different point of a schedule (in a pipelined round,
+    among queued async work, in a compressed all-reduce, ...)."""
+    rng = random.Random(seed)
+    for case in range(3):
+        victim, die_at = rng.randrange(n), rng.randrange(1, STEPS)
+        with FreshRanks(n) as ranks:
+            ranks.start(schedule_with_death, seed * 10 + case, victim, die_at)
+            outcomes = ranks.outcomes()
+        where = f"case {case}: rank {victim} dies before operation {die_at}"
+        assert outcomes[victim] == ("died", 3), (where, outcomes[victim])
+        for r in range(n):
+            if r == victim:
+                continue
+            kind, seen = outcomes[r]
+            assert kind == "ok", (where, r, kind, seen)
+            assert seen["type"] == PeerError.__name__, (where, r, seen)
+            assert seen["late_s"] < DETECTION_LIMIT_S, (where, r, seen)
+            assert all(a != "returned" for a in seen["after"]), (where, r, seen)
+            assert not seen["leaked"], (where, r, seen)
