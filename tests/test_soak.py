@@ -16,10 +16,11 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from braid.comm import Cast, Int8Quantizer, TopK
 from braid.comm import CommError, PeerError
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, braid_segments, make_input, reduce_reference
-from helpers.ranks import FreshRanks, make_comm, open_store, run_ranks
+from helpers.ranks import FreshRanks, make_comm, open_store, process_group, run_ranks
 
 STEPS = int(os.environ.get("SOAK_STEPS", "200"))
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier", "compressed")
@@ -242,3 +243,133 @@ def test_peer_dies_anywhere_in_a_schedule(n, seed):
             assert seen["late_s"] < DETECTION_LIMIT_S, (where, r, seen)
             assert all(a != "returned" for a in seen["after"]), (where, r, seen)
             assert not seen["leaked"], (where, r, seen)
+
+
+# -- the same through torch.distributed on the braid backend ------------------------------------
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+              "prod": dist.ReduceOp.PRODUCT}
+# torch 2.13 renamed the tensor forms (the old names warn); older releases have only those.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+BACKEND_KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single",
+                 "reduce_scatter_single", "reduce_scatter", "all_to_all_single", "gather", "scatter",
+                 "send_recv", "ring_exchange", "barrier")
+
+
+def _backend_op(rng, i, rank, n, seed):
+    """Operation ``i`` through torch.distributed: returns (what, work or None, outputs, expected).
+    Inputs are whole numbers, so every reduction is exact in any order; products stay small."""
+    kind = rng.choice(BACKEND_KINDS)
+    dtype = rng.choice(DTYPES)
+    count = _count(rng)
+    async_op = rng.random() < 0.5
+    s = seed * 100003 + i
+
+    def x(r, numel=count, salt=0):
+        return make_input(s + salt, r, numel, dtype, integral=True)
+
+    what = f"#{i} {kind} {dtype} {count}"
+    if kind == "all_reduce":
+        op = rng.choice(tuple(REDUCE_OPS))
+        t = x(rank)
+        return what + f" {op}", dist.all_reduce(t, op=REDUCE_OPS[op], async_op=async_op), [t], \
+            [reduce_reference([x(r) for r in range(n)], op, n)]
+    if kind == "broadcast":
+        src = rng.randrange(n)
+        t = x(rank)
+        return what + f" from {src}", dist.broadcast(t, src, async_op=async_op), [t], [x(src)]
+    if kind == "reduce":
+        dst, op = rng.randrange(n), rng.choice(tuple(REDUCE_OPS))
+        t = x(rank)
+        work = dist.reduce(t, dst, op=REDUCE_OPS[op], async_op=async_op)
+        return what + f" {op} to {dst}", work, [t] if rank == dst else [], \
+            [reduce_reference([x(r) for r in range(n)], op, n)]
+    if kind == "all_gather":
+        outs = [torch.full((count,), SENTINEL, dtype=dtype) for _ in range(n)]
+        return what, dist.all_gather(outs, x(rank), async_op=async_op), outs, [x(r) for r in range(n)]
+    if kind == "all_gather_single":
+        out = torch.full((n * count,), SENTINEL, dtype=dtype)
+        work = ALL_GATHER_SINGLE(out, x(rank), async_op=async_op)
+        return what, work, [out], [torch.cat([x(r) for r in range(n)])]
+    if kind in ("reduce_scatter_single", "reduce_scatter"):
+        op = rng.choice(tuple(REDUCE_OPS))
+        full = [x(r, n * count) for r in range(n)]
+        out = torch.full((count,), SENTINEL, dtype=dtype)
+        if kind == "reduce_scatter":
+            pieces = list(full[rank].chunk(n)) if count else [torch.empty(0, dtype=dtype)] * n
+            work = dist.reduce_scatter(out, pieces, op=REDUCE_OPS[op], async_op=async_op)
+        else:
+            work = REDUCE_SCATTER_SINGLE(out, full[rank], op=REDUCE_OPS[op], async_op=async_op)
+        expected = reduce_reference(full, op, n)[rank * count:(rank + 1) * count]
+        return what + f" {op}", work, [out], [expected]
+    if kind == "all_to_all_single":
+        full = [x(r, n * count) for r in range(n)]
+        out = torch.full((n * count,), SENTINEL, dtype=dtype)
+        work = dist.all_to_all_single(out, full[rank], async_op=async_op)
+        return what, work, [out], [torch.cat([full[r][rank * count:(rank + 1) * count] for r in range(n)])]
+    if kind == "gather":
+        dst = rng.randrange(n)
+        outs = [torch.full((count,), SENTINEL, dtype=dtype) for _ in range(n)] if rank == dst else None
+        work = dist.gather(x(rank), outs, dst=dst, async_op=async_op)
+        return what + f" to {dst}", work, outs or [], [x(r) for r in range(n)]
+    if kind == "scatter":
+        src = rng.randrange(n)
+        out = torch.full((count,), SENTINEL, dtype=dtype)
+        pieces = [x(r, salt=1) for r in range(n)] if rank == src else None
+        work = dist.scatter(out, pieces, src=src, async_op=async_op)
+        return what + f" from {src}", work, [out], [x(rank, salt=1)]
+    if kind == "send_recv":
+        a, b = rng.sample(range(n), 2) if n > 1 else (0, 0)
+        if n == 1 or rank not in (a, b):
+            return what + " (not a party)", None, [], []
+        if rank == a:
+            dist.send(x(a), b)
+            return what + f" {a} -> {b}", None, [], []
+        t = torch.full((count,), SENTINEL, dtype=dtype)
+        dist.recv(t, a)
+        return what + f" {a} -> {b}", None, [t], [x(a)]
+    if kind == "ring_exchange":
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        got = torch.full((count,), SENTINEL, dtype=dtype)
+        ops = [dist.P2POp(dist.isend, x(rank), nxt), dist.P2POp(dist.irecv, got, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return what, None, [got], [x(prv)]
+    return f"#{i} barrier", dist.barrier(async_op=async_op), [], []
+
+
+def backend_schedule(rank, n, store_path, seed):
+    log = CaseLog()
+    rng = random.Random(seed)
+    waits = random.Random(seed * 7919 + rank)
+    pending = []
+
+    def finish(batch):
+        for k in sorted(range(len(batch)), key=lambda _: waits.random()):
+            batch[k][1].wait()
+        for what, _, outs, expected in batch:
+            for out, exp in zip(outs, expected):
+                log.check(what, out, exp, rank_specific=True)
+
+    with process_group(rank, n, store_path, backend="braid"):
+        for i in range(STEPS):
+            what, work, outs, expected = _backend_op(rng, i, rank, n, seed)
+            if work is None:
+                for out, exp in zip(outs, expected):
+                    log.check(what, out, exp, rank_specific=True)
+            else:
+                pending.append((what, work, outs, expected))
+            if pending and rng.random() < 0.15:
+                take = rng.randint(1, len(pending))
+                finish(pending[:take])
+                pending = pending[take:]
+        finish(pending)
+    return log.summary()
+
+
+@pytest.mark.parametrize("n,seed", [(2, 21), (3, 22), (4, 23)])
+def test_backend_random_schedule(n, seed):
+    """Every c10d collective and point-to-point call braid implements, mixed as above."""
+    summaries = run_ranks(backend_schedule, n, seed)
+    failures = [f"rank {r}: {f}" for r, s in enumerate(summaries) for f in s["failures"]]
+    assert not failures, "\n".join(failures[:20])
