@@ -75,8 +75,8 @@ inline size_t take_group(const float* v, int32_t first, float thr, int valid, fl
   const __mmask16 lanes = static_cast<__mmask16>(valid >= 16 ? 0xffff : (1u << valid) - 1);
   const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, mag, _mm512_set1_ps(thr), _CMP_GE_OQ);
   // No early exit for groups without a hit: at a few percent most groups hold one, and the
-  // branch would be mispredicted often. Compress in registers, then plain full-width stores
-  // (the memory form of compress is slow on some cores).
+  // branch would be mispredicted often. Compress in registers, then store (the memory form of
+  // compress is slow on some cores).
   const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(first),
                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512 cv = _mm512_maskz_compress_ps(hit, x);
