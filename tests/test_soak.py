@@ -17,8 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from braid.comm import Cast, Int8Quantizer, TopK
-from braid.comm import CommError, PeerError
+from braid.comm import Cast, CommError, Int8Quantizer, PeerError, TopK
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, braid_segments, make_input, reduce_reference
 from helpers.ranks import FreshRanks, make_comm, open_store, process_group, run_ranks
 
@@ -51,6 +50,8 @@ def _tunables(rng: random.Random) -> dict:
 
 
 def _compressor(rng: random.Random):
+    """A compressor for one key of a schedule: int8 (two block sizes), top-k (sparse or dense
+    path) or a bfloat16 cast, each with error feedback and two exact warm-up calls."""
     kind = rng.choice(("int8", "topk", "cast"))
     if kind == "int8":
         return kind, Int8Quantizer(block=rng.choice((32, 256)), seed=rng.randint(0, 99), warmup_steps=2)
