@@ -238,6 +238,20 @@ def test_top_k_paths():
     assert int(indices.max()) < 100003
 
 
+def test_top_k_counts_nan_as_largest():
+    """NaNs rank above every number on both paths (as torch.topk ranks them): a gradient with a
+    few NaNs selects them first whether the sampled threshold or the exact selection runs."""
+    for count, k in ((200000, 2000), (5000, 100)):  # sampled path, exact path
+        x = torch.randn(count, generator=torch.Generator().manual_seed(count))
+        nan_at = torch.randperm(count, generator=torch.Generator().manual_seed(7))[:30]
+        x[nan_at] = float("nan")
+        values, indices, exact = _C.top_k(x, k)
+        assert exact == (count == 5000)
+        expected = torch.topk(x.abs(), k).indices.sort().values
+        assert torch.equal(indices.long(), expected)
+        assert int(values.isnan().sum()) == 30
+
+
 def test_scatter_add_matches_index_add():
     acc = torch.randn(1000)
     idx = torch.tensor([5, 999, 0, 5, 17], dtype=torch.int32)

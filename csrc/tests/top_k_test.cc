@@ -1,6 +1,6 @@
 // Top-k selection (braid::top_k_select, braid::top_k_trim) against a sort, bit for bit, on both
 // paths (sampled threshold and exact), at sizes around the candidate pass's groups and blocks,
-// with ties, zeros and infinities, for float32, bfloat16 and float16 inputs. Under the sanitizer
+// with ties, zeros, infinities and NaNs, for float32, bfloat16 and float16 inputs. Under the sanitizer
 // builds this also covers the vector loops' slack and masked stores.
 #include <algorithm>
 #include <cmath>
@@ -36,8 +36,8 @@ std::vector<int32_t> reference_top_k(const std::vector<float>& x, size_t k) {
   return order;
 }
 
-// Values of one of several shapes: normal with a per-block scale, many ties, mostly zeros, or
-// normal with a few infinities.
+// Values of one of several shapes: normal with a per-block scale, many ties, mostly zeros,
+// normal with a few infinities, or normal with a few NaNs (which rank above every number).
 std::vector<float> make_values(std::mt19937_64& rng, size_t count, int shape) {
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> u;
@@ -47,6 +47,7 @@ std::vector<float> make_values(std::mt19937_64& rng, size_t count, int shape) {
     if (shape == 1) v = std::round(v * 2) / 2;
     if (shape == 2 && u(rng) < 0.9f) v = (u(rng) < 0.5f) ? 0.0f : -0.0f;
     if (shape == 3 && u(rng) < 0.001f) v = u(rng) < 0.5f ? INFINITY : -INFINITY;
+    if (shape == 4 && u(rng) < 0.002f) v = u(rng) < 0.5f ? NAN : -NAN;
     x[i] = v;
   }
   return x;
@@ -79,7 +80,7 @@ BRAID_TEST(top_k_matches_a_sort_on_both_paths) {
   const size_t counts[] = {1, 15, 16, 17, 255, 256, 257, 4099, 40000, 65537, 200003};
   const double ratios[] = {0.001, 0.01, 0.05, 0.3, 1.0};
   int sampled = 0, cases = 0;
-  for (int shape = 0; shape < 4; ++shape) {
+  for (int shape = 0; shape < 5; ++shape) {
     for (size_t count : counts) {
       for (double ratio : ratios) {
         const size_t k = std::max<size_t>(1, static_cast<size_t>(ratio * static_cast<double>(count)));

@@ -67,13 +67,14 @@ inline size_t pack8(__m256i v, __m256i idx, unsigned mask, float* out_v, int32_t
 #endif
 
 // Appends (value, index) for the first `valid` of 16 values (v[0..16) at input index `first`)
-// whose magnitude is >= thr (a NaN never is); returns how many. out_v and out_i need room for 16.
-inline size_t take_group(const float* v, int32_t first, float thr, int valid, float* out_v, int32_t* out_i) {
+// whose magnitude bits are >= thr (so a NaN is above every threshold but a NaN's); returns how
+// many. out_v and out_i need room for 16.
+inline size_t take_group(const float* v, int32_t first, uint32_t thr, int valid, float* out_v, int32_t* out_i) {
 #if defined(__AVX512F__)
   const __m512 x = _mm512_loadu_ps(v);
-  const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+  const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
   const __mmask16 lanes = static_cast<__mmask16>(valid >= 16 ? 0xffff : (1u << valid) - 1);
-  const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, mag, _mm512_set1_ps(thr), _CMP_GE_OQ);
+  const __mmask16 hit = _mm512_mask_cmpge_epu32_mask(lanes, mag, _mm512_set1_epi32(static_cast<int32_t>(thr)));
   // No early exit for groups without a hit: at a few percent most groups hold one, and the
   // branch would be mispredicted often. Compress in registers, then store (the memory form of
   // compress is slow on some cores).
@@ -89,16 +90,18 @@ inline size_t take_group(const float* v, int32_t first, float thr, int valid, fl
   _mm512_mask_storeu_epi32(out_i, half, ci);
   return n;
 #elif defined(__AVX2__)
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 t = _mm256_set1_ps(thr);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  // Magnitude bits are below 2^31, so a signed compare orders them; b >= thr is b > thr - 1
+  // (thr = 0 gives -1: every lane).
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(thr) - 1);
   const unsigned lanes = valid >= 16 ? 0xffffu : (1u << valid) - 1;
   size_t n = 0;
   for (int h = 0; h < 2; ++h) {
-    const __m256 x = _mm256_loadu_ps(v + 8 * h);
-    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(x, abs_mask), t, _CMP_GE_OQ))) &
-                       (lanes >> (8 * h)) & 0xffu;
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 8 * h));
+    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), below);
+    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(hit))) & (lanes >> (8 * h)) & 0xffu;
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(first + 8 * h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    n += pack8(_mm256_castps_si256(x), idx, m, out_v + n, out_i + n);
+    n += pack8(x, idx, m, out_v + n, out_i + n);
   }
   return n;
 #else
@@ -107,7 +110,7 @@ inline size_t take_group(const float* v, int32_t first, float thr, int valid, fl
   for (int j = 0; j < valid; ++j) {
     out_v[n] = v[j];
     out_i[n] = first + j;
-    n += std::fabs(v[j]) >= thr ? 1 : 0;
+    n += mag_bits(v[j]) >= thr ? 1 : 0;
   }
   return n;
 #endif
@@ -132,11 +135,11 @@ struct Candidates {
 // its capacity, so candidate buffers need this much slack.
 constexpr size_t kBlock = 256;
 
-// Every element with |x| >= thr as (value in float32, index), in index order; false (and
-// nothing kept) when there are more than `cap` (the caller falls back to the exact path).
-// `out` needs room for cap + kBlock.
+// Every element whose magnitude bits are >= thr as (value in float32, index), in index order;
+// false (and nothing kept) when there are more than `cap` (the caller falls back to the exact
+// path). `out` needs room for cap + kBlock.
 template <class T>
-bool gather_above(const T* in, size_t count, float thr, size_t cap, Candidates& out) {
+bool gather_above(const T* in, size_t count, uint32_t thr, size_t cap, Candidates& out) {
   alignas(64) float vals[kBlock];
   float* const out_v = out.value;  // locals: the stores below cannot be taken to modify them
   int32_t* const out_i = out.index;
@@ -301,9 +304,11 @@ template <class T>
 TopKPath select_typed(const T* in, size_t count, size_t k, float* values, int32_t* indices) {
   size_t r = 0, stride = 0;
   if (top_k_sampled(count, k, &r, &stride)) {
-    std::vector<float> s(kTopKSample);
-    for (size_t j = 0; j < kTopKSample; ++j) s[j] = std::fabs(load_f32(in[top_k_sample_index(j, stride)]));
-    std::nth_element(s.begin(), s.begin() + r, s.end(), std::greater<float>());
+    // The sample as magnitude bits: the order the trim uses, in which a NaN is the largest (a
+    // float comparison would leave NaNs unordered and out of the candidates).
+    std::vector<uint32_t> s(kTopKSample);
+    for (size_t j = 0; j < kTopKSample; ++j) s[j] = mag_bits(load_f32(in[top_k_sample_index(j, stride)]));
+    std::nth_element(s.begin(), s.begin() + r, s.end(), std::greater<uint32_t>());
     const size_t cap = kTopKMaxOverselect * k;
     Candidates cand(cap + kBlock);
     if (gather_above(in, count, s[r], cap, cand) && cand.size >= k) {

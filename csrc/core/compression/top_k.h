@@ -41,7 +41,9 @@ void top_k_trim(const float* values, const int32_t* indices, size_t c, size_t k,
 
 // Selects exactly min(k, count) elements of `in` (float32, bfloat16 or float16) with the largest
 // magnitudes; writes their values as float32 and their indices in ascending order. Ties at the
-// threshold go to the lower index, so the result is a function of the input alone.
+// threshold go to the lower index, so the result is a function of the input alone. Magnitudes
+// are ordered as their bit patterns with the sign cleared: a NaN counts as larger than any number
+// (as torch.topk has it), whichever path runs.
 TopKPath top_k_select(DType dtype, const void* in, size_t count, size_t k, float* values, int32_t* indices);
 
 // acc[indices[i]] += values[i] for i in 0..k-1, in that order.

@@ -6,6 +6,7 @@
 #include <thrust/iterator/counting_iterator.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "compression_cuda.h"
@@ -21,11 +22,14 @@ __global__ void sample_kernel(const T* __restrict__ in, size_t stride, float* __
   if (j < kTopKSample) out[j] = fabsf(load_f32(in, top_k_sample_index(j, stride)));
 }
 
+// Magnitude bits at least thr: the CPU's order, in which a NaN is above every number.
 template <class T>
 struct AtLeast {
   const T* in;
-  float thr;
-  __device__ bool operator()(int32_t i) const { return fabsf(load_f32(in, static_cast<size_t>(i))) >= thr; }
+  uint32_t thr;
+  __device__ bool operator()(int32_t i) const {
+    return __float_as_uint(fabsf(load_f32(in, static_cast<size_t>(i)))) >= thr;
+  }
 };
 
 template <class T>
@@ -102,7 +106,10 @@ cudaError_t select_typed(DType dtype, const T* in, size_t count, size_t k, float
   std::vector<float> s(kTopKSample);
   BRAID_CUDA_TRY(cudaMemcpyAsync(s.data(), sample.as<float>(), s.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
   BRAID_CUDA_TRY(cudaStreamSynchronize(stream));
-  std::nth_element(s.begin(), s.begin() + rank, s.end(), std::greater<float>());
+  // Ordered as magnitude bits, as the CPU orders its sample (fabsf cleared the signs).
+  std::vector<uint32_t> bits(s.size());
+  std::memcpy(bits.data(), s.data(), s.size() * sizeof(float));
+  std::nth_element(bits.begin(), bits.begin() + rank, bits.end(), std::greater<uint32_t>());
 
   // Candidates (indices with |x| >= threshold) compacted in index order.
   const size_t cap = kTopKMaxOverselect * k;
@@ -111,7 +118,7 @@ cudaError_t select_typed(DType dtype, const T* in, size_t count, size_t k, float
   BRAID_CUDA_TRY(cand.error());
   BRAID_CUDA_TRY(num.error());
   thrust::counting_iterator<int32_t> ids(0);
-  const AtLeast<T> pred{in, s[rank]};
+  const AtLeast<T> pred{in, bits[rank]};
   size_t temp_bytes = 0;
   BRAID_CUDA_TRY(cub::DeviceSelect::If(nullptr, temp_bytes, ids, cand.as<int32_t>(), num.as<int>(),
                                        static_cast<int>(count), pred, stream));
