@@ -29,19 +29,23 @@ Layout layout_of(QuantFormat fmt, size_t chunk) {
                 fmt.block, fmt.bits, static_cast<float>(fmt.qmax())};
 }
 
+// The block's largest magnitude, given each thread's largest |x|: compared as bit patterns, as
+// the CPU does, so that a NaN in the block is the maximum (fmaxf would skip it, and the NaN would
+// then be encoded as -qmax instead of spoiling its block as it does on the CPU).
 __device__ float block_max(float v) {
-  __shared__ float partial[32];
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __shared__ unsigned partial[32];
+  unsigned u = __float_as_uint(v);
+  for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) partial[warp] = v;
+  if (lane == 0) partial[warp] = u;
   __syncthreads();
   if (warp == 0) {
-    v = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) partial[0] = v;
+    u = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0u;
+    for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
+    if (lane == 0) partial[0] = u;
   }
   __syncthreads();
-  return partial[0];
+  return __uint_as_float(partial[0]);
 }
 
 template <class T>
@@ -57,7 +61,7 @@ __global__ void quantize_kernel(Layout L, const T* __restrict__ in, float* __res
     float x = 0.0f;
     if (k < m) x = residual != nullptr ? __fadd_rn(load_f32(in, first + k), residual[first + k]) : load_f32(in, first + k);
     xs[k] = x;
-    amax = fmaxf(amax, fabsf(x));
+    amax = __uint_as_float(max(__float_as_uint(amax), __float_as_uint(fabsf(x))));
   }
   amax = block_max(amax);
   const float scale = __fdiv_rn(amax, L.qmax);
