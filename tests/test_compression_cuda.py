@@ -42,6 +42,19 @@ def test_quantize_and_dequantize_match_cpu(bits, block, dtype, stochastic):
         assert torch.equal(out_gpu.cpu(), out_cpu)
 
 
+def test_nan_spoils_its_block_on_both_devices():
+    """A NaN makes its block's scale NaN on either device (both take the absmax over bit
+    patterns), so it shows up in the result instead of being encoded as a number."""
+    x = torch.randn(1000)
+    x[70] = float("nan")
+    for bits, block in ((8, 32), (4, 32)):
+        out_cpu, out_gpu = torch.empty(1000), torch.empty(1000, device="cuda")
+        _C.dequantize(_C.quantize(x, None, bits, block, True, 3), bits, block, out_cpu)
+        _C.cuda_dequantize(_C.cuda_quantize(x.cuda(), None, bits, block, True, 3), bits, block, out_gpu)
+        for out in (out_cpu, out_gpu.cpu()):
+            assert out[64:96].isnan().all() and not out[:64].isnan().any() and not out[96:].isnan().any()
+
+
 def test_dequantize_accumulate_and_error_feedback_match_cpu():
     x = torch.randn(5000)
     q = _C.quantize(x, None, 8, 256, True, 3)

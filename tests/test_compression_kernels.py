@@ -238,6 +238,21 @@ def test_top_k_paths():
     assert int(indices.max()) < 100003
 
 
+def test_nan_spoils_only_its_quantization_block():
+    """The absmax over bit patterns makes a NaN the block's maximum: the block's scale is NaN and
+    every value of that block decodes to NaN, so the NaN reaches the result; other blocks keep
+    their values."""
+    x = torch.randn(1000)
+    x[70] = float("nan")
+    for bits, block in ((8, 32), (4, 32), (8, 256)):
+        out = torch.empty(1000)
+        _C.dequantize(_C.quantize(x, None, bits, block, True, 3), bits, block, out)
+        first = 70 // block * block
+        spoiled = torch.zeros(1000, dtype=torch.bool)
+        spoiled[first:first + block] = True
+        assert torch.equal(out.isnan(), spoiled)
+
+
 def test_top_k_counts_nan_as_largest():
     """NaNs rank above every number on both paths (as torch.topk ranks them): a gradient with a
     few NaNs selects them first whether the sampled threshold or the exact selection runs."""
