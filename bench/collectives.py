@@ -46,7 +46,6 @@ wrong elements or the MPI peer failed.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import os
@@ -179,12 +178,7 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
         progress.close()
         if braid is not None:
             braid.close()
-        # gloo's worker threads drop their finished work (and its tensors' Python objects) on their
-        # own: one still doing so while the interpreter shuts down cannot take the GIL and aborts
-        # the process ("terminate called without an active exception"; seen after the DeepSpeed
-        # peer's calls). Collect what is left and let every rank finish with gloo first.
-        gc.collect()
-        dist.barrier()
+        launch.end_gloo_use()  # without it, runs with the DeepSpeed peer aborted a rank at exit
     finally:
         dist.destroy_process_group()
     return _report(config, records, world_size) if rank == 0 else 0

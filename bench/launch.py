@@ -7,6 +7,7 @@ seconds to report their side, then are stopped; past the deadline every rank is 
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -67,6 +68,18 @@ def start_rank(rank: int, world_size: int, store_port: int | None, *, bind: str,
         bind_to_core(int(os.environ.get("LOCAL_RANK", rank)))
     torch.set_num_threads(threads)
     init_gloo(rank, world_size, store_port, timeout_s)
+
+
+def end_gloo_use() -> None:
+    """Call before destroying the run's gloo group, on every rank, once nothing is in flight.
+
+    Collects garbage (DTensor/FSDP2 modules and finished works hold the group and tensors) and
+    waits at a barrier until every rank is done with gloo: gloo's worker threads drop finished
+    work, and its tensors' Python objects, on their own; one still doing so while the interpreter
+    shuts down cannot take the GIL and aborts the process ("terminate called without an active
+    exception")."""
+    gc.collect()
+    dist.barrier()
 
 
 def run_rank_reporting(fn: RankFn, rank: int, world_size: int, store_port: int | None, *args) -> int:

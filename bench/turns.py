@@ -7,7 +7,6 @@ the slowest rank's, the result the median over rounds.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import time
@@ -113,10 +112,7 @@ def rank_session(rank: int, world_size: int, store_port: int | None, run: RunOpt
         c = comm.init(timeout=run.timeout)
         yield c
         c.close()
-        # DTensor/FSDP2 modules hold a DeviceMesh and its gloo group: they must be gone, and every
-        # rank done with gloo, before the group is destroyed, or a gloo thread aborts at exit.
-        gc.collect()
-        dist.barrier()
+        launch.end_gloo_use()
     finally:
         dist.destroy_process_group()
 

@@ -119,13 +119,12 @@ def _issue(c, rng, i, rank, n, seed, compressors, integral):
     return f"#{i} {name} {key} {dtype} {count} {op}", work, [t], [None], False
 
 
-def _play(rank, n, seed, comms, log, before_step=lambda i: None, call_started=None):
-    """Runs the schedule of ``seed`` on ``comms``, checking into ``log``. ``before_step(i)`` runs
-    before operation i; ``call_started[0]`` is set to time.monotonic() before every call."""
-    rng = random.Random(seed)  # the same draws on every rank: the same schedule
+def _play(rank, n, seed, rng, comms, log, before_step=lambda i: None, call_started=None):
+    """Runs the schedule that ``rng`` draws (seeded alike on every rank, so the same schedule) on
+    ``comms``, checking into ``log``. ``before_step(i)`` runs before operation i;
+    ``call_started[0]`` is set to time.monotonic() before every call."""
     waits = random.Random(seed * 7919 + rank)  # each rank's own order of waiting
     started = call_started if call_started is not None else [0.0]
-    _tunables(rng), _tunables(rng)  # the draws that made the communicators (_communicators)
     compressors = [{}, {}]
     pending = []
 
@@ -162,18 +161,18 @@ def _play(rank, n, seed, comms, log, before_step=lambda i: None, call_started=No
     finish(pending)
 
 
-def _communicators(rank, n, store_path, seed, **kwargs):
-    """The schedule's two communicators: default algorithms, and the ring; tunables from the seed."""
-    rng = random.Random(seed)
+def _communicators(rank, n, store_path, rng, **kwargs):
+    """The schedule's two communicators: default algorithms, and the ring; tunables from ``rng``."""
     return [make_comm(rank, n, store_path, **_tunables(rng), **kwargs),
             make_comm(rank, n, store_path, algo="ring", **_tunables(rng), **kwargs)]
 
 
 def random_schedule(rank, n, store_path, seed):
     log = CaseLog()
-    comms = _communicators(rank, n, store_path, seed)
+    rng = random.Random(seed)
+    comms = _communicators(rank, n, store_path, rng)
     try:
-        _play(rank, n, seed, comms, log)
+        _play(rank, n, seed, rng, comms, log)
     finally:
         for c in comms:
             c.close()
@@ -195,7 +194,8 @@ def schedule_with_death(rank, n, store_path, seed, victim, die_at):
     call that needs the victim, within the detection limit of that call's start or the death,
     whichever came later; then both communicators refuse work at once or raise too."""
     store = open_store(store_path)
-    comms = _communicators(rank, n, store_path, seed, timeout=30.0)
+    rng = random.Random(seed)
+    comms = _communicators(rank, n, store_path, rng, timeout=30.0)
     started = [0.0]
 
     def before_step(i):
@@ -204,7 +204,7 @@ def schedule_with_death(rank, n, store_path, seed, victim, die_at):
             os._exit(3)  # no close(): only the process ending tells the peers
 
     try:
-        _play(rank, n, seed, comms, CaseLog(), before_step, started)
+        _play(rank, n, seed, rng, comms, CaseLog(), before_step, started)
     except CommError as e:
         raised = time.monotonic()
         died = float(store.get("died").decode())

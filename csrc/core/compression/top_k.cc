@@ -214,11 +214,11 @@ uint32_t kth_largest_bits(const float* v, size_t c, size_t k, size_t* ties) {
     m += static_cast<size_t>(__builtin_popcount(in_bin));
   }
 #elif defined(__AVX2__)
-  const __m256i bin = _mm256_set1_epi32(static_cast<int32_t>(hi));
+  const __m256i bin = _mm256_set1_epi32(static_cast<int32_t>(hi << 16));
   for (; i + 8 <= c; i += 8) {
     const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)), _mm256_set1_epi32(0x7fffffff));
     const unsigned in_bin = static_cast<unsigned>(
-        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(b, 16), bin))));
+        _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fff0000)), bin))));
     const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanePerm.lanes[in_bin]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(low.data() + m),
                         _mm256_permutevar8x32_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0xffff)), perm));

@@ -6,7 +6,6 @@
 #include <thrust/iterator/counting_iterator.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "compression_cuda.h"
@@ -103,12 +102,11 @@ cudaError_t select_typed(DType dtype, const T* in, size_t count, size_t k, float
   BRAID_CUDA_TRY(sample.error());
   sample_kernel<T><<<static_cast<unsigned>((kTopKSample + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       in, stride, sample.as<float>());
-  std::vector<float> s(kTopKSample);
-  BRAID_CUDA_TRY(cudaMemcpyAsync(s.data(), sample.as<float>(), s.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  // Read back as bit patterns (fabsf cleared the signs) and ordered as the CPU orders its sample.
+  std::vector<uint32_t> bits(kTopKSample);
+  BRAID_CUDA_TRY(cudaMemcpyAsync(bits.data(), sample.as<float>(), bits.size() * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost, stream));
   BRAID_CUDA_TRY(cudaStreamSynchronize(stream));
-  // Ordered as magnitude bits, as the CPU orders its sample (fabsf cleared the signs).
-  std::vector<uint32_t> bits(s.size());
-  std::memcpy(bits.data(), s.data(), s.size() * sizeof(float));
   std::nth_element(bits.begin(), bits.begin() + rank, bits.end(), std::greater<uint32_t>());
 
   // Candidates (indices with |x| >= threshold) compacted in index order.
