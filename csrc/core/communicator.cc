@@ -2,6 +2,8 @@
 // the first communication error and tells the peers about it.
 #include "communicator.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <stdexcept>
 
@@ -11,7 +13,7 @@
 namespace braid {
 
 Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s)
-    : rank_(rank), world_(world_size), tun_(tunables) {
+    : rank_(rank), world_(world_size), tun_(tunables), owner_pid_(static_cast<int>(::getpid())) {
   if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
   if (rank < 0 || rank >= world_size) throw std::invalid_argument("rank must be in [0, world_size)");
   if (world_size > kMaxLocalRanks)
@@ -29,7 +31,7 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
     group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes,
                                         tun_.skew_rounds != 0);
-    engine_.set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
+    engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
   }
 }
 
@@ -58,6 +60,12 @@ Algo Communicator::all_reduce_algo(size_t bytes) const {
 }
 
 void Communicator::check_open() const {
+  if (in_forked_child())
+    throw CommError(ErrorKind::kClosed,
+                    "this communicator belongs to process " + std::to_string(owner_pid_) +
+                        " and cannot be used in process " + std::to_string(::getpid()) +
+                        ", which was forked from it (a child has none of its parent's threads, and "
+                        "its calls would act as the parent's rank): create a new communicator in the child");
   if (closed_.load()) throw CommError(ErrorKind::kClosed, "communicator used after close()");
 }
 
@@ -71,7 +79,7 @@ void Communicator::check_not_poisoned() {
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
-  if (!async && engine_.run_if_idle([&] { execute(req); })) return nullptr;
+  if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
   if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
     auto shared = std::make_shared<Request>(std::move(req));
@@ -80,7 +88,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   } else {
     work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
   }
-  engine_.enqueue(work);  // behind the async work issued before it
+  engine_->enqueue(work);  // behind the async work issued before it
   if (p2p_waiting_.load(std::memory_order_seq_cst)) group_->wake();
   if (!async) {
     work->wait();
@@ -117,7 +125,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   };
   try {
     check_not_poisoned();
-    uint64_t seen = engine_.enqueued();
+    uint64_t seen = engine_->enqueued();
     admit();
     while (!active.empty()) {
       bool moved = false;
@@ -139,11 +147,11 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         ++i;
       }
       // Point-to-point issued since (e.g. the receive that the blocked send's peer waits for).
-      const uint64_t now = engine_.enqueued();
+      const uint64_t now = engine_->enqueued();
       if (now != seen) {
         seen = now;
         const size_t had = batch.size();
-        engine_.take_p2p(batch);
+        engine_->take_p2p(batch);
         admit();
         moved = moved || batch.size() != had;
       }
@@ -157,7 +165,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         ~Clear() { flag.store(false, std::memory_order_seq_cst); }
       } clear{p2p_waiting_};
       group_->wait_p2p(heads.data(), static_cast<int>(heads.size()),
-                       [&] { return engine_.enqueued() != seen; });
+                       [&] { return engine_->enqueued() != seen; });
     }
   } catch (const CommError& e) {
     poison(e);
@@ -185,9 +193,9 @@ std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std:
                                                bool async) {
   check_open();
   check_not_poisoned();
-  if (!async && engine_.run_if_idle(body)) return nullptr;
+  if (!async && engine_->run_if_idle(body)) return nullptr;
   auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
-  engine_.enqueue(work);
+  engine_->enqueue(work);
   if (!async) {
     work->wait();
     return nullptr;
@@ -276,7 +284,16 @@ void Communicator::execute(Request& r) {
 
 void Communicator::close() {
   if (closed_.exchange(true)) return;
-  engine_.shutdown();
+  if (in_forked_child()) {
+    // Leaked on purpose: the progress thread exists only in the parent (joining it here would
+    // block forever), its locks may have been held at the fork, and the group must neither tell
+    // the peers that the parent left nor unlink a segment the parent still needs. The mappings
+    // and descriptors go when the child exits.
+    (void)engine_.release();
+    (void)group_.release();
+    return;
+  }
+  engine_->shutdown();
   if (group_) group_->mark_left();
   group_.reset();
 }

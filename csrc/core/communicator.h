@@ -11,6 +11,7 @@
 
 #include "dtype.h"
 #include "errors.h"
+#include "fork_guard.h"
 #include "progress_engine.h"
 #include "transport/shm_group.h"
 #include "tunables.h"
@@ -66,6 +67,8 @@ class Communicator {
   uint64_t seq() const { return seq_; }
 
   // Runs queued work, leaves the group (peers still waiting get PeerError) and frees resources.
+  // In a process forked from the one that built the communicator it only marks it closed: the
+  // group, the peers and the progress thread belong to the parent (see fork_guard.h).
   void close();
   bool closed() const { return closed_.load(); }
 
@@ -77,6 +80,7 @@ class Communicator {
   // Records the first communication error and tells the peers.
   void poison(const CommError& e);
   void check_open() const;
+  bool in_forked_child() const { return fork_generation() != fork_generation_; }
   void check_not_poisoned();
 
   int rank_;
@@ -84,7 +88,10 @@ class Communicator {
   Tunables tun_;
   size_t oneshot_max_ = 0;  // tun_.oneshot_max_bytes once resolved
   std::unique_ptr<ShmGroup> group_;
-  ProgressEngine engine_;
+  // Behind a pointer so that a forked child can abandon it without touching its thread or locks.
+  std::unique_ptr<ProgressEngine> engine_ = std::make_unique<ProgressEngine>();
+  const uint64_t fork_generation_ = fork_generation();
+  const int owner_pid_;
   uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)
   std::atomic<bool> closed_{false};
   std::atomic<bool> p2p_waiting_{false};  // run_p2p sleeps: new work must wake it

@@ -61,6 +61,9 @@ std::string Work::error_message() const {
 }
 
 bool Work::wait(std::chrono::nanoseconds timeout) {
+  if (fork_generation() != fork_generation_)
+    throw CommError(ErrorKind::kClosed,
+                    "this work was issued by the process this one was forked from; only that process can wait for it");
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout.count() > 0) {
     if (!cv_.wait_for(lk, timeout, [&] { return done_; })) return false;

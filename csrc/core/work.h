@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "fork_guard.h"
 
 namespace braid {
 
@@ -35,7 +36,8 @@ class Work {
   bool is_completed() const;
   bool succeeded() const;
   // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
-  // work's error if it failed.
+  // work's error if it failed, and CommError(kClosed) in a process forked after the work was
+  // made (the thread that would complete it exists only in the parent).
   bool wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds(0));
   ErrorKind error_kind() const;
   std::string error_message() const;
@@ -48,6 +50,7 @@ class Work {
 
   std::function<void()> body_;
   std::shared_ptr<void> p2p_;
+  const uint64_t fork_generation_ = fork_generation();
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;

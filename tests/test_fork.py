@@ -1,0 +1,188 @@
+"""A process forked from a rank (a data-loader worker, a helper that forks and exits normally)
+shares the rank's memory but not its threads. Whatever the child does with the communicator it
+inherited, the parent and its peers must go on as if the child did not exist: the child's calls
+raise at once instead of acting as the parent's rank, and its exit (which closes the communicator
+through the interpreter's exit hooks) neither announces a departure to the peers, nor unlinks
+shared memory, nor hangs joining a progress thread that exists only in the parent.
+"""
+import atexit
+import gc
+import json
+import os
+import select
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from braid import comm
+from helpers.ranks import make_comm, open_store, process_group, run_ranks
+
+# A forked child reports within this (its calls raise without communicating; its exit hooks
+# must not block). Far above the few milliseconds they take, far below the test deadline.
+CHILD_LIMIT_S = 10.0
+SIZES = (1, 1000, 300_000)  # one-shot and two-shot paths
+
+
+def _in_child(body) -> dict:
+    """Forks; the child runs ``body()`` (a dict of findings), then exits the way an interpreter
+    does (exit hooks, which close every communicator still open, then the garbage collector) and
+    reports. Returns the child's report, or says that it hung or died."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller
+        os.close(r)
+        report = {}
+        try:
+            report = body()
+            start = time.monotonic()
+            atexit._run_exitfuncs()
+            gc.collect()
+            report["exit_hooks_s"] = time.monotonic() - start
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            report["error"] = f"{type(e).__name__}: {e}"
+        os.write(w, json.dumps(report).encode())
+        os._exit(0)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], CHILD_LIMIT_S)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        return {"error": f"child hung for {CHILD_LIMIT_S} s"}
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    report = json.loads(data) if data else {"error": f"child died (status {status})"}
+    return report
+
+
+def _refused(fn, *args, **kwargs) -> dict:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test judges the type
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None, "message": "returned normally"}
+
+
+def _exact_rounds(c, rank, n, rounds=4) -> bool:
+    """Collectives of every size on both paths, checked against their exact results."""
+    for i in range(rounds):
+        for size in SIZES:
+            t = torch.full((size,), float(rank + 1 + i))
+            c.all_reduce(t)
+            if not torch.equal(t, torch.full((size,), float(n * (n + 1) // 2 + n * i))):
+                return False
+            out = torch.empty(size * n)
+            c.all_gather(out, torch.full((size,), float(rank)))
+            if not torch.equal(out, torch.arange(n, dtype=torch.float32).repeat_interleave(size)):
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions.
+
+def child_exits(rank, n, store_path):
+    """Rank 0 forks a child that does nothing with the communicator and exits normally."""
+    c = make_comm(rank, n, store_path)
+    assert _exact_rounds(c, rank, n, rounds=1)
+    report = _in_child(lambda: {}) if rank == 0 else None
+    ok = _exact_rounds(c, rank, n)
+    c.close()
+    return {"child": report, "exact_after": ok}
+
+
+def child_uses(rank, n, store_path):
+    """Rank 0 forks while an async all-reduce of its own is still waiting for rank 1; the child
+    tries every kind of call and waits for the inherited work."""
+    c = make_comm(rank, n, store_path, slot_bytes=4096, nslots=2)
+    big = torch.full((200_000,), float(rank + 1))
+    if rank == 0:
+        work = c.all_reduce(big, async_op=True)  # rank 1 joins after the fork: still in flight
+
+        def body():
+            t = torch.ones(8)
+            return {"pending_at_fork": not work.is_completed(),
+                    "all_reduce": _refused(c.all_reduce, t),
+                    "async": _refused(c.all_reduce, t, async_op=True),
+                    "compressed": _refused(c.all_reduce, torch.ones(4096),
+                                           compression=comm.Int8Quantizer(warmup_steps=2)),
+                    "broadcast": _refused(c.broadcast, t),
+                    "barrier": _refused(c.barrier),
+                    "wait": _refused(work.wait),
+                    "close": _refused(c.close)}
+
+        report = _in_child(body)
+        store = open_store(store_path)
+        store.set("forked", "1")
+        work.wait()
+    else:
+        open_store(store_path).wait(["forked"])
+        report = None
+        c.all_reduce(big)
+    first = torch.equal(big, torch.full((200_000,), float(n * (n + 1) // 2)))
+    ok = _exact_rounds(c, rank, n)
+    c.close()
+    return {"child": report, "exact_after": first and ok}
+
+
+def backend_child(rank, n, store_path):
+    """The same through torch.distributed with braid as the backend."""
+    with process_group(rank, n, store_path, backend="braid"):
+        t = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(t)
+        report = None
+        if rank == 0:
+            report = _in_child(lambda: {"all_reduce": _refused(dist.all_reduce, torch.ones(4)),
+                                        "barrier": _refused(dist.barrier)})
+        ok = True
+        for size in SIZES:
+            x = torch.full((size,), float(rank + 1))
+            dist.all_reduce(x)
+            ok = ok and torch.equal(x, torch.full((size,), float(n * (n + 1) // 2)))
+        return {"child": report, "exact_after": ok}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests.
+
+def _child_ok(report: dict) -> None:
+    assert "error" not in report, report
+    assert report["exit_hooks_s"] < CHILD_LIMIT_S, report
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_forked_child_exit_leaves_the_group_untouched(n):
+    results = run_ranks(child_exits, n)
+    _child_ok(results[0]["child"])
+    for r, result in enumerate(results):
+        assert result["exact_after"], (r, result)
+
+
+def test_forked_child_cannot_act_as_its_parents_rank():
+    results = run_ranks(child_uses, 2)
+    report = results[0]["child"]
+    _child_ok(report)
+    assert report.pop("pending_at_fork"), "the inherited work should still have been in flight"
+    assert report.pop("close") == {"type": None, "message": "returned normally"}
+    report.pop("exit_hooks_s")
+    for call, seen in report.items():
+        assert seen["type"] == "CommClosed", (call, seen)
+        assert "forked" in seen["message"], (call, seen)
+    for r, result in enumerate(results):
+        assert result["exact_after"], (r, result)
+
+
+def test_forked_child_of_a_braid_backend_rank():
+    results = run_ranks(backend_child, 2)
+    report = results[0]["child"]
+    _child_ok(report)
+    for call in ("all_reduce", "barrier"):
+        assert report[call]["type"] is not None, (call, report)
+        assert "forked" in report[call]["message"], (call, report)
+    for r, result in enumerate(results):
+        assert result["exact_after"], (r, result)
