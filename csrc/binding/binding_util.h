@@ -94,7 +94,7 @@ class PyWork {
       ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
     py::gil_scoped_release nogil;
-    return work_->wait(ns);
+    return work_->wait(ns, /*interruptible=*/true);
   }
   bool is_completed() const { return work_->is_completed(); }
   bool is_success() const { return work_->succeeded(); }

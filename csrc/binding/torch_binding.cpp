@@ -2,6 +2,7 @@
 // futures for async work, and core errors mapped to braid.comm's Python exception classes.
 #include <torch/extension.h>
 #include <ATen/MemoryOverlap.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "../core/communicator.h"
+#include "../core/interrupt.h"
 #include "../core/reduce.h"
 #include "../core/tunables.h"
 #include "backend.h"
@@ -195,6 +197,37 @@ at::Tensor reduce_tensors(const std::vector<at::Tensor>& inputs, int op, int wor
   return out;
 }
 
+// Ctrl-C during a long wait (core/interrupt.h). Python runs signal handlers on its main thread
+// only; there the hook runs them, and an exception one raises (KeyboardInterrupt) is kept until
+// the wait has unwound to the exception translator, which raises it instead of the core's error.
+unsigned long g_main_thread = 0;
+
+struct PendingError {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+};
+thread_local PendingError t_pending;
+
+bool run_python_signal_handlers() {
+  if (static_cast<unsigned long>(::pthread_self()) != g_main_thread) return false;
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  Py_XDECREF(t_pending.type);
+  Py_XDECREF(t_pending.value);
+  Py_XDECREF(t_pending.traceback);
+  PyErr_Fetch(&t_pending.type, &t_pending.value, &t_pending.traceback);
+  return true;
+}
+
+// With the GIL held: makes the exception a signal handler raised the current Python error.
+bool restore_pending_error() {
+  if (t_pending.type == nullptr) return false;
+  PyErr_Restore(t_pending.type, t_pending.value, t_pending.traceback);
+  t_pending = PendingError{};
+  return true;
+}
+
 }  // namespace
 }  // namespace braid
 
@@ -206,11 +239,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const CommError& e) {
+      if (restore_pending_error()) return;
       py::object errors = py::module_::import("braid.comm.errors");
       py::object cls = errors.attr(kErrorClass[static_cast<int>(e.kind())]);
       PyErr_SetString(cls.ptr(), e.what());
     }
   });
+
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  set_interrupt_hook(&run_python_signal_handlers);
 
   py::class_<Tunables>(m, "Tunables")
       .def(py::init<>())

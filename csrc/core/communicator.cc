@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "algorithms/algorithms.h"
+#include "interrupt.h"
 #include "reduce.h"
 
 namespace braid {
@@ -91,7 +92,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   engine_->enqueue(work);  // behind the async work issued before it
   if (p2p_waiting_.load(std::memory_order_seq_cst)) group_->wake();
   if (!async) {
-    work->wait();
+    wait_blocking(*work);
     return nullptr;
   }
   return work;
@@ -197,10 +198,29 @@ std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std:
   auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
   engine_->enqueue(work);
   if (!async) {
-    work->wait();
+    wait_blocking(*work);
     return nullptr;
   }
   return work;
+}
+
+void Communicator::wait_blocking(Work& work) {
+  try {
+    work.wait(std::chrono::nanoseconds(0), /*interruptible=*/true);
+  } catch (const Interrupted& e) {
+    const std::string msg = "rank " + std::to_string(rank_) + " was " + e.what();
+    if (group_) group_->request_abort(msg);
+    work.wait_done();
+    {
+      std::lock_guard<std::mutex> lk(poison_mu_);
+      if (poison_kind_ == ErrorKind::kNone) {
+        poison_kind_ = ErrorKind::kGeneric;
+        poison_msg_ = msg;
+        poisoned_.store(true, std::memory_order_release);
+      }
+    }
+    throw;
+  }
 }
 
 void Communicator::run_collective(Request& r) { execute(r); }

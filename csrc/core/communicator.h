@@ -80,6 +80,10 @@ class Communicator {
   // Records the first communication error and tells the peers.
   void poison(const CommError& e);
   void check_open() const;
+  // A blocking call's wait for its queued work. Interrupted: the executing thread is asked to
+  // abort (the request points into the caller's tensors, so it must be over before the caller
+  // returns), the communicator is poisoned, and Interrupted propagates once the work ended.
+  void wait_blocking(Work& work);
   bool in_forked_child() const { return fork_generation() != fork_generation_; }
   void check_not_poisoned();
 

@@ -1,10 +1,19 @@
 // Work state machine: pending -> done | failed, with callbacks run outside the lock.
 #include "work.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
+#include "interrupt.h"
+
 namespace braid {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+// How often an interruptible wait asks whether to stop.
+constexpr auto kInterruptPoll = std::chrono::milliseconds(50);
+}  // namespace
 
 void Work::run() noexcept {
   try {
@@ -60,18 +69,35 @@ std::string Work::error_message() const {
   return msg_;
 }
 
-bool Work::wait(std::chrono::nanoseconds timeout) {
+bool Work::wait(std::chrono::nanoseconds timeout, bool interruptible) {
   if (fork_generation() != fork_generation_)
     throw CommError(ErrorKind::kClosed,
                     "this work was issued by the process this one was forked from; only that process can wait for it");
   std::unique_lock<std::mutex> lk(mu_);
-  if (timeout.count() > 0) {
+  if (interruptible && interrupt_hook_installed()) {
+    const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
+    while (!done_) {
+      const auto now = Clock::now();
+      if (now >= deadline) return false;
+      const auto slice = std::min<Clock::duration>(deadline - now, kInterruptPoll);
+      if (cv_.wait_for(lk, slice, [&] { return done_; })) break;
+      lk.unlock();
+      const bool stop = interrupt_requested();
+      lk.lock();
+      if (stop) throw Interrupted("interrupted by a signal while waiting for a collective");
+    }
+  } else if (timeout.count() > 0) {
     if (!cv_.wait_for(lk, timeout, [&] { return done_; })) return false;
   } else {
     cv_.wait(lk, [&] { return done_; });
   }
   if (kind_ != ErrorKind::kNone) throw CommError(kind_, msg_);
   return true;
+}
+
+void Work::wait_done() noexcept {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_; });
 }
 
 void Work::on_complete(std::function<void(const Work&)> cb) {

@@ -37,8 +37,12 @@ class Work {
   bool succeeded() const;
   // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
   // work's error if it failed, and CommError(kClosed) in a process forked after the work was
-  // made (the thread that would complete it exists only in the parent).
-  bool wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds(0));
+  // made (the thread that would complete it exists only in the parent). `interruptible`: polls
+  // interrupt_requested() while it waits and throws Interrupted when it says so (the work goes
+  // on; whatever it uses must stay alive).
+  bool wait(std::chrono::nanoseconds timeout = std::chrono::nanoseconds(0), bool interruptible = false);
+  // Blocks until completion, whatever the outcome; never throws.
+  void wait_done() noexcept;
   ErrorKind error_kind() const;
   std::string error_message() const;
 

@@ -3,12 +3,15 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "check.h"
+#include "core/interrupt.h"
 #include "collective_check.h"
 #include "rank_group.h"
 
@@ -234,4 +237,53 @@ BRAID_TEST(segments_unlinked_after_bootstrap) {
     CHECK_MSG(::access(path.c_str(), F_OK) != 0, path + " still exists after unlink_own()");
     healthy_calls(ctx);
   });
+}
+
+// The binding's Ctrl-C hook, simulated: a wait that sleeps asks the hook regularly and ends with
+// Interrupted soon after it says so; the communicator is poisoned and the peers are told. Both for
+// a blocking call run inline and for one queued behind async work (the progress thread, which
+// waits for the absent peer, is made to abandon it: the blocking call returns only after that).
+namespace {
+std::atomic<bool> g_interrupt{false};
+bool interrupt_hook() { return g_interrupt.load(); }
+}  // namespace
+
+BRAID_TEST(interrupt_ends_the_wait_and_tells_the_peers) {
+  for (bool queued : {false, true}) {
+    for (size_t count : {size_t(5), size_t(700)}) {
+      GroupSpec g;
+      g.world = 2;
+      g.tunables = tiny_tunables(Algo::kAuto);
+      g.timeout_s = kNoTimeout;
+      run_group(g, [&](RankCtx& ctx) {
+        Floats buf(count);
+        if (ctx.rank == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1000));  // rank 0 is interrupted at 0.2 s
+          const auto t0 = Clock::now();
+          const std::string msg = CHECK_THROWS_KIND(ErrorKind::kPeer, ctx.comm.submit(buf.all_reduce(count), false));
+          CHECK(seconds_since(t0) < kPromptly);
+          CHECK_MSG(msg.find("rank 0 was interrupted") != std::string::npos, "peer not told why: " + msg);
+          return;
+        }
+        braid::set_interrupt_hook(&interrupt_hook);
+        std::shared_ptr<braid::Work> ahead;
+        Floats other(count);
+        if (queued) ahead = ctx.comm.submit(other.all_reduce(count), true);
+        std::thread ctrl_c([] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          g_interrupt.store(true);
+        });
+        const auto t0 = Clock::now();
+        const std::string msg = CHECK_THROWS_KIND(ErrorKind::kGeneric, ctx.comm.submit(buf.all_reduce(count), false));
+        const double took = seconds_since(t0);
+        ctrl_c.join();
+        CHECK_MSG(took < 0.2 + 1.0, "interrupt noticed after " + std::to_string(took) + " s");
+        CHECK_MSG(msg.find("interrupted") != std::string::npos, msg);
+        if (ahead) CHECK_MSG(ahead->is_completed() && !ahead->succeeded(), "the work ahead was not abandoned");
+        g_interrupt.store(false);
+        braid::set_interrupt_hook(nullptr);
+        CHECK_THROWS_KIND(ErrorKind::kGeneric, ctx.comm.submit(buf.all_reduce(count), false));  // poisoned
+      });
+    }
+  }
 }

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "../interrupt.h"
 #include "../tunables.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -236,6 +237,20 @@ void ShmGroup::wait_peer(int peer, uint64_t step) {
 
 void ShmGroup::check_abort() {
   if (hub_->abort_epoch.load(std::memory_order_acquire) != 0) raise_abort();
+  if (abort_requested_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    throw CommError(ErrorKind::kGeneric, abort_msg_);
+  }
+}
+
+void ShmGroup::request_abort(const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    if (abort_requested_.load(std::memory_order_relaxed)) return;
+    abort_msg_ = msg;
+    abort_requested_.store(true, std::memory_order_release);
+  }
+  wake_all();
 }
 
 void ShmGroup::check_abort_at(uint64_t seq) {
@@ -358,6 +373,9 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     if (now - last_liveness >= kLivenessPeriod) {
       check_peers_alive(peers, npeers, awaited, doing);
       last_liveness = now;
+      if (interrupt_requested())
+        throw Interrupted("rank " + std::to_string(rank_) + " was interrupted by a signal" +
+                          (doing ? " during " + *doing : current_ ? " during " + current_->describe() : std::string()));
     }
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,9 @@ class ShmGroup {
   void publish_failure(ErrorKind kind, const std::string& msg) noexcept;
   // Announces a normal departure: peers still waiting on this rank fail with PeerError.
   void mark_left() noexcept;
+  // From any thread: the thread running this rank's collectives fails its current or next wait
+  // with CommError(`msg`) (and, through the communicator, publishes it to the peers). Sticky.
+  void request_abort(const std::string& msg);
 
  private:
   SegmentHeader* header(int rank) const { return headers_[rank]; }
@@ -195,6 +199,9 @@ class ShmGroup {
   std::vector<uint64_t> taken_;     // chunks taken from each source
   const CollectiveDesc* current_ = nullptr;  // for error messages
   SegmentHeader* hub_ = nullptr;   // rank 0's header: host doorbell and abort epoch
+  std::atomic<bool> abort_requested_{false};  // request_abort() was called
+  std::mutex abort_mu_;
+  std::string abort_msg_;
 };
 
 }  // namespace braid
