@@ -46,6 +46,7 @@ wrong elements or the MPI peer failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -127,12 +128,25 @@ class TorchBackend:
         return t.tolist()
 
 
+@functools.lru_cache(maxsize=64)
+def _split_lists(rank: int, world_size: int, count: int) -> dict[str, list[int]]:
+    send, recv = protocol.split_counts("all_to_allv", rank, world_size, count)
+    return {"input_split_sizes": list(send), "output_split_sizes": list(recv)}
+
+
+def _split_kwargs(rank: int, world_size: int, x: torch.Tensor) -> dict[str, list[int]]:
+    """all_to_allv's split sizes for this rank (cached: the call is timed)."""
+    return _split_lists(rank, world_size, x.numel())
+
+
 def braid_backend(c, dtype: str) -> TorchBackend:
     return TorchBackend("braid", dtype, {
         "all_reduce": lambda out, x: c.all_reduce(x, op="sum"),
         "reduce_scatter": lambda out, x: c.reduce_scatter(out, x, op="sum"),
         "all_gather": lambda out, x: c.all_gather(out, x),
         "broadcast": lambda out, x: c.broadcast(x, src=protocol.ROOT),
+        "all_to_all": lambda out, x: c.all_to_all(out, x),
+        "all_to_allv": lambda out, x: c.all_to_all(out, x, **_split_kwargs(c.rank, c.world_size, x)),
     }, c.barrier)
 
 
@@ -142,6 +156,9 @@ def gloo_backend(dtype: str) -> TorchBackend:
         "reduce_scatter": lambda out, x: _gloo_reduce_scatter(out, x),
         "all_gather": lambda out, x: _gloo_all_gather(out, x),
         "broadcast": lambda out, x: dist.broadcast(x, src=protocol.ROOT),
+        "all_to_all": lambda out, x: dist.all_to_all_single(out, x),
+        "all_to_allv": lambda out, x: dist.all_to_all_single(
+            out, x, **_split_kwargs(dist.get_rank(), dist.get_world_size(), x)),
     }, dist.barrier)
 
 
@@ -314,8 +331,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default 2); ignored under torchrun, which sets WORLD_SIZE")
-    p.add_argument("--ops", type=_parse_list(protocol.OPS), default=protocol.OPS,
-                   help=f"comma-separated collectives (default {','.join(protocol.OPS)})")
+    p.add_argument("--ops", type=_parse_list(protocol.ALL_OPS), default=protocol.OPS,
+                   help=f"comma-separated collectives (default {','.join(protocol.OPS)}; also "
+                   f"{', '.join(protocol.EXTRA_OPS)}: all_to_all with equal and with skewed split sizes)")
     p.add_argument("--impls", type=_parse_list(IMPLS), default=None,
                    help="comma-separated implementations (default: braid, gloo, and mpi and "
                    "deepspeed when available; deepspeed measures all_reduce only)")

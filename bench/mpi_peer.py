@@ -6,10 +6,11 @@ The collectives benchmark launches it under its own mpirun after braid and gloo 
         --ops all_reduce,broadcast --sizes 4096,16384 --dtype float32 --json OUT.json
 
 Calls: Allreduce in place (MPI.IN_PLACE), Reduce_scatter_block, Allgather, Bcast, all with
-MPI.SUM where they reduce. Timing and check follow protocol.py, so the numbers compare with
-braid's and gloo's. Rank 0 draws the progress bar and writes OUT.json:
-``{"mpi_library": first line of MPI.Get_library_version(), "records": [...]}`` (records as in
-collectives.py). MPI has no float16 or bfloat16 datatype: those dtypes are refused.
+MPI.SUM where they reduce; Alltoall and Alltoallv for all_to_all and all_to_allv. Timing and
+check follow protocol.py, so the numbers compare with braid's and gloo's. Rank 0 draws the
+progress bar and writes OUT.json: ``{"mpi_library": first line of
+MPI.Get_library_version(), "records": [...]}`` (records as in collectives.py). MPI has no
+float16 or bfloat16 datatype: those dtypes are refused.
 """
 from __future__ import annotations
 
@@ -40,11 +41,19 @@ class MpiBackend:
              ) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
         MPI, c = self._mpi, self._comm
         out = send if out_count is None else np.empty(out_count, send.dtype)
+        rank, n = c.Get_rank(), c.Get_size()
+        sends, recvs = ((), ())
+        if op in protocol.EXTRA_OPS:
+            sends, recvs = protocol.split_counts(op, rank, n, len(send))
+        sdispls, rdispls = np.cumsum((0,) + sends[:-1]), np.cumsum((0,) + recvs[:-1])
         calls = {
             "all_reduce": lambda: c.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM),
             "reduce_scatter": lambda: c.Reduce_scatter_block(send, out, op=MPI.SUM),
             "all_gather": lambda: c.Allgather(send, out),
             "broadcast": lambda: c.Bcast(out, root=protocol.ROOT),
+            "all_to_all": lambda: c.Alltoall(send, out),
+            "all_to_allv": lambda: c.Alltoallv([send, (list(sends), list(sdispls))],
+                                               [out, (list(recvs), list(rdispls))]),
         }
         return calls[op], lambda: out
 
@@ -60,7 +69,7 @@ class MpiBackend:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m braid.bench.mpi_peer",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", required=True, help="comma-separated: " + ",".join(protocol.OPS))
+    parser.add_argument("--ops", required=True, help="comma-separated: " + ",".join(protocol.ALL_OPS))
     parser.add_argument("--sizes", required=True, help="comma-separated message sizes S in bytes")
     parser.add_argument("--dtype", required=True, choices=DTYPES)
     parser.add_argument("--json", required=True, metavar="PATH", help="where rank 0 writes the records")
@@ -72,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     ops = args.ops.split(",")
-    if not set(ops) <= set(protocol.OPS):
-        parser.error(f"--ops: unknown op in {args.ops!r}; choose from {', '.join(protocol.OPS)}")
+    if not set(ops) <= set(protocol.ALL_OPS):
+        parser.error(f"--ops: unknown op in {args.ops!r}; choose from {', '.join(protocol.ALL_OPS)}")
     try:
         sizes = [int(s) for s in args.sizes.split(",")]
     except ValueError:

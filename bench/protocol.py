@@ -17,6 +17,7 @@ differ from the exactly computed expectation (``#wrong``, summed over ranks).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,9 +27,14 @@ from typing import Protocol
 import numpy as np
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+# Measured on request (--ops): all_to_all with equal splits, and with the fixed skew of
+# split_counts() (an expert-parallel token exchange is rarely balanced).
+EXTRA_OPS = ("all_to_all", "all_to_allv")
+ALL_OPS = OPS + EXTRA_OPS
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
-REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "all_gather": "none", "broadcast": "none"}
+REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "all_gather": "none", "broadcast": "none",
+         "all_to_all": "none", "all_to_allv": "none"}
 ROOT = 0  # broadcast source
 PERIOD = 13  # of the check pattern: values stay small, so every dtype holds every sum exactly
 # Integers up to 2**(mantissa bits + 1) are exact; float32 and wider types reach 2**24 or more.
@@ -82,7 +88,7 @@ def bus_factor(op: str, world_size: int) -> float:
     n = world_size
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "all_to_allv"):
         return (n - 1) / n
     return 1.0
 
@@ -91,9 +97,31 @@ def message_count(op: str, nbytes: int, dtype: str, world_size: int) -> int:
     """Elements of the whole message S (reduce_scatter input, all_gather output) for a size,
     rounded down to a multiple of world_size where the op splits it over the ranks."""
     count = nbytes // ITEMSIZE[dtype]
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         count -= count % world_size
+    if op == "all_to_allv":
+        count -= count % _skew_total(world_size)
     return count
+
+
+def _skew_total(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+@functools.lru_cache(maxsize=64)
+def split_counts(op: str, rank: int, world_size: int, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(elements ``rank`` sends to each rank, elements it receives from each) for all_to_all and
+    all_to_allv, whose S (``count`` elements) is what every rank sends and receives. all_to_allv:
+    rank i sends rank j a share proportional to 1 + (i + j) % n, so every row and every column
+    of the split matrix holds the same total and the pieces range from S / (n(n+1)/2) to n times
+    that."""
+    n = world_size
+    if op == "all_to_all":
+        equal = (count // n,) * n
+        return equal, equal
+    unit = count // _skew_total(n)
+    return (tuple(unit * (1 + (rank + j) % n) for j in range(n)),
+            tuple(unit * (1 + (i + rank) % n) for i in range(n)))
 
 
 def check_is_exact(dtype: str, world_size: int) -> bool:
@@ -125,7 +153,8 @@ def send_buffer(op: str, rank: int, world_size: int, count: int, dtype: str) -> 
 
 def output_count(op: str, world_size: int, count: int) -> int | None:
     """Elements of the separate output buffer; None for the in-place ops."""
-    return {"reduce_scatter": count // world_size, "all_gather": count}.get(op)
+    return {"reduce_scatter": count // world_size, "all_gather": count, "all_to_all": count,
+            "all_to_allv": count}.get(op)
 
 
 def expected_output(op: str, rank: int, world_size: int, count: int, dtype: str) -> np.ndarray:
@@ -138,6 +167,12 @@ def expected_output(op: str, rank: int, world_size: int, count: int, dtype: str)
         return periodic(m, dtype, rank_sum, scale=n, offset=rank * m)
     if op == "all_gather":
         return np.concatenate([periodic(count // n, dtype, q + 1) for q in range(n)])
+    if op in ("all_to_all", "all_to_allv"):  # from rank q, the piece of q's buffer meant for rank
+        pieces = []
+        for q in range(n):
+            sends = split_counts(op, q, n, count)[0]
+            pieces.append(periodic(sends[rank], dtype, q + 1, offset=sum(sends[:rank])))
+        return np.concatenate(pieces)
     return periodic(count, dtype, ROOT + 1)
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from .protocol import OPS, REDOP
+from .protocol import ALL_OPS, REDOP
 
 
 def human_bytes(n: int) -> str:
@@ -69,7 +69,7 @@ def impls_of(records: Sequence[dict]) -> list[str]:
 
 def ops_of(records: Sequence[dict]) -> list[str]:
     present = {r["op"] for r in records}
-    return [op for op in OPS if op in present]
+    return [op for op in ALL_OPS if op in present]
 
 
 def results_table(records: Sequence[dict], impl: str, op: str) -> str:

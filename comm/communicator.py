@@ -96,6 +96,21 @@ class Work:
         return self._w.get_future()
 
 
+def _splits(sizes, name: str) -> Optional[list]:
+    if sizes is None:
+        return None
+    if isinstance(sizes, torch.Tensor):
+        sizes = sizes.tolist()
+    try:
+        values = list(sizes)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(sizes).__name__}") from None
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be a sequence of ints, got an element of type {type(v).__name__}")
+    return values
+
+
 def _wrap(w):
     return None if w is None else Work(w)
 
@@ -284,10 +299,24 @@ class Communicator:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
         return _wrap(self._c.all_gather(output, input, async_op))
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   output_split_sizes: Optional[Sequence[int]] = None,
+                   input_split_sizes: Optional[Sequence[int]] = None) -> Optional[Work]:
         """Splits ``input`` into world_size equal chunks and sends chunk j to rank j; ``output``
-        (same size, not overlapping) receives chunk j from rank j."""
-        return _wrap(self._c.all_to_all(output, input, async_op))
+        (same size, not overlapping) receives chunk j from rank j.
+
+        With split sizes (as ``torch.distributed.all_to_all_single``): ``input`` is split along
+        dimension 0 into ``input_split_sizes[j]`` rows for rank j, and ``output`` receives
+        ``output_split_sizes[j]`` rows from rank j, in rank order; a list left None means equal
+        splits of dimension 0. Rank i's ``input_split_sizes[j]`` must equal rank j's
+        ``output_split_sizes[i]`` (a difference raises ``CollectiveMismatch`` on the receiver),
+        and every rank must pass split sizes if one does. These travel point to point, each pair
+        as its sizes need, instead of as one collective.
+        """
+        if output_split_sizes is None and input_split_sizes is None:
+            return _wrap(self._c.all_to_all(output, input, async_op))
+        return _wrap(self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
+                                          _splits(input_split_sizes, "input_split_sizes"), async_op))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""

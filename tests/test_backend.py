@@ -110,10 +110,25 @@ def _run_collectives(rank, world_size, store_path):
             dist.broadcast(t, group_src=1, group=ends)
             assert dist.get_global_rank(ends, 1) == n - 1 and torch.equal(t, every[n - 1])
 
-        # What braid does not do raises naming it.
-        with pytest.raises(RuntimeError, match="uneven split sizes are not implemented"):
+        # Uneven splits: rank i sends i + j + 1 rows (of 4) to rank j, one of them with a
+        # non-contiguous output, one async; lists of tensors of different sizes.
+        rows = [[i + j + 1 for j in range(n)] for i in range(n)]
+        piece = [[_values(i, rows[i][j], 4, salt=10 + j) for j in range(n)] for i in range(n)]
+        expect = torch.cat([piece[i][rank] for i in range(n)])
+        recv = torch.empty_like(expect)
+        dist.all_to_all_single(recv, torch.cat(piece[rank]), [rows[i][rank] for i in range(n)], rows[rank])
+        assert torch.equal(recv, expect)
+        strided = torch.empty(4, expect.shape[0], dtype=torch.float64).t()
+        work = dist.all_to_all_single(strided, torch.cat(piece[rank]), [rows[i][rank] for i in range(n)],
+                                      rows[rank], async_op=True)
+        work.wait()
+        assert torch.equal(strided, expect)
+        outs = [torch.empty(rows[i][rank], 4, dtype=torch.float64) for i in range(n)]
+        dist.all_to_all(outs, piece[rank])
+        assert all(torch.equal(o, piece[i][rank]) for i, o in enumerate(outs))
+        with pytest.raises(ValueError, match="input_split_sizes must sum to input.size"):
             dist.all_to_all_single(torch.empty(3), torch.empty(3), [1, 2] + [0] * (n - 2),
-                                   [2, 1] + [0] * (n - 2))
+                                   [2, 2] + [0] * (n - 2))
     return True
 
 

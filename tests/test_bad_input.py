@@ -67,9 +67,41 @@ def bad_calls(c) -> list:
         ("broadcast meta", lambda: bc(meta), ValueError, "tensor"),
         ("broadcast complex64", lambda: bc(cplx), TypeError, "tensor.*dtype"),
     ]
+    rows = torch.zeros(2 * n, 3)
+    even = [2] * n
+
+    def a2a(out=None, inp=rows, **splits):
+        return c.all_to_all(rows.clone() if out is None else out, inp, **splits)
+
+    calls += [
+        ("all_to_all split sizes not a list", lambda: a2a(input_split_sizes=2),
+         TypeError, "input_split_sizes"),
+        ("all_to_all split sizes of floats", lambda: a2a(output_split_sizes=[2.0] * n),
+         TypeError, "output_split_sizes"),
+        ("all_to_all split sizes too short", lambda: a2a(input_split_sizes=even[1:] or [1, 1]),
+         ValueError, "input_split_sizes must have world_size"),
+        ("all_to_all negative split", lambda: a2a(input_split_sizes=([-1, 2 * n + 1] + [0] * n)[:n]),
+         ValueError, "input_split_sizes must not be negative"),
+        ("all_to_all splits not summing to size(0)", lambda: a2a(input_split_sizes=[3] * n),
+         ValueError, "input_split_sizes must sum to input.size"),
+        ("all_to_all rows of different widths", lambda: a2a(torch.zeros(2 * n, 2), input_split_sizes=even),
+         ValueError, "rows"),
+        ("all_to_all 0-d", lambda: a2a(torch.zeros(()), torch.zeros(()), input_split_sizes=[0] * n),
+         ValueError, "dimension 0"),
+        ("all_to_all own piece differs",
+         lambda: a2a(torch.zeros(2 * n + 1, 3), input_split_sizes=even,
+                     output_split_sizes=[2] * r + [3] + [2] * (n - r - 1)),
+         ValueError, "output_split_sizes.rank."),
+        ("all_to_all split dtypes differ", lambda: a2a(rows.double(), input_split_sizes=even),
+         TypeError, "output and input"),
+        ("all_to_all split output overlaps input", lambda: a2a(rows, input_split_sizes=even),
+         ValueError, "overlap"),
+    ]
     if n > 1:
         other = slice(((r + 1) % n) * m, ((r + 1) % n + 1) * m)
         calls += [
+            ("all_to_all output rows not a multiple of world_size",
+             lambda: a2a(torch.zeros(2 * n + 1, 3), input_split_sizes=even), ValueError, "output.size"),
             ("reduce_scatter output is another rank's slice of input",
              lambda: rs(inp[other], inp), ValueError, "overlaps"),
             ("all_gather input is another rank's slice of output",

@@ -1,10 +1,13 @@
-"""all_to_all and compressed all_reduce on 1-4 ranks against exact pure-torch references.
+"""all_to_all (equal and uneven splits) and compressed all_reduce on 1-4 ranks against exact
+pure-torch references.
 
 The compressed all-reduce is deterministic given its seeds, so each rank rebuilds the whole
 pipeline in torch (quantize every rank's input, sum the decoded chunks in rank order,
 re-quantize, decode) and compares bit for bit; the test process checks that all ranks hold the
 same bits. Tiny slots push the all-to-all and all-gather through their pipelined paths.
 """
+
+import time
 
 import pytest
 import torch
@@ -20,7 +23,8 @@ KEY = "bucket"
 
 def all_to_all_grid(rank, n, store_path, seed):
     log = CaseLog()
-    for tunables in ({}, TINY):
+    # The last one writes every output with non-temporal stores (as messages beyond the cache).
+    for tunables in ({}, TINY, dict(TINY, stream_min_bytes=1)):
         with make_comm(rank, n, store_path, **tunables) as c:
             for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
                 for m in (0, 1, 2, 13, 61, 127, 257, 1031):
@@ -41,6 +45,132 @@ def all_to_all_grid(rank, n, store_path, seed):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_all_to_all_matches_reference(n):
     assert_ranks_agree(run_ranks(all_to_all_grid, n, 11), min_cases=100)
+
+
+def _split_matrices(n, seed):
+    """Rows rank i sends to rank j, S[i][j]: random (zeros included), one where each rank
+    receives equal pieces (output_split_sizes left None), and one with a piece larger than the
+    4 MiB a pair keeps in flight."""
+    g = torch.Generator().manual_seed(seed)
+    choices = torch.tensor([0, 1, 2, 5, 17, 64])
+    mats = []
+    for _ in range(4):
+        idx = torch.randint(0, len(choices), (n, n), generator=g)
+        mats.append((choices[idx].tolist(), False))
+    per_dest = [int(v) for v in torch.randint(0, 9, (n,), generator=g)]
+    mats.append(([per_dest[:] for _ in range(n)], True))
+    big = [[3] * n for _ in range(n)]
+    big[0][n - 1] = 400_000  # 400,000 rows of 3 floats: 4.8 MB from rank 0 to rank n - 1
+    mats.append((big, False))
+    return mats
+
+
+def _pieces(S, rank, n, dtype, seed, row):
+    """Rank `rank`'s input: its pieces for every rank, seeded by (sender, receiver)."""
+    return [make_input(seed * 31 + rank * 7 + j, rank, S[rank][j] * row, torch.int64).to(dtype).view(-1, row)
+            for j in range(n)]
+
+
+def uneven_all_to_all_grid(rank, n, store_path, seed, stream):
+    log = CaseLog()
+    row = 3
+    # stream: received pieces are written with non-temporal stores, whatever their size.
+    with make_comm(rank, n, store_path, **({"stream_min_bytes": 1} if stream else {})) as c:
+        for case, (S, equal_out) in enumerate(_split_matrices(n, seed)):
+            for dtype in (torch.float32, torch.bfloat16, torch.int64):
+                if S[0][n - 1] > 1000 and dtype != torch.float32:
+                    continue
+                mine = _pieces(S, rank, n, dtype, seed, row)
+                inp = torch.cat(mine)
+                expected = torch.cat([_pieces(S, j, n, dtype, seed, row)[rank] for j in range(n)])
+                out_splits = None if equal_out else [S[j][rank] for j in range(n)]
+                out = torch.full_like(expected, 77)
+                c.all_to_all(out, inp, output_split_sizes=out_splits, input_split_sizes=S[rank])
+                log.check(f"case {case} {dtype}", out, expected, rank_specific=True)
+                log.check(f"case {case} {dtype}: input untouched", inp, torch.cat(mine), rank_specific=True)
+                # Non-contiguous output (written through a staging buffer), async.
+                strided = torch.full((row, expected.shape[0]), 77, dtype=dtype).t()
+                w = c.all_to_all(strided, inp, True, output_split_sizes=out_splits, input_split_sizes=S[rank])
+                w.wait()
+                log.check(f"case {case} {dtype}: strided async", strided, expected, rank_specific=True)
+        # Several in flight, waited in reverse order, between plain collectives.
+        S = _split_matrices(n, seed + 1)[0][0]
+        works, outs = [], []
+        for k in range(4):
+            inp = torch.cat(_pieces(S, rank, n, torch.float32, seed + k, row))
+            outs.append(torch.empty(sum(S[j][rank] for j in range(n)), row))
+            works.append(c.all_to_all(outs[-1], inp, True, output_split_sizes=[S[j][rank] for j in range(n)],
+                                      input_split_sizes=S[rank]))
+            t = torch.full((5,), float(rank))
+            works.append(c.all_reduce(t, async_op=True))
+            outs.append((t, torch.full((5,), float(sum(range(n))))))
+        for w in reversed(works):
+            w.wait()
+        for k in range(4):
+            expected = torch.cat([_pieces(S, j, n, torch.float32, seed + k, row)[rank] for j in range(n)])
+            log.check(f"in flight {k}", outs[2 * k], expected, rank_specific=True)
+            t, e = outs[2 * k + 1]
+            log.check(f"in flight all_reduce {k}", t, e)
+    return log.summary()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("stream", [False, True])
+def test_uneven_all_to_all_matches_reference(n, stream):
+    assert_ranks_agree(run_ranks(uneven_all_to_all_grid, n, 5, stream), min_cases=20)
+
+
+def uneven_sizes_disagree(rank, n, store_path):
+    """Rank 0 sends 3 rows to rank 1, which expects 2: the receiver raises CollectiveMismatch
+    and the communicator is poisoned on every rank."""
+    c = make_comm(rank, n, store_path)
+    sends = [[1, 3], [2, 1]][rank]
+    recvs = [[1, 2], [2, 1]][rank]  # rank 1 expects 2 rows from rank 0
+    seen = []
+    for call in (lambda: c.all_to_all(torch.empty(sum(recvs), 2), torch.zeros(sum(sends), 2),
+                                      output_split_sizes=recvs, input_split_sizes=sends),
+                 c.barrier):
+        try:
+            call()
+            seen.append(None)
+        except Exception as e:  # noqa: BLE001 - judged by the test
+            seen.append((type(e).__name__, str(e)))
+    c.close()
+    return seen
+
+
+def test_uneven_all_to_all_sizes_that_disagree_raise():
+    r0, r1 = run_ranks(uneven_sizes_disagree, 2)
+    assert r1[0][0] == "CollectiveMismatch" and "expected 16 bytes" in r1[0][1], r1
+    # Rank 0's send may complete before rank 1 looks at it; its next call fails at the latest.
+    assert r0[0] is not None or r0[1] is not None, r0
+    assert all(e is None or e[0] in ("CollectiveMismatch", "PeerError", "CommError") for e in r0), r0
+
+
+def split_sizes_on_one_rank_only(rank, n, store_path):
+    """Rank 0 passes split sizes (equal ones), the others none: different calls, which every
+    rank must report as a mismatch at once instead of waiting for the deadline."""
+    c = make_comm(rank, n, store_path, timeout=30.0)
+    t = torch.arange(2 * n, dtype=torch.float32)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            c.all_to_all(torch.empty(2 * n), t, input_split_sizes=[2] * n, output_split_sizes=[2] * n)
+        else:
+            c.all_to_all(torch.empty(2 * n), t)
+        seen = None
+    except Exception as e:  # noqa: BLE001 - judged by the test
+        seen = (type(e).__name__, str(e))
+    c.close()
+    return seen, time.monotonic() - start
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_split_sizes_on_some_ranks_only_raise_a_mismatch(n):
+    for seen, took in run_ranks(split_sizes_on_one_rank_only, n):
+        assert seen is not None and seen[0] == "CollectiveMismatch", seen
+        assert "all_to_all with split sizes" in seen[1], seen
+        assert took < 5.0, took
 
 
 def _seed(q, rank, call):

@@ -98,6 +98,14 @@ def _issue(c, rng, i, rank, n, seed, compressors, integral):
         work = c.broadcast(t, src=src, async_op=async_op)
         return f"#{i} broadcast {dtype} {count} from {src}", work, [t], [inputs[src]], False
     if kind == "all_to_all":
+        if rng.random() < 0.5:  # uneven: rank r sends S[r][j] elements to rank j
+            S = [[rng.randrange(count + 1) for _ in range(n)] for _ in range(n)]
+            full = [make_input(s, r, sum(S[r]), dtype) for r in range(n)]
+            expected = torch.cat([full[r][sum(S[r][:rank]):sum(S[r][:rank + 1])] for r in range(n)])
+            out = torch.full_like(expected, SENTINEL)
+            work = c.all_to_all(out, full[rank].clone(), async_op=async_op,
+                                output_split_sizes=[S[r][rank] for r in range(n)], input_split_sizes=S[rank])
+            return f"#{i} all_to_all {dtype} uneven {S}", work, [out], [expected], True
         full = [make_input(s, r, n * count, dtype) for r in range(n)]
         out = torch.full((n * count,), SENTINEL, dtype=dtype)
         expected = torch.cat([full[r][rank * count:(rank + 1) * count] for r in range(n)])
@@ -304,6 +312,14 @@ def _backend_op(rng, i, rank, n, seed):
         expected = reduce_reference(full, op, n)[rank * count:(rank + 1) * count]
         return what + f" {op}", work, [out], [expected]
     if kind == "all_to_all_single":
+        if rng.random() < 0.5:  # uneven: rank r sends S[r][j] elements to rank j
+            S = [[rng.randrange(count + 1) for _ in range(n)] for _ in range(n)]
+            full = [x(r, sum(S[r])) for r in range(n)]
+            expected = torch.cat([full[r][sum(S[r][:rank]):sum(S[r][:rank + 1])] for r in range(n)])
+            out = torch.full_like(expected, SENTINEL)
+            work = dist.all_to_all_single(out, full[rank], [S[r][rank] for r in range(n)], S[rank],
+                                          async_op=async_op)
+            return what + f" uneven {S}", work, [out], [expected]
         full = [x(r, n * count) for r in range(n)]
         out = torch.full((n * count,), SENTINEL, dtype=dtype)
         work = dist.all_to_all_single(out, full[rank], async_op=async_op)

@@ -6,6 +6,8 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -156,6 +158,52 @@ inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantF
     throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
                           std::to_string(nchunks) + " * " + std::to_string(chunk));
   return static_cast<size_t>(chunk);
+}
+
+// The transfers of an all-to-all with uneven splits over contiguous buffers: this rank sends
+// `send_counts[j]` elements (consecutive in `in`, in rank order) to rank j and receives
+// `recv_counts[j]` from rank j (consecutive in `out`). Its own piece is not a transfer:
+// `local_copy` moves it. For Communicator::submit_exchange; counts are checked by the caller.
+struct ExchangePlan {
+  std::vector<Request> requests;
+  std::function<void()> local_copy;
+};
+
+inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, const void* in, void* out,
+                                           const std::vector<int64_t>& send_counts,
+                                           const std::vector<int64_t>& recv_counts) {
+  const size_t es = dtype_size(dtype);
+  std::vector<size_t> send_off(world + 1, 0), recv_off(world + 1, 0);
+  for (int j = 0; j < world; ++j) {
+    send_off[j + 1] = send_off[j] + static_cast<size_t>(send_counts[j]) * es;
+    recv_off[j + 1] = recv_off[j] + static_cast<size_t>(recv_counts[j]) * es;
+  }
+  ExchangePlan plan;
+  for (int step = 1; step < world; ++step) {  // the peers in ring order from this rank
+    const int to = (rank + step) % world;
+    const int from = (rank - step + world) % world;
+    Request s;
+    s.kind = CollKind::kSend;
+    s.dtype = dtype;
+    s.count = static_cast<size_t>(send_counts[to]);
+    s.root = to;
+    s.in = static_cast<const char*>(in) + send_off[to];
+    plan.requests.push_back(std::move(s));
+    Request r;
+    r.kind = CollKind::kRecv;
+    r.dtype = dtype;
+    r.count = static_cast<size_t>(recv_counts[from]);
+    r.root = from;
+    r.out = static_cast<char*>(out) + recv_off[from];
+    plan.requests.push_back(std::move(r));
+  }
+  const char* src = static_cast<const char*>(in) + send_off[rank];
+  char* dst = static_cast<char*>(out) + recv_off[rank];
+  const size_t bytes = send_off[rank + 1] - send_off[rank];
+  plan.local_copy = [src, dst, bytes] {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  };
+  return plan;
 }
 
 // Python bindings of the compression kernels and the quantized all-reduce (compression_binding.cpp).

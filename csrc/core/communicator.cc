@@ -98,6 +98,107 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   return work;
 }
 
+std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Request> reqs,
+                                                   std::function<void()> epilogue, std::shared_ptr<void> keepalive,
+                                                   bool async) {
+  check_open();
+  check_not_poisoned();
+  for (const Request& r : reqs) {
+    if (r.kind != CollKind::kSend && r.kind != CollKind::kRecv)
+      throw std::invalid_argument("submit_exchange takes send and recv requests only");
+    if (!group_) throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
+    if (r.dtype != dtype) throw std::invalid_argument("submit_exchange: every request must have the exchange's dtype");
+  }
+  Request header;
+  header.kind = CollKind::kExchange;
+  header.dtype = dtype;
+  // Blocking with nothing queued: all of it on the calling thread, as a blocking collective (two
+  // thread hand-offs per call would cost more than a small exchange takes).
+  if (!async && engine_->run_if_idle([&] {
+        execute(header);
+        if (reqs.empty()) {
+          if (epilogue) epilogue();
+          return;
+        }
+        std::vector<std::shared_ptr<Work>> batch;
+        for (Request& r : reqs) {
+          auto shared = std::make_shared<Request>(std::move(r));
+          auto w = std::make_shared<Work>([] {});
+          w->set_p2p(shared);
+          batch.push_back(std::move(w));
+        }
+        std::vector<std::shared_ptr<Work>> mine = batch;  // run_p2p may append works queued meanwhile
+        run_p2p(batch);
+        for (const auto& w : mine)
+          if (!w->succeeded()) throw CommError(w->error_kind(), w->error_message());
+        if (epilogue) epilogue();
+      }))
+    return nullptr;
+  // Completed by whichever transfer finishes last; its body never runs.
+  auto all = std::make_shared<Work>([] {});
+  struct State {
+    std::mutex mu;
+    size_t left;
+    ErrorKind kind = ErrorKind::kNone;
+    std::string msg;
+    std::function<void()> epilogue;
+    std::shared_ptr<void> keepalive;
+  };
+  auto st = std::make_shared<State>();
+  // + 1: issuing, so that nothing completes `all` before every request is in; + 1: the header.
+  st->left = reqs.size() + 2;
+  st->epilogue = std::move(epilogue);
+  st->keepalive = std::move(keepalive);
+  auto done = [st, all](ErrorKind kind, const std::string& msg) {
+    std::function<void()> epilogue;
+    {
+      std::lock_guard<std::mutex> lk(st->mu);
+      if (kind != ErrorKind::kNone && st->kind == ErrorKind::kNone) {
+        st->kind = kind;
+        st->msg = msg;
+      }
+      if (--st->left != 0) return;
+      kind = st->kind;
+      epilogue = std::move(st->epilogue);
+    }
+    if (kind != ErrorKind::kNone) {
+      all->fail(kind, st->msg);
+    } else {
+      try {
+        if (epilogue) epilogue();
+        all->complete();
+      } catch (const CommError& e) {
+        all->fail(e.kind(), e.what());
+      } catch (const std::exception& e) {
+        all->fail(ErrorKind::kGeneric, e.what());
+      }
+    }
+    st->keepalive.reset();
+  };
+  size_t issued = 0;
+  try {
+    std::shared_ptr<Work> h = submit(std::move(header), true);
+    h->on_complete([done](const Work& w) { done(w.error_kind(), w.error_message()); });
+    ++issued;
+    for (Request& r : reqs) {
+      r.keepalive = st->keepalive;
+      std::shared_ptr<Work> w = submit(std::move(r), true);
+      ++issued;
+      w->on_complete([done](const Work& w) { done(w.error_kind(), w.error_message()); });
+    }
+  } catch (const CommError& e) {
+    for (size_t i = issued; i < reqs.size() + 1; ++i) done(e.kind(), e.what());
+  } catch (const std::exception& e) {
+    for (size_t i = issued; i < reqs.size() + 1; ++i) done(ErrorKind::kGeneric, e.what());
+  }
+  done(ErrorKind::kNone, {});
+  if (!async) {
+    wait_blocking(*all);
+    return nullptr;
+  }
+  return all;
+}
+
 void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   struct Active {
     std::shared_ptr<Work> work;
@@ -230,7 +331,7 @@ void Communicator::execute_local(Request& r) {
     throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
   if (r.kind == CollKind::kAllToAll) r.count *= static_cast<size_t>(world_);  // one chunk, moved whole
   const size_t bytes = r.count * dtype_size(r.dtype);
-  if (r.kind == CollKind::kBarrier || r.kind == CollKind::kBroadcast) return;
+  if (r.kind == CollKind::kBarrier || r.kind == CollKind::kBroadcast || r.kind == CollKind::kExchange) return;
   if (r.out != r.in && bytes > 0) std::memmove(r.out, r.in, bytes);
 }
 
@@ -285,6 +386,7 @@ void Communicator::execute(Request& r) {
           break;
         }
         case CollKind::kBarrier:
+        case CollKind::kExchange:
           barrier(*group_, d);
           break;
         case CollKind::kSend:

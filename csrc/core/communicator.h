@@ -62,6 +62,16 @@ class Communicator {
   // Runs one collective now, on the calling thread: only from inside a submit_task body.
   void run_collective(Request& r);
 
+  // An all-to-all with split sizes: a collective start (CollKind::kExchange of `dtype`, which
+  // every rank must reach in the same place of its sequence as any collective) and then the
+  // point-to-point requests (kSend/kRecv of `dtype`), which advance together as their peers
+  // allow, in issue order per (direction, peer) as every transfer. The returned work completes
+  // once all have, failing with the first error; on success `epilogue` (may be empty) runs first,
+  // on the thread that finished the last one. `keepalive` is held until then. Blocking when
+  // `async` is false (returns null).
+  std::shared_ptr<Work> submit_exchange(DType dtype, std::vector<Request> reqs, std::function<void()> epilogue,
+                                        std::shared_ptr<void> keepalive, bool async);
+
   // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark).
   Algo all_reduce_algo(size_t bytes) const;
   uint64_t seq() const { return seq_; }

@@ -34,15 +34,16 @@ void pipelined_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, 
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const size_t m = d.count;
+  const bool stream = g.streaming(m * es * static_cast<size_t>(n));  // the output, as the gathers'
   scatter_pipeline(
       g, d, src, chunk,
       [&](size_t off, size_t len) {  // own chunk while the peers publish (skipped when in place)
         char* own = dst + (me * m + off) * es;
-        if (own != src + (me * m + off) * es) copy_bytes(own, src + (me * m + off) * es, len * es);
+        if (own != src + (me * m + off) * es) copy_output(own, src + (me * m + off) * es, len * es, stream);
       },
       [&](size_t off, size_t len, int k) {
         for (int r = 0; r < n; ++r)
-          if (r != me) copy_bytes(dst + (r * m + off) * es, g.slot(r, k) + me * chunk * es, len * es);
+          if (r != me) copy_output(dst + (r * m + off) * es, g.slot(r, k) + me * chunk * es, len * es, stream);
       });
 }
 

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "../copy.h"
 #include "../interrupt.h"
 #include "../tunables.h"
 
@@ -98,6 +99,7 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kAllToAll: return "all_to_all";
     case CollKind::kSend: return "send";
     case CollKind::kRecv: return "recv";
+    case CollKind::kExchange: return "all_to_all with split sizes";
   }
   return "unknown";
 }
@@ -112,6 +114,7 @@ std::string CollectiveDesc::describe() const {
   const auto k = static_cast<CollKind>(kind);
   s << coll_kind_name(k) << " #" << seq;
   if (k == CollKind::kBarrier) return s.str();
+  if (k == CollKind::kExchange) return s.str() + " (" + dtype_name(static_cast<DType>(dtype)) + ")";
   s << " (" << dtype_name(static_cast<DType>(dtype)) << ", count " << count;
   if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
     s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
@@ -452,7 +455,8 @@ bool ShmGroup::advance(P2POp& op) {
                             std::to_string(op.bytes) + " bytes of " + dtype_name(op.dtype) + " from rank " +
                             std::to_string(peer) + ", which sent " + std::to_string(c->total_bytes) + " bytes of " +
                             dtype_name(static_cast<DType>(c->dtype)));
-      if (c->bytes > 0) std::memcpy(op.data + op.off, slot + kChunkHeader, c->bytes);
+      // A message larger than the cache is written around it, as the collectives' outputs are.
+      copy_output(op.data + op.off, slot + kChunkHeader, c->bytes, streaming(op.bytes));
       op.off += c->bytes;
       taken_[peer] = k + 1;
       publish(header(rank_)->mailbox_taken[peer], k + 1);

@@ -32,6 +32,10 @@ enum class CollKind : uint32_t {
   // Point-to-point (not collectives: they carry no descriptor and take no sequence number).
   kSend = 7,
   kRecv = 8,
+  // The collective start of an all-to-all with split sizes (Communicator::submit_exchange): every
+  // rank arrives with it before the point-to-point transfers, so that ranks that disagree on
+  // what they call (one of them an equal-split all_to_all, say) fail with a mismatch at once.
+  kExchange = 9,
 };
 const char* coll_kind_name(CollKind k);
 
