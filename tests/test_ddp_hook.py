@@ -2,8 +2,8 @@
 
 One spawn per world size trains the same small regression MLP (several buckets, rebuilt after
 step 1) with gloo DDP, the exact braid hook and the int8 and top-k hooks, with
-gradient_as_bucket_view, static_graph and no_sync accumulation in the mix, and returns every
-run's parameters and held-out loss.
+gradient_as_bucket_view, static_graph, no_sync accumulation and torch.compile in the mix, and
+returns every run's parameters and held-out loss.
 """
 
 import pickle
@@ -43,19 +43,24 @@ def _batch(rank: int, step: int, micro: int):
     return x, _teacher(x) + 0.05 * torch.randn(32, 1, generator=g)
 
 
-def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps):
+def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compiled=False):
     from braid import comm
     from braid.comm import ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _model()
     # bucket_cap_mb 0.004: ~1000 floats per bucket, so the 3.1K parameters span several buckets.
-    m = DDP(model, bucket_cap_mb=0.004, gradient_as_bucket_view=bucket_view, static_graph=static_graph)
+    # Compiled: torch.compile's DDP graph splitter wants no bucket smaller than DDP's first (1 MiB).
+    m = DDP(model, bucket_cap_mb=1 if compiled else 0.004, gradient_as_bucket_view=bucket_view,
+            static_graph=static_graph)
     state = None
     if mode != "gloo":
         compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank), "topk": comm.TopK(0.05)}[mode]
         state, hook = ddp.comm_hook(c, compression, min_compress_bytes=0)
         m.register_comm_hook(state, hook)
+    # aot_eager: dynamo and AOT autograd as in training with torch.compile, without the minutes
+    # inductor's C++ compilation would add; the hook runs in DDP's reducer either way.
+    fwd = torch.compile(m, backend="aot_eager") if compiled else m
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         opt.zero_grad()
@@ -63,9 +68,9 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps):
             x, y = _batch(rank, step, micro)
             if micro < accumulate - 1:
                 with m.no_sync():  # local accumulation: the hook must not run
-                    ((m(x) - y) ** 2).mean().backward()
+                    ((fwd(x) - y) ** 2).mean().backward()
             else:
-                ((m(x) - y) ** 2).mean().backward()
+                ((fwd(x) - y) ** 2).mean().backward()
         opt.step()
     xe = torch.randn(512, IN, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
@@ -92,6 +97,7 @@ OPTIONS = [
     {"bucket_view": True, "static_graph": False, "accumulate": 1, "steps": EXACT_STEPS},
     {"bucket_view": False, "static_graph": True, "accumulate": 1, "steps": EXACT_STEPS},
     {"bucket_view": True, "static_graph": False, "accumulate": 2, "steps": EXACT_STEPS},
+    {"bucket_view": True, "static_graph": False, "accumulate": 1, "steps": EXACT_STEPS, "compiled": True},
 ]
 TRAIN = {"bucket_view": True, "static_graph": False, "accumulate": 1, "steps": STEPS}
 
