@@ -335,3 +335,47 @@ def test_ranks_on_several_hosts_get_a_clear_error(n):
     for result in run_ranks(two_hosts, n):
         _assert_raised(result["seen"], comm.CommError, LONG_TIMEOUT_S, "several hosts", "other-host")
         assert result["leftover"] == [], result
+
+
+def blocking_call_in_callback(rank, n, store_path):
+    """Future callbacks run on the progress thread: a blocking collective there, or a wait for a
+    later work, would wait for that thread itself. Both raise instead (rank 0 tries them while
+    its first all-reduce waits for rank 1, so that the callbacks run on the progress thread), an
+    async call from a callback still works, and the communicator stays usable."""
+    c = make_comm(rank, n, store_path)
+    store = open_store(store_path)
+    seen = {}
+    t1, t2, t3 = (torch.full((100,), float(rank + k)) for k in (1, 2, 3))
+    if rank == 0:
+        a = c.all_reduce(t1, async_op=True)  # pending: rank 1 has not called yet
+        b = c.all_reduce(t2, async_op=True)
+        fut = a.get_future()
+        blocking = fut.then(lambda _: _raised(c.all_reduce, torch.ones(3)))
+        waiting = fut.then(lambda _: _raised(b.wait))
+        nested = []
+        chained = fut.then(lambda _: nested.append(c.all_reduce(t3, async_op=True)))
+        store.set("attached", "1")
+        seen["blocking"], seen["wait"] = blocking.wait(), waiting.wait()
+        b.wait()
+        chained.wait()
+        nested[0].wait()
+    else:
+        store.wait(["attached"])
+        for t in (t1, t2, t3):
+            c.all_reduce(t)
+    seen["results"] = [t[0].item() for t in (t1, t2, t3)]
+    t = torch.full((5,), float(rank))
+    c.all_reduce(t)
+    seen["after"] = t.tolist()
+    c.close()
+    return seen
+
+
+def test_blocking_call_from_a_callback_raises_instead_of_hanging():
+    n = 2
+    results = run_ranks(blocking_call_in_callback, n)
+    for what in ("blocking", "wait"):
+        _assert_raised(results[0][what], comm.CommError, DETECTION_LIMIT_S, "progress thread")
+    for seen in results:
+        assert seen["results"] == [3.0, 5.0, 7.0], seen
+        assert seen["after"] == [float(sum(range(n)))] * 5, seen

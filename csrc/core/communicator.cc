@@ -77,9 +77,14 @@ void Communicator::check_not_poisoned() {
     throw CommError(poison_kind_, "communicator is unusable after an earlier error (rebuild it): " + poison_msg_);
 }
 
+void Communicator::check_may_block() const {
+  if (engine_->on_progress_thread()) throw CommError(ErrorKind::kGeneric, kOnProgressThread);
+}
+
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
+  if (!async) check_may_block();
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
   if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
@@ -89,6 +94,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   } else {
     work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
   }
+  work->set_engine(engine_.get());
   engine_->enqueue(work);  // behind the async work issued before it
   if (p2p_waiting_.load(std::memory_order_seq_cst)) group_->wake();
   if (!async) {
@@ -103,6 +109,7 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
                                                    bool async) {
   check_open();
   check_not_poisoned();
+  if (!async) check_may_block();
   for (const Request& r : reqs) {
     if (r.kind != CollKind::kSend && r.kind != CollKind::kRecv)
       throw std::invalid_argument("submit_exchange takes send and recv requests only");
@@ -136,6 +143,7 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
     return nullptr;
   // Completed by whichever transfer finishes last; its body never runs.
   auto all = std::make_shared<Work>([] {});
+  all->set_engine(engine_.get());
   struct State {
     std::mutex mu;
     size_t left;
@@ -295,8 +303,10 @@ std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std:
                                                bool async) {
   check_open();
   check_not_poisoned();
+  if (!async) check_may_block();
   if (!async && engine_->run_if_idle(body)) return nullptr;
   auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
+  work->set_engine(engine_.get());
   engine_->enqueue(work);
   if (!async) {
     wait_blocking(*work);

@@ -90,6 +90,8 @@ class Communicator {
   // Records the first communication error and tells the peers.
   void poison(const CommError& e);
   void check_open() const;
+  // Refuses a blocking call on the progress thread (kOnProgressThread).
+  void check_may_block() const;
   // A blocking call's wait for its queued work. Interrupted: the executing thread is asked to
   // abort (the request points into the caller's tensors, so it must be over before the caller
   // returns), the communicator is poisoned, and Interrupted propagates once the work ended.

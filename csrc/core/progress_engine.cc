@@ -29,7 +29,14 @@ void ProgressEngine::take_p2p(std::vector<std::shared_ptr<Work>>& batch) {
   }
 }
 
+namespace {
+thread_local const ProgressEngine* t_engine = nullptr;
+}  // namespace
+
+const ProgressEngine* ProgressEngine::current_engine() { return t_engine; }
+
 void ProgressEngine::loop() {
+  t_engine = this;
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     cv_.wait(lk, [&] { return (!queue_.empty() && !busy_) || (stop_ && queue_.empty()); });

@@ -54,6 +54,11 @@ class ProgressEngine {
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_seq_cst); }
   // Runs what is queued, then stops the thread. Later submissions are refused by the owner.
   void shutdown();
+  // Whether the calling thread is this engine's progress thread (running a work or one of its
+  // completion callbacks): a blocking call made there would wait for this very thread.
+  bool on_progress_thread() const { return current_engine() == this; }
+  // The engine whose progress thread is calling, or null.
+  static const ProgressEngine* current_engine();
 
  private:
   void loop();

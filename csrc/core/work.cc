@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "interrupt.h"
+#include "progress_engine.h"
 
 namespace braid {
 
@@ -74,6 +75,8 @@ bool Work::wait(std::chrono::nanoseconds timeout, bool interruptible) {
     throw CommError(ErrorKind::kClosed,
                     "this work was issued by the process this one was forked from; only that process can wait for it");
   std::unique_lock<std::mutex> lk(mu_);
+  if (!done_ && engine_ != nullptr && engine_ == ProgressEngine::current_engine())
+    throw CommError(ErrorKind::kGeneric, std::string(kOnProgressThread));
   if (interruptible && interrupt_hook_installed()) {
     const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
     while (!done_) {

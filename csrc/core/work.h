@@ -14,6 +14,11 @@
 
 namespace braid {
 
+// The error of a blocking wait on the progress thread that would complete it.
+constexpr const char* kOnProgressThread =
+    "blocking call on braid's progress thread (inside a future's callback, say): it would wait for "
+    "that thread itself, forever; issue it with async_op=True, or after the callback returned";
+
 class Work {
  public:
   explicit Work(std::function<void()> body) : body_(std::move(body)) {}
@@ -31,6 +36,9 @@ class Work {
   // Point-to-point work carries its request here (opaque to the engine), so that consecutive
   // transfers can be advanced together instead of one blocking the next.
   void set_p2p(std::shared_ptr<void> request) { p2p_ = std::move(request); }
+  // The engine that completes this work: wait() on its progress thread, before completion,
+  // raises instead of waiting for itself forever.
+  void set_engine(const void* engine) { engine_ = engine; }
   const std::shared_ptr<void>& p2p() const { return p2p_; }
 
   bool is_completed() const;
@@ -55,6 +63,7 @@ class Work {
   std::function<void()> body_;
   std::shared_ptr<void> p2p_;
   const uint64_t fork_generation_ = fork_generation();
+  const void* engine_ = nullptr;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
