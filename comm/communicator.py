@@ -20,13 +20,17 @@ if TYPE_CHECKING:
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 # Codes understood by the core (csrc/core/dtype.h, ReduceOp).
-_OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
+# Codes of csrc/core/dtype.h (ReduceOp); the bitwise ones take integer tensors only.
+_OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
 _DIST_OPS = {
     dist.ReduceOp.SUM: 0,
     dist.ReduceOp.AVG: 1,
     dist.ReduceOp.MAX: 2,
     dist.ReduceOp.MIN: 3,
     dist.ReduceOp.PRODUCT: 4,
+    dist.ReduceOp.BAND: 5,
+    dist.ReduceOp.BOR: 6,
+    dist.ReduceOp.BXOR: 7,
 }
 _ALGOS = ("auto", "oneshot", "twoshot", "ring")
 _instances = itertools.count()
@@ -44,7 +48,7 @@ def _op_code(op: Op) -> int:
     else:
         code = None
     if code is None:
-        raise ValueError(f"op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
+        raise ValueError(f"op must be one of {', '.join(repr(k) for k in _OP_CODES)} or the matching "
                          f"torch.distributed.ReduceOp, got {op!r}")
     return code
 

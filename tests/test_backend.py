@@ -46,6 +46,25 @@ def _run_collectives(rank, world_size, store_path):
         t = every[rank].clone()
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         torch.testing.assert_close(t, sum(every) / n, rtol=0, atol=1e-12)
+        # Bitwise ops on integers (all_reduce and reduce_scatter); refused on floats.
+        ints = [e.long() * 37 + 1000 for e in every]
+        for op, fold in ((dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
+                         (dist.ReduceOp.BXOR, torch.bitwise_xor)):
+            expect = ints[0]
+            for x in ints[1:]:
+                expect = fold(expect, x)
+            t = ints[rank].clone()
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, expect), op
+            whole = torch.cat([x.flatten()[:2 * n] for x in ints]).view(n, 2 * n)
+            out = torch.empty(2, dtype=torch.int64)
+            dist.reduce_scatter_tensor(out, whole[rank].clone(), op=op)
+            ref = whole[0]
+            for x in whole[1:]:
+                ref = fold(ref, x)
+            assert torch.equal(out, ref[2 * rank:2 * rank + 2]), op
+        with pytest.raises(ValueError, match="needs an integer tensor"):
+            dist.all_reduce(every[rank].clone(), op=dist.ReduceOp.BAND)
 
         # Non-contiguous, async, through the future.
         t = every[rank].clone().t()
@@ -258,8 +277,10 @@ def _run_unsupported(rank, world_size, store_path):
     with braid_default_group(rank, world_size, store_path):
         with pytest.raises(TypeError, match="unsupported dtype"):
             dist.all_reduce(torch.ones(2, dtype=torch.bool))
-        with pytest.raises(ValueError, match="reduce op .* is not supported"):
+        with pytest.raises(ValueError, match="band needs an integer tensor"):
             dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
+        with pytest.raises(ValueError, match="reduce op .* is not supported"):  # PREMUL_SUM
+            dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
         # Argument errors are raised before anything is sent: the group still works.
         t = torch.ones(2)
         dist.all_reduce(t)

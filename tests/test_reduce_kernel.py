@@ -8,6 +8,7 @@ import pytest
 import torch
 from braid.comm import _C
 from helpers import (
+    BITWISE_OPS,
     DTYPES,
     HALF_DTYPES,
     OP_CODES,
@@ -42,6 +43,23 @@ def test_matches_reference(dtype, op):
             for world_size in {ninputs, 3}:
                 assert_same_bits(reduce(inputs, op, world_size), reduce_reference(inputs, op, world_size),
                                  f"size {size}, {ninputs} inputs, world_size {world_size}")
+
+
+@pytest.mark.parametrize("op", BITWISE_OPS)
+@pytest.mark.parametrize("dtype", (torch.int32, torch.int64, torch.uint8), ids=str)
+def test_bitwise_ops_match_reference(dtype, op):
+    """band / bor / bxor on integers (full-range values, negative ones included), every size class;
+    refused for a floating-point dtype."""
+    info = torch.iinfo(dtype)
+    for size in SIZES:
+        for ninputs in (1, 2, 3, 5):
+            g = torch.Generator().manual_seed(size * 10 + ninputs)
+            inputs = [torch.randint(info.min, info.max, (size,), generator=g, dtype=torch.int64).to(dtype)
+                      for _ in range(ninputs)]
+            assert_same_bits(reduce(inputs, op), reduce_reference(inputs, op, 1),
+                             f"size {size}, {ninputs} inputs")
+    with pytest.raises(ValueError, match="needs an integer tensor"):
+        reduce([torch.ones(4), torch.ones(4)], op)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)

@@ -24,17 +24,24 @@ DType dtype_of(const at::Tensor& t, const char* op) {
   return *d;
 }
 
-ReduceOp op_of(const c10d::ReduceOp& op, const char* what) {
+ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
+  ReduceOp r = ReduceOp::kSum;
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
-    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
-    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
-    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
-    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    case c10d::ReduceOp::SUM: r = ReduceOp::kSum; break;
+    case c10d::ReduceOp::AVG: r = ReduceOp::kAvg; break;
+    case c10d::ReduceOp::MAX: r = ReduceOp::kMax; break;
+    case c10d::ReduceOp::MIN: r = ReduceOp::kMin; break;
+    case c10d::ReduceOp::PRODUCT: r = ReduceOp::kProd; break;
+    case c10d::ReduceOp::BAND: r = ReduceOp::kBand; break;
+    case c10d::ReduceOp::BOR: r = ReduceOp::kBor; break;
+    case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
     default:
       TORCH_CHECK_VALUE(false, "braid ", what, ": reduce op ", static_cast<int>(op.op_),
-                        " is not supported (SUM, AVG, MAX, MIN and PRODUCT are)");
+                        " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR and BXOR are)");
   }
+  TORCH_CHECK_VALUE(op_supports(r, dtype), "braid ", what, ": ", reduce_op_name(r),
+                    " needs an integer tensor (int32, int64, uint8), got ", dtype_name(dtype));
+  return r;
 }
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
@@ -129,7 +136,7 @@ class BraidBackend final : public c10d::Backend {
     Buffer t = rank_ == opts.rootRank ? contiguous(tensors[0]) : Buffer{tensors[0], tensors[0].contiguous().clone()};
     Request r = make(CollKind::kAllReduce, dtype_of(t.data, "reduce"), t.data.numel(), t.data.data_ptr(),
                      t.data.data_ptr());
-    r.op = op_of(opts.reduceOp, "reduce");
+    r.op = op_of(opts.reduceOp, r.dtype, "reduce");
     b.add(std::move(r));
     b.keep.push_back(t.data);
     if (rank_ == opts.rootRank) b.copy_back(t);
@@ -425,12 +432,11 @@ class BraidBackend final : public c10d::Backend {
                                                 const char* what) {
     TORCH_CHECK_VALUE(!tensors.empty(), "braid ", what, ": no tensors given");
     Batch b;
-    const ReduceOp rop = op_of(op, what);
     for (const auto& tensor : tensors) {
       check_tensor(tensor, what, "tensor");
       Buffer t = contiguous(tensor);
       Request r = make(CollKind::kAllReduce, dtype_of(t.data, what), t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
-      r.op = rop;
+      r.op = op_of(op, r.dtype, what);
       b.add(std::move(r));
       b.keep.push_back(t.data);
       b.copy_back(t);
@@ -483,7 +489,7 @@ class BraidBackend final : public c10d::Backend {
     const auto* ib = static_cast<const char*>(in.data_ptr());
     if (overlaps(in, out.data) && out.data.data_ptr() != ib + rank_ * out.data.nbytes()) in = in.clone();
     Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.data.numel(), in.data_ptr(), out.data.data_ptr());
-    r.op = op_of(op, what);
+    r.op = op_of(op, r.dtype, what);
     b.add(std::move(r));
     b.keep.push_back(in);
     b.keep.push_back(out.data);

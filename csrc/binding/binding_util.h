@@ -72,6 +72,15 @@ inline ReduceOp to_op(int op) {
   return static_cast<ReduceOp>(op);
 }
 
+// `op` for elements of `dtype`, which `arg` holds: bitwise ops need an integer dtype.
+inline ReduceOp to_op(int op, DType dtype, const char* arg) {
+  const ReduceOp r = to_op(op);
+  if (!op_supports(r, dtype))
+    throw py::value_error(std::string("op '") + reduce_op_name(r) + "' needs an integer tensor (int32, int64, uint8); " +
+                          arg + " has dtype " + dtype_name(dtype));
+  return r;
+}
+
 inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
   if (!THPVariable_Check(obj.ptr()))
     throw py::type_error(std::string(arg) + " must be a torch.Tensor, got " +

@@ -71,7 +71,7 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   Request r;
   r.kind = CollKind::kAllReduce;
   r.dtype = to_dtype(t.scalar_type(), "tensor");
-  r.op = to_op(op);
+  r.op = to_op(op, r.dtype, "tensor");
   r.count = static_cast<size_t>(t.numel());
   Staged s = stage(t, "tensor");
   r.in = s.buffer.data_ptr();
@@ -108,7 +108,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   Request r;
   r.kind = CollKind::kReduceScatter;
   r.dtype = to_dtype(out.scalar_type(), "output");
-  r.op = to_op(op);
+  r.op = to_op(op, r.dtype, "output");
   r.count = static_cast<size_t>(out.numel());
   at::Tensor in_c = in.contiguous();
   Staged s = stage(out, "output");
@@ -265,7 +265,7 @@ at::Tensor reduce_tensors(const std::vector<at::Tensor>& inputs, int op, int wor
     srcs.push_back({cs.back().data_ptr(), false});
   }
   at::Tensor out = at::empty_like(cs[0]);
-  reduce_n(to_dtype(out.scalar_type(), "inputs"), to_op(op), srcs.data(), static_cast<int>(srcs.size()),
+  reduce_n(to_dtype(out.scalar_type(), "inputs"), to_op(op, to_dtype(out.scalar_type(), "inputs"), "inputs"), srcs.data(), static_cast<int>(srcs.size()),
            out.data_ptr(), false, nullptr, static_cast<size_t>(out.numel()), world_size, true);
   return out;
 }

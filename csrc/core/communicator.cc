@@ -85,6 +85,9 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
   if (!async) check_may_block();
+  if ((req.kind == CollKind::kAllReduce || req.kind == CollKind::kReduceScatter) && !op_supports(req.op, req.dtype))
+    throw std::invalid_argument(std::string("reduce op ") + reduce_op_name(req.op) + " needs an integer dtype, got " +
+                                dtype_name(req.dtype));
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
   if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {

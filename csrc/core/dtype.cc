@@ -23,6 +23,9 @@ const char* reduce_op_name(ReduceOp op) {
     case ReduceOp::kMax: return "max";
     case ReduceOp::kMin: return "min";
     case ReduceOp::kProd: return "prod";
+    case ReduceOp::kBand: return "band";
+    case ReduceOp::kBor: return "bor";
+    case ReduceOp::kBxor: return "bxor";
   }
   return "unknown";
 }

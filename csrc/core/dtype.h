@@ -23,8 +23,12 @@ enum class ReduceOp : uint32_t {
   kMax = 2,
   kMin = 3,
   kProd = 4,
+  // Bitwise, integer types only (as in torch.distributed's BAND, BOR, BXOR).
+  kBand = 5,
+  kBor = 6,
+  kBxor = 7,
 };
-constexpr int kNumReduceOps = 5;
+constexpr int kNumReduceOps = 8;
 
 inline size_t dtype_size(DType t) {
   switch (t) {
@@ -42,6 +46,11 @@ inline size_t dtype_size(DType t) {
 // Half types travel as themselves but accumulate in float32; other types accumulate in place.
 inline bool dtype_is_half(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16; }
 inline size_t acc_size(DType t) { return dtype_is_half(t) ? 4 : dtype_size(t); }
+
+inline bool dtype_is_integral(DType t) { return t == DType::kInt32 || t == DType::kInt64 || t == DType::kUInt8; }
+inline bool op_is_bitwise(ReduceOp op) { return op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor; }
+// Whether `op` can reduce elements of `t` (bitwise ops need integers).
+inline bool op_supports(ReduceOp op, DType t) { return !op_is_bitwise(op) || dtype_is_integral(t); }
 
 const char* dtype_name(DType t);
 const char* reduce_op_name(ReduceOp op);

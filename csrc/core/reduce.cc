@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace braid {
@@ -44,6 +46,16 @@ struct MaxOp {
 };
 struct MinOp {
   template <class A> static A apply(A a, A b) { return (a <= b || a != a) ? a : b; }
+};
+
+struct BandOp {
+  template <class A> static A apply(A a, A b) { return static_cast<A>(a & b); }
+};
+struct BorOp {
+  template <class A> static A apply(A a, A b) { return static_cast<A>(a | b); }
+};
+struct BxorOp {
+  template <class A> static A apply(A a, A b) { return static_cast<A>(a ^ b); }
 };
 
 // The accumulators of a block, rounded to the element type.
@@ -134,6 +146,17 @@ void reduce_op(ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_a
       return reduce_typed<T, MaxOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
     case ReduceOp::kMin:
       return reduce_typed<T, MinOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::kBand) return reduce_typed<T, BandOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+        if (op == ReduceOp::kBor) return reduce_typed<T, BorOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+        return reduce_typed<T, BxorOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+      } else {
+        throw std::invalid_argument(std::string("bitwise reduce op ") + reduce_op_name(op) +
+                                    " needs an integer dtype");
+      }
   }
 }
 

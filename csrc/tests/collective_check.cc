@@ -141,6 +141,7 @@ PreparedCall::PreparedCall(const CallSpec& spec, int rank, int world)
       return;
     case CollKind::kSend:
     case CollKind::kRecv:
+    case CollKind::kExchange:
       throw std::logic_error("point-to-point calls are checked in p2p_test.cc");
   }
   const bool reduces = spec.kind == CollKind::kAllReduce || spec.kind == CollKind::kReduceScatter;
@@ -187,6 +188,7 @@ braid::Request PreparedCall::request() {
     case CollKind::kBarrier:
     case CollKind::kSend:
     case CollKind::kRecv:
+    case CollKind::kExchange:
       break;
   }
   return r;

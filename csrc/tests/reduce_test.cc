@@ -235,6 +235,16 @@ BRAID_TEST(reduce_n_matches_reference_for_every_dtype_and_op) {
             visit_dtype(dt, [&](auto r) { check_reduce<decltype(r)>(dt, op, nsrc, count, v, rng); });
 }
 
+BRAID_TEST(bitwise_ops_match_reference_for_integers) {
+  std::mt19937_64 rng(4321);
+  for (DType dt : {DType::kInt32, DType::kInt64})
+    for (ReduceOp op : kBitwiseOps)
+      for (int nsrc : {1, 2, 3, 5})
+        for (size_t count : kCounts)
+          for (Variant v : kVariants)
+            visit_dtype(dt, [&](auto r) { check_reduce<decltype(r)>(dt, op, nsrc, count, v, rng); });
+}
+
 // Rounding each partial sum to the half type would lose the +1s; float32 accumulation keeps them.
 BRAID_TEST(half_types_accumulate_in_float32_and_round_once) {
   const Buffer bf = reduce_scalars(DType::kBFloat16, ReduceOp::kSum, {256, 1, 1}, 3, true);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <stdexcept>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -78,6 +79,14 @@ template <class A> A ref_apply(braid::ReduceOp op, A a, A b) {
     case braid::ReduceOp::kProd: return a * b;
     case braid::ReduceOp::kMax: return is_nan(a) ? a : is_nan(b) ? b : (a < b ? b : a);
     case braid::ReduceOp::kMin: return is_nan(a) ? a : is_nan(b) ? b : (b < a ? b : a);
+    case braid::ReduceOp::kBand:
+    case braid::ReduceOp::kBor:
+    case braid::ReduceOp::kBxor:
+      if constexpr (std::is_integral_v<A>) {
+        return op == braid::ReduceOp::kBand ? (a & b) : op == braid::ReduceOp::kBor ? (a | b) : (a ^ b);
+      } else {
+        throw std::logic_error("bitwise reduce op on a floating-point accumulator");
+      }
   }
   return a;
 }
@@ -86,6 +95,8 @@ constexpr braid::DType kAllDTypes[] = {braid::DType::kFloat32, braid::DType::kFl
                                        braid::DType::kBFloat16, braid::DType::kInt32, braid::DType::kInt64};
 constexpr braid::ReduceOp kAllOps[] = {braid::ReduceOp::kSum, braid::ReduceOp::kAvg, braid::ReduceOp::kMax,
                                        braid::ReduceOp::kMin, braid::ReduceOp::kProd};
+// Integer dtypes only.
+constexpr braid::ReduceOp kBitwiseOps[] = {braid::ReduceOp::kBand, braid::ReduceOp::kBor, braid::ReduceOp::kBxor};
 
 // A typed host buffer, written and read through doubles (exact for the values the tests use).
 class Buffer {

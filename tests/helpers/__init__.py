@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 OPS = ("sum", "avg", "max", "min", "prod")
+BITWISE_OPS = ("band", "bor", "bxor")  # integer dtypes only
 # Codes of braid.comm._C (csrc/core/dtype.h, ReduceOp).
-OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4}
+OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
 
 _BITS = {
     torch.float32: torch.int32,
@@ -42,13 +43,19 @@ def make_input(seed: int, rank: int, count: int, dtype: torch.dtype, *,
     return torch.randint(-8, 9, (count,), generator=g, dtype=torch.int64).to(dtype)
 
 
+def ops_for(dtype: torch.dtype) -> tuple:
+    """The reduce ops braid offers for ``dtype``: the bitwise ones on integers only."""
+    return OPS if dtype.is_floating_point else OPS + BITWISE_OPS
+
+
 def reduce_reference(inputs: Sequence[torch.Tensor], op: str, world_size: int) -> torch.Tensor:
     """``inputs[0] (op) inputs[1] (op) ...`` left to right, as braid promises; half types in float32
     rounded once at the end; avg divides the sum by ``world_size`` (truncating for integers)."""
     dtype = inputs[0].dtype
     acc_dtype = torch.float32 if dtype in HALF_DTYPES else dtype
     combine = {"sum": torch.add, "avg": torch.add, "prod": torch.mul,
-               "max": torch.maximum, "min": torch.minimum}[op]
+               "max": torch.maximum, "min": torch.minimum, "band": torch.bitwise_and,
+               "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
     acc = inputs[0].to(acc_dtype)
     for x in inputs[1:]:
         acc = combine(acc, x.to(acc_dtype))
