@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import time
 import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
@@ -33,6 +34,8 @@ _DIST_OPS = {
     dist.ReduceOp.BXOR: 7,
 }
 _ALGOS = ("auto", "oneshot", "twoshot", "ring")
+# How often a bootstrap wait looks for a peer's published failure.
+_BOOTSTRAP_POLL_S = 0.1
 _instances = itertools.count()
 
 
@@ -184,12 +187,17 @@ class Communicator:
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._store = store
         self.last_wire_bytes: Optional["WireStats"] = None
-        self._c = _C.Communicator(rank, world_size, tun, self._timeout_s)
+        try:
+            self._c = _C.Communicator(rank, world_size, tun, self._timeout_s)
+        except Exception as e:
+            self._tell_peers(e)
+            raise
         self._finalizer = weakref.finalize(self, self._c.close)
         try:
             self._bootstrap()
-        except BaseException:
+        except BaseException as e:
             self._finalizer()
+            self._tell_peers(e)
             raise
 
     # -- bootstrap -------------------------------------------------------------------------
@@ -203,13 +211,33 @@ class Communicator:
         self._wait(keys, what)
         return [self._store.get(k).decode() for k in keys]
 
-    def _wait(self, keys: Sequence[str], what: str) -> None:
+    def _tell_peers(self, error: BaseException) -> None:
+        """Publishes why this rank could not join, so that the others raise at once instead of
+        waiting for it until the deadline. Best effort: the store may be what failed."""
+        if self._world_size == 1 or isinstance(error, CommTimeout):
+            return
         try:
-            self._store.wait(list(keys), timedelta(seconds=self._timeout_s))
-        except Exception as e:  # the store raises its own timeout type
-            missing = [k.rsplit("/", 1)[-1] for k in keys if not self._store.check([k])]
-            raise CommTimeout(f"rank {self._rank}: ranks [{', '.join(missing)}] did not {what} within "
-                              f"{self._timeout_s:g} s ({e})") from None
+            self._store.set(self._key("failed"), f"rank {self._rank} could not join the communicator: "
+                            f"{type(error).__name__}: {error}")
+        except Exception:  # noqa: BLE001 - the original error is what the caller must see
+            pass
+
+    def _wait(self, keys: Sequence[str], what: str) -> None:
+        """Waits for ``keys``, in slices, so that a peer's published failure ends the wait."""
+        deadline = time.monotonic() + self._timeout_s
+        failed = self._key("failed")
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._store.wait(list(keys), timedelta(seconds=max(0.001, min(_BOOTSTRAP_POLL_S, left))))
+                return
+            except Exception as e:  # the store raises its own timeout type
+                if self._store.check([failed]):
+                    raise CommError(self._store.get(failed).decode()) from None
+                if time.monotonic() >= deadline:
+                    missing = [k.rsplit("/", 1)[-1] for k in keys if not self._store.check([k])]
+                    raise CommTimeout(f"rank {self._rank}: ranks [{', '.join(missing)}] did not {what} "
+                                      f"within {self._timeout_s:g} s ({e})") from None
 
     def _bootstrap(self) -> None:
         if self._world_size == 1:

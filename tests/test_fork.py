@@ -29,6 +29,10 @@ def _in_child(body) -> dict:
     """Forks; the child runs ``body()`` (a dict of findings), then exits the way an interpreter
     does (exit hooks, which close every communicator still open, then the garbage collector) and
     reports. Returns the child's report, or says that it hung or died."""
+    # Garbage left by earlier work in this process (a DDP model in a reference cycle, whose gloo
+    # group would join threads that a child does not have) is collected here, not in the child:
+    # the child's own collection below must only meet what the child made or braid holds.
+    gc.collect()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller

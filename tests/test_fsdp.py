@@ -515,6 +515,8 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
         rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.RedOpType.PREMUL_SUM)
     with pytest.raises(ValueError, match="op must be one of"):
+        rs(torch.zeros(1), torch.zeros(1), None, "mean")
+    with pytest.raises(ValueError, match="op 'band' needs an integer tensor"):  # gradients are floats
         rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.BAND)
     c.close()
 

@@ -144,7 +144,10 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
       policy_(policy),
       stream_min_bytes_(stream_min_bytes),
       skewed_rounds_(skewed_rounds) {
-  own_ = ShmSegment::create(layout_.total_bytes());
+  // The collectives' part (header, one-shot buffers, slots) is backed now; each mailbox when this
+  // rank first sends to its destination (most programs never use point-to-point).
+  own_ = ShmSegment::create(layout_.total_bytes(), layout_.mailbox_offset(0, 0));
+  mailbox_reserved_.assign(world_size, false);
   auto* h = new (own_.data()) SegmentHeader();
   h->magic = kMagic;
   h->total_bytes = layout_.total_bytes();
@@ -431,6 +434,10 @@ bool ShmGroup::advance(P2POp& op) {
   while (!op.done && p2p_ready(op)) {
     const int peer = op.peer;
     if (op.send) {
+      if (!mailbox_reserved_[peer]) {
+        own_.reserve(layout_.mailbox_offset(peer, 0), layout_.mailbox_offset(peer + 1, 0) - layout_.mailbox_offset(peer, 0));
+        mailbox_reserved_[peer] = true;
+      }
       // Chunk k reuses the mailbox slot of chunk k - depth, which the receiver has taken (ready).
       const uint64_t k = sent_[peer];
       char* slot = bases_[rank_] + layout_.mailbox_offset(peer, k);

@@ -201,6 +201,7 @@ class ShmGroup {
   uint64_t step_ = 0;
   std::vector<uint64_t> sent_;      // chunks posted to each destination (mirrors the header)
   std::vector<uint64_t> taken_;     // chunks taken from each source
+  std::vector<bool> mailbox_reserved_;  // this rank's mailbox to each destination is backed
   const CollectiveDesc* current_ = nullptr;  // for error messages
   SegmentHeader* hub_ = nullptr;   // rank 0's header: host doorbell and abort epoch
   std::atomic<bool> abort_requested_{false};  // request_abort() was called

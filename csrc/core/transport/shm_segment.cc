@@ -5,8 +5,10 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -64,6 +66,7 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     name_ = std::move(other.name_);
     linked_ = std::exchange(other.linked_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -71,12 +74,14 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
 void ShmSegment::reset() noexcept {
   if (linked_) ::shm_unlink(name_.c_str());
   linked_ = false;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   if (data_ != nullptr) ::munmap(data_, size_);
   data_ = nullptr;
   size_ = 0;
 }
 
-ShmSegment ShmSegment::create(size_t bytes) {
+ShmSegment ShmSegment::create(size_t bytes, size_t reserve_bytes) {
   ShmSegment seg;
   for (int attempt = 0;; ++attempt) {
     std::string name = random_name();
@@ -85,7 +90,7 @@ ShmSegment ShmSegment::create(size_t bytes) {
       if (errno == EEXIST && attempt < 8) continue;
       throw_system_error("shm_open(" + name + ")", errno);
     }
-    FdCloser closer{fd};
+    seg.fd_ = fd;  // closed by the destructor, also on failure below
     seg.name_ = name;
     seg.linked_ = true;  // from here on the destructor removes the name on failure
     // fchmod guards against a umask-independent mode; ftruncate zero-fills the object.
@@ -94,8 +99,29 @@ ShmSegment ShmSegment::create(size_t bytes) {
       throw_system_error("ftruncate(" + name + ") to " + std::to_string(bytes) + " bytes", errno);
     seg.data_ = map_fd(fd, bytes, name);
     seg.size_ = bytes;
+    seg.reserve(0, std::min(reserve_bytes, bytes));
     return seg;
   }
+}
+
+void ShmSegment::reserve(size_t offset, size_t bytes) {
+  if (fd_ < 0 || bytes == 0) return;
+  const int err = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  if (err == 0) return;
+  // A file system without fallocate: pages are then allocated at first touch, as before.
+  if (err == EOPNOTSUPP || err == EINVAL || err == ENOSYS) return;
+  if (err != ENOSPC && err != ENOMEM) throw_system_error("posix_fallocate(" + name_ + ")", err);
+  std::string free_part;
+  struct statvfs fs;
+  if (::statvfs("/dev/shm", &fs) == 0)
+    free_part = ", and /dev/shm has " + std::to_string(static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize >> 20) +
+                " MiB left of " + std::to_string(static_cast<uint64_t>(fs.f_blocks) * fs.f_frsize >> 20) + " MiB";
+  throw CommError(ErrorKind::kGeneric,
+                  "shared memory is full: braid needs " + std::to_string((bytes + (1 << 20) - 1) >> 20) +
+                      " MiB more for this rank" + free_part +
+                      "; enlarge /dev/shm (docker run --shm-size=1g, or mount -o remount,size=... /dev/shm), "
+                      "run fewer ranks per host, or lower BRAID_SLOT_BYTES / BRAID_NSLOTS / "
+                      "BRAID_ONESHOT_MAX_BYTES");
 }
 
 ShmSegment ShmSegment::attach(const std::string& name, size_t bytes) {
