@@ -367,6 +367,15 @@ class Communicator:
         on garbage collection and at interpreter exit."""
         self._finalizer()
 
+    def abort(self) -> None:
+        """Closes without waiting for queued work: the collective in progress and every queued
+        one fail at once with ``CommClosed`` ("aborted"), the peers raise ``PeerError``, and the
+        communicator is closed. For error handling, when a peer is known to be gone or stuck;
+        ``close()`` is the normal way out."""
+        if self._finalizer.alive:
+            self._c.abort()
+            self._finalizer()
+
     def __copy__(self) -> "Communicator":
         return self
 

@@ -379,3 +379,34 @@ def test_blocking_call_from_a_callback_raises_instead_of_hanging():
     for seen in results:
         assert seen["results"] == [3.0, 5.0, 7.0], seen
         assert seen["after"] == [float(sum(range(n)))] * 5, seen
+
+
+def abort_while_waiting(rank, n, store_path):
+    """Rank 0 aborts while its async all-reduce waits for rank 1 and another is queued behind
+    it: abort returns at once, both works fail, and rank 1 is told when it arrives."""
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S)
+    store = open_store(store_path)
+    if rank == 0:
+        running = c.all_reduce(torch.ones(300_000), async_op=True)
+        queued = c.all_reduce(torch.ones(10), async_op=True)
+        time.sleep(0.3)  # the progress thread is now asleep waiting for rank 1
+        start = time.monotonic()
+        c.abort()
+        took = time.monotonic() - start
+        store.set("aborted", "1")
+        return {"took": took, "running": _raised(running.wait), "queued": _raised(queued.wait),
+                "closed": c.closed, "after": _raised(c.barrier)}
+    store.wait(["aborted"])
+    seen = _raised(c.all_reduce, torch.ones(300_000))
+    c.close()
+    return {"seen": seen}
+
+
+def test_abort_fails_running_and_queued_work_at_once():
+    r0, r1 = run_ranks(abort_while_waiting, 2)
+    assert r0["took"] < DETECTION_LIMIT_S, r0
+    for what in ("running", "queued"):
+        assert r0[what]["type"] in ("CommError", "CommClosed"), (what, r0)
+        assert "rank 0 aborted the communicator" in r0[what]["message"], (what, r0)
+    assert r0["closed"] and r0["after"]["type"] == "CommClosed", r0
+    _assert_raised(r1["seen"], comm.PeerError, DETECTION_LIMIT_S, "rank 0 aborted the communicator")

@@ -95,7 +95,7 @@ class BraidBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return "braid"; }
 
   void shutdown() override { comm_->close(); }
-  void abort() override { comm_->close(); }
+  void abort() override { comm_->abort(); }
 
   // -- collectives ------------------------------------------------------------------------
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

@@ -372,7 +372,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_split_sizes"), py::arg("async_op"))
       .def("broadcast", &broadcast, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
       .def("barrier", &barrier, py::arg("async_op"))
-      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>());
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>());
 
   register_backend(m);
 

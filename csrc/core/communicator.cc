@@ -417,6 +417,21 @@ void Communicator::execute(Request& r) {
   }
 }
 
+void Communicator::abort() {
+  if (closed_.load() || in_forked_child()) return close();
+  const std::string msg = "rank " + std::to_string(rank_) + " aborted the communicator";
+  {
+    std::lock_guard<std::mutex> lk(poison_mu_);
+    if (poison_kind_ == ErrorKind::kNone) {
+      poison_kind_ = ErrorKind::kClosed;
+      poison_msg_ = msg;
+      poisoned_.store(true, std::memory_order_release);
+    }
+  }
+  if (group_) group_->request_abort(msg);
+  close();
+}
+
 void Communicator::close() {
   if (closed_.exchange(true)) return;
   if (in_forked_child()) {

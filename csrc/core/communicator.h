@@ -80,6 +80,9 @@ class Communicator {
   // In a process forked from the one that built the communicator it only marks it closed: the
   // group, the peers and the progress thread belong to the parent (see fork_guard.h).
   void close();
+  // close() without waiting for queued work: what is running or queued fails now (the executing
+  // thread gives up at its next wait), the peers get PeerError, then the communicator closes.
+  void abort();
   bool closed() const { return closed_.load(); }
 
  private:

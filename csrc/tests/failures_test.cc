@@ -287,3 +287,32 @@ BRAID_TEST(interrupt_ends_the_wait_and_tells_the_peers) {
     }
   }
 }
+
+// abort() while the progress thread waits for an absent peer and more work is queued: it returns
+// at once, the running and the queued work fail, and the peer is told when it arrives.
+BRAID_TEST(abort_fails_running_and_queued_work) {
+  GroupSpec g;
+  g.world = 2;
+  g.tunables = tiny_tunables(Algo::kAuto);
+  g.timeout_s = kNoTimeout;
+  run_group(g, [&](RankCtx& ctx) {
+    Floats buf(700), other(5);
+    if (ctx.rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      const auto t0 = Clock::now();
+      const std::string msg = CHECK_THROWS_KIND(ErrorKind::kPeer, ctx.comm.submit(buf.all_reduce(700), false));
+      CHECK(seconds_since(t0) < kPromptly);
+      CHECK_MSG(msg.find("rank 0 aborted") != std::string::npos, msg);
+      return;
+    }
+    auto running = ctx.comm.submit(buf.all_reduce(700), true);
+    auto queued = ctx.comm.submit(other.all_reduce(5), true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto t0 = Clock::now();
+    ctx.comm.abort();
+    CHECK_MSG(seconds_since(t0) < kPromptly, "abort took " + std::to_string(seconds_since(t0)) + " s");
+    CHECK(running->is_completed() && !running->succeeded());
+    CHECK(queued->is_completed() && !queued->succeeded());
+    CHECK(ctx.comm.closed());
+  });
+}
