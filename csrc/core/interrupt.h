@@ -1,8 +1,9 @@
 // Interrupting long waits. Python runs signal handlers (Ctrl-C's KeyboardInterrupt, a test
 // runner's alarm) only on its main thread between bytecodes, so a main thread blocked in a
 // collective whose peer never comes would ignore Ctrl-C until the deadline, minutes later. The
-// torch binding installs a hook that runs pending handlers; waits that sleep call it every few
-// tens of milliseconds (never on the fast path) and end with Interrupted when it says so.
+// torch binding installs a hook that runs pending handlers; waits that have lasted 100 ms call it
+// every 50-100 ms (never on the fast path: it takes the GIL) and end with Interrupted when it
+// says so.
 #pragma once
 
 #include <string>

@@ -12,8 +12,9 @@ namespace braid {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-// How often an interruptible wait asks whether to stop.
-constexpr auto kInterruptPoll = std::chrono::milliseconds(50);
+// How often an interruptible wait asks whether to stop (the hook takes Python's GIL: a wait
+// shorter than this never does).
+constexpr auto kInterruptPoll = std::chrono::milliseconds(100);
 }  // namespace
 
 void Work::run() noexcept {

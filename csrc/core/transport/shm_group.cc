@@ -38,6 +38,9 @@ constexpr uint64_t kMagic = 0x6272616964736d31ull;  // "braidsm1"
 constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
 constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+// A wait asks interrupt_requested() (core/interrupt.h) once it has lasted this long, then at
+// every liveness check.
+constexpr auto kInterruptAfter = std::chrono::milliseconds(100);
 
 size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -379,7 +382,9 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     if (now - last_liveness >= kLivenessPeriod) {
       check_peers_alive(peers, npeers, awaited, doing);
       last_liveness = now;
-      if (interrupt_requested())
+      // Only waits that already took a while ask: the hook takes Python's GIL, which a busy
+      // Python thread may hold for milliseconds, and a short wait must not pay for that.
+      if (now - start >= kInterruptAfter && interrupt_requested())
         throw Interrupted("rank " + std::to_string(rank_) + " was interrupted by a signal" +
                           (doing ? " during " + *doing : current_ ? " during " + current_->describe() : std::string()));
     }
