@@ -365,7 +365,9 @@ class Communicator:
     def close(self) -> None:
         """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs
         on garbage collection and at interpreter exit."""
-        self._finalizer()
+        if self._finalizer.alive:
+            self._c.close()  # raises when re-entrant; the finalizer then stays armed
+            self._finalizer.detach()
 
     def abort(self) -> None:
         """Closes without waiting for queued work: the collective in progress and every queued
@@ -374,7 +376,8 @@ class Communicator:
         ``close()`` is the normal way out."""
         if self._finalizer.alive:
             self._c.abort()
-            self._finalizer()
+            if self._c.closed:  # not when called from inside one of its collectives
+                self._finalizer.detach()
 
     def __copy__(self) -> "Communicator":
         return self

@@ -127,6 +127,38 @@ def quiet_handler_changes_nothing(rank, n, store_path):
     return {"seen": seen, "handled": len(calls), "exact": exact}
 
 
+def handler_calls_back_in(rank, n, store_path):
+    """A handler that runs while its thread waits inside a collective and calls the same
+    communicator: blocking calls and close() raise (they would wait for the collective they
+    interrupted, which waits for them), an async call is queued behind it, and the collective
+    itself completes normally once the peer arrives."""
+    c = make_comm(rank, n, store_path, timeout=LONG_TIMEOUT_S)
+    store = open_store(store_path)
+    t = torch.full((300_000,), float(rank + 1))
+    seen = {}
+    if rank == 0:
+        later = []
+
+        def handler(signum, frame):
+            seen["barrier"] = _outcome(c.barrier)
+            seen["close"] = _outcome(c.close)
+            later.append(c.all_reduce(torch.ones(4), async_op=True))
+            store.set("handled", "1")
+
+        with _signal_soon(signal.SIGUSR1, handler):
+            seen["outer"] = _outcome(c.all_reduce, t)
+        later[0].wait()
+    else:
+        store.wait(["handled"])
+        time.sleep(0.2)
+        seen["outer"] = _outcome(c.all_reduce, t)
+        c.all_reduce(torch.ones(4))  # rank 0's async one from the handler
+    seen["exact"] = torch.equal(t, torch.full((300_000,), 3.0))
+    c.close()
+    seen["closed"] = c.closed
+    return seen
+
+
 def backend_call_interrupted(rank, n, store_path):
     with process_group(rank, n, store_path, backend="braid"):
         store = open_store(store_path)
@@ -186,6 +218,14 @@ def test_a_signal_handler_that_does_not_raise_changes_nothing():
     for r in (r0, r1):
         assert r["seen"]["type"] is None, r
         assert r["exact"], r
+
+
+def test_a_handler_that_calls_the_communicator_it_interrupted_gets_an_error_not_a_hang():
+    r0, r1 = run_ranks(handler_calls_back_in, 2)
+    for call in ("barrier", "close"):
+        assert r0[call]["type"] == "CommError" and "re-entrant call" in r0[call]["message"], (call, r0)
+    for r in (r0, r1):
+        assert r["outer"]["type"] is None and r["exact"] and r["closed"], r
 
 
 def test_ctrl_c_ends_a_blocking_call_of_the_braid_backend():

@@ -36,7 +36,12 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
   }
 }
 
-Communicator::~Communicator() { close(); }
+Communicator::~Communicator() {
+  try {
+    close();
+  } catch (...) {  // only a re-entrant close() throws, and nothing can destroy a communicator in use
+  }
+}
 
 std::string Communicator::segment_name() const { return group_ ? group_->segment_name() : std::string(); }
 
@@ -77,8 +82,16 @@ void Communicator::check_not_poisoned() {
     throw CommError(poison_kind_, "communicator is unusable after an earlier error (rebuild it): " + poison_msg_);
 }
 
+namespace {
+constexpr const char* kReentrant =
+    "re-entrant call: this thread is inside a collective of this communicator (a signal handler that "
+    "ran while it waited?); a blocking call or close() here would wait for that collective, which "
+    "waits for it: issue it with async_op=True, or after the collective returned";
+}  // namespace
+
 void Communicator::check_may_block() const {
   if (engine_->on_progress_thread()) throw CommError(ErrorKind::kGeneric, kOnProgressThread);
+  if (engine_->inline_on_this_thread()) throw CommError(ErrorKind::kGeneric, kReentrant);
 }
 
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
@@ -429,10 +442,16 @@ void Communicator::abort() {
     }
   }
   if (group_) group_->request_abort(msg);
+  // From a signal handler run inside this communicator's collective: that collective fails as soon
+  // as the handler returns; closing is left to whoever handles its error.
+  if (engine_->inline_on_this_thread()) return;
   close();
 }
 
 void Communicator::close() {
+  // Tearing down under the call that this thread is running would free what that call uses.
+  if (!closed_.load() && !in_forked_child() && engine_ && engine_->inline_on_this_thread())
+    throw CommError(ErrorKind::kGeneric, kReentrant);
   if (closed_.exchange(true)) return;
   if (in_forked_child()) {
     // Leaked on purpose: the progress thread exists only in the parent (joining it here would

@@ -81,7 +81,9 @@ class Communicator {
   // group, the peers and the progress thread belong to the parent (see fork_guard.h).
   void close();
   // close() without waiting for queued work: what is running or queued fails now (the executing
-  // thread gives up at its next wait), the peers get PeerError, then the communicator closes.
+  // thread gives up at its next wait), the peers get PeerError, then the communicator closes
+  // (unless called from inside one of its own collectives, e.g. by a signal handler: that
+  // collective then fails, and closing is left to the caller).
   void abort();
   bool closed() const { return closed_.load(); }
 

@@ -5,6 +5,7 @@ namespace braid {
 
 void ProgressEngine::end_inline() {
   std::lock_guard<std::mutex> lk(mu_);
+  inline_owner_.store(std::thread::id{}, std::memory_order_relaxed);
   busy_ = false;
   if (!queue_.empty() || stop_) cv_.notify_all();
 }

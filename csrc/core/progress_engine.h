@@ -31,6 +31,7 @@ class ProgressEngine {
       std::lock_guard<std::mutex> lk(mu_);
       if (!queue_.empty() || busy_ || stop_) return false;
       busy_ = true;
+      inline_owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     }
     struct Release {
       ProgressEngine* engine;
@@ -57,6 +58,11 @@ class ProgressEngine {
   // Whether the calling thread is this engine's progress thread (running a work or one of its
   // completion callbacks): a blocking call made there would wait for this very thread.
   bool on_progress_thread() const { return current_engine() == this; }
+  // Whether the calling thread is inside run_if_idle's `fn` (a call made from there, e.g. by a
+  // signal handler that a wait ran, would wait for the call it interrupted).
+  bool inline_on_this_thread() const {
+    return inline_owner_.load(std::memory_order_relaxed) == std::this_thread::get_id();
+  }
   // The engine whose progress thread is calling, or null.
   static const ProgressEngine* current_engine();
 
@@ -72,6 +78,7 @@ class ProgressEngine {
   std::thread thread_;
   P2PRunner p2p_runner_;
   std::atomic<uint64_t> enqueued_{0};
+  std::atomic<std::thread::id> inline_owner_{};  // the thread in run_if_idle's fn, if any
 };
 
 }  // namespace braid
