@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import socket
 import time
@@ -104,6 +105,8 @@ class Work:
 
 
 def _splits(sizes, name: str) -> Optional[list]:
+    """Split sizes as a list of Python ints: any sequence (or 1-D tensor) of integers, numpy and
+    torch integer scalars included; floats and bools are refused naming ``name``."""
     if sizes is None:
         return None
     if isinstance(sizes, torch.Tensor):
@@ -112,10 +115,16 @@ def _splits(sizes, name: str) -> Optional[list]:
         values = list(sizes)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints, got {type(sizes).__name__}") from None
+    out = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be a sequence of ints, got an element of type {type(v).__name__}")
-    return values
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of ints, got an element of type "
+                            f"{type(v).__name__}") from None
+    return out
 
 
 def _wrap(w):

@@ -9,6 +9,7 @@ same bits. Tiny slots push the all-to-all and all-gather through their pipelined
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, _C
@@ -88,6 +89,12 @@ def uneven_all_to_all_grid(rank, n, store_path, seed, stream):
                 c.all_to_all(out, inp, output_split_sizes=out_splits, input_split_sizes=S[rank])
                 log.check(f"case {case} {dtype}", out, expected, rank_specific=True)
                 log.check(f"case {case} {dtype}: input untouched", inp, torch.cat(mine), rank_specific=True)
+                # Split sizes as a tensor and as numpy integers: the same exchange.
+                if case == 0 and dtype == torch.float32:
+                    out2 = torch.full_like(expected, 77)
+                    c.all_to_all(out2, inp, output_split_sizes=None if equal_out else np.array(out_splits),
+                                 input_split_sizes=torch.tensor(S[rank]))
+                    log.check(f"case {case}: splits as tensor / numpy", out2, expected, rank_specific=True)
                 # Non-contiguous output (written through a staging buffer), async.
                 strided = torch.full((row, expected.shape[0]), 77, dtype=dtype).t()
                 w = c.all_to_all(strided, inp, True, output_split_sizes=out_splits, input_split_sizes=S[rank])
