@@ -290,3 +290,44 @@ def _run_unsupported(rank, world_size, store_path):
 
 def test_unsupported_arguments_raise_naming_them():
     assert run_ranks(_run_unsupported, 2) == [True, True]
+
+
+def _run_checkpoint_and_objects(rank, world_size, store_path, ckpt_dir):
+    """torch.distributed.checkpoint saves and loads through the braid group (its planning
+    gathers and broadcasts pickled objects), and the object collectives carry objects of
+    different sizes per rank."""
+    import torch.distributed.checkpoint as dcp
+
+    with braid_default_group(rank, world_size, store_path):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        dcp.save({"model": model.state_dict(), "step": torch.tensor(7)}, checkpoint_id=ckpt_dir)
+        fresh = torch.nn.Linear(8, 4)
+        loaded = {"model": fresh.state_dict(), "step": torch.tensor(0)}
+        dcp.load(loaded, checkpoint_id=ckpt_dir)
+        fresh.load_state_dict(loaded["model"])
+        restored = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+        mine = {"rank": rank, "payload": "x" * (100 * rank + 1)}
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        first = [mine if rank == 0 else None]
+        dist.broadcast_object_list(first, src=0)
+        received = [None]
+        pieces = [f"to {r}" for r in range(world_size)] if rank == 0 else None
+        dist.scatter_object_list(received, pieces, src=0)
+        at_root = [None] * world_size if rank == 0 else None
+        dist.gather_object(mine, at_root, dst=0)
+        return {"restored": restored, "step": int(loaded["step"]),
+                "gathered": [g["payload"] for g in gathered], "first": first[0]["rank"],
+                "scattered": received[0],
+                "at_root": None if at_root is None else [g["rank"] for g in at_root]}
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_checkpoint_and_object_collectives(world_size, tmp_path):
+    results = run_ranks(_run_checkpoint_and_objects, world_size, str(tmp_path / "ckpt"))
+    for rank, r in enumerate(results):
+        assert r["restored"] and r["step"] == 7, r
+        assert r["gathered"] == ["x" * (100 * q + 1) for q in range(world_size)], r
+        assert r["first"] == 0 and r["scattered"] == f"to {rank}", r
+        assert r["at_root"] == (list(range(world_size)) if rank == 0 else None), r
