@@ -129,14 +129,10 @@ class TorchBackend:
 
 
 @functools.lru_cache(maxsize=64)
-def _split_lists(rank: int, world_size: int, count: int) -> dict[str, list[int]]:
+def _split_kwargs(rank: int, world_size: int, count: int) -> dict[str, list[int]]:
+    """all_to_allv's split sizes for this rank, as keyword arguments (cached: the call is timed)."""
     send, recv = protocol.split_counts("all_to_allv", rank, world_size, count)
     return {"input_split_sizes": list(send), "output_split_sizes": list(recv)}
-
-
-def _split_kwargs(rank: int, world_size: int, x: torch.Tensor) -> dict[str, list[int]]:
-    """all_to_allv's split sizes for this rank (cached: the call is timed)."""
-    return _split_lists(rank, world_size, x.numel())
 
 
 def braid_backend(c, dtype: str) -> TorchBackend:
@@ -146,7 +142,7 @@ def braid_backend(c, dtype: str) -> TorchBackend:
         "all_gather": lambda out, x: c.all_gather(out, x),
         "broadcast": lambda out, x: c.broadcast(x, src=protocol.ROOT),
         "all_to_all": lambda out, x: c.all_to_all(out, x),
-        "all_to_allv": lambda out, x: c.all_to_all(out, x, **_split_kwargs(c.rank, c.world_size, x)),
+        "all_to_allv": lambda out, x: c.all_to_all(out, x, **_split_kwargs(c.rank, c.world_size, x.numel())),
     }, c.barrier)
 
 
@@ -158,7 +154,7 @@ def gloo_backend(dtype: str) -> TorchBackend:
         "broadcast": lambda out, x: dist.broadcast(x, src=protocol.ROOT),
         "all_to_all": lambda out, x: dist.all_to_all_single(out, x),
         "all_to_allv": lambda out, x: dist.all_to_all_single(
-            out, x, **_split_kwargs(dist.get_rank(), dist.get_world_size(), x)),
+            out, x, **_split_kwargs(dist.get_rank(), dist.get_world_size(), x.numel())),
     }, dist.barrier)
 
 

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
-# Codes understood by the core (csrc/core/dtype.h, ReduceOp).
 # Codes of csrc/core/dtype.h (ReduceOp); the bitwise ones take integer tensors only.
 _OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
 _DIST_OPS = {
@@ -115,16 +114,10 @@ def _splits(sizes, name: str) -> Optional[list]:
         values = list(sizes)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints, got {type(sizes).__name__}") from None
-    out = []
     for v in values:
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
-            raise TypeError(f"{name} must be a sequence of ints, got an element of type "
-                            f"{type(v).__name__}") from None
-    return out
+        if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+            raise TypeError(f"{name} must be a sequence of ints, got an element of type {type(v).__name__}")
+    return [operator.index(v) for v in values]
 
 
 def _wrap(w):

@@ -7,14 +7,12 @@ re-quantize, decode) and compares bit for bit; the test process checks that all 
 same bits. Tiny slots push the all-to-all and all-gather through their pipelined paths.
 """
 
-import time
-
 import numpy as np
 import pytest
 import torch
 from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, _C
 from braid.comm.compression import _key_hash, _mix64, dense_wire_bytes
-from helpers import CaseLog, assert_ranks_agree, make_input, reduce_reference
+from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
 from helpers import compression_reference as ref
 from helpers.ranks import make_comm, run_ranks
 
@@ -133,25 +131,19 @@ def uneven_sizes_disagree(rank, n, store_path):
     c = make_comm(rank, n, store_path)
     sends = [[1, 3], [2, 1]][rank]
     recvs = [[1, 2], [2, 1]][rank]  # rank 1 expects 2 rows from rank 0
-    seen = []
-    for call in (lambda: c.all_to_all(torch.empty(sum(recvs), 2), torch.zeros(sum(sends), 2),
-                                      output_split_sizes=recvs, input_split_sizes=sends),
-                 c.barrier):
-        try:
-            call()
-            seen.append(None)
-        except Exception as e:  # noqa: BLE001 - judged by the test
-            seen.append((type(e).__name__, str(e)))
+    seen = [outcome(c.all_to_all, torch.empty(sum(recvs), 2), torch.zeros(sum(sends), 2),
+                    output_split_sizes=recvs, input_split_sizes=sends),
+            outcome(c.barrier)]
     c.close()
     return seen
 
 
 def test_uneven_all_to_all_sizes_that_disagree_raise():
     r0, r1 = run_ranks(uneven_sizes_disagree, 2)
-    assert r1[0][0] == "CollectiveMismatch" and "expected 16 bytes" in r1[0][1], r1
+    assert r1[0]["type"] == "CollectiveMismatch" and "expected 16 bytes" in r1[0]["message"], r1
     # Rank 0's send may complete before rank 1 looks at it; its next call fails at the latest.
-    assert r0[0] is not None or r0[1] is not None, r0
-    assert all(e is None or e[0] in ("CollectiveMismatch", "PeerError", "CommError") for e in r0), r0
+    assert r0[0]["type"] is not None or r0[1]["type"] is not None, r0
+    assert all(e["type"] in (None, "CollectiveMismatch", "PeerError", "CommError") for e in r0), r0
 
 
 def split_sizes_on_one_rank_only(rank, n, store_path):
@@ -159,25 +151,22 @@ def split_sizes_on_one_rank_only(rank, n, store_path):
     rank must report as a mismatch at once instead of waiting for the deadline."""
     c = make_comm(rank, n, store_path, timeout=30.0)
     t = torch.arange(2 * n, dtype=torch.float32)
-    start = time.monotonic()
-    try:
-        if rank == 0:
-            c.all_to_all(torch.empty(2 * n), t, input_split_sizes=[2] * n, output_split_sizes=[2] * n)
-        else:
-            c.all_to_all(torch.empty(2 * n), t)
-        seen = None
-    except Exception as e:  # noqa: BLE001 - judged by the test
-        seen = (type(e).__name__, str(e))
+    if rank == 0:
+        seen = outcome(c.all_to_all, torch.empty(2 * n), t, input_split_sizes=[2] * n,
+                       output_split_sizes=[2] * n)
+    else:
+        seen = outcome(c.all_to_all, torch.empty(2 * n), t)
     c.close()
-    return seen, time.monotonic() - start
+    return seen
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_split_sizes_on_some_ranks_only_raise_a_mismatch(n):
-    for seen, took in run_ranks(split_sizes_on_one_rank_only, n):
-        assert seen is not None and seen[0] == "CollectiveMismatch", seen
-        assert "all_to_all with split sizes" in seen[1], seen
-        assert took < 5.0, took
+    for seen in run_ranks(split_sizes_on_one_rank_only, n):
+        assert seen["type"] == "CollectiveMismatch", seen
+        assert "all_to_all with split sizes" in seen["message"], seen
+        # At arrival, far below the 30 s deadline a missed detection would run into.
+        assert seen["elapsed"] < 5.0, seen
 
 
 def _seed(q, rank, call):

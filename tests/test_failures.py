@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch
 from braid import comm
-from helpers import braid_segments, make_input
+from helpers import braid_segments, make_input, outcome
 from helpers.ranks import FreshRanks, make_comm, new_store_path, open_store, run_ranks
 
 # Tiny slots: the messages below take the pipelined paths with several rounds.
@@ -24,22 +24,11 @@ LONG_TIMEOUT_S = 30.0
 SHORT_TIMEOUT_S = 1.0
 
 
-def _raised(fn, *args, **kwargs) -> dict:
-    """Runs a call expected to raise; returns what was raised and after how long."""
-    start = time.monotonic()
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test process judges the type
-        return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start,
-                "at": time.monotonic()}
-    return {"type": None, "message": "returned normally", "elapsed": time.monotonic() - start}
-
-
 def _poisoned(c) -> dict:
     """After an error every call must fail at once: a sync call, an async call, a barrier."""
     t = torch.ones(4)
-    return {"sync": _raised(c.all_reduce, t), "async": _raised(c.all_reduce, t, async_op=True),
-            "barrier": _raised(c.barrier)}
+    return {"sync": outcome(c.all_reduce, t), "async": outcome(c.all_reduce, t, async_op=True),
+            "barrier": outcome(c.barrier)}
 
 
 def _assert_raised(seen: dict, error: type, limit_s: float, *fragments: str) -> None:
@@ -65,7 +54,7 @@ def peer_exits(rank, n, store_path, victim):
     c.all_reduce(t)  # every rank is up and has finished one collective
     if rank == victim:
         os._exit(3)  # no close(): nothing tells the peers but the process ending
-    seen = _raised(c.all_reduce, t)
+    seen = outcome(c.all_reduce, t)
     return {"seen": seen, "poisoned": _poisoned(c), "leaked": braid_segments([os.getpid()])}
 
 
@@ -77,7 +66,7 @@ def killed_while_waiting(rank, n, store_path, victim):
         store.set("victim_ready", str(os.getpid()))
         store.wait(["never_set"])  # blocks until the test process SIGKILLs this rank
         raise AssertionError("the victim was not killed")
-    return {"seen": _raised(c.all_reduce, make_input(0, rank, 1000, torch.float32))}
+    return {"seen": outcome(c.all_reduce, make_input(0, rank, 1000, torch.float32))}
 
 
 def all_killed_in_collective(rank, n, store_path):
@@ -120,7 +109,7 @@ def collective_mismatch(rank, n, store_path, case):
     algo = ("ring" if rank == n - 1 else "twoshot") if case == "algo" else None
     c = make_comm(rank, n, store_path, algo=algo, **TINY)
     c.barrier()  # a matching collective first (a barrier: the communicators may differ in algo)
-    seen = _raised(_mismatched_call(c, case, rank, n))
+    seen = outcome(_mismatched_call(c, case, rank, n))
     return {"seen": seen, "poisoned": _poisoned(c), "leaked": braid_segments([os.getpid()])}
 
 
@@ -142,12 +131,12 @@ def absent_rank(rank, n, store_path, absent, async_op):
         fut = work.get_future()
         result["early_wait"] = work.wait(timeout=0.2)  # the deadline is 1 s away: still running
         result["early_completed"] = work.is_completed()
-        seen = _raised(work.wait)
+        seen = outcome(work.wait)
         seen["elapsed"] = time.monotonic() - start
         result["completed"], result["success"] = work.is_completed(), work.is_success()
-        result["future"] = _raised(fut.wait)
+        result["future"] = outcome(fut.wait)
     else:
-        seen = _raised(c.all_reduce, t)
+        seen = outcome(c.all_reduce, t)
     result.update(seen=seen, poisoned=_poisoned(c), leaked=braid_segments([os.getpid()]))
     if store.add("others_failed", 1) == n - 1:
         store.set("others_done", "1")
@@ -167,7 +156,7 @@ def peer_closes(rank, n, store_path):
     if rank == n - 1:
         c.close()  # leaves while the others start a collective
         return None
-    return {"seen": _raised(c.all_reduce, torch.ones(1000)), "poisoned": _poisoned(c)}
+    return {"seen": outcome(c.all_reduce, torch.ones(1000)), "poisoned": _poisoned(c)}
 
 
 def no_segments_after_setup(rank, n, store_path):
@@ -321,7 +310,7 @@ def two_hosts(rank, n, store_path):
     if rank == n - 1:
         communicator.host_identity = lambda: "other-host|boot|shm"
     try:
-        seen = _raised(make_comm, rank, n, store_path)
+        seen = outcome(make_comm, rank, n, store_path)
     finally:
         communicator.host_identity = real  # pooled worker: later tests need the real one
     return {"seen": seen, "leftover": braid_segments([os.getpid()])}
@@ -350,8 +339,8 @@ def blocking_call_in_callback(rank, n, store_path):
         a = c.all_reduce(t1, async_op=True)  # pending: rank 1 has not called yet
         b = c.all_reduce(t2, async_op=True)
         fut = a.get_future()
-        blocking = fut.then(lambda _: _raised(c.all_reduce, torch.ones(3)))
-        waiting = fut.then(lambda _: _raised(b.wait))
+        blocking = fut.then(lambda _: outcome(c.all_reduce, torch.ones(3)))
+        waiting = fut.then(lambda _: outcome(b.wait))
         nested = []
         chained = fut.then(lambda _: nested.append(c.all_reduce(t3, async_op=True)))
         store.set("attached", "1")
@@ -394,10 +383,10 @@ def abort_while_waiting(rank, n, store_path):
         c.abort()
         took = time.monotonic() - start
         store.set("aborted", "1")
-        return {"took": took, "running": _raised(running.wait), "queued": _raised(queued.wait),
-                "closed": c.closed, "after": _raised(c.barrier)}
+        return {"took": took, "running": outcome(running.wait), "queued": outcome(queued.wait),
+                "closed": c.closed, "after": outcome(c.barrier)}
     store.wait(["aborted"])
-    seen = _raised(c.all_reduce, torch.ones(300_000))
+    seen = outcome(c.all_reduce, torch.ones(300_000))
     c.close()
     return {"seen": seen}
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid import comm
+from helpers import outcome
 from helpers.ranks import make_comm, open_store, process_group, run_ranks
 
 # A forked child reports within this (its calls raise without communicating; its exit hooks
@@ -64,14 +65,6 @@ def _in_child(body) -> dict:
     return report
 
 
-def _refused(fn, *args, **kwargs) -> dict:
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the test judges the type
-        return {"type": type(e).__name__, "message": str(e)}
-    return {"type": None, "message": "returned normally"}
-
-
 def _exact_rounds(c, rank, n, rounds=4) -> bool:
     """Collectives of every size on both paths, checked against their exact results."""
     for i in range(rounds):
@@ -111,14 +104,14 @@ def child_uses(rank, n, store_path):
         def body():
             t = torch.ones(8)
             return {"pending_at_fork": not work.is_completed(),
-                    "all_reduce": _refused(c.all_reduce, t),
-                    "async": _refused(c.all_reduce, t, async_op=True),
-                    "compressed": _refused(c.all_reduce, torch.ones(4096),
+                    "all_reduce": outcome(c.all_reduce, t),
+                    "async": outcome(c.all_reduce, t, async_op=True),
+                    "compressed": outcome(c.all_reduce, torch.ones(4096),
                                            compression=comm.Int8Quantizer(warmup_steps=2)),
-                    "broadcast": _refused(c.broadcast, t),
-                    "barrier": _refused(c.barrier),
-                    "wait": _refused(work.wait),
-                    "close": _refused(c.close)}
+                    "broadcast": outcome(c.broadcast, t),
+                    "barrier": outcome(c.barrier),
+                    "wait": outcome(work.wait),
+                    "close": outcome(c.close)}
 
         report = _in_child(body)
         store = open_store(store_path)
@@ -141,8 +134,8 @@ def backend_child(rank, n, store_path):
         dist.all_reduce(t)
         report = None
         if rank == 0:
-            report = _in_child(lambda: {"all_reduce": _refused(dist.all_reduce, torch.ones(4)),
-                                        "barrier": _refused(dist.barrier)})
+            report = _in_child(lambda: {"all_reduce": outcome(dist.all_reduce, torch.ones(4)),
+                                        "barrier": outcome(dist.barrier)})
         ok = True
         for size in SIZES:
             x = torch.full((size,), float(rank + 1))
@@ -159,12 +152,17 @@ def _child_ok(report: dict) -> None:
     assert report["exit_hooks_s"] < CHILD_LIMIT_S, report
 
 
+def _parents_exact(results: list) -> None:
+    """Every rank's collectives after the fork gave their exact results."""
+    for r, result in enumerate(results):
+        assert result["exact_after"], (r, result)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_forked_child_exit_leaves_the_group_untouched(n):
     results = run_ranks(child_exits, n)
     _child_ok(results[0]["child"])
-    for r, result in enumerate(results):
-        assert result["exact_after"], (r, result)
+    _parents_exact(results)
 
 
 def test_forked_child_cannot_act_as_its_parents_rank():
@@ -172,13 +170,12 @@ def test_forked_child_cannot_act_as_its_parents_rank():
     report = results[0]["child"]
     _child_ok(report)
     assert report.pop("pending_at_fork"), "the inherited work should still have been in flight"
-    assert report.pop("close") == {"type": None, "message": "returned normally"}
+    assert report.pop("close")["type"] is None, "close() in the child returns normally"
     report.pop("exit_hooks_s")
     for call, seen in report.items():
         assert seen["type"] == "CommClosed", (call, seen)
         assert "forked" in seen["message"], (call, seen)
-    for r, result in enumerate(results):
-        assert result["exact_after"], (r, result)
+    _parents_exact(results)
 
 
 def test_forked_child_of_a_braid_backend_rank():
@@ -188,5 +185,4 @@ def test_forked_child_of_a_braid_backend_rank():
     for call in ("all_reduce", "barrier"):
         assert report[call]["type"] is not None, (call, report)
         assert "forked" in report[call]["message"], (call, report)
-    for r, result in enumerate(results):
-        assert result["exact_after"], (r, result)
+    _parents_exact(results)

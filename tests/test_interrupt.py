@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from helpers import outcome
 from helpers.ranks import make_comm, open_store, process_group, run_ranks
 
 # Far below the deadline (LONG_TIMEOUT_S) and far above the 50 ms polling plus scheduling noise.
@@ -36,15 +37,6 @@ def _signal_soon(signum=signal.SIGINT, handler=signal.default_int_handler):
         signal.signal(signum, old)
 
 
-def _outcome(fn, *args, **kwargs) -> dict:
-    start = time.monotonic()
-    try:
-        fn(*args, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt is what is expected
-        return {"type": type(e).__name__, "message": str(e), "elapsed": time.monotonic() - start}
-    return {"type": None, "message": "", "elapsed": time.monotonic() - start}
-
-
 # ----------------------------------------------------------------------------------------------
 # Rank functions. Rank 1 holds back until rank 0 says so through the store.
 
@@ -54,12 +46,12 @@ def blocking_call_interrupted(rank, n, store_path, size):
     c.all_reduce(torch.ones(8))
     if rank == 0:
         with _signal_soon():
-            seen = _outcome(c.all_reduce, torch.ones(size))
+            seen = outcome(c.all_reduce, torch.ones(size))
         store.set("interrupted", "1")
-        after = _outcome(c.all_reduce, torch.ones(8))
+        after = outcome(c.all_reduce, torch.ones(8))
     else:
         store.wait(["interrupted"])
-        seen = _outcome(c.all_reduce, torch.ones(size))
+        seen = outcome(c.all_reduce, torch.ones(size))
         after = None
     c.close()
     return {"seen": seen, "after": after}
@@ -72,7 +64,7 @@ def work_wait_interrupted(rank, n, store_path):
     if rank == 0:
         work = c.all_reduce(t, async_op=True)
         with _signal_soon():
-            seen = _outcome(work.wait)
+            seen = outcome(work.wait)
         store.set("interrupted", "1")
         work.wait()  # the work itself went on
     else:
@@ -94,13 +86,13 @@ def queued_blocking_call_interrupted(rank, n, store_path):
     if rank == 0:
         first = c.all_reduce(torch.ones(1000), async_op=True)
         with _signal_soon():
-            seen = _outcome(c.all_reduce, torch.ones(300_000))
+            seen = outcome(c.all_reduce, torch.ones(300_000))
         store.set("interrupted", "1")
-        first_outcome = _outcome(first.wait)
-        after = _outcome(c.barrier)
+        first_outcome = outcome(first.wait)
+        after = outcome(c.barrier)
     else:
         store.wait(["interrupted"])
-        seen = _outcome(c.all_reduce, torch.ones(1000))
+        seen = outcome(c.all_reduce, torch.ones(1000))
         first_outcome = after = None
     c.close()
     return {"seen": seen, "first": first_outcome, "after": after}
@@ -117,11 +109,11 @@ def quiet_handler_changes_nothing(rank, n, store_path):
             store.set("handled", "1")  # releases rank 1 only after the handler ran
 
         with _signal_soon(signal.SIGUSR1, handler):
-            seen = _outcome(c.all_reduce, t)
+            seen = outcome(c.all_reduce, t)
     else:
         store.wait(["handled"])
         time.sleep(0.2)
-        seen = _outcome(c.all_reduce, t)
+        seen = outcome(c.all_reduce, t)
     exact = torch.equal(t, torch.full((300_000,), 3.0))
     c.close()
     return {"seen": seen, "handled": len(calls), "exact": exact}
@@ -140,18 +132,18 @@ def handler_calls_back_in(rank, n, store_path):
         later = []
 
         def handler(signum, frame):
-            seen["barrier"] = _outcome(c.barrier)
-            seen["close"] = _outcome(c.close)
+            seen["barrier"] = outcome(c.barrier)
+            seen["close"] = outcome(c.close)
             later.append(c.all_reduce(torch.ones(4), async_op=True))
             store.set("handled", "1")
 
         with _signal_soon(signal.SIGUSR1, handler):
-            seen["outer"] = _outcome(c.all_reduce, t)
+            seen["outer"] = outcome(c.all_reduce, t)
         later[0].wait()
     else:
         store.wait(["handled"])
         time.sleep(0.2)
-        seen["outer"] = _outcome(c.all_reduce, t)
+        seen["outer"] = outcome(c.all_reduce, t)
         c.all_reduce(torch.ones(4))  # rank 0's async one from the handler
     seen["exact"] = torch.equal(t, torch.full((300_000,), 3.0))
     c.close()
@@ -165,11 +157,11 @@ def backend_call_interrupted(rank, n, store_path):
         dist.all_reduce(torch.ones(8))
         if rank == 0:
             with _signal_soon():
-                seen = _outcome(dist.all_reduce, torch.ones(1000))
+                seen = outcome(dist.all_reduce, torch.ones(1000))
             store.set("interrupted", "1")
         else:
             store.wait(["interrupted"])
-            seen = _outcome(dist.all_reduce, torch.ones(1000))
+            seen = outcome(dist.all_reduce, torch.ones(1000))
         return seen
 
 

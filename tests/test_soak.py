@@ -60,6 +60,16 @@ def _compressor(rng: random.Random):
     return kind, Cast(torch.bfloat16, warmup_steps=2)
 
 
+def _uneven_all_to_all(rng, rank, n, count, make):
+    """An all-to-all with split sizes drawn from ``rng``: rank r sends S[r][j] <= count elements
+    to rank j; ``make(r, numel)`` is rank r's input. Returns (S, every rank's input, this rank's
+    sentinel-filled output, its expected result)."""
+    S = [[rng.randrange(count + 1) for _ in range(n)] for _ in range(n)]
+    full = [make(r, sum(S[r])) for r in range(n)]
+    expected = torch.cat([full[r][sum(S[r][:rank]):sum(S[r][:rank + 1])] for r in range(n)])
+    return S, full, torch.full_like(expected, SENTINEL), expected
+
+
 def _issue(c, rng, i, rank, n, seed, compressors, integral):
     """Issues operation ``i`` of the schedule. Returns (what, work or None, outputs, expected,
     rank_specific); expected None means only agreement across ranks is checked. ``integral``: the
@@ -98,11 +108,9 @@ def _issue(c, rng, i, rank, n, seed, compressors, integral):
         work = c.broadcast(t, src=src, async_op=async_op)
         return f"#{i} broadcast {dtype} {count} from {src}", work, [t], [inputs[src]], False
     if kind == "all_to_all":
-        if rng.random() < 0.5:  # uneven: rank r sends S[r][j] elements to rank j
-            S = [[rng.randrange(count + 1) for _ in range(n)] for _ in range(n)]
-            full = [make_input(s, r, sum(S[r]), dtype) for r in range(n)]
-            expected = torch.cat([full[r][sum(S[r][:rank]):sum(S[r][:rank + 1])] for r in range(n)])
-            out = torch.full_like(expected, SENTINEL)
+        if rng.random() < 0.5:
+            S, full, out, expected = _uneven_all_to_all(rng, rank, n, count,
+                                                        lambda r, m: make_input(s, r, m, dtype))
             work = c.all_to_all(out, full[rank].clone(), async_op=async_op,
                                 output_split_sizes=[S[r][rank] for r in range(n)], input_split_sizes=S[rank])
             return f"#{i} all_to_all {dtype} uneven {S}", work, [out], [expected], True
@@ -312,11 +320,8 @@ def _backend_op(rng, i, rank, n, seed):
         expected = reduce_reference(full, op, n)[rank * count:(rank + 1) * count]
         return what + f" {op}", work, [out], [expected]
     if kind == "all_to_all_single":
-        if rng.random() < 0.5:  # uneven: rank r sends S[r][j] elements to rank j
-            S = [[rng.randrange(count + 1) for _ in range(n)] for _ in range(n)]
-            full = [x(r, sum(S[r])) for r in range(n)]
-            expected = torch.cat([full[r][sum(S[r][:rank]):sum(S[r][:rank + 1])] for r in range(n)])
-            out = torch.full_like(expected, SENTINEL)
+        if rng.random() < 0.5:
+            S, full, out, expected = _uneven_all_to_all(rng, rank, n, count, x)
             work = dist.all_to_all_single(out, full[rank], [S[r][rank] for r in range(n)], S[rank],
                                           async_op=async_op)
             return what + f" uneven {S}", work, [out], [expected]

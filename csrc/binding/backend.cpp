@@ -281,27 +281,16 @@ class BraidBackend final : public c10d::Backend {
                                                const c10d::AllToAllOptions& opts) override {
     check_tensor(output, "alltoall_base", "output");
     check_tensor(input, "alltoall_base", "input");
-    TORCH_CHECK_TYPE(output.scalar_type() == input.scalar_type(), "braid alltoall_base: output and input dtypes differ");
-    TORCH_CHECK_VALUE(input.dim() >= 1 && output.dim() >= 1, "braid alltoall_base: the tensors need a dimension to split");
-    const int64_t row = c10::multiply_integers(input.sizes().slice(1));
-    TORCH_CHECK_VALUE(c10::multiply_integers(output.sizes().slice(1)) == row,
-                      "braid alltoall_base: output and input rows (the dimensions after the first) must have the "
-                      "same number of elements");
-    std::vector<int64_t> send = splits_of(input_splits, input.size(0), "input_split_sizes", "input");
-    std::vector<int64_t> recv = splits_of(output_splits, output.size(0), "output_split_sizes", "output");
-    TORCH_CHECK_VALUE(send[rank_] == recv[rank_], "braid alltoall_base: input_split_sizes[rank] (", send[rank_],
-                      ") must equal output_split_sizes[rank] (", recv[rank_], "): it is the piece this rank keeps");
+    const SplitCounts counts =
+        checked_split_counts(output, input, output_splits.empty() ? nullptr : &output_splits,
+                             input_splits.empty() ? nullptr : &input_splits, rank_, size_, "braid alltoall_base: ");
     at::Tensor in = input.contiguous();
     Buffer out = contiguous(output);
     if (overlaps(out.data, in)) in = in.clone();  // the all-to-all is never in place
     // The path must be the same on every rank, and a rank sees only its own row and column of
     // the split matrix: equal splits passed explicitly on one rank may meet uneven ones on
     // another. So any split list means point-to-point (torch passes none for equal splits).
-    if (!input_splits.empty() || !output_splits.empty()) {
-      for (auto& v : send) v *= row;
-      for (auto& v : recv) v *= row;
-      return run_exchange(out, in, send, recv, {output}, opts.asyncOp);
-    }
+    if (!input_splits.empty() || !output_splits.empty()) return run_exchange(out, in, counts, {output}, opts.asyncOp);
     Batch b;
     b.add(make(CollKind::kAllToAll, dtype_of(in, "alltoall_base"), static_cast<size_t>(in.numel() / size_),
                in.data_ptr(), out.data.data_ptr()));
@@ -317,7 +306,7 @@ class BraidBackend final : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts) override {
     check_count(outputs, size_, "alltoall", "output_tensor_list");
     check_count(inputs, size_, "alltoall", "input_tensor_list");
-    std::vector<int64_t> send, recv;
+    SplitCounts counts;
     std::vector<at::Tensor> flat;
     for (int i = 0; i < size_; ++i) {
       check_tensor(inputs[i], "alltoall", "input_tensor_list");
@@ -325,21 +314,22 @@ class BraidBackend final : public c10d::Backend {
       TORCH_CHECK_TYPE(inputs[i].scalar_type() == inputs[0].scalar_type() &&
                            outputs[i].scalar_type() == inputs[0].scalar_type(),
                        "braid alltoall: every tensor must have the same dtype");
-      send.push_back(inputs[i].numel());
-      recv.push_back(outputs[i].numel());
+      counts.send.push_back(inputs[i].numel());
+      counts.recv.push_back(outputs[i].numel());
       flat.push_back(inputs[i].reshape({-1}));
     }
-    TORCH_CHECK_VALUE(send[rank_] == recv[rank_], "braid alltoall: input_tensor_list[rank] has ", send[rank_],
-                      " elements and output_tensor_list[rank] ", recv[rank_], ": it is the piece this rank keeps");
+    TORCH_CHECK_VALUE(counts.send[rank_] == counts.recv[rank_], "braid alltoall: input_tensor_list[rank] has ",
+                      counts.send[rank_], " elements and output_tensor_list[rank] ", counts.recv[rank_],
+                      ": it is the piece this rank keeps");
     at::Tensor in = at::cat(flat);
-    at::Tensor whole = at::empty({std::accumulate(recv.begin(), recv.end(), int64_t{0})}, in.options());
+    at::Tensor whole = at::empty({std::accumulate(counts.recv.begin(), counts.recv.end(), int64_t{0})}, in.options());
     // Blocking (the pieces are copied into the caller's tensors right after): one exchange, equal
     // sizes or not, since the list form has no single buffer to hand the collective path.
-    run_exchange(Buffer{whole, whole}, in, send, recv, {}, false);
+    run_exchange(Buffer{whole, whole}, in, counts, {}, false);
     int64_t off = 0;
     for (int i = 0; i < size_; ++i) {
-      outputs[i].copy_(whole.narrow(0, off, recv[i]).view(outputs[i].sizes()));
-      off += recv[i];
+      outputs[i].copy_(whole.narrow(0, off, counts.recv[i]).view(outputs[i].sizes()));
+      off += counts.recv[i];
     }
     return completed(outputs);
   }
@@ -391,37 +381,14 @@ class BraidBackend final : public c10d::Backend {
                       "this group of ", size_, ", got ", peer);
   }
 
-  // Split sizes of dimension 0 per rank: `splits` checked, or equal splits when it is empty.
-  std::vector<int64_t> splits_of(const std::vector<int64_t>& splits, int64_t rows, const char* arg,
-                                 const char* tensor_arg) const {
-    if (splits.empty()) {
-      TORCH_CHECK_VALUE(rows % size_ == 0, "braid alltoall_base: ", tensor_arg, ".size(0) (", rows,
-                        ") must be a multiple of the group size (", size_, ") without ", arg);
-      return std::vector<int64_t>(static_cast<size_t>(size_), rows / size_);
-    }
-    TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == size_, "braid alltoall_base: ", arg, " must have ", size_,
-                      " entries, got ", splits.size());
-    for (int64_t v : splits) TORCH_CHECK_VALUE(v >= 0, "braid alltoall_base: ", arg, " must not be negative, got ", v);
-    TORCH_CHECK_VALUE(std::accumulate(splits.begin(), splits.end(), int64_t{0}) == rows, "braid alltoall_base: ", arg,
-                      " must sum to ", tensor_arg, ".size(0) (", rows, ")");
-    return splits;
-  }
-
-  // An all-to-all as point-to-point transfers (Communicator::submit_exchange): `send[j]` elements
-  // of `in` to rank j, `recv[j]` from rank j into `out`, in rank order.
-  c10::intrusive_ptr<c10d::Work> run_exchange(const Buffer& out, const at::Tensor& in, const std::vector<int64_t>& send,
-                                              const std::vector<int64_t>& recv, std::vector<at::Tensor> outputs,
-                                              bool async) {
+  // An all-to-all as point-to-point transfers (Communicator::submit_exchange): `counts.send[j]`
+  // elements of `in` to rank j, `counts.recv[j]` from rank j into `out`, in rank order.
+  c10::intrusive_ptr<c10d::Work> run_exchange(const Buffer& out, const at::Tensor& in, const SplitCounts& counts,
+                                              std::vector<at::Tensor> outputs, bool async) {
     const DType dtype = dtype_of(in, "alltoall");
-    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in.data_ptr(),
-                                               out.data.data_ptr(), send, recv);
+    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in, out.data, out.user, counts);
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in, out.data});
-    std::function<void()> epilogue = plan.local_copy;
-    if (!out.data.is_same(out.user)) epilogue = [copy = plan.local_copy, out] {
-      copy();
-      out.user.copy_(out.data);
-    };
-    auto w = comm_->submit_exchange(dtype, std::move(plan.requests), std::move(epilogue), keep, async);
+    auto w = comm_->submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
     if (!async) return completed(outputs);
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     complete_with(*w, fut, std::move(outputs));

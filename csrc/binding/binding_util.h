@@ -169,24 +169,74 @@ inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantF
   return static_cast<size_t>(chunk);
 }
 
-// The transfers of an all-to-all with uneven splits over contiguous buffers: this rank sends
-// `send_counts[j]` elements (consecutive in `in`, in rank order) to rank j and receives
-// `recv_counts[j]` from rank j (consecutive in `out`). Its own piece is not a transfer:
-// `local_copy` moves it. For Communicator::submit_exchange; counts are checked by the caller.
-struct ExchangePlan {
-  std::vector<Request> requests;
-  std::function<void()> local_copy;
+// Split sizes of dimension 0 per rank, as torch.distributed.all_to_all_single takes them:
+// `splits` checked, or equal splits when it is null. Messages start with `where`.
+inline std::vector<int64_t> checked_row_splits(const std::vector<int64_t>* splits, int64_t rows, int world,
+                                               const char* arg, const char* tensor_arg, const char* where) {
+  if (splits == nullptr) {
+    TORCH_CHECK_VALUE(rows % world == 0, where, tensor_arg, ".size(0) (", rows, ") must be a multiple of world_size (",
+                      world, ") when ", arg, " is not given");
+    return std::vector<int64_t>(static_cast<size_t>(world), rows / world);
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits->size()) == world, where, arg, " must have world_size (", world,
+                    ") entries, got ", splits->size());
+  int64_t sum = 0;
+  for (int64_t v : *splits) {
+    TORCH_CHECK_VALUE(v >= 0, where, arg, " must not be negative, got ", v);
+    sum += v;
+  }
+  TORCH_CHECK_VALUE(sum == rows, where, arg, " must sum to ", tensor_arg, ".size(0) (", rows, "), got ", sum);
+  return *splits;
+}
+
+// The element counts of an all-to-all with split sizes of dimension 0 (null: equal splits):
+// this rank sends `send[j]` elements of `in` to rank j and receives `recv[j]` from rank j.
+// Checks dtypes, shapes, the split lists and this rank's own piece (it must keep what it sends
+// itself); messages start with `where`.
+struct SplitCounts {
+  std::vector<int64_t> send, recv;
 };
 
-inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, const void* in, void* out,
-                                           const std::vector<int64_t>& send_counts,
-                                           const std::vector<int64_t>& recv_counts) {
+inline SplitCounts checked_split_counts(const at::Tensor& out, const at::Tensor& in,
+                                        const std::vector<int64_t>* out_splits,
+                                        const std::vector<int64_t>* in_splits, int rank, int world, const char* where) {
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), where, "output and input must have the same dtype, got ",
+                   out.scalar_type(), " and ", in.scalar_type());
+  TORCH_CHECK_VALUE(out.dim() > 0 && in.dim() > 0, where,
+                    "output and input need a dimension 0 to split (got a 0-d tensor)");
+  const int64_t row = c10::multiply_integers(in.sizes().slice(1));
+  const int64_t out_row = c10::multiply_integers(out.sizes().slice(1));
+  TORCH_CHECK_VALUE(out_row == row, where, "output and input rows must have the same number of elements (the product "
+                    "of the dimensions after the first), got ", out_row, " and ", row);
+  SplitCounts c{checked_row_splits(in_splits, in.size(0), world, "input_split_sizes", "input", where),
+                checked_row_splits(out_splits, out.size(0), world, "output_split_sizes", "output", where)};
+  TORCH_CHECK_VALUE(c.send[rank] == c.recv[rank], where, "input_split_sizes[rank] (", c.send[rank],
+                    ") must equal output_split_sizes[rank] (", c.recv[rank], "): it is the piece this rank keeps");
+  for (auto& v : c.send) v *= row;
+  for (auto& v : c.recv) v *= row;
+  return c;
+}
+
+// The transfers of an all-to-all with split sizes over contiguous buffers, for
+// Communicator::submit_exchange: `counts.send[j]` elements (consecutive in `in`, in rank order) to
+// rank j, `counts.recv[j]` from rank j (consecutive in `out`). This rank's own piece is not a
+// transfer: `epilogue` copies it, then copies `out` into `user` when that is another tensor (a
+// non-contiguous output staged through `out`).
+struct ExchangePlan {
+  std::vector<Request> requests;
+  std::function<void()> epilogue;
+};
+
+inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, const at::Tensor& in, const at::Tensor& out,
+                                           const at::Tensor& user, const SplitCounts& counts) {
   const size_t es = dtype_size(dtype);
   std::vector<size_t> send_off(world + 1, 0), recv_off(world + 1, 0);
   for (int j = 0; j < world; ++j) {
-    send_off[j + 1] = send_off[j] + static_cast<size_t>(send_counts[j]) * es;
-    recv_off[j + 1] = recv_off[j] + static_cast<size_t>(recv_counts[j]) * es;
+    send_off[j + 1] = send_off[j] + static_cast<size_t>(counts.send[j]) * es;
+    recv_off[j + 1] = recv_off[j] + static_cast<size_t>(counts.recv[j]) * es;
   }
+  const char* src = static_cast<const char*>(in.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
   ExchangePlan plan;
   for (int step = 1; step < world; ++step) {  // the peers in ring order from this rank
     const int to = (rank + step) % world;
@@ -194,23 +244,25 @@ inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, con
     Request s;
     s.kind = CollKind::kSend;
     s.dtype = dtype;
-    s.count = static_cast<size_t>(send_counts[to]);
+    s.count = static_cast<size_t>(counts.send[to]);
     s.root = to;
-    s.in = static_cast<const char*>(in) + send_off[to];
+    s.in = src + send_off[to];
     plan.requests.push_back(std::move(s));
     Request r;
     r.kind = CollKind::kRecv;
     r.dtype = dtype;
-    r.count = static_cast<size_t>(recv_counts[from]);
+    r.count = static_cast<size_t>(counts.recv[from]);
     r.root = from;
-    r.out = static_cast<char*>(out) + recv_off[from];
+    r.out = dst + recv_off[from];
     plan.requests.push_back(std::move(r));
   }
-  const char* src = static_cast<const char*>(in) + send_off[rank];
-  char* dst = static_cast<char*>(out) + recv_off[rank];
+  const char* own = src + send_off[rank];
+  char* kept = dst + recv_off[rank];
   const size_t bytes = send_off[rank + 1] - send_off[rank];
-  plan.local_copy = [src, dst, bytes] {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
+  const bool staged = !out.is_same(user);
+  plan.epilogue = [own, kept, bytes, staged, out, user] {
+    if (bytes > 0) std::memcpy(kept, own, bytes);
+    if (staged) user.copy_(out);
   };
   return plan;
 }

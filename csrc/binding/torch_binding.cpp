@@ -158,32 +158,6 @@ py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
-// Split sizes of dimension 0 (rows) per rank, as torch.distributed.all_to_all_single takes them:
-// `splits` as given (checked), or equal splits when it is None.
-std::vector<int64_t> row_splits(const std::optional<std::vector<int64_t>>& splits, const at::Tensor& t, int world,
-                                const char* arg, const char* tensor_arg) {
-  const int64_t rows = t.size(0);
-  if (!splits) {
-    if (rows % world != 0)
-      throw py::value_error(std::string(tensor_arg) + ".size(0) (" + std::to_string(rows) +
-                            ") must be a multiple of world_size (" + std::to_string(world) + ") when " + arg +
-                            " is None");
-    return std::vector<int64_t>(static_cast<size_t>(world), rows / world);
-  }
-  if (static_cast<int>(splits->size()) != world)
-    throw py::value_error(std::string(arg) + " must have world_size (" + std::to_string(world) + ") entries, got " +
-                          std::to_string(splits->size()));
-  int64_t sum = 0;
-  for (int64_t v : *splits) {
-    if (v < 0) throw py::value_error(std::string(arg) + " must not be negative, got " + std::to_string(v));
-    sum += v;
-  }
-  if (sum != rows)
-    throw py::value_error(std::string(arg) + " must sum to " + tensor_arg + ".size(0) (" + std::to_string(rows) +
-                          "), got " + std::to_string(sum));
-  return *splits;
-}
-
 // all_to_all with split sizes: rank j receives rows [sum(input_splits[:j]), ...) of this rank's
 // input; the pieces from each rank land in rank order in `output`. Point-to-point underneath.
 py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
@@ -191,40 +165,18 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
                         const std::optional<std::vector<int64_t>>& input_splits, bool async) {
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  if (out.dim() == 0 || in.dim() == 0)
-    throw py::value_error("output and input need a dimension 0 to split (got a 0-d tensor)");
-  const int64_t row = c10::multiply_integers(in.sizes().slice(1));
-  if (c10::multiply_integers(out.sizes().slice(1)) != row)
-    throw py::value_error("output and input rows must have the same number of elements (the product of the "
-                          "dimensions after the first), got " + std::to_string(c10::multiply_integers(out.sizes().slice(1))) +
-                          " and " + std::to_string(row));
-  const int world = c.world_size();
-  std::vector<int64_t> send = row_splits(input_splits, in, world, "input_split_sizes", "input");
-  std::vector<int64_t> recv = row_splits(output_splits, out, world, "output_split_sizes", "output");
-  if (send[c.rank()] != recv[c.rank()])
-    throw py::value_error("input_split_sizes[rank] (" + std::to_string(send[c.rank()]) +
-                          ") must equal output_split_sizes[rank] (" + std::to_string(recv[c.rank()]) +
-                          "): it is the piece this rank keeps");
+  const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
+                                                  input_splits ? &*input_splits : nullptr, c.rank(), c.world_size(), "");
   if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
-  for (auto& v : send) v *= row;
-  for (auto& v : recv) v *= row;
   const DType dtype = to_dtype(out.scalar_type(), "output");
   Staged s = stage(out, "output");
   at::Tensor in_c = in.contiguous();
   auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in_c, s.buffer});
-  ExchangePlan plan = plan_uneven_all_to_all(c.rank(), world, dtype, in_c.data_ptr(), s.buffer.data_ptr(), send, recv);
-  std::function<void()> epilogue = plan.local_copy;
-  if (s.copy_back()) epilogue = [copy = plan.local_copy, s] {
-    copy();
-    s.user.copy_(s.buffer);
-  };
+  ExchangePlan plan = plan_uneven_all_to_all(c.rank(), c.world_size(), dtype, in_c, s.buffer, s.user, counts);
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
-    w = c.submit_exchange(dtype, std::move(plan.requests), std::move(epilogue), keep, async);
+    w = c.submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
   }
   if (!async) return py::none();
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{s.user}));

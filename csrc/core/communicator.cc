@@ -303,15 +303,17 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   }
 }
 
-void Communicator::poison(const CommError& e) {
-  {
-    std::lock_guard<std::mutex> lk(poison_mu_);
-    if (poison_kind_ == ErrorKind::kNone) {
-      poison_kind_ = e.kind();
-      poison_msg_ = e.what();
-      poisoned_.store(true, std::memory_order_release);
-    }
+void Communicator::record_poison(ErrorKind kind, const std::string& msg) {
+  std::lock_guard<std::mutex> lk(poison_mu_);
+  if (poison_kind_ == ErrorKind::kNone) {
+    poison_kind_ = kind;
+    poison_msg_ = msg;
+    poisoned_.store(true, std::memory_order_release);
   }
+}
+
+void Communicator::poison(const CommError& e) {
+  record_poison(e.kind(), e.what());
   if (group_) group_->publish_failure(e.kind(), e.what());
 }
 
@@ -338,14 +340,7 @@ void Communicator::wait_blocking(Work& work) {
     const std::string msg = "rank " + std::to_string(rank_) + " was " + e.what();
     if (group_) group_->request_abort(msg);
     work.wait_done();
-    {
-      std::lock_guard<std::mutex> lk(poison_mu_);
-      if (poison_kind_ == ErrorKind::kNone) {
-        poison_kind_ = ErrorKind::kGeneric;
-        poison_msg_ = msg;
-        poisoned_.store(true, std::memory_order_release);
-      }
-    }
+    record_poison(ErrorKind::kGeneric, msg);
     throw;
   }
 }
@@ -433,14 +428,7 @@ void Communicator::execute(Request& r) {
 void Communicator::abort() {
   if (closed_.load() || in_forked_child()) return close();
   const std::string msg = "rank " + std::to_string(rank_) + " aborted the communicator";
-  {
-    std::lock_guard<std::mutex> lk(poison_mu_);
-    if (poison_kind_ == ErrorKind::kNone) {
-      poison_kind_ = ErrorKind::kClosed;
-      poison_msg_ = msg;
-      poisoned_.store(true, std::memory_order_release);
-    }
-  }
+  record_poison(ErrorKind::kClosed, msg);
   if (group_) group_->request_abort(msg);
   // From a signal handler run inside this communicator's collective: that collective fails as soon
   // as the handler returns; closing is left to whoever handles its error.

@@ -94,6 +94,9 @@ class Communicator {
   void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
   // Records the first communication error and tells the peers.
   void poison(const CommError& e);
+  // Records the first error without telling the peers (the thread running collectives does,
+  // once it fails on it).
+  void record_poison(ErrorKind kind, const std::string& msg);
   void check_open() const;
   // Refuses a blocking call on the progress thread (kOnProgressThread).
   void check_may_block() const;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -41,6 +42,20 @@ def make_input(seed: int, rank: int, count: int, dtype: torch.dtype, *,
     if dtype.is_floating_point and not integral:
         return (torch.randn(count, generator=g, dtype=torch.float64) * 4).to(dtype)
     return torch.randint(-8, 9, (count,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def outcome(fn, *args, **kwargs) -> dict:
+    """Runs a call that a test expects to raise (or not) and reports what happened, for a rank to
+    send back: the exception's type name and message (type None: it returned), the seconds it
+    took, and the monotonic time it ended. Any exception counts, KeyboardInterrupt included."""
+    start = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+        kind, message = None, "returned normally"
+    except BaseException as e:  # noqa: BLE001 - the test judges the type
+        kind, message = type(e).__name__, str(e)
+    end = time.monotonic()
+    return {"type": kind, "message": message, "elapsed": end - start, "at": end}
 
 
 def ops_for(dtype: torch.dtype) -> tuple:

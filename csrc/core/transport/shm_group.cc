@@ -287,6 +287,11 @@ void ShmGroup::raise_abort() {
   throw CommError(ErrorKind::kPeer, "a peer aborted the communicator");
 }
 
+std::string ShmGroup::what_doing(const char* word, const std::string* doing) const {
+  if (doing) return word + *doing;
+  return current_ ? word + current_->describe() : std::string();
+}
+
 std::string ShmGroup::rank_label(int r) const {
   std::ostringstream s;
   s << "rank " << r;
@@ -308,13 +313,12 @@ std::string ShmGroup::missing_ranks(const int* peers, int npeers, const Awaited&
 template <class Awaited>
 void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing) {
   // Formatted only for an error: waits are on the latency path of every small collective.
-  auto during = [&] { return doing ? " during " + *doing : current_ ? " during " + current_->describe() : std::string(); };
   for (int i = 0; i < npeers; ++i) {
     const int r = peers[i];
     SegmentHeader* h = headers_[r];
     if (!awaited(r)) continue;  // only those we still need
     if (h->state.load(std::memory_order_acquire) == kStateLeft)
-      throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + during() +
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + what_doing(" during ", doing) +
                                             " while rank " + std::to_string(rank_) + " waited for it");
     bool dead = false;
     if (pidfds_[r] >= 0) {
@@ -325,7 +329,7 @@ void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& aw
     }
     // A peer may post its last step and exit at once: look at the counter again before blaming it.
     if (dead && awaited(r))
-      throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + during());
+      throw CommError(ErrorKind::kPeer, rank_label(r) + " exited" + what_doing(" during ", doing));
   }
 }
 
@@ -386,13 +390,13 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
       // Python thread may hold for milliseconds, and a short wait must not pay for that.
       if (now - start >= kInterruptAfter && interrupt_requested())
         throw Interrupted("rank " + std::to_string(rank_) + " was interrupted by a signal" +
-                          (doing ? " during " + *doing : current_ ? " during " + current_->describe() : std::string()));
+                          what_doing(" during ", doing));
     }
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();
       std::ostringstream s;
       s << "rank " << rank_ << " timed out after " << secs << " s"
-        << (doing ? " in " + *doing : current_ ? " in " + current_->describe() : std::string()) << " waiting for "
+        << what_doing(" in ", doing) << " waiting for "
         << missing_ranks(peers, npeers, awaited) << ", which did not arrive";
       throw CommError(ErrorKind::kTimeout, s.str());
     }
@@ -440,7 +444,7 @@ bool ShmGroup::advance(P2POp& op) {
     const int peer = op.peer;
     if (op.send) {
       if (!mailbox_reserved_[peer]) {
-        own_.reserve(layout_.mailbox_offset(peer, 0), layout_.mailbox_offset(peer + 1, 0) - layout_.mailbox_offset(peer, 0));
+        own_.reserve(layout_.mailbox_offset(peer, 0), kMailboxDepth * kMailboxSlot);
         mailbox_reserved_[peer] = true;
       }
       // Chunk k reuses the mailbox slot of chunk k - depth, which the receiver has taken (ready).

@@ -180,6 +180,8 @@ class ShmGroup {
   template <class Awaited>
   void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
   std::string rank_label(int r) const;
+  // `word` + what this rank is doing (`doing`, or the current collective) for error messages.
+  std::string what_doing(const char* word, const std::string* doing) const;
   template <class Awaited>
   std::string missing_ranks(const int* peers, int npeers, const Awaited& awaited) const;
   void wake_all() noexcept;
