@@ -5,8 +5,10 @@ gets is a C++ ``c10d::Backend`` subclass (``torch.distributed._Backend`` from Py
 DeviceMesh and DTensor accept it) that owns a braid :class:`~braid.comm.Communicator` built from
 the store, rank, size and timeout torch hands over; every sub-group (``dist.new_group``) gets its
 own. Ops braid does not implement (``recv`` from any source) raise "Backend braid does not
-support <op>"; variants it cannot serve (PREMUL_SUM, bitwise ops on floats, unsupported dtypes)
-raise naming what is missing.
+support <op>"; variants it cannot serve (bitwise ops or PREMUL_SUM on the wrong dtype,
+unsupported dtypes) raise naming what is missing. ``PREMUL_SUM(f)`` (what FSDP2 sends for a
+gradient divide factor other than the world size) multiplies a copy of each rank's input by ``f``
+and sums it.
 """
 from __future__ import annotations
 

@@ -260,6 +260,18 @@ def _run_ddp_fsdp_dtensor(rank, world_size, store_path):
             for a, b in zip(*trained):
                 torch.testing.assert_close(a, b, **TOL)
             results[name] = [p.sum().item() for p in trained[0]]
+        # FSDP2 with a gradient divide factor other than the world size reduce-scatters with
+        # PREMUL_SUM(1/factor) (gloo has no PREMUL_SUM: compare with its mean, rescaled).
+        grads = []
+        for mesh, factor in ((braid_mesh, 5.0), (gloo_mesh, None)):
+            model = fully_shard(copy.deepcopy(base), mesh=mesh)
+            if factor is not None:
+                model.set_gradient_divide_factor(factor)
+            x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+            model(x).square().mean().backward()
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a * 5.0 / world_size, b, **TOL)
     return results
 
 
@@ -279,8 +291,8 @@ def _run_unsupported(rank, world_size, store_path):
             dist.all_reduce(torch.ones(2, dtype=torch.bool))
         with pytest.raises(ValueError, match="band needs an integer tensor"):
             dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
-        with pytest.raises(ValueError, match="reduce op .* is not supported"):  # PREMUL_SUM
-            dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+        with pytest.raises(ValueError, match="PREMUL_SUM needs a floating-point tensor"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
         # Argument errors are raised before anything is sent: the group still works.
         t = torch.ones(2)
         dist.all_reduce(t)
@@ -290,6 +302,58 @@ def _run_unsupported(rank, world_size, store_path):
 
 def test_unsupported_arguments_raise_naming_them():
     assert run_ranks(_run_unsupported, 2) == [True, True]
+
+
+def _run_premul_sum(rank, world_size, store_path):
+    """PREMUL_SUM(f) sums every rank's input times f (a float or a one-element tensor) on
+    all_reduce, reduce and the reduce-scatters, leaving the inputs of out-of-place calls as they
+    were; values are integers times powers of two, so every order of summation is exact."""
+    n = world_size
+    out = {}
+    with braid_default_group(rank, world_size, store_path):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            every = [_values(r, 4 * n + 1, salt=7).to(dtype) for r in range(n)]
+            for f in (0.5, torch.tensor(0.25, dtype=torch.float64), torch.tensor([2.0])):
+                op = dist._make_nccl_premul_sum(f)
+                fv = float(f)
+                expect = sum(e.double() * fv for e in every).to(dtype)
+                t = every[rank].clone()
+                dist.all_reduce(t, op=op)
+                assert torch.equal(t, expect), (dtype, f)
+                out[f"{dtype} {f}"] = t.tolist()
+                # Non-contiguous tensors are reduced and written back through a copy.
+                t = torch.zeros(2 * every[rank].numel(), dtype=dtype)[::2]
+                t.copy_(every[rank])
+                dist.all_reduce(t, op=op)
+                assert torch.equal(t, expect), (dtype, f, "strided")
+                t = every[rank].clone()
+                work = dist.all_reduce(t, op=op, async_op=True)
+                work.wait()
+                assert torch.equal(t, expect), (dtype, f, "async")
+                t = every[rank].clone()
+                dist.reduce(t, dst=n - 1, op=op)
+                assert torch.equal(t, expect if rank == n - 1 else every[rank]), (dtype, f, "reduce")
+                whole = torch.cat([e[:4 * n] for e in every]).view(n, 4 * n)
+                inp = whole[rank].clone()
+                shard = torch.empty(4, dtype=dtype)
+                dist.reduce_scatter_tensor(shard, inp, op=op)
+                assert torch.equal(shard, (whole.double() * fv).sum(0).to(dtype)[4 * rank:4 * rank + 4])
+                assert torch.equal(inp, whole[rank]), "the input of reduce_scatter_tensor changed"
+                # In place: the output is this rank's slice of the input.
+                inp = whole[rank].clone()
+                dist.reduce_scatter_tensor(inp[4 * rank:4 * rank + 4], inp, op=op)
+                assert torch.equal(inp[4 * rank:4 * rank + 4], shard)
+                pieces = list(whole[rank].clone().chunk(n))
+                shard2 = torch.empty(4, dtype=dtype)
+                dist.reduce_scatter(shard2, pieces, op=op)
+                assert torch.equal(shard2, shard)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_premul_sum(world_size):
+    results = run_ranks(_run_premul_sum, world_size)
+    assert all(r == results[0] for r in results)
 
 
 def _run_checkpoint_and_objects(rank, world_size, store_path, ckpt_dir):

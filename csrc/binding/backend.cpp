@@ -35,13 +35,29 @@ ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
     case c10d::ReduceOp::BAND: r = ReduceOp::kBand; break;
     case c10d::ReduceOp::BOR: r = ReduceOp::kBor; break;
     case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
+    case c10d::ReduceOp::PREMUL_SUM: r = ReduceOp::kSum; break;  // on premul_scaled's copy
     default:
       TORCH_CHECK_VALUE(false, "braid ", what, ": reduce op ", static_cast<int>(op.op_),
-                        " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR and BXOR are)");
+                        " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR and PREMUL_SUM are)");
   }
   TORCH_CHECK_VALUE(op_supports(r, dtype), "braid ", what, ": ", reduce_op_name(r),
                     " needs an integer tensor (int32, int64, uint8), got ", dtype_name(dtype));
   return r;
+}
+
+// PREMUL_SUM(f): every rank's input times f, then summed. Returns the scaled copy of `t` (so the
+// caller's input is never touched) when `op` is PREMUL_SUM, an undefined tensor otherwise. The
+// product is taken in the tensor's dtype, as torch's mul does; braid then sums it with SUM.
+at::Tensor premul_scaled(const c10d::ReduceOp& op, const at::Tensor& t, const char* what) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return at::Tensor();
+  TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "braid ", what,
+                    ": PREMUL_SUM needs a floating-point tensor, got ", t.scalar_type());
+  const auto* factor = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(factor != nullptr, "braid ", what,
+                    ": PREMUL_SUM needs its factor (torch.distributed._make_nccl_premul_sum(f))");
+  if (factor->tensor_factor.defined())
+    return t.mul(factor->tensor_factor.to(t.device()).reshape({})).contiguous();
+  return t.mul(factor->double_factor).contiguous();
 }
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
@@ -133,7 +149,10 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid reduce: root ", opts.rootRank,
                       " is not a rank of this group of ", size_);
     Batch b;
-    Buffer t = rank_ == opts.rootRank ? contiguous(tensors[0]) : Buffer{tensors[0], tensors[0].contiguous().clone()};
+    at::Tensor scaled = premul_scaled(opts.reduceOp, tensors[0], "reduce");
+    Buffer t = scaled.defined()            ? Buffer{tensors[0], scaled}
+               : rank_ == opts.rootRank ? contiguous(tensors[0])
+                                        : Buffer{tensors[0], tensors[0].contiguous().clone()};
     Request r = make(CollKind::kAllReduce, dtype_of(t.data, "reduce"), t.data.numel(), t.data.data_ptr(),
                      t.data.data_ptr());
     r.op = op_of(opts.reduceOp, r.dtype, "reduce");
@@ -401,7 +420,8 @@ class BraidBackend final : public c10d::Backend {
     Batch b;
     for (const auto& tensor : tensors) {
       check_tensor(tensor, what, "tensor");
-      Buffer t = contiguous(tensor);
+      at::Tensor scaled = premul_scaled(op, tensor, what);
+      Buffer t = scaled.defined() ? Buffer{tensor, scaled} : contiguous(tensor);
       Request r = make(CollKind::kAllReduce, dtype_of(t.data, what), t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
       r.op = op_of(op, r.dtype, what);
       b.add(std::move(r));
@@ -450,11 +470,14 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(input.numel() == size_ * output.numel(), "braid ", what, ": input.numel() must be ", size_,
                       " * output.numel() (", output.numel(), "), got ", input.numel());
     Buffer out = contiguous(output);
-    at::Tensor in = input.contiguous();
-    // The core accepts only an exact in-place alias (output = the rank's slice of input); any
-    // other overlap goes through a copy of the input.
-    const auto* ib = static_cast<const char*>(in.data_ptr());
-    if (overlaps(in, out.data) && out.data.data_ptr() != ib + rank_ * out.data.nbytes()) in = in.clone();
+    at::Tensor in = premul_scaled(op, input, what);
+    if (!in.defined()) {
+      in = input.contiguous();
+      // The core accepts only an exact in-place alias (output = the rank's slice of input); any
+      // other overlap goes through a copy of the input.
+      const auto* ib = static_cast<const char*>(in.data_ptr());
+      if (overlaps(in, out.data) && out.data.data_ptr() != ib + rank_ * out.data.nbytes()) in = in.clone();
+    }
     Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.data.numel(), in.data_ptr(), out.data.data_ptr());
     r.op = op_of(op, r.dtype, what);
     b.add(std::move(r));
