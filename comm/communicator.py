@@ -179,6 +179,8 @@ class Communicator:
                                 f"got {type(value).__name__}")
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+            if kind is int:  # saturate at the C++ field's range: the constructor then names the bounds
+                value = min(value, 2**31 - 1 if name == "nslots" else 2**63 - 1)
             setattr(tun, name, value)
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):

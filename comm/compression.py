@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK64 = (1 << 64) - 1
 _SUM, _AVG = 0, 1  # op codes of the core (csrc/core/dtype.h)
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class Compressor:
             )
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor must be a CPU tensor, got a tensor on {tensor.device}")
+        self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
         if step is None:
@@ -234,6 +236,9 @@ class Compressor:
             done()
             return None
         return CompressedWork(work, done, tensor)
+
+    def _check_numel(self, numel: int) -> None:
+        """Raises ValueError for a tensor size this compressor cannot carry (none by default)."""
 
     def _compressed(
         self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable, seed: int, async_op: bool
@@ -375,6 +380,11 @@ class TopK(Compressor):
     def sparse(self, numel: int, world_size: int, elem_size: int = 4) -> bool:
         """Whether the (values, indices) all-gather is smaller than the dense tensor."""
         return self.k(numel) * world_size * 8 <= numel * elem_size
+
+    def _check_numel(self, numel: int) -> None:
+        if numel > _INT32_MAX:
+            raise ValueError(f"TopK: tensor has {numel} elements, but top-k indices travel as int32: "
+                             f"at most {_INT32_MAX} elements per call")
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
         n, numel, es = comm.world_size, flat.numel(), flat.element_size()

@@ -84,6 +84,11 @@ def bad_calls(c) -> list:
          ValueError, "input_split_sizes must not be negative"),
         ("all_to_all splits not summing to size(0)", lambda: a2a(input_split_sizes=[3] * n),
          ValueError, "input_split_sizes must sum to input.size"),
+        # Entries whose int64 sum wraps around to size(0) (three of them can: it once passed and
+        # the rank read past its input); at fewer ranks the same entries overflow too.
+        ("all_to_all splits summing past int64", lambda: a2a(
+            input_split_sizes=([2**63 - 1, 2**63 - 1, 2 * n + 2] + [0] * n)[:n]),
+         ValueError, "input_split_sizes must sum to input.size"),
         ("all_to_all rows of different widths", lambda: a2a(torch.zeros(2 * n, 2), input_split_sizes=even),
          ValueError, "rows"),
         ("all_to_all 0-d", lambda: a2a(torch.zeros(()), torch.zeros(()), input_split_sizes=[0] * n),
@@ -217,6 +222,9 @@ CONSTRUCTOR_ERRORS = [
     ("nslots_0", "store", (0, 2), {"nslots": 0}, ValueError, "nslots"),
     ("nslots_1", "store", (0, 2), {"nslots": 1}, ValueError, "nslots"),
     ("nslots_65", "store", (0, 2), {"nslots": 65}, ValueError, "nslots"),
+    ("nslots_2e32", "store", (0, 2), {"nslots": 2**32 + 4}, ValueError, "nslots .* between 2 and 64"),
+    ("oneshot_max_bytes_2e70", "store", (0, 2), {"oneshot_max_bytes": 2**70}, ValueError,
+     "oneshot_max_bytes"),
     ("oneshot_max_bytes_2GiB", "store", (0, 2), {"oneshot_max_bytes": 2 << 30}, ValueError,
      "oneshot_max_bytes"),
     ("yield_us_negative", "store", (0, 2), {"yield_us": -1.0}, ValueError, "yield_us"),
@@ -249,6 +257,8 @@ def test_constructor_rejects_bad_arguments(store, args, kwargs, error, pattern):
     ("BRAID_STREAM_MIN_BYTES", "17179869184G", "BRAID_STREAM_MIN_BYTES"),
     ("BRAID_SLOT_BYTES", "100", "BRAID_SLOT_BYTES"),
     ("BRAID_NSLOTS", "0", "BRAID_NSLOTS"),
+    ("BRAID_NSLOTS", "4294967300", "BRAID_NSLOTS"),  # once wrapped to 4 through an int cast
+    ("BRAID_ONESHOT_MAX_BYTES", "18446744073709551615", "BRAID_ONESHOT_MAX_BYTES"),  # once read as unset
     ("BRAID_ONESHOT_MAX_BYTES", "-5", "BRAID_ONESHOT_MAX_BYTES"),
     ("BRAID_SPIN_US", "fast", "BRAID_SPIN_US"),
     ("BRAID_YIELD_US", "-1", "BRAID_YIELD_US"),

@@ -312,6 +312,14 @@ def test_bad_kernel_arguments_named():
         (lambda: _C.quantize(x, None, 8, 256, True, 0, 0, 100, 1), ValueError, "chunk"),
         (lambda: _C.quantize(x, None, 8, 4, True, 0, 0, 4, 2), ValueError, "nchunks"),
         (lambda: _C.dequantize(torch.zeros(3, dtype=torch.uint8), 8, 256, x), ValueError, "payload"),
+        # Payload sizes past 2^63 bytes (they once wrapped around to a few bytes, and the kernels
+        # wrote and read far past the buffer).
+        (lambda: _C.quantize(x, None, 8, 1, False, 0, 0, 3689348814741910324, 1), ValueError, "too large"),
+        (lambda: _C.quantize(x, None, 8, 4, False, 0, 0, 16, 2**60 + 1), ValueError, "too large"),
+        (lambda: _C.quantize(x, None, 8, 4, False, 0, 0, 4, 2**62), ValueError, "nchunks"),
+        (lambda: _C.dequantize(torch.zeros(4, dtype=torch.uint8), 8, 1, x, 3689348814741910324),
+         ValueError, "too large"),
+        (lambda: _C.quantized_bytes(2**63 - 1, 8, 256), ValueError, "too large"),
         (lambda: _C.top_k(x, -1), ValueError, "k"),
         (lambda: _C.error_feedback(x, torch.zeros(10), torch.zeros(3)), ValueError, "sent"),
         (lambda: _C.cast(x, None, torch.empty(10)), TypeError, "out"),
@@ -333,6 +341,19 @@ def test_compressor_arguments_validated():
         comm.TopK(0)
     with pytest.raises(ValueError, match="dtype"):
         comm.Cast(torch.float32)
+
+
+def test_top_k_refuses_more_elements_than_int32_indices_before_touching_its_state():
+    """TopK sends int32 indices: a larger tensor raises before the residual or the call count
+    changes (the residual once absorbed the refused gradient, so a retry counted it twice)."""
+    c = comm.Communicator(torch.distributed.HashStore(), 0, 1, timeout=5.0)
+    top = comm.TopK(0.01)
+    huge = torch.zeros(1, dtype=torch.bfloat16).expand(2**31)  # no memory behind it
+    with pytest.raises(ValueError, match="int32"):
+        c.all_reduce(huge, compression=top)
+    state = top.state_dict()
+    assert state["residuals"] == {} and state["calls"] == {}
+    c.close()
 
 
 def test_compressor_state_round_trips():

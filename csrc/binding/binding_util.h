@@ -154,6 +154,18 @@ inline QuantFormat checked_format(int bits, int64_t block) {
   return QuantFormat{bits, static_cast<size_t>(block)};
 }
 
+// nchunks * fmt.bytes(chunk), the size of a chunked payload, or a ValueError when it would not fit
+// in an int64 (a chunk far larger than the input, or too many of them: the byte count would wrap
+// and the kernels would write past a small buffer).
+inline size_t checked_payload_bytes(QuantFormat fmt, size_t chunk, size_t nchunks) {
+  constexpr size_t kMax = static_cast<size_t>(INT64_MAX);
+  // bytes(chunk) <= chunk + 3 + 4 * (chunk / block + 1) <= 5 * chunk + 7: bound chunk first.
+  if (chunk > (kMax - 7) / 5 || (nchunks != 0 && fmt.bytes(chunk) > kMax / nchunks))
+    throw py::value_error("chunk (" + std::to_string(chunk) + ") times nchunks (" + std::to_string(nchunks) +
+                          ") is too large: the payload would exceed 2^63 bytes");
+  return nchunks * fmt.bytes(chunk);
+}
+
 // `chunk` 0 means one chunk of the whole input (the plain layout).
 inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
   if (chunk == 0) {
@@ -163,9 +175,10 @@ inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantF
   if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
     throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
                           std::to_string(chunk));
-  if (nchunks < 1 || static_cast<size_t>(chunk) * static_cast<size_t>(nchunks) < count)
+  if (nchunks < 1 || static_cast<size_t>(nchunks) < (count + static_cast<size_t>(chunk) - 1) / chunk)
     throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
                           std::to_string(nchunks) + " * " + std::to_string(chunk));
+  checked_payload_bytes(fmt, static_cast<size_t>(chunk), static_cast<size_t>(nchunks));
   return static_cast<size_t>(chunk);
 }
 
@@ -180,9 +193,13 @@ inline std::vector<int64_t> checked_row_splits(const std::vector<int64_t>* split
   }
   TORCH_CHECK_VALUE(static_cast<int>(splits->size()) == world, where, arg, " must have world_size (", world,
                     ") entries, got ", splits->size());
+  // Summed without overflow: every entry is checked against what is left of `rows` (a sum that
+  // wrapped around to `rows` would pass the final check and send from past the tensor's end).
   int64_t sum = 0;
   for (int64_t v : *splits) {
     TORCH_CHECK_VALUE(v >= 0, where, arg, " must not be negative, got ", v);
+    TORCH_CHECK_VALUE(v <= rows - sum, where, arg, " must sum to ", tensor_arg, ".size(0) (", rows,
+                      "), but its entries exceed it");
     sum += v;
   }
   TORCH_CHECK_VALUE(sum == rows, where, arg, " must sum to ", tensor_arg, ".size(0) (", rows, "), got ", sum);

@@ -38,7 +38,7 @@ at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int6
   at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
   const size_t n = static_cast<size_t>(in.numel());
   const size_t chunk = checked_chunk(chunk_arg, nchunks, n, fmt);
-  const size_t total = static_cast<size_t>(nchunks) * fmt.bytes(chunk);
+  const size_t total = checked_payload_bytes(fmt, chunk, static_cast<size_t>(nchunks));
   float* res = nullptr;
   at::Tensor r;
   if (!residual.is_none()) {
@@ -65,8 +65,9 @@ void dequantize_tensor(py::handle payload, int bits, int64_t block, py::handle o
   const size_t chunk = checked_chunk(chunk_arg, std::max<int64_t>(chunks_needed, 1), n, fmt);
   const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
   at::Tensor q = checked_contiguous(payload, "payload", {at::kByte});
-  if (static_cast<size_t>(q.numel()) < nchunks * fmt.bytes(chunk))
-    throw py::value_error("payload must hold at least " + std::to_string(nchunks * fmt.bytes(chunk)) + " bytes for " +
+  const size_t need = checked_payload_bytes(fmt, chunk, nchunks);
+  if (static_cast<size_t>(q.numel()) < need)
+    throw py::value_error("payload must hold at least " + std::to_string(need) + " bytes for " +
                           std::to_string(n) + " elements in chunks of " + std::to_string(chunk) + ", got " +
                           std::to_string(q.numel()));
   if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
@@ -158,7 +159,8 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   if (chunk < 0 || chunk % block != 0)
     throw py::value_error("chunk must be a non-negative multiple of block (" + std::to_string(block) + "), got " +
                           std::to_string(chunk));
-  const size_t n = static_cast<size_t>(c.world_size()), cb = fmt.bytes(static_cast<size_t>(chunk));
+  const size_t n = static_cast<size_t>(c.world_size());
+  const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), n) / n;
   at::Tensor s = checked_contiguous(send, "send", {at::kByte});
   at::Tensor r = checked_contiguous(recv, "recv", {at::kByte});
   at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
@@ -199,7 +201,7 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
   m.def("quantized_bytes",
         [](int64_t count, int bits, int64_t block) {
           if (count < 0) throw py::value_error("count must be >= 0");
-          return checked_format(bits, block).bytes(static_cast<size_t>(count));
+          return checked_payload_bytes(checked_format(bits, block), static_cast<size_t>(count), 1);
         },
         py::arg("count"), py::arg("bits"), py::arg("block"));
   m.def("quantize", &quantize_tensor, py::arg("input"), py::arg("residual"), py::arg("bits"), py::arg("block"),

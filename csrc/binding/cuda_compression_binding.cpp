@@ -47,7 +47,7 @@ at::Tensor quantize_cuda(py::handle input, py::handle residual, int bits, int64_
     if (r.numel() != in.numel()) throw py::value_error("residual.numel() must equal input.numel()");
   }
   c10::cuda::CUDAGuard guard(dev);
-  at::Tensor q = at::empty({static_cast<int64_t>(static_cast<size_t>(nchunks) * fmt.bytes(chunk))},
+  at::Tensor q = at::empty({static_cast<int64_t>(checked_payload_bytes(fmt, chunk, static_cast<size_t>(nchunks)))},
                            in.options().dtype(at::kByte));
   check_cuda(cuda::quantize(fmt, to_dtype(in.scalar_type(), "input"), in.data_ptr(),
                             r.defined() ? r.data_ptr<float>() : nullptr, n, chunk, static_cast<size_t>(nchunks),
@@ -65,8 +65,9 @@ void dequantize_cuda(py::handle payload, int bits, int64_t block, py::handle out
   const int64_t needed = chunk_arg > 0 ? (static_cast<int64_t>(n) + chunk_arg - 1) / chunk_arg : 1;
   const size_t chunk = checked_chunk(chunk_arg, std::max<int64_t>(needed, 1), n, fmt);
   const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
-  if (static_cast<size_t>(q.numel()) < nchunks * fmt.bytes(chunk))
-    throw py::value_error("payload must hold at least " + std::to_string(nchunks * fmt.bytes(chunk)) + " bytes");
+  const size_t need = checked_payload_bytes(fmt, chunk, nchunks);
+  if (static_cast<size_t>(q.numel()) < need)
+    throw py::value_error("payload must hold at least " + std::to_string(need) + " bytes");
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, to_dtype(out.scalar_type(), "output"),
                               out.data_ptr(), c10::cuda::getCurrentCUDAStream()),

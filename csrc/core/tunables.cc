@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -42,6 +43,15 @@ size_t env_size(const char* name, size_t dflt) {
   }
   if (*end != '\0' || errno == ERANGE || x > (~0ull >> shift)) throw bad();
   return static_cast<size_t>(x << shift);
+}
+
+// env_size narrowed to a signed type: a value past the type's range saturates at its maximum
+// (validate() then names the variable and its range) instead of wrapping to a small or negative
+// number that would pass, or read as "unset".
+template <typename T>
+T env_size_as(const char* name, T dflt) {
+  const size_t x = env_size(name, static_cast<size_t>(dflt));
+  return static_cast<T>(std::min<size_t>(x, static_cast<size_t>(std::numeric_limits<T>::max())));
 }
 
 double env_double(const char* name, double dflt) {
@@ -107,11 +117,11 @@ Tunables Tunables::from_env() {
   Tunables t;
   if (const char* a = env("BRAID_ALGO")) t.algo = parse_algo(a);
   if (env("BRAID_ONESHOT_MAX_BYTES") != nullptr)
-    t.oneshot_max_bytes = static_cast<int64_t>(env_size("BRAID_ONESHOT_MAX_BYTES", 0));
+    t.oneshot_max_bytes = env_size_as<int64_t>("BRAID_ONESHOT_MAX_BYTES", 0);
   t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
-  t.nslots = static_cast<int>(env_size("BRAID_NSLOTS", static_cast<size_t>(t.nslots)));
+  t.nslots = env_size_as<int>("BRAID_NSLOTS", t.nslots);
   if (env("BRAID_STREAM_MIN_BYTES") != nullptr)
-    t.stream_min_bytes = static_cast<int64_t>(env_size("BRAID_STREAM_MIN_BYTES", 0));
+    t.stream_min_bytes = env_size_as<int64_t>("BRAID_STREAM_MIN_BYTES", 0);
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
   if (env("BRAID_SKEW_ROUNDS") != nullptr)

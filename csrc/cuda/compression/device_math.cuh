@@ -18,12 +18,15 @@ template <> __device__ __forceinline__ float store_f32<float>(float x) { return 
 template <> __device__ __forceinline__ __nv_bfloat16 store_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half store_f32<__half>(float x) { return __float2half_rn(x); }
 
-// Threads per block of the element-wise kernels and grid size for `n` elements (grid-stride loops).
+// Threads per block of the element-wise kernels and grid size for `n` elements: the grid is
+// capped, so every element-wise kernel must loop with stride() (a grid-stride loop).
 constexpr int kThreads = 256;
 inline unsigned grid_for(size_t n) {
   const size_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 65535 * 8 ? (blocks == 0 ? 1 : blocks) : 65535 * 8);
 }
+
+__device__ __forceinline__ size_t stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
 
 }  // namespace cuda
 }  // namespace braid

@@ -1,6 +1,7 @@
-// CUDA block quantization: one thread block per quantization block; the block is staged in
-// shared memory, its absmax reduced with warp shuffles, then rounded (nearest or stochastic from
-// the same counter-based stream as the CPU) and packed.
+// CUDA block quantization: one thread block per quantization block (each takes several when there
+// are more than kMaxGrid); the block is staged in shared memory, its absmax reduced with warp
+// shuffles, then rounded (nearest or stochastic from the same counter-based stream as the CPU)
+// and packed.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -48,75 +49,88 @@ __device__ float block_max(float v) {
   return __uint_as_float(partial[0]);
 }
 
+// Thread blocks launched for `n` quantization blocks: the kernels loop over the rest (a grid is at
+// most 2^31 - 1 blocks wide, and tiny quantization blocks on a large tensor can need more).
+constexpr size_t kMaxGrid = size_t(1) << 20;
+unsigned grid_of(size_t n) { return static_cast<unsigned>(n < kMaxGrid ? n : kMaxGrid); }
+
 template <class T>
-__global__ void quantize_kernel(Layout L, const T* __restrict__ in, float* __restrict__ residual, size_t count,
-                                bool stochastic, RngKey key, uint64_t index_base, uint8_t* __restrict__ out) {
+__global__ void quantize_kernel(Layout L, size_t nblocks, const T* __restrict__ in, float* __restrict__ residual,
+                                size_t count, bool stochastic, RngKey key, uint64_t index_base,
+                                uint8_t* __restrict__ out) {
   extern __shared__ float xs[];  // the block's inputs, then its rounded values
-  const size_t j = blockIdx.x / L.blocks_per_chunk, b = blockIdx.x % L.blocks_per_chunk;
-  const size_t first = j * L.chunk + b * L.block;  // element index of the block's first element
-  const size_t mb = min(L.block, L.chunk - b * L.block);
-  const size_t m = first < count ? min(mb, count - first) : 0;
-  float amax = 0.0f;
-  for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
-    float x = 0.0f;
-    if (k < m) x = residual != nullptr ? __fadd_rn(load_f32(in, first + k), residual[first + k]) : load_f32(in, first + k);
-    xs[k] = x;
-    amax = __uint_as_float(max(__float_as_uint(amax), __float_as_uint(fabsf(x))));
-  }
-  amax = block_max(amax);
-  const float scale = __fdiv_rn(amax, L.qmax);
-  const float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
-  uint8_t* o = out + j * L.chunk_bytes;
-  if (threadIdx.x == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
-  if (b == 0 && threadIdx.x < L.scales_offset - L.value_bytes) o[L.value_bytes + threadIdx.x] = 0;  // padding
-  for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
-    float q = 0.0f;
-    if (k < m) {
-      const float v = __fmul_rn(xs[k], inv);
-      q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + first + k))) : rintf(v);
-      q = fminf(L.qmax, fmaxf(-L.qmax, q));
-      if (residual != nullptr) residual[first + k] = __fsub_rn(xs[k], __fmul_rn(q, scale));
+  for (size_t g = blockIdx.x; g < nblocks; g += gridDim.x) {
+    const size_t j = g / L.blocks_per_chunk, b = g % L.blocks_per_chunk;
+    const size_t first = j * L.chunk + b * L.block;  // element index of the block's first element
+    const size_t mb = min(L.block, L.chunk - b * L.block);
+    const size_t m = first < count ? min(mb, count - first) : 0;
+    float amax = 0.0f;
+    for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
+      float x = 0.0f;
+      if (k < m) x = residual != nullptr ? __fadd_rn(load_f32(in, first + k), residual[first + k]) : load_f32(in, first + k);
+      xs[k] = x;
+      amax = __uint_as_float(max(__float_as_uint(amax), __float_as_uint(fabsf(x))));
     }
-    if (L.bits == 8) {
-      reinterpret_cast<int8_t*>(o)[b * L.block + k] = static_cast<int8_t>(q);
-    } else {
-      xs[k] = q;
+    amax = block_max(amax);
+    const float scale = __fdiv_rn(amax, L.qmax);
+    const float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
+    uint8_t* o = out + j * L.chunk_bytes;
+    if (threadIdx.x == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
+    if (b == 0 && threadIdx.x < L.scales_offset - L.value_bytes) o[L.value_bytes + threadIdx.x] = 0;  // padding
+    for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
+      float q = 0.0f;
+      if (k < m) {
+        const float v = __fmul_rn(xs[k], inv);
+        q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + first + k))) : rintf(v);
+        q = fminf(L.qmax, fmaxf(-L.qmax, q));
+        if (residual != nullptr) residual[first + k] = __fsub_rn(xs[k], __fmul_rn(q, scale));
+      }
+      if (L.bits == 8) {
+        reinterpret_cast<int8_t*>(o)[b * L.block + k] = static_cast<int8_t>(q);
+      } else {
+        xs[k] = q;
+      }
     }
-  }
-  if (L.bits == 4) {
-    __syncthreads();
-    uint8_t* vals = o + b * L.block / 2;
-    for (size_t p = threadIdx.x; p < (mb + 1) / 2; p += blockDim.x) {
-      const int lo = static_cast<int>(xs[2 * p]) + 8;
-      const int hi = (2 * p + 1 < mb ? static_cast<int>(xs[2 * p + 1]) : 0) + 8;
-      vals[p] = static_cast<uint8_t>(lo | (hi << 4));
+    if (L.bits == 4) {
+      __syncthreads();
+      uint8_t* vals = o + b * L.block / 2;
+      for (size_t p = threadIdx.x; p < (mb + 1) / 2; p += blockDim.x) {
+        const int lo = static_cast<int>(xs[2 * p]) + 8;
+        const int hi = (2 * p + 1 < mb ? static_cast<int>(xs[2 * p + 1]) : 0) + 8;
+        vals[p] = static_cast<uint8_t>(lo | (hi << 4));
+      }
     }
+    __syncthreads();  // xs and block_max's partials are reused by the next quantization block
   }
 }
 
-// One thread block per quantization block; `Acc` chooses between writing and accumulating.
+// One thread block per quantization block (several each past kMaxGrid); `Accumulate` chooses
+// between writing and accumulating.
 template <class T, bool Accumulate>
-__global__ void dequantize_kernel(Layout L, const uint8_t* __restrict__ in, size_t count, T* __restrict__ out) {
-  const size_t j = blockIdx.x / L.blocks_per_chunk, b = blockIdx.x % L.blocks_per_chunk;
-  const size_t first = j * L.chunk + b * L.block;
-  if (first >= count) return;
-  const size_t m = min(min(L.block, L.chunk - b * L.block), count - first);
-  const uint8_t* src = in + j * L.chunk_bytes;
-  const float scale = reinterpret_cast<const float*>(src + L.scales_offset)[b];
-  for (size_t k = threadIdx.x; k < m; k += blockDim.x) {
-    const size_t e = b * L.block + k;
-    float q;
-    if (L.bits == 8) {
-      q = static_cast<float>(reinterpret_cast<const int8_t*>(src)[e]);
-    } else {
-      const uint8_t byte = src[e / 2];
-      q = static_cast<float>(static_cast<int>((e & 1) ? (byte >> 4) : (byte & 15)) - 8);
-    }
-    const float v = __fmul_rn(q, scale);
-    if constexpr (Accumulate) {
-      out[first + k] = __fadd_rn(out[first + k], v);
-    } else {
-      out[first + k] = store_f32<T>(v);
+__global__ void dequantize_kernel(Layout L, size_t nblocks, const uint8_t* __restrict__ in, size_t count,
+                                  T* __restrict__ out) {
+  for (size_t g = blockIdx.x; g < nblocks; g += gridDim.x) {
+    const size_t j = g / L.blocks_per_chunk, b = g % L.blocks_per_chunk;
+    const size_t first = j * L.chunk + b * L.block;
+    if (first >= count) continue;
+    const size_t m = min(min(L.block, L.chunk - b * L.block), count - first);
+    const uint8_t* src = in + j * L.chunk_bytes;
+    const float scale = reinterpret_cast<const float*>(src + L.scales_offset)[b];
+    for (size_t k = threadIdx.x; k < m; k += blockDim.x) {
+      const size_t e = b * L.block + k;
+      float q;
+      if (L.bits == 8) {
+        q = static_cast<float>(reinterpret_cast<const int8_t*>(src)[e]);
+      } else {
+        const uint8_t byte = src[e / 2];
+        q = static_cast<float>(static_cast<int>((e & 1) ? (byte >> 4) : (byte & 15)) - 8);
+      }
+      const float v = __fmul_rn(q, scale);
+      if constexpr (Accumulate) {
+        out[first + k] = __fadd_rn(out[first + k], v);
+      } else {
+        out[first + k] = store_f32<T>(v);
+      }
     }
   }
 }
@@ -130,8 +144,8 @@ cudaError_t launch_quantize(QuantFormat fmt, const void* in, float* residual, si
   const Layout L = layout_of(fmt, chunk);
   const size_t grid = nchunks * L.blocks_per_chunk;
   if (grid == 0) return cudaSuccess;
-  quantize_kernel<T><<<static_cast<unsigned>(grid), threads_for(fmt.block), fmt.block * sizeof(float), stream>>>(
-      L, static_cast<const T*>(in), residual, count, stochastic, rng_key(seed), index_base, out);
+  quantize_kernel<T><<<grid_of(grid), threads_for(fmt.block), fmt.block * sizeof(float), stream>>>(
+      L, grid, static_cast<const T*>(in), residual, count, stochastic, rng_key(seed), index_base, out);
   return cudaGetLastError();
 }
 
@@ -141,8 +155,8 @@ cudaError_t launch_dequantize(QuantFormat fmt, const uint8_t* in, size_t count, 
   if (count == 0) return cudaSuccess;
   const Layout L = layout_of(fmt, chunk);
   const size_t grid = ((count + chunk - 1) / chunk) * L.blocks_per_chunk;
-  dequantize_kernel<T, Accumulate><<<static_cast<unsigned>(grid), threads_for(fmt.block), 0, stream>>>(
-      L, in, count, static_cast<T*>(out));
+  dequantize_kernel<T, Accumulate><<<grid_of(grid), threads_for(fmt.block), 0, stream>>>(
+      L, grid, in, count, static_cast<T*>(out));
   return cudaGetLastError();
 }
 

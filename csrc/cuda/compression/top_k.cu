@@ -34,21 +34,21 @@ struct AtLeast {
 template <class T>
 __global__ void gather_kernel(const T* __restrict__ in, const int32_t* __restrict__ idx, size_t n,
                               float* __restrict__ mags) {
-  const size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-  if (j < n) mags[j] = fabsf(load_f32(in, static_cast<size_t>(idx[j])));
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < n; j += stride())
+    mags[j] = fabsf(load_f32(in, static_cast<size_t>(idx[j])));
 }
 
 template <class T>
 __global__ void values_kernel(const T* __restrict__ in, const int32_t* __restrict__ idx, size_t k,
                               float* __restrict__ values) {
-  const size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-  if (j < k) values[j] = load_f32(in, static_cast<size_t>(idx[j]));
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < k; j += stride())
+    values[j] = load_f32(in, static_cast<size_t>(idx[j]));
 }
 
 __global__ void scatter_add_kernel(float* __restrict__ acc, const int32_t* __restrict__ idx,
                                    const float* __restrict__ values, size_t k) {
-  const size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-  if (j < k) acc[idx[j]] = __fadd_rn(acc[idx[j]], values[j]);
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < k; j += stride())
+    acc[idx[j]] = __fadd_rn(acc[idx[j]], values[j]);
 }
 
 // Device memory for the duration of one selection.
