@@ -178,6 +178,43 @@ def _run_gather_params(rank, world_size, store_path, stage):
     return sorted({v.item() for v in weight.reshape(-1).unique()})
 
 
+def _run_fused_and_discard(rank, world_size, store_path, stage):
+    """(1) A fused optimizer updates the shards without bumping their version counters: the next
+    forward must still see every rank's update (it is compared with the forward after an explicit
+    gather_params()). (2) A gradient accumulated under no_sync() and then cleared by the
+    optimizer's zero_grad() (set_to_none or not) must not reach the next step: the gradient
+    after it equals that of the next batch alone."""
+    c = make_comm(rank, world_size, store_path)
+    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.5, fused=True)
+    ids = _batch(rank, 0)
+    _loss(sharded, ids).backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        after_step = sharded(ids[:, :-1])
+        sharded.gather_params()
+        assert torch.equal(after_step, sharded(ids[:, :-1])), "forward after a fused step used stale shards"
+    _loss(sharded, _batch(rank, 2)).backward()
+    alone = [p.grad.clone() for p in sharded.parameters()]
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        with sharded.no_sync():
+            _loss(sharded, _batch(rank, 1)).backward()
+            _loss(sharded, _batch(rank, 3)).backward()
+        opt.zero_grad(set_to_none=set_to_none)  # discards the accumulation, as with DDP
+        _loss(sharded, _batch(rank, 2)).backward()
+        for p, q in zip(sharded.parameters(), alone):
+            torch.testing.assert_close(p.grad, q, **TOL)
+    # Not cleared in between: the accumulation is kept and reduced with the next backward.
+    opt.zero_grad()
+    with sharded.no_sync():
+        _loss(sharded, _batch(rank, 1)).backward()
+    _loss(sharded, _batch(rank, 2)).backward()
+    assert any((p.grad - q).abs().max() > 1e-3 for p, q in zip(sharded.parameters(), alone))
+    return True
+
+
 def _assert_exact(actual, expected):
     assert list(actual) == list(expected)
     for k in expected:
@@ -443,6 +480,11 @@ def test_gather_params_spreads_changes_made_through_data(stage):
     values = run_ranks(_run_gather_params, 2, stage)
     assert values[0] == values[1] and len(values[0]) >= 2  # both ranks' values in one parameter
     assert {v % 100 for v in values[0]} == {0, 1}
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_fused_optimizer_and_discarded_no_sync_gradients(stage):
+    assert run_ranks(_run_fused_and_discard, 2, stage) == [True, True]
 
 
 @pytest.mark.parametrize("world_size,overlap", ((2, False), (3, False), (2, True)))

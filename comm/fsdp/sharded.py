@@ -32,11 +32,13 @@ Stages.
   after the unit's forward (``reshard_after_forward``) and after its gradients are ready. The
   root unit stays gathered from the start of the forward to the end of the backward.
 
-Parameter refresh (stages 1, 2). An optimizer updates the shards in place, which bumps their
-version counters; the next forward (each unit's pre-hook, with the prefetch) all-gathers the
-buckets whose shard changed since their last gather. ``gather_params()`` does it at once, for
-code that reads the module's parameters between the step and the next forward, or that changed
-shards through ``.data`` (which the version counter does not see).
+Parameter refresh (stages 1, 2). An optimizer updates the shards in place after a synchronized
+backward; the next forward (each unit's pre-hook, with the prefetch) all-gathers the buckets
+whose gradient that backward reduced, and any other whose shard's version counter moved since its
+last gather (fused optimizers do not bump the counters, so these are not relied upon alone).
+``gather_params()`` does it at once, for code that reads the module's parameters between the
+step and the next forward, or that changed shards through ``.data`` (which the version counter
+does not see).
 
 Every collective is issued by every rank in the same order: ranks must run the same forward and
 backward (the same units, the same parameters used), as with DDP.
@@ -86,7 +88,8 @@ class _Bucket:
     shard_numel: int
     full: torch.Tensor = None     # flat, ``padded`` elements; storage freed when resharded (stage 3)
     shard: nn.Parameter = None
-    synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2)
+    synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2); -1: stale
+    local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
     work: Any = None              # in-flight all-gather
     unit: Any = None              # the _Unit holding it
 
@@ -333,6 +336,7 @@ class ShardedModule(nn.Module):
         b.full = full.requires_grad_(b.trainable)
         b.synced_version = b.shard._version
         if b.trainable:
+            b.full.register_hook(functools.partial(self._before_accumulate, b))
             b.full.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
         for s in b.slots:
             for m, attr in s.owners:
@@ -473,10 +477,31 @@ class ShardedModule(nn.Module):
         self._queue_finish()
         self._gather(unit, self._next_units(unit, True))
 
+    def _before_accumulate(self, b: _Bucket, grad: torch.Tensor) -> None:
+        """Runs before autograd adds a gradient to the bucket's full flat tensor. A local gradient
+        left there by ``no_sync()`` backwards is dropped when the shard's gradient was cleared
+        since (``optimizer.zero_grad()``, with or without ``set_to_none``), as DDP's would be: it
+        lives in ``param.grad`` there."""
+        if b.local_guard is not None:
+            kept, version = b.local_guard
+            b.local_guard = None
+            if b.shard.grad is not kept or kept._version != version:
+                self._drop_local_grad(b)
+
+    def _drop_local_grad(self, b: _Bucket) -> None:
+        if b.full.grad is not None:
+            if self.stage == 1:
+                b.full.grad.zero_()  # the persistent buffer stays
+            else:
+                b.full.grad = None
+
     def _on_grad_ready(self, b: _Bucket, full: torch.Tensor) -> None:
         """The bucket's flat gradient is complete: reduce-scatter it (async), free what can go."""
         self._queue_finish()
         if self._sync:
+            # The optimizer will update the shard: gather it before the next forward even when the
+            # update leaves the version counter alone (fused optimizers' kernels do).
+            b.synced_version = -1
             grad = full.grad
             if self.stage != 1:
                 full.grad = None
@@ -496,6 +521,16 @@ class ShardedModule(nn.Module):
         gradients, release what stage 3 still holds."""
         self._finish_queued = False
         self._retire(0)
+        if not self._sync:
+            # Remember the shard gradients as they are now: if they are cleared before the next
+            # backward, so is the local gradient these no_sync() backwards accumulated. A shard
+            # without one gets zeros, so that a clear (set to None) can be seen.
+            with torch.no_grad():
+                for b in self._buckets():
+                    if b.trainable and b.full.grad is not None:
+                        if b.shard.grad is None:
+                            b.shard.grad = torch.zeros_like(b.shard)
+                        b.local_guard = (b.shard.grad, b.shard.grad._version)
         for unit in list(self._in_flight):
             self._wait_gather(unit)
         for unit in self._units:
@@ -535,11 +570,8 @@ class ShardedModule(nn.Module):
         """Clears the shard gradients and any local gradient accumulated under ``no_sync``."""
         super().zero_grad(set_to_none)
         for b in self._buckets():
-            if b.full.grad is not None:
-                if self.stage == 1:
-                    b.full.grad.zero_()
-                else:
-                    b.full.grad = None
+            self._drop_local_grad(b)
+            b.local_guard = None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
