@@ -406,7 +406,12 @@ class TopK(Compressor):
         k = self.k(numel)
         values, indices, _ = _C.top_k(residual if residual is not None else flat, k)
         if residual is not None:
-            _C.scatter_add(residual, indices, values.neg())  # the sent entries leave the residual: x - x = 0
+            # The sent entries leave the residual: x - x = 0. An inf or NaN would leave NaN there:
+            # non-finite values rank above every number, so when one was sent, every non-finite
+            # entry of the residual is reset to 0 (the others' fate in the other compressors).
+            _C.scatter_add(residual, indices, values.neg())
+            if not bool(torch.isfinite(values).all()):
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         send = torch.empty(8 * k, dtype=torch.uint8)
         send[: 4 * k].view(torch.float32).copy_(values)
         send[4 * k :].view(torch.int32).copy_(indices)

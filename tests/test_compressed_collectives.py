@@ -355,6 +355,32 @@ def top_k_telescopes(rank, n, store_path):
     return err
 
 
+def non_finite_once(rank, n, store_path):
+    """One call whose input holds an inf (rank 0) or a value float16 cannot hold: that call's
+    result is not finite (a loss scaler must see it), and every later call of the key is finite
+    again (the residual once kept inf - inf = NaN and spoiled the tensor for good)."""
+    seen = {}
+    with make_comm(rank, n, store_path) as c:
+        for q in (Int8Quantizer(warmup_steps=2), Int4Quantizer(warmup_steps=2), TopK(0.05, warmup_steps=2),
+                  Cast(torch.float16, warmup_steps=2)):
+            name = type(q).__name__
+            for call in range(8):
+                t = make_input(call, rank, 3000, torch.float32)
+                if call == 3 and rank == 0:
+                    t[17] = 1e6 if isinstance(q, Cast) else float("inf")  # 1e6 overflows float16
+                c.all_reduce(t, op="avg", compression=q, key=KEY)
+                seen[f"{name} {call}"] = bool(torch.isfinite(t).all())
+            residual = q.residual(KEY)
+            seen[f"{name} residual"] = bool(torch.isfinite(residual).all())
+    return seen
+
+
+def test_non_finite_gradient_does_not_stick_in_the_residual():
+    for seen in run_ranks(non_finite_once, 2):
+        for key, finite in seen.items():
+            assert finite == (" 3" not in key), (key, seen)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_top_k_error_feedback_telescopes_across_ranks(n):
     errs = run_ranks(top_k_telescopes, n)

@@ -162,7 +162,10 @@ def test_error_feedback_kernel_matches_reference():
         x = _input(1001, dtype)
         res = torch.randn(1001)
         sent = torch.randn(1001)
+        sent[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+        x[3] = float("inf")
         expected = (x.float() + res) - sent
+        expected[:4] = 0  # non-finite residual entries are kept as 0
         _C.error_feedback(x, res, sent)
         assert torch.equal(res, expected)
         expected = x.float() + res
@@ -173,7 +176,8 @@ def test_error_feedback_kernel_matches_reference():
 @pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float16))
 def test_cast_kernel_matches_reference(out_dtype):
     """sent = round(x + residual) and residual = (x + residual) - sent, bit for bit as torch
-    computes them, including values that overflow float16, subnormals, infinities and NaN."""
+    computes them, including values that overflow float16, subnormals, infinities and NaN (whose
+    residual entries are kept as 0)."""
     for dtype in FLOATS:
         for count in SIZES:
             x = _input(count, dtype, seed=count)
@@ -187,7 +191,9 @@ def test_cast_kernel_matches_reference(out_dtype):
             _C.cast(x, res, sent)
             exact = dict(rtol=0, atol=0, equal_nan=True)
             torch.testing.assert_close(sent, expected, **exact)
-            torch.testing.assert_close(res, full - expected.float(), **exact)
+            kept = full - expected.float()
+            kept = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))  # non-finite: 0
+            torch.testing.assert_close(res, kept, **exact)
             plain = torch.empty(count, dtype=out_dtype)
             _C.cast(x, None, plain)
             torch.testing.assert_close(plain, x.float().to(out_dtype), **exact)
@@ -341,6 +347,22 @@ def test_compressor_arguments_validated():
         comm.TopK(0)
     with pytest.raises(ValueError, match="dtype"):
         comm.Cast(torch.float32)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_block_too_small_for_its_inverse_scale_is_sent_as_zeros(bits):
+    """A block whose absmax is below qmax / FLT_MAX (~1e-37): qmax / absmax overflows, and its
+    zeros once came back as -absmax. It is sent as zeros with scale 0; the residual keeps it."""
+    x = torch.tensor([1, 0.5, 0.25, 0, -0.1, 0, 0, 0]) * 1e-38  # int4: qmax / amax = 7e38 overflows too
+    x = torch.cat([x, torch.randn(8)])  # a normal block after it
+    res = torch.zeros(16)
+    payload = _C.quantize(x, res, bits, 8, False, 0)
+    out = torch.empty(16)
+    _C.dequantize(payload, bits, 8, out)
+    assert torch.equal(out[:8], torch.zeros(8))
+    assert torch.equal(res[:8], x[:8])
+    expected_payload, expected_res = ref.quantize(x, torch.zeros(16), bits, 8, False, 0)
+    assert torch.equal(payload, expected_payload) and torch.equal(res, expected_res)
 
 
 def test_top_k_refuses_more_elements_than_int32_indices_before_touching_its_state():

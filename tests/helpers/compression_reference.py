@@ -67,6 +67,10 @@ def quantize(
         amax = xb.abs().amax(dim=1, keepdim=True) if chunk else torch.zeros(0, 1)
         scale = amax / torch.full_like(amax, qmax)
         inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+        # A block too small for qmax / amax (it overflows) is sent as zeros.
+        tiny = torch.isinf(inv)
+        inv = torch.where(tiny, torch.zeros_like(inv), inv)
+        scale = torch.where(tiny, torch.zeros_like(scale), scale)
         v = xb * inv
         if stochastic:
             first = index_base + j * chunk
@@ -98,6 +102,7 @@ def quantize(
     new_res = None
     if residual is not None:
         new_res = xf - deq_all[:count]
+        new_res = torch.where(torch.isfinite(new_res), new_res, torch.zeros_like(new_res))
     return payload, new_res
 
 

@@ -12,7 +12,7 @@ namespace {
 template <class T>
 void update_typed(const T* __restrict in, float* __restrict residual, const float* __restrict sent, size_t count) {
   if (sent != nullptr) {
-    for (size_t i = 0; i < count; ++i) residual[i] = (load_f32(in[i]) + residual[i]) - sent[i];
+    for (size_t i = 0; i < count; ++i) residual[i] = finite_or_zero((load_f32(in[i]) + residual[i]) - sent[i]);
   } else {
     for (size_t i = 0; i < count; ++i) residual[i] = load_f32(in[i]) + residual[i];
   }
@@ -33,7 +33,7 @@ void cast_typed(const In* __restrict in, float* __restrict residual, uint16_t* _
       for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]) + r[k];
       narrow_n<Out>(x, out + base, m);
       widen_n<Out>(out + base, back, m);
-      for (size_t k = 0; k < m; ++k) r[k] = x[k] - back[k];
+      for (size_t k = 0; k < m; ++k) r[k] = finite_or_zero(x[k] - back[k]);
     } else {
       for (size_t k = 0; k < m; ++k) x[k] = load_f32(src[k]);
       narrow_n<Out>(x, out + base, m);

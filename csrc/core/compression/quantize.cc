@@ -4,11 +4,13 @@
 #include "quantize.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
 #include "../half.h"
 #include "counter_rng.h"
+#include "error_feedback.h"
 
 namespace braid {
 namespace {
@@ -60,14 +62,14 @@ inline void round_block(const float* __restrict x, const uint16_t* __restrict di
       const float y = x[j] * inv + static_cast<float>(dither[j]) * (1.0f / 65536.0f);
       const float v = std::min(qmax, std::max(-qmax, std::floor(y)));
       qb[j] = static_cast<uint8_t>(static_cast<int32_t>(v) + bias);
-      if (kResidual) r[j] = x[j] - v * scale;
+      if (kResidual) r[j] = finite_or_zero(x[j] - v * scale);
     }
   } else {
     for (size_t j = 0; j < m; ++j) {
       // Round to nearest even (the default mode); one vroundps under -fno-trapping-math.
       const float v = std::min(qmax, std::max(-qmax, std::nearbyint(x[j] * inv)));
       qb[j] = static_cast<uint8_t>(static_cast<int32_t>(v) + bias);
-      if (kResidual) r[j] = x[j] - v * scale;
+      if (kResidual) r[j] = finite_or_zero(x[j] - v * scale);
     }
   }
 }
@@ -126,8 +128,14 @@ inline void quantize_block(QuantFormat fmt, const T* in, float* residual, size_t
   const int32_t iqmax = fmt.qmax();
   const float qmax = static_cast<float>(iqmax);
   const float amax = stage_block(in, residual, m, s.x);
-  const float scale = amax / qmax;
-  const float inv = amax > 0.0f ? qmax / amax : 0.0f;
+  float scale = amax / qmax;
+  float inv = amax > 0.0f ? qmax / amax : 0.0f;
+  if (inv > FLT_MAX) {
+    // amax below qmax / FLT_MAX (~1e-37): inv overflows, and x * inf would round a 0 to NaN (then
+    // -qmax). Such a block is sent as zeros (scale 0); error feedback keeps its values.
+    inv = 0.0f;
+    scale = 0.0f;
+  }
   *scale_out = scale;
   const uint16_t* dither = nullptr;
   if (stochastic) {

@@ -3,6 +3,8 @@
 // rounded as on the CPU (built with -ffp-contract=off), so both produce the same bits.
 #pragma once
 
+#include <cfloat>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -25,6 +27,9 @@ inline unsigned grid_for(size_t n) {
   const size_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 65535 * 8 ? (blocks == 0 ? 1 : blocks) : 65535 * 8);
 }
+
+// A residual entry as kept: non-finite values become 0 (see the CPU's finite_or_zero).
+__device__ __forceinline__ float finite_or_zero(float d) { return fabsf(d) <= FLT_MAX ? d : 0.0f; }
 
 __device__ __forceinline__ size_t stride() { return static_cast<size_t>(gridDim.x) * blockDim.x; }
 

@@ -1,4 +1,5 @@
-// CUDA error-feedback update: residual = in + residual - sent, one grid-stride pass.
+// CUDA error-feedback update: residual = in + residual - sent (non-finite results kept as 0, as
+// on the CPU), one grid-stride pass.
 #include "compression_cuda.h"
 #include "device_math.cuh"
 
@@ -12,7 +13,7 @@ __global__ void error_feedback_kernel(const T* __restrict__ in, float* __restric
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const float x = __fadd_rn(load_f32(in, i), residual[i]);
-    residual[i] = sent != nullptr ? __fsub_rn(x, sent[i]) : x;
+    residual[i] = sent != nullptr ? finite_or_zero(__fsub_rn(x, sent[i])) : x;
   }
 }
 

@@ -72,8 +72,12 @@ __global__ void quantize_kernel(Layout L, size_t nblocks, const T* __restrict__ 
       amax = __uint_as_float(max(__float_as_uint(amax), __float_as_uint(fabsf(x))));
     }
     amax = block_max(amax);
-    const float scale = __fdiv_rn(amax, L.qmax);
-    const float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
+    float scale = __fdiv_rn(amax, L.qmax);
+    float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
+    if (inv > FLT_MAX) {  // a block below ~1e-37 is sent as zeros, as on the CPU
+      inv = 0.0f;
+      scale = 0.0f;
+    }
     uint8_t* o = out + j * L.chunk_bytes;
     if (threadIdx.x == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
     if (b == 0 && threadIdx.x < L.scales_offset - L.value_bytes) o[L.value_bytes + threadIdx.x] = 0;  // padding
@@ -83,7 +87,7 @@ __global__ void quantize_kernel(Layout L, size_t nblocks, const T* __restrict__ 
         const float v = __fmul_rn(xs[k], inv);
         q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + first + k))) : rintf(v);
         q = fminf(L.qmax, fmaxf(-L.qmax, q));
-        if (residual != nullptr) residual[first + k] = __fsub_rn(xs[k], __fmul_rn(q, scale));
+        if (residual != nullptr) residual[first + k] = finite_or_zero(__fsub_rn(xs[k], __fmul_rn(q, scale)));
       }
       if (L.bits == 8) {
         reinterpret_cast<int8_t*>(o)[b * L.block + k] = static_cast<int8_t>(q);
