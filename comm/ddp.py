@@ -39,10 +39,17 @@ def _min_bytes_from_env() -> int:
 
 class CommHookState:
     """State of the braid DDP hook: the communicator, the compressor (with its residuals) and the
-    number of synchronized steps seen (the compressor's warm-up counts them).
+    number of synchronized steps seen.
 
     Pickling and ``state_dict()`` keep the compressor state and the step but not the
     communicator: after loading, set ``state.communicator`` before the next backward.
+
+    The compressor's warm-up counts the steps this state has run since it was built or loaded
+    (``steps_here``), not the restored ``step``: a DDP built to resume from a checkpoint lays out
+    its first step's buckets in another order than the one the residuals were kept for, and
+    rebuilds them after that step, as the original run did. So the first ``warmup_steps`` steps
+    after loading are exact again, and compression resumes on the bucket layout whose residuals
+    were saved.
     """
 
     def __init__(
@@ -52,6 +59,7 @@ class CommHookState:
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
         self.step = 0
+        self.steps_here = 0
 
     def state_dict(self) -> dict:
         return {
@@ -64,6 +72,7 @@ class CommHookState:
         if (state["compression"] is None) != (self.compression is None):
             raise ValueError("state and hook disagree on whether gradients are compressed")
         self.step = int(state["step"])
+        self.steps_here = 0
         self.min_compress_bytes = int(state["min_compress_bytes"])
         if self.compression is not None:
             self.compression.load_state_dict(state["compression"])
@@ -80,6 +89,7 @@ class CommHookState:
         self.compression = state["compression"]
         self.min_compress_bytes = state["min_compress_bytes"]
         self.step = state["step"]
+        self.steps_here = 0
 
 
 def _bucket_tensor(fut: torch.futures.Future) -> torch.Tensor:
@@ -99,15 +109,16 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
             "loading a checkpoint)"
         )
     buf = bucket.buffer()
-    step = state.step
+    steps_here = state.steps_here
     if bucket.is_last():
         state.step += 1
+        state.steps_here += 1
     comp = state.compression
     small = buf.numel() * buf.element_size() < state.min_compress_bytes
     if comp is None or small or buf.dtype not in FLOAT_DTYPES:
         work = c.all_reduce(buf, op="avg", async_op=True)
     else:
-        work = comp.all_reduce(c, buf, "avg", key=bucket.index(), async_op=True, step=step)
+        work = comp.all_reduce(c, buf, "avg", key=bucket.index(), async_op=True, step=steps_here)
     return work.get_future().then(_bucket_tensor)
 
 
@@ -124,7 +135,7 @@ def comm_hook(
         compression: None for the exact average, or a compressor (``Int8Quantizer()``,
             ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``); its warm-up counts
             DDP steps, so the first ``warmup_steps`` steps (and the bucket rebuild after step 1)
-            are exact.
+            are exact, and so are the first ones after loading a checkpoint into the state.
         min_compress_bytes: buckets smaller than this are reduced exactly (default
             ``BRAID_COMPRESS_MIN_BYTES`` or 64 KiB).
     """

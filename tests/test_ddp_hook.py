@@ -152,6 +152,75 @@ def test_small_buckets_go_uncompressed():
     assert run_ranks(hook_without_compression_for_small_buckets, 2) == [(0, 4), (0, 4)]
 
 
+def resume_from_checkpoint(rank, n, store_path, compressor):
+    """A run restarted from a checkpoint (new model, DDP, optimizer and hook state, loaded) ends
+    bit for bit where a run without the restart ends, when that run also goes exact for the
+    warm-up steps after the checkpoint (``steps_here`` reset, what loading does): the resumed
+    DDP's first step lays out its buckets in another order, and compressing it with the saved
+    residuals (keyed by bucket index) once put them on the wrong parameters."""
+    import io
+
+    from braid import comm
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    make_q = {"int8": lambda: comm.Int8Quantizer(stochastic=False), "topk": lambda: comm.TopK(0.05),
+              "cast": lambda: comm.Cast(torch.bfloat16)}[compressor]
+
+    def build(c):
+        model = _model()
+        m = DDP(model, bucket_cap_mb=0.004)
+        state, hook = ddp.comm_hook(c, make_q(), min_compress_bytes=0)
+        m.register_comm_hook(state, hook)
+        return model, m, state, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def step(m, opt, i):
+        opt.zero_grad()
+        x, y = _batch(rank, i, 0)
+        ((m(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    with process_group(rank, n, store_path):
+        with make_comm(rank, n, store_path) as c:
+            model, m, state, opt = build(c)
+            for i in range(4):
+                step(m, opt, i)
+            saved = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+                       saved)
+            state.steps_here = 0  # the uninterrupted run: exact for the warm-up, same buckets
+            modes = []
+            for i in range(4, 8):
+                sent = state.compression.wire_total.sent
+                step(m, opt, i)
+                modes.append(state.compression.wire_total.sent - sent)
+            straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+            saved.seek(0)
+            ckpt = torch.load(saved, weights_only=False)
+            model, m, state, opt = build(c)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            state.load_state_dict(ckpt["hook"])
+            resumed_modes = []
+            for i in range(4, 8):
+                sent = state.compression.wire_total.sent
+                step(m, opt, i)
+                resumed_modes.append(state.compression.wire_total.sent - sent)
+            resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            return torch.equal(straight, resumed), modes, resumed_modes, state.step
+
+
+@pytest.mark.parametrize("compressor", ["int8", "topk", "cast"])
+def test_resumed_hook_continues_the_run(compressor):
+    for same, modes, resumed_modes, steps in run_ranks(resume_from_checkpoint, 2, compressor):
+        assert steps == 8
+        # Warm-up (dense bytes) at the first two steps after the checkpoint, compressed after.
+        assert modes[2] < modes[0] and modes[3] < modes[1], modes
+        assert resumed_modes == modes, (resumed_modes, modes)
+        assert same, "the resumed run's parameters differ from the uninterrupted run's"
+
+
 @pytest.mark.parametrize("raw, value", [("", 64 << 10), ("0", 0), ("1000", 1000), ("256K", 256 << 10),
                                         ("2m", 2 << 20), ("1G", 1 << 30)])
 def test_compress_min_bytes_from_environment(monkeypatch, raw, value):
