@@ -240,6 +240,18 @@ class Compressor:
     def _check_numel(self, numel: int) -> None:
         """Raises ValueError for a tensor size this compressor cannot carry (none by default)."""
 
+    # Settings that may differ between ranks without changing what travels.
+    _LOCAL_SETTINGS = ("seed", "error_feedback", "warmup_steps", "stochastic")
+
+    def _call_tag(self, op_code: int, flat: torch.Tensor) -> int:
+        """32 bits the ranks' collectives compare (with sequence, kind, dtype and byte count):
+        a hash of the compressor's type and wire settings, the op, the dtype and the element
+        count, so ranks that disagree on any of them raise CollectiveMismatch instead of
+        mixing payloads that merely have the same size."""
+        wire = sorted((k, v) for k, v in self._config().items() if k not in self._LOCAL_SETTINGS)
+        what = zlib.crc32(repr((type(self).__name__, wire, str(flat.dtype))).encode())
+        return (_mix64(what, op_code, flat.numel()) & 0xFFFFFFFF) or 1
+
     def _compressed(
         self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable, seed: int, async_op: bool
     ) -> tuple:
@@ -306,6 +318,7 @@ class _BlockQuantizer(Compressor):
             self.stochastic,
             _mix64(seed, 1),
             async_op,
+            self._call_tag(op_code, flat),
         )
 
         def finish() -> None:
@@ -416,7 +429,7 @@ class TopK(Compressor):
         send[: 4 * k].view(torch.float32).copy_(values)
         send[4 * k :].view(torch.int32).copy_(indices)
         gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
-        work = comm._c.all_gather(gathered, send, async_op)
+        work = comm._c.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
             if flat.dtype == torch.float32:  # summed in place: no dense temporary

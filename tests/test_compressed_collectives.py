@@ -355,6 +355,38 @@ def top_k_telescopes(rank, n, store_path):
     return err
 
 
+def disagreeing_compressed_calls(rank, n, store_path):
+    """After the warm-up, rank 1 differs in one way the payload size hides (the op; an element
+    count that rounds to the same chunks or the same k; the input dtype): every rank raises
+    CollectiveMismatch, as for plain collectives, instead of mixing the payloads."""
+    from braid.comm import CollectiveMismatch
+
+    seen = {}
+    for name, make in (("int8", Int8Quantizer), ("int4", Int4Quantizer), ("topk", lambda: TopK(0.01))):
+        for case in ("op", "size", "dtype"):
+            with make_comm(rank, n, store_path) as c:
+                q = make()
+                for _ in range(2):
+                    c.all_reduce(torch.ones(2000), op="avg", compression=q, key=KEY)
+                size, op, dtype = 2000, "avg", torch.float32
+                if rank == 1:
+                    size, op, dtype = {"op": (2000, "sum", dtype), "size": (1990, op, dtype),
+                                       "dtype": (2000, op, torch.bfloat16)}[case]
+                try:
+                    c.all_reduce(torch.ones(size, dtype=dtype), op=op, compression=q, key=KEY)
+                    seen[f"{name} {case}"] = "no error"
+                except CollectiveMismatch:
+                    seen[f"{name} {case}"] = "mismatch"
+                except Exception as e:  # noqa: BLE001 - reported
+                    seen[f"{name} {case}"] = f"{type(e).__name__}: {e}"
+    return seen
+
+
+def test_disagreeing_compressed_calls_raise_a_mismatch():
+    for seen in run_ranks(disagreeing_compressed_calls, 2):
+        assert set(seen.values()) == {"mismatch"}, seen
+
+
 def non_finite_once(rank, n, store_path):
     """One call whose input holds an inf (rank 0) or a value float16 cannot hold: that call's
     result is not finite (a loss scaler must see it), and every later call of the key is finite

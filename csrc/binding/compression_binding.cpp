@@ -154,7 +154,7 @@ void cast_tensor(py::handle input, py::handle residual, py::handle out) {
 // The middle of a quantized all-reduce as one unit of work (see quantized_all_reduce.h).
 py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::handle recv, py::handle accumulator,
                                         py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
-                                        bool stochastic, uint64_t seed, bool async) {
+                                        bool stochastic, uint64_t seed, bool async, uint32_t tag) {
   const QuantFormat fmt = checked_format(bits, block);
   if (chunk < 0 || chunk % block != 0)
     throw py::value_error("chunk must be a non-negative multiple of block (" + std::to_string(block) + "), got " +
@@ -181,6 +181,7 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   a.average = average;
   a.stochastic = stochastic;
   a.seed = seed;
+  a.tag = tag;
   a.send = s.data_ptr<uint8_t>();
   a.recv = r.data_ptr<uint8_t>();
   a.acc = acc.data_ptr<float>();
@@ -217,7 +218,8 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
   m.def("cast", &cast_tensor, py::arg("input"), py::arg("residual"), py::arg("out"));
   communicator.def("quantized_all_reduce", &quantized_all_reduce_tensors, py::arg("send"), py::arg("recv"),
                    py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
-                   py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"));
+                   py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"),
+                   py::arg("tag") = 0);
 }
 
 }  // namespace braid

@@ -118,7 +118,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
-py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async) {
+py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async, uint32_t tag) {
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_whole_and_part(out, in, out, "output", in, "input", c.world_size());
@@ -126,6 +126,7 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
   r.kind = CollKind::kAllGather;
   r.dtype = to_dtype(out.scalar_type(), "output");
   r.count = static_cast<size_t>(in.numel());
+  r.tag = tag;
   Staged s = stage(out, "output");
   at::Tensor in_c = in.contiguous();
   check_aliasing(s.buffer, "output", in_c, "input", c.rank());
@@ -318,7 +319,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_reduce_algo", [](const Communicator& c, size_t bytes) { return std::string(algo_name(c.all_reduce_algo(bytes))); })
       .def("all_reduce", &all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"))
       .def("reduce_scatter", &reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))
-      .def("all_gather", &all_gather, py::arg("output"), py::arg("input"), py::arg("async_op"))
+      .def("all_gather", &all_gather, py::arg("output"), py::arg("input"), py::arg("async_op"),
+           py::arg("tag") = 0)
       .def("all_to_all", &all_to_all, py::arg("output"), py::arg("input"), py::arg("async_op"))
       .def("all_to_all_v", &all_to_all_v, py::arg("output"), py::arg("input"), py::arg("output_split_sizes"),
            py::arg("input_split_sizes"), py::arg("async_op"))

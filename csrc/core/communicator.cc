@@ -367,7 +367,8 @@ void Communicator::execute(Request& r) {
   d.kind = static_cast<uint32_t>(r.kind);
   d.dtype = static_cast<uint32_t>(r.dtype);
   d.op = static_cast<uint32_t>(r.op);
-  d.root = static_cast<uint32_t>(r.root);
+  const bool tagged = r.kind == CollKind::kAllGather || r.kind == CollKind::kAllToAll;
+  d.root = tagged ? r.tag : static_cast<uint32_t>(r.root);
   try {
     if (!group_) {
       execute_local(r);

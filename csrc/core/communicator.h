@@ -27,6 +27,10 @@ struct Request {
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
                      // all_gather: input elements; all_to_all: elements per chunk
   int root = 0;      // broadcast: source; send/recv: the peer
+  // all_gather / all_to_all: what the bytes mean to the caller (a compressed all-reduce's hash of
+  // its compressor, settings, op and element count), compared between ranks like the rest of the
+  // descriptor (in the root field, which these kinds do not use); 0 for plain calls.
+  uint32_t tag = 0;
   const void* in = nullptr;
   void* out = nullptr;
   // Runs on the executing thread after the data moved (e.g. copies a staged result back).

@@ -17,6 +17,7 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
   scatter.count = cb;
   scatter.in = a.send;
   scatter.out = a.recv;
+  scatter.tag = a.tag;
   c.run_collective(scatter);
 
   std::fill(a.acc, a.acc + a.chunk, 0.0f);
@@ -34,6 +35,7 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
   gather.count = cb;
   gather.in = mine;
   gather.out = a.gathered;
+  gather.tag = a.tag;
   c.run_collective(gather);
 }
 

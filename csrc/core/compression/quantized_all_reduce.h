@@ -17,6 +17,7 @@ struct QuantizedAllReduceArgs {
   bool average = false;     // divide the sum by the world size before re-quantizing
   bool stochastic = true;   // rounding of the re-quantization
   uint64_t seed = 0;        // its random stream (elements numbered from rank * chunk)
+  uint32_t tag = 0;         // Request::tag of both collectives (ranks must agree on it)
   const uint8_t* send = nullptr;  // world_size chunks of fmt.bytes(chunk), chunk j for rank j
   uint8_t* recv = nullptr;        // world_size chunks: scratch for what the peers sent
   float* acc = nullptr;           // `chunk` floats: scratch for the sum
