@@ -207,6 +207,62 @@ def test_point_to_point(world_size):
     assert run_ranks(_run_point_to_point, world_size) == [True] * world_size
 
 
+def _run_work_api_and_callbacks(rank, world_size, store_path):
+    """The Work a braid call returns: wait() raises braid's error (a future-wrapping Work once
+    returned normally from a failed call, leaving unreduced tensors), wait(timeout) and result()
+    work; a collective issued and waited for inside a future's callback completes (it once hung:
+    the callback runs on braid's progress thread), which torch's PowerSGD hook relies on."""
+    from braid.comm import CollectiveMismatch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with braid_default_group(rank, world_size, store_path) as gloo:
+        t = torch.ones(3)
+        w = dist.all_reduce(t, async_op=True)
+        assert w.wait(timeout=timedelta(seconds=30)) and w.is_success()
+        assert torch.equal(w.result()[0], torch.full((3,), float(world_size)))
+        # A receive of another size than the send raises the mismatch from wait() (in a group of
+        # its own: the error poisons it).
+        pair = dist.new_group([0, 1])
+        if rank < 2:
+            x = torch.zeros(4 + rank)
+            if rank == 0:
+                w = dist.isend(x, group_dst=1, group=pair)
+            else:
+                w = dist.irecv(x, group_src=0, group=pair)
+            if rank == 1:
+                with pytest.raises(CollectiveMismatch, match="point-to-point mismatch"):
+                    w.wait()
+            else:
+                w.wait()  # the send completed into the mailbox
+        # A collective issued and waited for from a callback, then one issued after it.
+        u = torch.full((4,), float(rank))
+        fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+        inner = fut.then(lambda _: dist.all_reduce(u, async_op=True).get_future().wait()[0].tolist())
+        v = torch.ones(2)
+        dist.all_reduce(v)
+        assert inner.wait() == [float(sum(range(world_size)))] * 4
+        assert v.tolist() == [float(world_size)] * 2
+        # DDP with torch's PowerSGD hook (its callbacks all-reduce and wait) trains as on gloo.
+        trained = []
+        for group in (dist.group.WORLD, gloo):
+            torch.manual_seed(0)
+            model = DDP(_MLP(), process_group=group)
+            state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=2,
+                                           start_powerSGD_iter=2, min_compression_rate=0.5)
+            model.register_comm_hook(state, powerSGD.powerSGD_hook)
+            _train(model, 6, rank)
+            trained.append([p.detach().clone() for p in model.parameters()])
+        for a, b in zip(*trained):
+            torch.testing.assert_close(a, b, **TOL)
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_work_api_and_collectives_from_callbacks(world_size):
+    assert run_ranks(_run_work_api_and_callbacks, world_size) == [True] * world_size
+
+
 class _MLP(nn.Module):
     def __init__(self):
         super().__init__()

@@ -326,33 +326,34 @@ def test_ranks_on_several_hosts_get_a_clear_error(n):
         assert result["leftover"] == [], result
 
 
-def blocking_call_in_callback(rank, n, store_path):
-    """Future callbacks run on the progress thread: a blocking collective there, or a wait for a
-    later work, would wait for that thread itself. Both raise instead (rank 0 tries them while
-    its first all-reduce waits for rank 1, so that the callbacks run on the progress thread), an
-    async call from a callback still works, and the communicator stays usable."""
+def calls_in_callback(rank, n, store_path):
+    """Future callbacks run on the progress thread. A collective issued there runs at once, on
+    that thread, right after the work whose completion runs the callback and before the works
+    queued behind it: a blocking one, and an async one waited for inside the callback (as torch's
+    PowerSGD hook does), both complete (queued, they would wait for the thread they block). A
+    wait for a work queued behind it would wait for that thread itself: it raises. Rank 0 attaches
+    the callbacks while its first all-reduce waits for rank 1; rank 1 calls the collectives in
+    the order rank 0 runs them."""
     c = make_comm(rank, n, store_path)
     store = open_store(store_path)
     seen = {}
     t1, t2, t3 = (torch.full((100,), float(rank + k)) for k in (1, 2, 3))
+    u = torch.ones(3)
     if rank == 0:
         a = c.all_reduce(t1, async_op=True)  # pending: rank 1 has not called yet
         b = c.all_reduce(t2, async_op=True)
         fut = a.get_future()
-        blocking = fut.then(lambda _: outcome(c.all_reduce, torch.ones(3)))
+        blocking = fut.then(lambda _: outcome(c.all_reduce, u))
         waiting = fut.then(lambda _: outcome(b.wait))
-        nested = []
-        chained = fut.then(lambda _: nested.append(c.all_reduce(t3, async_op=True)))
+        nested = fut.then(lambda _: c.all_reduce(t3, async_op=True).get_future().wait()[0][0].item())
         store.set("attached", "1")
-        seen["blocking"], seen["wait"] = blocking.wait(), waiting.wait()
+        seen["blocking"], seen["wait"], seen["nested"] = blocking.wait(), waiting.wait(), nested.wait()
         b.wait()
-        chained.wait()
-        nested[0].wait()
     else:
         store.wait(["attached"])
-        for t in (t1, t2, t3):
+        for t in (t1, u, t3, t2):
             c.all_reduce(t)
-    seen["results"] = [t[0].item() for t in (t1, t2, t3)]
+    seen["results"] = [t[0].item() for t in (t1, t2, t3, u)]
     t = torch.full((5,), float(rank))
     c.all_reduce(t)
     seen["after"] = t.tolist()
@@ -360,13 +361,14 @@ def blocking_call_in_callback(rank, n, store_path):
     return seen
 
 
-def test_blocking_call_from_a_callback_raises_instead_of_hanging():
+def test_calls_from_a_callback_run_on_the_progress_thread():
     n = 2
-    results = run_ranks(blocking_call_in_callback, n)
-    for what in ("blocking", "wait"):
-        _assert_raised(results[0][what], comm.CommError, DETECTION_LIMIT_S, "progress thread")
+    results = run_ranks(calls_in_callback, n)
+    assert results[0]["blocking"]["type"] is None, results[0]["blocking"]
+    assert results[0]["nested"] == 7.0, results[0]
+    _assert_raised(results[0]["wait"], comm.CommError, DETECTION_LIMIT_S, "progress thread")
     for seen in results:
-        assert seen["results"] == [3.0, 5.0, 7.0], seen
+        assert seen["results"] == [3.0, 5.0, 7.0, 2.0], seen
         assert seen["after"] == [float(sum(range(n)))] * 5, seen
 
 

@@ -101,6 +101,43 @@ Request make(CollKind kind, DType dtype, size_t count, const void* in, void* out
   return r;
 }
 
+// The c10d Work of a braid call. wait() raises braid's error (c10d's future-wrapping work returns
+// normally from a failed future, which would hand back unreduced tensors as if all went well),
+// takes a timeout, is interruptible and refuses, as braid's own works do, to wait on the progress
+// thread for work queued behind it; result() gives the output tensors.
+class BraidWork final : public c10d::Work {
+ public:
+  BraidWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::shared_ptr<braid::Work> work,
+            std::vector<at::Tensor> outputs)
+      : fut_(std::move(fut)), work_(std::move(work)), outputs_(std::move(outputs)) {}
+
+  bool isCompleted() override { return fut_->completed(); }
+  bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
+  std::exception_ptr exception() const override { return fut_->completed() ? fut_->exception_ptr() : nullptr; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return fut_; }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (work_ != nullptr && !work_->wait(timeout, /*interruptible=*/true))
+      throw CommError(ErrorKind::kTimeout, "braid work not completed within the " + std::to_string(timeout.count()) +
+                                               " ms given to wait()");
+    fut_->wait();  // completed by the work's completion callback, which may still be running
+    if (fut_->hasError()) std::rethrow_exception(fut_->exception_ptr());
+    return true;
+  }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> fut_;
+  std::shared_ptr<braid::Work> work_;  // null for a call that completed before returning
+  std::vector<at::Tensor> outputs_;
+};
+
+c10::intrusive_ptr<c10d::Work> pending_work(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) {
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  complete_with(*w, fut, outputs);
+  return c10::make_intrusive<BraidWork>(std::move(fut), std::move(w), std::move(outputs));
+}
+
 class BraidBackend final : public c10d::Backend {
  public:
   explicit BraidBackend(std::shared_ptr<Communicator> comm)
@@ -409,9 +446,7 @@ class BraidBackend final : public c10d::Backend {
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in, out.data});
     auto w = comm_->submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
     if (!async) return completed(outputs);
-    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-    complete_with(*w, fut, std::move(outputs));
-    return c10d::Work::create_from_future(fut);
+    return pending_work(std::move(w), std::move(outputs));
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_list(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, bool async,
@@ -489,7 +524,7 @@ class BraidBackend final : public c10d::Backend {
   static c10::intrusive_ptr<c10d::Work> completed(const std::vector<at::Tensor>& outputs) {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
-    return c10d::Work::create_from_future(fut);
+    return c10::make_intrusive<BraidWork>(std::move(fut), nullptr, outputs);
   }
 
   // Blocking calls run on the caller's thread (inline when nothing is queued) and return a
@@ -502,7 +537,6 @@ class BraidBackend final : public c10d::Backend {
       for (auto& f : b.finish) f();
       return completed(b.outputs);
     }
-    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(b.keep));
     auto finish = std::make_shared<std::vector<std::function<void()>>>(std::move(b.finish));
     std::shared_ptr<Work> last;
@@ -512,8 +546,7 @@ class BraidBackend final : public c10d::Backend {
       if (i + 1 == b.requests.size()) r.epilogue = [finish] { for (auto& f : *finish) f(); };
       last = comm_->submit(std::move(r), true);
     }
-    complete_with(*last, fut, std::move(b.outputs));
-    return c10d::Work::create_from_future(fut);
+    return pending_work(std::move(last), std::move(b.outputs));
   }
 
   std::shared_ptr<Communicator> comm_;

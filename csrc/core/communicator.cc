@@ -90,8 +90,17 @@ constexpr const char* kReentrant =
 }  // namespace
 
 void Communicator::check_may_block() const {
-  if (engine_->on_progress_thread()) throw CommError(ErrorKind::kGeneric, kOnProgressThread);
   if (engine_->inline_on_this_thread()) throw CommError(ErrorKind::kGeneric, kReentrant);
+}
+
+std::shared_ptr<Work> Communicator::run_on_progress_thread(const std::function<void()>& body, bool async) {
+  if (!async) {
+    body();
+    return nullptr;
+  }
+  auto work = std::make_shared<Work>(body);
+  work->run();
+  return work;
 }
 
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
@@ -101,6 +110,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if ((req.kind == CollKind::kAllReduce || req.kind == CollKind::kReduceScatter) && !op_supports(req.op, req.dtype))
     throw std::invalid_argument(std::string("reduce op ") + reduce_op_name(req.op) + " needs an integer dtype, got " +
                                 dtype_name(req.dtype));
+  if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
   if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
@@ -136,27 +146,29 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
   header.kind = CollKind::kExchange;
   header.dtype = dtype;
   // Blocking with nothing queued: all of it on the calling thread, as a blocking collective (two
-  // thread hand-offs per call would cost more than a small exchange takes).
-  if (!async && engine_->run_if_idle([&] {
-        execute(header);
-        if (reqs.empty()) {
-          if (epilogue) epilogue();
-          return;
-        }
-        std::vector<std::shared_ptr<Work>> batch;
-        for (Request& r : reqs) {
-          auto shared = std::make_shared<Request>(std::move(r));
-          auto w = std::make_shared<Work>([] {});
-          w->set_p2p(shared);
-          batch.push_back(std::move(w));
-        }
-        std::vector<std::shared_ptr<Work>> mine = batch;  // run_p2p may append works queued meanwhile
-        run_p2p(batch);
-        for (const auto& w : mine)
-          if (!w->succeeded()) throw CommError(w->error_kind(), w->error_message());
-        if (epilogue) epilogue();
-      }))
-    return nullptr;
+  // thread hand-offs per call would cost more than a small exchange takes). So too on the
+  // progress thread.
+  auto here = [&] {
+    execute(header);
+    if (reqs.empty()) {
+      if (epilogue) epilogue();
+      return;
+    }
+    std::vector<std::shared_ptr<Work>> batch;
+    for (Request& r : reqs) {
+      auto shared = std::make_shared<Request>(std::move(r));
+      auto w = std::make_shared<Work>([] {});
+      w->set_p2p(shared);
+      batch.push_back(std::move(w));
+    }
+    std::vector<std::shared_ptr<Work>> mine = batch;  // run_p2p may append works queued meanwhile
+    run_p2p(batch);
+    for (const auto& w : mine)
+      if (!w->succeeded()) throw CommError(w->error_kind(), w->error_message());
+    if (epilogue) epilogue();
+  };
+  if (engine_->on_progress_thread()) return run_on_progress_thread(here, async);
+  if (!async && engine_->run_if_idle(here)) return nullptr;
   // Completed by whichever transfer finishes last; its body never runs.
   auto all = std::make_shared<Work>([] {});
   all->set_engine(engine_.get());
@@ -322,6 +334,7 @@ std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std:
   check_open();
   check_not_poisoned();
   if (!async) check_may_block();
+  if (engine_->on_progress_thread()) return run_on_progress_thread(body, async);
   if (!async && engine_->run_if_idle(body)) return nullptr;
   auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
   work->set_engine(engine_.get());

@@ -102,8 +102,15 @@ class Communicator {
   // once it fails on it).
   void record_poison(ErrorKind kind, const std::string& msg);
   void check_open() const;
-  // Refuses a blocking call on the progress thread (kOnProgressThread).
+  // Refuses a blocking call re-entering an inline collective on the same thread.
   void check_may_block() const;
+  // A call made on the progress thread itself, from a completion callback (a future's `then`, a
+  // DDP hook's continuation): `body` runs now, on this thread, right after the work whose
+  // completion is running and before anything queued behind it, so that every rank runs it at
+  // the same point. Queued instead, it would wait behind the work the callback belongs to, and a
+  // wait on it inside the callback would never end. Async calls get a finished work (failed on
+  // error); blocking ones throw as inline calls do.
+  std::shared_ptr<Work> run_on_progress_thread(const std::function<void()>& body, bool async);
   // A blocking call's wait for its queued work. Interrupted: the executing thread is asked to
   // abort (the request points into the caller's tensors, so it must be over before the caller
   // returns), the communicator is poisoned, and Interrupted propagates once the work ended.
