@@ -207,6 +207,82 @@ def test_point_to_point(world_size):
     assert run_ranks(_run_point_to_point, world_size) == [True] * world_size
 
 
+def _run_other_dtypes_move(rank, world_size, store_path):
+    """Calls that only move data take any dtype (bool, int8, int16, complex64: as bytes), as gloo
+    does: broadcast, all_gather(_into_tensor), gather, scatter, all_to_all(_single, with and
+    without splits), send/recv, and DDP's broadcast of a bool buffer; reductions still refuse them
+    naming the dtype."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = world_size
+
+    def value(r, dtype, m=6):
+        base = torch.arange(m) * 7 + 3 * r
+        if dtype == torch.bool:
+            return base % 3 == 0
+        if dtype.is_complex:
+            return torch.complex(base.float(), -base.float()).to(dtype)
+        return base.to(dtype)
+
+    with braid_default_group(rank, world_size, store_path):
+        for dtype in (torch.bool, torch.int8, torch.int16, torch.complex64):
+            t = value(rank, dtype)
+            dist.broadcast(t, src=n - 1)
+            assert torch.equal(t, value(n - 1, dtype)), dtype
+            outs = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(outs, value(rank, dtype))
+            assert all(torch.equal(o, value(r, dtype)) for r, o in enumerate(outs)), dtype
+            flat = torch.empty(n * 6, dtype=dtype)
+            dist.all_gather_into_tensor(flat, value(rank, dtype))
+            assert torch.equal(flat, torch.cat([value(r, dtype) for r in range(n)])), dtype
+            got = [torch.empty(6, dtype=dtype) for _ in range(n)] if rank == 0 else None
+            dist.gather(value(rank, dtype), got, dst=0)
+            if rank == 0:
+                assert all(torch.equal(o, value(r, dtype)) for r, o in enumerate(got)), dtype
+            piece = torch.empty(6, dtype=dtype)
+            dist.scatter(piece, [value(r, dtype) for r in range(n)] if rank == 0 else None, src=0)
+            assert torch.equal(piece, value(rank, dtype)), dtype
+            whole = value(rank, dtype, 2 * n)
+            out = torch.empty_like(whole)
+            dist.all_to_all_single(out, whole)
+            expect = torch.cat([value(r, dtype, 2 * n)[2 * rank:2 * rank + 2] for r in range(n)])
+            assert torch.equal(out, expect), dtype
+            splits = [1 + (j + rank) % 2 for j in range(n)]  # what this rank sends to each
+            recv = [1 + (rank + j) % 2 for j in range(n)]    # what each rank sends to this one
+            src = value(rank, dtype, sum(splits))
+            out = torch.empty(sum(recv), dtype=dtype)
+            dist.all_to_all_single(out, src, output_split_sizes=recv, input_split_sizes=splits)
+            sent_by = [value(r, dtype, sum(1 + (j + r) % 2 for j in range(n))) for r in range(n)]
+            offs = [sum(1 + (j + r) % 2 for j in range(rank)) for r in range(n)]
+            expect = torch.cat([sent_by[r][offs[r]:offs[r] + recv[r]] for r in range(n)])
+            assert torch.equal(out, expect), dtype
+            if rank < 2:
+                x = value(rank, dtype)
+                if rank == 0:
+                    dist.send(x, 1)
+                else:
+                    dist.recv(x, 0)
+                    assert torch.equal(x, value(0, dtype)), dtype
+            if dtype.is_complex:  # torch sums complex tensors as their float32 view
+                t = value(rank, dtype)
+                dist.all_reduce(t)
+                assert torch.equal(t, sum(value(r, dtype) for r in range(n)))
+            else:
+                with pytest.raises(TypeError, match="unsupported dtype"):
+                    dist.all_reduce(value(rank, dtype))
+        model = nn.Linear(3, 3)
+        model.register_buffer("mask", torch.rand(3, 3, generator=torch.Generator().manual_seed(rank)) > 0.5)
+        ddp = DDP(model)  # broadcasts rank 0's buffers
+        expect = torch.rand(3, 3, generator=torch.Generator().manual_seed(0)) > 0.5
+        assert torch.equal(ddp.module.mask, expect)
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_data_moving_calls_take_any_dtype(world_size):
+    assert run_ranks(_run_other_dtypes_move, world_size) == [True] * world_size
+
+
 def _run_work_api_and_callbacks(rank, world_size, store_path):
     """The Work a braid call returns: wait() raises braid's error (a future-wrapping Work once
     returned normally from a failed call, leaving unreduced tensors), wait(timeout) and result()

@@ -24,6 +24,20 @@ DType dtype_of(const at::Tensor& t, const char* op) {
   return *d;
 }
 
+// How a tensor travels in a call that only moves data (broadcast, gathers, scatter, all-to-all,
+// send/recv): as its dtype where braid has it, else as its bytes (bool, int8, int16, complex,
+// ...: nothing is computed on them, as DDP's broadcast of a bool buffer needs). `scale`: wire
+// elements per tensor element.
+struct Moved {
+  DType dtype;
+  size_t scale;
+};
+
+Moved moved_as(const at::Tensor& t) {
+  if (auto d = dtype_from(t.scalar_type())) return {*d, 1};
+  return {DType::kUInt8, static_cast<size_t>(t.element_size())};
+}
+
 ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
   ReduceOp r = ReduceOp::kSum;
   switch (op.op_) {
@@ -101,6 +115,12 @@ Request make(CollKind kind, DType dtype, size_t count, const void* in, void* out
   return r;
 }
 
+// A data-moving request for `count` elements of `t`'s dtype (see moved_as).
+Request make_moving(CollKind kind, const at::Tensor& t, size_t count, const void* in, void* out) {
+  const Moved m = moved_as(t);
+  return make(kind, m.dtype, count * m.scale, in, out);
+}
+
 // The c10d Work of a braid call. wait() raises braid's error (c10d's future-wrapping work returns
 // normally from a failed future, which would hand back unreduced tensors as if all went well),
 // takes a timeout, is interruptible and refuses, as braid's own works do, to wait on the progress
@@ -159,8 +179,7 @@ class BraidBackend final : public c10d::Backend {
                       " is not a rank of this group of ", size_);
     Batch b;
     Buffer t = contiguous(tensors[0]);
-    Request r = make(CollKind::kBroadcast, dtype_of(t.data, "broadcast"), t.data.numel(), t.data.data_ptr(),
-                     t.data.data_ptr());
+    Request r = make_moving(CollKind::kBroadcast, t.data, t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
     r.root = static_cast<int>(opts.rootRank);
     b.add(std::move(r));
     b.keep.push_back(t.data);
@@ -279,7 +298,7 @@ class BraidBackend final : public c10d::Backend {
       }
     }
     Batch b;
-    Request r = make(CollKind::kBroadcast, dtype_of(whole, "scatter"), whole.numel(), whole.data_ptr(), whole.data_ptr());
+    Request r = make_moving(CollKind::kBroadcast, whole, whole.numel(), whole.data_ptr(), whole.data_ptr());
     r.root = static_cast<int>(opts.rootRank);
     b.add(std::move(r));
     b.keep.push_back(whole);
@@ -348,8 +367,8 @@ class BraidBackend final : public c10d::Backend {
     // another. So any split list means point-to-point (torch passes none for equal splits).
     if (!input_splits.empty() || !output_splits.empty()) return run_exchange(out, in, counts, {output}, opts.asyncOp);
     Batch b;
-    b.add(make(CollKind::kAllToAll, dtype_of(in, "alltoall_base"), static_cast<size_t>(in.numel() / size_),
-               in.data_ptr(), out.data.data_ptr()));
+    b.add(make_moving(CollKind::kAllToAll, in, static_cast<size_t>(in.numel() / size_), in.data_ptr(),
+                      out.data.data_ptr()));
     b.keep = {in, out.data};
     b.copy_back(out);
     b.outputs = {output};
@@ -399,7 +418,7 @@ class BraidBackend final : public c10d::Backend {
     check_peer(dst, "send", "dst");
     at::Tensor t = tensors[0].contiguous();
     Batch b;
-    Request r = make(CollKind::kSend, dtype_of(t, "send"), t.numel(), t.data_ptr(), nullptr);
+    Request r = make_moving(CollKind::kSend, t, t.numel(), t.data_ptr(), nullptr);
     r.root = dst;
     b.add(std::move(r));
     b.keep.push_back(t);
@@ -413,7 +432,7 @@ class BraidBackend final : public c10d::Backend {
     check_peer(src, "recv", "src");
     Buffer t = contiguous(tensors[0]);
     Batch b;
-    Request r = make(CollKind::kRecv, dtype_of(t.data, "recv"), t.data.numel(), nullptr, t.data.data_ptr());
+    Request r = make_moving(CollKind::kRecv, t.data, t.data.numel(), nullptr, t.data.data_ptr());
     r.root = src;
     b.add(std::move(r));
     b.keep.push_back(t.data);
@@ -441,8 +460,12 @@ class BraidBackend final : public c10d::Backend {
   // elements of `in` to rank j, `counts.recv[j]` from rank j into `out`, in rank order.
   c10::intrusive_ptr<c10d::Work> run_exchange(const Buffer& out, const at::Tensor& in, const SplitCounts& counts,
                                               std::vector<at::Tensor> outputs, bool async) {
-    const DType dtype = dtype_of(in, "alltoall");
-    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in, out.data, out.user, counts);
+    const Moved m = moved_as(in);
+    const DType dtype = m.dtype;
+    SplitCounts wire = counts;
+    for (auto* v : {&wire.send, &wire.recv})
+      for (int64_t& c : *v) c *= static_cast<int64_t>(m.scale);
+    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in, out.data, out.user, wire);
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in, out.data});
     auto w = comm_->submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
     if (!async) return completed(outputs);
@@ -475,7 +498,7 @@ class BraidBackend final : public c10d::Backend {
                       " * input.numel() (", input.numel(), "), got ", output.numel());
     Buffer out = contiguous(output);
     at::Tensor in = input.contiguous();
-    b.add(make(CollKind::kAllGather, dtype_of(in, what), in.numel(), in.data_ptr(), out.data.data_ptr()));
+    b.add(make_moving(CollKind::kAllGather, in, in.numel(), in.data_ptr(), out.data.data_ptr()));
     b.keep.push_back(in);
     b.keep.push_back(out.data);
     b.copy_back(out);
