@@ -319,6 +319,13 @@ class Communicator:
             code = _OP_CODES.get(op) if op.__class__ is str else None
             w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w)
+        from .compression import Compressor
+
+        if not isinstance(compression, Compressor):
+            is_class = isinstance(compression, type)
+            hint = " (a class: pass an instance, e.g. Int8Quantizer())" if is_class else ""
+            raise TypeError("compression must be a braid.comm compressor (Int8Quantizer(), Int4Quantizer(), "
+                            f"TopK(ratio), Cast(dtype)) or None, got {compression!r}{hint}")
         code = _op_code(op)
         if code not in (0, 1):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")

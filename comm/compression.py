@@ -121,7 +121,9 @@ class Compressor:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.error_feedback = bool(error_feedback)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+        self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
         self.seed = seed
         self._residuals: dict[Hashable, torch.Tensor] = {}
@@ -275,7 +277,9 @@ class _BlockQuantizer(Compressor):
             raise ValueError(f"block must be even for 4-bit quantization (two values per byte), got {block}")
         super().__init__(**kwargs)
         self.block = block
-        self.stochastic = bool(stochastic)
+        if not isinstance(stochastic, bool):
+            raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+        self.stochastic = stochastic
 
     def _config(self) -> dict:
         return {"block": self.block, "stochastic": self.stochastic, **super()._config()}

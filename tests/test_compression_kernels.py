@@ -347,6 +347,16 @@ def test_compressor_arguments_validated():
         comm.TopK(0)
     with pytest.raises(ValueError, match="dtype"):
         comm.Cast(torch.float32)
+    with pytest.raises(TypeError, match="stochastic must be a bool"):
+        comm.Int8Quantizer(stochastic="no")
+    with pytest.raises(TypeError, match="error_feedback must be a bool"):
+        comm.TopK(0.01, error_feedback="no")
+    c = comm.Communicator(torch.distributed.HashStore(), 0, 1, timeout=5.0)
+    with pytest.raises(TypeError, match="compression must be a braid.comm compressor .* got 'int8'"):
+        c.all_reduce(torch.ones(4), compression="int8")
+    with pytest.raises(TypeError, match="a class: pass an instance"):
+        c.all_reduce(torch.ones(4), compression=comm.Int8Quantizer)
+    c.close()
 
 
 @pytest.mark.parametrize("bits", (8, 4))

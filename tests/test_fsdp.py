@@ -215,6 +215,45 @@ def _run_fused_and_discard(rank, world_size, store_path, stage):
     return True
 
 
+class _Quantized(nn.Module):
+    """A frozen int8 weight with a bool mask (quantized weights) next to a trainable bias."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.qweight = nn.Parameter(torch.randint(-100, 100, (5, 7), generator=g, dtype=torch.int8),
+                                    requires_grad=False)
+        self.keep = nn.Parameter(torch.rand(5, 7, generator=g) > 0.3, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(5))
+
+    def forward(self, x):
+        return x @ (self.qweight.float() * self.keep).t() + self.bias
+
+
+def _run_frozen_other_dtypes(rank, world_size, store_path, stage):
+    """Frozen parameters of dtypes braid does not reduce (int8, bool) are broadcast from rank 0,
+    gathered and returned by full_state_dict as bytes; training the rest works."""
+    c = make_comm(rank, world_size, store_path)
+    sharded = fsdp.shard(_Quantized(seed=rank), c, stage=stage)
+    expected = _Quantized(seed=0)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    for _ in range(2):
+        x = torch.ones(2, 7)
+        sharded(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = sharded.full_state_dict()
+    assert torch.equal(full["qweight"], expected.qweight) and torch.equal(full["keep"], expected.keep)
+    assert full["bias"].abs().sum() > 0
+    return full["bias"].tolist()
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_frozen_parameters_of_other_dtypes(stage):
+    results = run_ranks(_run_frozen_other_dtypes, 2, stage)
+    assert results[0] == results[1]
+
+
 def _assert_exact(actual, expected):
     assert list(actual) == list(expected)
     for k in expected:
@@ -540,6 +579,10 @@ def test_bad_arguments_name_themselves():
         fsdp.shard(model, c, units=["head", model.head])
     with pytest.raises(ValueError, match="the wrapped module itself"):
         fsdp.shard(model, c, units=[model])
+    complex_model = nn.Linear(2, 2)
+    complex_model.weight = nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="parameter weight is trainable with dtype torch.complex64"):
+        fsdp.shard(complex_model, c)
     with pytest.raises(TypeError, match="units must be a sequence"):
         fsdp.shard(model, c, units="head")
     with pytest.raises(ValueError, match="no parameters"):

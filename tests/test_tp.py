@@ -290,6 +290,12 @@ def test_indivisible_dimensions_raise_value_error_naming_them():
         tp.RowParallelLinear(6, 6, communicator=c, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
         tp.ColumnParallelLinear(6, 6, communicator=object())
+    with pytest.raises(TypeError, match="sequence_dim must be an int, got 'x'"):
+        tp.ColumnParallelLinear(6, 6, communicator=c, sequence_parallel=True, sequence_dim="x")
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
+        tp.RowParallelLinear(6, 6, communicator=c, sequence_parallel="yes")
+    with pytest.raises(TypeError, match="dim must be an int, got 1.5"):
+        tp.gather_from_region(torch.ones(2, 2), c, dim=1.5)
 
 
 def test_plan_errors_name_the_entry():

@@ -180,6 +180,15 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
 
 
+_REDUCE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (flat, contiguous) as braid's collectives move it: as itself where braid has its
+    dtype, else as its bytes (frozen bool, int8, complex, ... parameters)."""
+    return t if t.dtype in _WIRE_DTYPES else t.view(torch.uint8)
+
+
 def _free(b: "_Bucket") -> None:
     """Releases a bucket's full buffer, and takes its views off the modules: a view of released
     storage would read freed memory (a crash, not an error) if anything still used it."""
@@ -245,6 +254,10 @@ class ShardedModule(nn.Module):
                 if (m, attr) not in owners.setdefault(pid, []):
                     owners[pid].append((m, attr))
                 full_name = f"{mod_name}.{attr}" if mod_name else attr
+                if p.requires_grad and p.dtype not in _REDUCE_DTYPES:
+                    raise TypeError(f"parameter {full_name} is trainable with dtype {p.dtype}: braid "
+                                    "reduces gradients of float32, float64, float16 and bfloat16 only "
+                                    "(frozen parameters of any dtype are fine)")
                 keys_of.setdefault(pid, []).append(full_name)
                 where = next((i for prefix, i in prefixes if full_name.startswith(prefix)), None)
                 unit_of.setdefault(pid, set()).add(where)
@@ -324,7 +337,7 @@ class ShardedModule(nn.Module):
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(s.param.reshape(-1))
                 s.param = None
-        c.broadcast(full, 0)
+        c.broadcast(_wire(full), 0)
         lo = c.rank * b.shard_numel
         if self.stage == 3:
             shard = full[lo:lo + b.shard_numel].clone()
@@ -374,7 +387,7 @@ class ShardedModule(nn.Module):
                 continue
             _alloc(b.full)
             b.synced_version = b.shard._version
-            b.work = c.all_gather(b.full.detach(), b.shard.detach(), async_op=True)
+            b.work = c.all_gather(_wire(b.full.detach()), _wire(b.shard.detach()), async_op=True)
         unit.in_flight = True
         self._in_flight.append(unit)
 
@@ -630,7 +643,7 @@ class ShardedModule(nn.Module):
             # From the shards, whatever the stage: they are the state (the full buffers of
             # stages 1 and 2 may not have seen the latest step yet).
             flat = torch.empty(b.padded, dtype=b.dtype)
-            self.communicator.all_gather(flat, b.shard.detach())
+            self.communicator.all_gather(_wire(flat), _wire(b.shard.detach()))
             if keep:
                 for key, s in by_bucket.get(id(b), {}).items():
                     values[key] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()

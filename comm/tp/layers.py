@@ -153,7 +153,11 @@ class _ParallelLinear(nn.Module):
             in_local = _shard_size(in_features, world, "in_features", name)
             _shard_size(out_features, 1, "out_features", name)
         self.communicator = communicator
-        self.sequence_parallel = bool(sequence_parallel)
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"{name}: sequence_parallel must be a bool, got {sequence_parallel!r}")
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            raise TypeError(f"{name}: sequence_dim must be an int, got {sequence_dim!r}")
+        self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))

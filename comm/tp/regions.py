@@ -25,6 +25,8 @@ from torch.autograd.function import once_differentiable
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{what}: dim must be an int, got {dim!r}")
     if not -x.dim() <= dim < max(x.dim(), 1):
         raise ValueError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
     return dim % x.dim()
