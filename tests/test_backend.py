@@ -425,6 +425,10 @@ def _run_unsupported(rank, world_size, store_path):
             dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
         with pytest.raises(ValueError, match="PREMUL_SUM needs a floating-point tensor"):
             dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))
+        with pytest.raises(ValueError, match="share memory"):
+            dist.all_reduce(torch.ones(1).expand(4))
+        with pytest.raises(ValueError, match="share memory"):
+            dist.all_gather_into_tensor(torch.ones(1).expand(2 * world_size), torch.ones(2))
         # Argument errors are raised before anything is sent: the group still works.
         t = torch.ones(2)
         dist.all_reduce(t)

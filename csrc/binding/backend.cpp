@@ -79,6 +79,14 @@ void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " must be a CPU tensor, got one on ", t.device());
 }
 
+// A tensor a call writes: one whose elements share memory (expand()) cannot hold a result, and
+// the copy back would fail only after every rank communicated.
+void check_output(const at::Tensor& t, const char* op, const char* arg) {
+  check_tensor(t, op, arg);
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "braid ", op, ": ", arg,
+                    " has elements that share memory (e.g. from expand()); pass a tensor with distinct elements");
+}
+
 void check_count(const std::vector<at::Tensor>& ts, size_t n, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(ts.size() == n, "braid ", op, ": expected ", n, " tensor(s) in ", arg, ", got ", ts.size());
 }
@@ -174,7 +182,7 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     check_count(tensors, 1, "broadcast", "tensors");
-    check_tensor(tensors[0], "broadcast", "tensor");
+    check_output(tensors[0], "broadcast", "tensor");
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid broadcast: root ", opts.rootRank,
                       " is not a rank of this group of ", size_);
     Batch b;
@@ -201,7 +209,7 @@ class BraidBackend final : public c10d::Backend {
   // Only the root's tensor receives the result: other ranks reduce a copy.
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
     check_count(tensors, 1, "reduce", "tensors");
-    check_tensor(tensors[0], "reduce", "tensor");
+    check_output(tensors[0], "reduce", "tensor");
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid reduce: root ", opts.rootRank,
                       " is not a rank of this group of ", size_);
     Batch b;
@@ -283,7 +291,7 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override {
     check_count(outputs, 1, "scatter", "output_tensors");
-    check_tensor(outputs[0], "scatter", "output");
+    check_output(outputs[0], "scatter", "output");
     const bool root = rank_ == opts.rootRank;
     TORCH_CHECK_VALUE(inputs.size() == (root ? 1u : 0u), "braid scatter: ",
                       root ? "the root needs one input list" : "only the root passes inputs");
@@ -354,7 +362,7 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override {
-    check_tensor(output, "alltoall_base", "output");
+    check_output(output, "alltoall_base", "output");
     check_tensor(input, "alltoall_base", "input");
     const SplitCounts counts =
         checked_split_counts(output, input, output_splits.empty() ? nullptr : &output_splits,
@@ -385,7 +393,7 @@ class BraidBackend final : public c10d::Backend {
     std::vector<at::Tensor> flat;
     for (int i = 0; i < size_; ++i) {
       check_tensor(inputs[i], "alltoall", "input_tensor_list");
-      check_tensor(outputs[i], "alltoall", "output_tensor_list");
+      check_output(outputs[i], "alltoall", "output_tensor_list");
       TORCH_CHECK_TYPE(inputs[i].scalar_type() == inputs[0].scalar_type() &&
                            outputs[i].scalar_type() == inputs[0].scalar_type(),
                        "braid alltoall: every tensor must have the same dtype");
@@ -428,7 +436,7 @@ class BraidBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int /*tag*/) override {
     check_count(tensors, 1, "recv", "tensors");
-    check_tensor(tensors[0], "recv", "tensor");
+    check_output(tensors[0], "recv", "tensor");
     check_peer(src, "recv", "src");
     Buffer t = contiguous(tensors[0]);
     Batch b;
@@ -477,7 +485,7 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(!tensors.empty(), "braid ", what, ": no tensors given");
     Batch b;
     for (const auto& tensor : tensors) {
-      check_tensor(tensor, what, "tensor");
+      check_output(tensor, what, "tensor");
       at::Tensor scaled = premul_scaled(op, tensor, what);
       Buffer t = scaled.defined() ? Buffer{tensor, scaled} : contiguous(tensor);
       Request r = make(CollKind::kAllReduce, dtype_of(t.data, what), t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
@@ -491,7 +499,7 @@ class BraidBackend final : public c10d::Backend {
   }
 
   void add_all_gather(Batch& b, const at::Tensor& output, const at::Tensor& input, const char* what) {
-    check_tensor(output, what, "output");
+    check_output(output, what, "output");
     check_tensor(input, what, "input");
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(output.numel() == size_ * input.numel(), "braid ", what, ": output.numel() must be ", size_,
@@ -507,7 +515,7 @@ class BraidBackend final : public c10d::Backend {
   void add_all_gather_list(Batch& b, const std::vector<at::Tensor>& outputs, const at::Tensor& input, const char* what) {
     check_count(outputs, size_, what, "output list");
     for (const auto& o : outputs) {
-      check_tensor(o, what, "output");
+      check_output(o, what, "output");
       TORCH_CHECK_VALUE(o.numel() == input.numel() && o.scalar_type() == input.scalar_type(), "braid ", what,
                         ": every output must have the input's numel and dtype");
     }
@@ -522,7 +530,7 @@ class BraidBackend final : public c10d::Backend {
 
   void add_reduce_scatter(Batch& b, const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op,
                           const char* what) {
-    check_tensor(output, what, "output");
+    check_output(output, what, "output");
     check_tensor(input, what, "input");
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(input.numel() == size_ * output.numel(), "braid ", what, ": input.numel() must be ", size_,
