@@ -283,6 +283,38 @@ def test_data_moving_calls_take_any_dtype(world_size):
     assert run_ranks(_run_other_dtypes_move, world_size) == [True] * world_size
 
 
+def _run_roots_that_disagree(rank, world_size, store_path):
+    """reduce and gather run as an all-reduce / all-gather, which every rank completes whatever
+    root it names: ranks that name different roots raise CollectiveMismatch (each in a group of
+    its own, which the error poisons) instead of returning as if all went well."""
+    from braid.comm import CollectiveMismatch
+
+    with braid_default_group(rank, world_size, store_path):
+        seen = []
+        for call in ("reduce", "gather"):
+            group = dist.new_group(list(range(world_size)))
+            dst = rank % 2  # ranks 0 and 1 disagree
+            try:
+                if call == "reduce":
+                    dist.reduce(torch.ones(3), dst=dst, group=group)
+                else:
+                    out = [torch.empty(3) for _ in range(world_size)] if rank == dst else None
+                    dist.gather(torch.ones(3), out, dst=dst, group=group)
+                seen.append(f"{call}: no error")
+            except CollectiveMismatch as e:
+                assert "root" in str(e) or "tag" in str(e), str(e)
+                seen.append(f"{call}: mismatch")
+        t = torch.ones(2)
+        dist.all_reduce(t)  # the default group is untouched
+        assert t.tolist() == [float(world_size)] * 2
+    return seen
+
+
+def test_roots_that_disagree_raise_a_mismatch():
+    for seen in run_ranks(_run_roots_that_disagree, 2):
+        assert seen == ["reduce: mismatch", "gather: mismatch"], seen
+
+
 def _run_work_api_and_callbacks(rank, world_size, store_path):
     """The Work a braid call returns: wait() raises braid's error (a future-wrapping Work once
     returned normally from a failed call, leaving unreduced tensors), wait(timeout) and result()

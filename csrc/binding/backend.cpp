@@ -220,6 +220,7 @@ class BraidBackend final : public c10d::Backend {
     Request r = make(CollKind::kAllReduce, dtype_of(t.data, "reduce"), t.data.numel(), t.data.data_ptr(),
                      t.data.data_ptr());
     r.op = op_of(opts.reduceOp, r.dtype, "reduce");
+    r.root = static_cast<int>(opts.rootRank);  // ranks that disagree on it raise a mismatch
     b.add(std::move(r));
     b.keep.push_back(t.data);
     if (rank_ == opts.rootRank) b.copy_back(t);
@@ -272,6 +273,8 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
     check_count(inputs, 1, "gather", "input_tensors");
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid gather: root ", opts.rootRank,
+                      " is not a rank of this group of ", size_);
     const bool root = rank_ == opts.rootRank;
     TORCH_CHECK_VALUE(outputs.size() == (root ? 1u : 0u), "braid gather: ",
                       root ? "the root needs one output list" : "only the root passes outputs");
@@ -284,6 +287,7 @@ class BraidBackend final : public c10d::Backend {
       for (int i = 0; i < size_; ++i) scratch.push_back(at::empty_like(inputs[0], at::MemoryFormat::Contiguous));
       add_all_gather_list(b, scratch, inputs[0], "gather");
     }
+    b.requests.back().tag = static_cast<uint32_t>(opts.rootRank) + 1;  // ranks that disagree: a mismatch
     return run(std::move(b), opts.asyncOp);
   }
 
@@ -292,6 +296,8 @@ class BraidBackend final : public c10d::Backend {
                                          const c10d::ScatterOptions& opts) override {
     check_count(outputs, 1, "scatter", "output_tensors");
     check_output(outputs[0], "scatter", "output");
+    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid scatter: root ", opts.rootRank,
+                      " is not a rank of this group of ", size_);
     const bool root = rank_ == opts.rootRank;
     TORCH_CHECK_VALUE(inputs.size() == (root ? 1u : 0u), "braid scatter: ",
                       root ? "the root needs one input list" : "only the root passes inputs");

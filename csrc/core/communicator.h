@@ -26,10 +26,12 @@ struct Request {
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
                      // all_gather: input elements; all_to_all: elements per chunk
-  int root = 0;      // broadcast: source; send/recv: the peer
+  int root = 0;      // broadcast: source; send/recv: the peer; all_reduce: the destination of a
+                     // reduce built on it (compared between ranks, else unused)
   // all_gather / all_to_all: what the bytes mean to the caller (a compressed all-reduce's hash of
-  // its compressor, settings, op and element count), compared between ranks like the rest of the
-  // descriptor (in the root field, which these kinds do not use); 0 for plain calls.
+  // its compressor, settings, op and element count; a gather's destination + 1), compared between
+  // ranks like the rest of the descriptor (in the root field, which these kinds do not use); 0
+  // for plain calls.
   uint32_t tag = 0;
   const void* in = nullptr;
   void* out = nullptr;

@@ -122,8 +122,9 @@ std::string CollectiveDesc::describe() const {
   if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
     s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
   if (k == CollKind::kBroadcast) s << ", src " << root;
+  if (k == CollKind::kAllReduce && root != 0) s << ", root " << root;  // a reduce's destination
   if ((k == CollKind::kAllGather || k == CollKind::kAllToAll) && root != 0)
-    s << ", compressed call " << std::hex << std::showbase << root << std::dec << std::noshowbase;
+    s << ", tag " << std::hex << std::showbase << root << std::dec << std::noshowbase;
   s << ", algo " << algo_name(static_cast<Algo>(algo)) << ")";  // algo is a byte: not a character
   return s.str();
 }
