@@ -348,9 +348,10 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
                    help="rank placement: core = local rank r on the r-th usable CPU; auto (default) = "
                         "core when ranks <= CPUs, else none, as Open MPI's mpirun does")
-    p.add_argument("--json", metavar="PATH",
+    p.add_argument("--json", metavar="PATH", type=report.output_path(),
                    help="write the records as JSON (format in the module docstring)")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of busbw against size")
+    p.add_argument("--plot", metavar="PATH", type=report.output_path(".png"),
+                   help="write a PNG of busbw against size")
     return p
 
 
@@ -397,6 +398,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if not protocol.check_is_exact(args.dtype, world_size):
         note(f"{args.dtype} cannot hold the check's sums exactly at {world_size} ranks: "
              "#wrong will count rounding")
+    for op in args.ops:
+        if protocol.message_count(op, args.min_bytes, args.dtype, world_size) == 0:
+            need = next(b for b in range(1, 1 << 20)
+                        if protocol.message_count(op, b, args.dtype, world_size) > 0)
+            parser.error(f"--min-bytes {args.min_bytes} is less than one {args.dtype} element per rank "
+                         f"for {op} at {world_size} ranks: use at least {need}")
     sizes = [args.min_bytes]
     while sizes[-1] * args.step_factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.step_factor)

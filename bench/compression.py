@@ -210,9 +210,16 @@ def table(rows: Sequence[dict], copy_name: str) -> str:
 
 
 def _parse_count(text: str) -> int:
+    """A positive element count, with an optional K, M or G suffix (powers of 1024)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    try:
+        count = int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected a count such as 4M, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return count
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -224,8 +231,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         help="float32 elements of the gradient (default 4M = 16 MB: larger than the caches)",
     )
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per kernel; the median is shown")
-    parser.add_argument("--json", metavar="PATH", help="write machine info and rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=report.output_path(),
+                        help="write machine info and rows as JSON")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)  # the kernels are single-threaded; so is the copy they are held against
     machine = report.machine_info()
     print(

@@ -22,7 +22,6 @@ of the compressed buckets over the timed steps (buckets under 64 KiB travel unco
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -174,10 +173,10 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     for r in rows:
         exposed = r["step_s"] - base["compute"] if "compute" in base and r["mode"] != "compute" else None
         r["exposed_s"] = exposed
-        vs = r["step_s"] / base["gloo"] if "gloo" in base else math.nan
+        vs = f"{r['step_s'] / base['gloo']:.2f}x" if "gloo" in base else "-"
         lines.append(
             f"{r['mode']:<9}{r['step_s'] * 1e3:>8.0f}ms"
-            f"{'-' if exposed is None else f'{exposed * 1e3:.0f}ms':>14}{vs:>8.2f}x"
+            f"{'-' if exposed is None else f'{exposed * 1e3:.0f}ms':>14}{vs:>9}"
             f"{'-' if not r['wire_ratio'] else format(r['wire_ratio'], '.2f') + 'x':>12}  "
             f"{DESCRIPTIONS[r['mode']]}"
         )
@@ -210,15 +209,27 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--bind", choices=("auto", "core", "none"), default="none",
                         help="rank placement as for the collectives benchmark (default none: "
                              "braid's and gloo's communication threads run wherever a core is free)")
-    parser.add_argument("--json", metavar="PATH", help="write machine info and rows as JSON")
+    parser.add_argument("--json", metavar="PATH", type=report.output_path(),
+                        help="write machine info and rows as JSON")
     args = parser.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
+    args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if unknown or not args.modes:
+        parser.error(f"--modes: unknown {unknown or '(none given)'}; choose from {', '.join(MODES)}")
+    for name in ("nproc", "steps", "vocab", "dim", "layers", "heads", "seq", "batch", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2: DDP rebuilds its buckets after its first step, and the "
+                     "compressed hooks run exact for their first 2 steps")
+    if args.dim % args.heads:
+        parser.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
+    if not args.bucket_mb > 0 or not args.timeout > 0 or not args.deadline > 0:
+        parser.error("--bucket-mb, --timeout and --deadline must be positive")
     args.shapes = _parse_shapes(parser, args.shapes) if args.shapes else [(args.batch, args.seq)]
     args.machine = report.machine_info()
-    args.bind = launch.resolve_bind(args.bind, args.nproc)
+    world = int(os.environ["WORLD_SIZE"]) if launch.launcher() == "torchrun" else args.nproc
+    args.bind = launch.resolve_bind(args.bind, world)
     started = time.time()
     if launch.launcher() == "torchrun":
         return launch.run_rank_reporting(_run_rank, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),

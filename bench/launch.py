@@ -94,8 +94,28 @@ def run_rank_reporting(fn: RankFn, rank: int, world_size: int, store_port: int |
         return EXIT_FAILED
 
 
-def _spawned_rank(fn: RankFn, rank: int, world_size: int, store_port: int, args: tuple) -> None:
+def _die_with(parent_pid: int) -> None:
+    """Makes the kernel kill this rank when the launcher dies, however it dies (SIGKILL included):
+    a rank left alone would run the whole benchmark with nobody to enforce its deadline."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup is all there is
+        return
+    if os.getppid() != parent_pid:  # it died before the line above took effect
+        os._exit(EXIT_FAILED)
+
+
+def _spawned_rank(fn: RankFn, rank: int, world_size: int, store_port: int, args: tuple,
+                  parent_pid: int) -> None:
+    _die_with(parent_pid)
     sys.exit(run_rank_reporting(fn, rank, world_size, store_port, *args))
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds spawn(), whose cleanup stops the ranks
 
 
 def spawn(fn: RankFn, nproc: int, timeout_s: float, deadline: float, *args) -> int:
@@ -104,11 +124,13 @@ def spawn(fn: RankFn, nproc: int, timeout_s: float, deadline: float, *args) -> i
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_spawned_rank, args=(fn, r, nproc, store.port, args), name=f"rank{r}")
+    me = os.getpid()
+    procs = [ctx.Process(target=_spawned_rank, args=(fn, r, nproc, store.port, args, me), name=f"rank{r}")
              for r in range(nproc)]
-    for p in procs:
-        p.start()
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        for p in procs:
+            p.start()
         # Past the deadline rank 0 may still be printing what it has: give it time.
         return _watch(procs, deadline + FAILURE_GRACE_S)
     finally:
@@ -116,7 +138,9 @@ def spawn(fn: RankFn, nproc: int, timeout_s: float, deadline: float, *args) -> i
             if p.is_alive():
                 p.kill()
         for p in procs:
-            p.join()
+            if p.pid is not None:
+                p.join()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _watch(procs: list[multiprocessing.Process], deadline: float) -> int:

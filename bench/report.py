@@ -1,6 +1,7 @@
 """Output of the benchmarks: progress bar, nccl-tests style tables, JSON and busbw plots (torch-free)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -134,6 +135,32 @@ def machine_info() -> dict:
             "python": platform.python_version()}
 
 
+def output_path(suffix: str | None = None):
+    """An argparse ``type`` for a file the run writes at its end (``--json``, ``--plot``), checked
+    before anything runs, so that a bad path does not throw the results away afterwards: not
+    empty, not a directory, with ``suffix`` when given, and creatable (its directory is made)."""
+
+    def check(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError("the path is empty")
+        if os.path.isdir(text):
+            raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+        if suffix is not None and not text.lower().endswith(suffix):
+            raise argparse.ArgumentTypeError(f"{text!r} must end in {suffix}")
+        existed = os.path.exists(text)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(text)), exist_ok=True)
+            with open(text, "a"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror}") from None
+        if not existed:
+            os.remove(text)
+        return text
+
+    return check
+
+
 def write_json(path: str, document: dict) -> None:
     """``document`` as JSON: a dict takes one line per key, a list of dicts (the records) one line
     per element, anything else one line."""
@@ -178,6 +205,9 @@ def save_panels(fig, axes, path: str, title: str) -> None:
 def plot_busbw(path: str, records: Sequence[dict], title: str) -> None:
     """PNG of busbw against size: one panel per op, one line per impl, wrong results crossed out."""
     ops = ops_of(records)
+    if not ops:
+        print(f"braid.bench: nothing measured: {path} not written", file=sys.stderr)
+        return
     fig, axes = panel_grid(len(ops), 2, (6.4, 4.4))
     for op, ax in zip(ops, axes):  # ops first: zip must not take an axis it will not use
         wrong_labelled = False

@@ -72,7 +72,7 @@ def add_run_arguments(p: argparse.ArgumentParser, impls: Sequence[str], *, warmu
                    help=f"seconds the whole run may take (default {deadline:g})")
     p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
                    help="rank placement, as for the collectives benchmark (default auto)")
-    p.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    p.add_argument("--json", metavar="PATH", type=report.output_path(), help="write the records as JSON")
 
 
 def run_options(parser: argparse.ArgumentParser, args: argparse.Namespace, impls: Sequence[str],
@@ -86,6 +86,10 @@ def run_options(parser: argparse.ArgumentParser, args: argparse.Namespace, impls
     for name in ("warmup", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if args.nproc is not None and args.nproc < 1:
+        parser.error("--nproc must be at least 1")
+    if not args.timeout > 0 or not args.deadline > 0:
+        parser.error("--timeout and --deadline must be positive")
     launcher = launch.launcher()
     world_size = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun" else (args.nproc or 2)
     return RunOptions(chosen, args.warmup, args.steps, args.rounds, args.threads, args.timeout,

@@ -81,6 +81,64 @@ def test_collectives_benchmark_runs(tmp_path):
     assert "# busbw ratio braid / gloo" in proc.stdout
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["collectives", "--min-bytes", "1", "--max-bytes", "3"], "less than one float32 element per rank"),
+    (["collectives", "--ops", "reduce_scatter", "--dtype", "float64", "--min-bytes", "8"], "use at least 16"),
+    (["collectives", "--json", "."], "is a directory"),
+    (["collectives", "--plot", "out.pdf"], "must end in .png"),
+    (["collectives", "--json", "/proc/braid-missing/x.json"], "cannot write"),
+    (["ddp", "--warmup", "1"], "--warmup must be at least 2"),
+    (["ddp", "--nproc", "0"], "--nproc must be at least 1"),
+    (["ddp", "--dim", "30", "--heads", "4"], "must be a multiple of --heads"),
+    (["ddp", "--modes", ""], "none given"),
+    (["tp", "--nproc", "-1"], "--nproc must be at least 1"),
+    (["sharding", "--timeout", "0"], "must be positive"),
+    (["compression", "--numel", ""], "expected a count"),
+    (["compression", "--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_bad_benchmark_arguments_stop_before_running(argv, message):
+    """Bad options are usage errors (exit status 2) before anything runs, instead of tracebacks
+    from the ranks or an output path that fails after the whole run."""
+    proc = subprocess.run([sys.executable, "-m", "braid.bench", *argv], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL of the process that spawned the ranks stops them too (they would otherwise run the
+    whole benchmark with nobody to enforce its deadline)."""
+    import os
+    import signal
+    import time
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid",
+         "--ops", "all_reduce", "--max-bytes", "256M", "--deadline", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        ranks = []
+        while time.time() < deadline and len(ranks) < 2:
+            out = subprocess.run(["pgrep", "-P", str(launcher.pid), "-f", "spawn_main"],
+                                 capture_output=True, text=True).stdout.split()
+            ranks = [int(p) for p in out]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks did not start"
+        time.sleep(3)  # inside the run (imports done, measuring)
+        launcher.kill()
+        launcher.wait()
+        time.sleep(2)
+        alive = [p for p in ranks if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        for p in alive:
+            os.kill(p, signal.SIGKILL)
+        assert alive == [], "ranks outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 def deepspeed_agreement(rank, n, store_path):
     """Each rank in turn fails alone; every rank must raise, the failing one with its reason."""
     from braid.bench import deepspeed_peer
