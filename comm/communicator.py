@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 import os
 import socket
@@ -56,11 +57,21 @@ def _op_code(op: Op) -> int:
     return code
 
 
+# Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the C++ core does.
+_MAX_TIMEOUT_S = 1e9
+
+
 def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout") -> float:
-    secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    """Seconds of a timedelta or a real number, positive, at most _MAX_TIMEOUT_S."""
+    if isinstance(timeout, timedelta):
+        secs = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        secs = float(timeout)
+    else:
+        raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got {timeout!r}")
     if not secs > 0:
         raise ValueError(f"{name} must be positive, got {timeout!r}")
-    return secs
+    return min(secs, _MAX_TIMEOUT_S)
 
 
 def host_identity() -> str:
@@ -86,10 +97,10 @@ class Work:
     def __init__(self, w):
         self._w = w
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Blocks until the collective is done; raises its error. With ``timeout`` (seconds)
-        returns False if it is still running then."""
-        return self._w.wait(timeout)
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Blocks until the collective is done; raises its error. With ``timeout`` (seconds or a
+        timedelta) returns False if it is still running then."""
+        return self._w.wait(None if timeout is None else _seconds(timeout))
 
     def is_completed(self) -> bool:
         return self._w.is_completed()
@@ -122,6 +133,18 @@ def _splits(sizes, name: str) -> Optional[list]:
 
 def _wrap(w):
     return None if w is None else Work(w)
+
+
+def _close_soon(c) -> None:
+    """The finalizer's close: at once, or, when the last reference went away inside a future's
+    callback on the communicator's own progress thread (which close() would have to join), on a
+    short-lived thread once that callback has returned."""
+    if c.on_progress_thread():
+        import threading
+
+        threading.Thread(target=c.close, name="braid-close", daemon=True).start()
+    else:
+        c.close()
 
 
 class Communicator:
@@ -196,7 +219,7 @@ class Communicator:
         except Exception as e:
             self._tell_peers(e)
             raise
-        self._finalizer = weakref.finalize(self, self._c.close)
+        self._finalizer = weakref.finalize(self, _close_soon, self._c)
         try:
             self._bootstrap()
         except BaseException as e:
@@ -428,11 +451,23 @@ def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
     if store is None:
         timeout = kwargs.get("timeout", timedelta(seconds=300))
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(_env("MASTER_ADDR"), int(_env("MASTER_PORT")), world_size,
-                              is_master=(rank == 0 and not use_agent),
-                              timeout=timedelta(seconds=_seconds(timeout)))
-        store = dist.PrefixStore("braid/", store)
+        where = (_env("MASTER_ADDR"), int(_env("MASTER_PORT")))
+        # One store per address in a process: rank 0 hosts it, and a second init() must not try
+        # to listen on the port again.
+        tcp = _env_stores.get(where)
+        if tcp is None:
+            tcp = dist.TCPStore(where[0], where[1], world_size, is_master=(rank == 0 and not use_agent),
+                                timeout=timedelta(seconds=_seconds(timeout)))
+            _env_stores[where] = tcp
+        # torchrun's agent store outlives a restart of the workers: each attempt its own keys
+        # (torch's own rendezvous does the same), or a restarted rank would read the last
+        # attempt's segment names.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        store = dist.PrefixStore("braid/" if attempt is None else f"braid/attempt{attempt}/", tcp)
     return Communicator(store, rank, world_size, **kwargs)
+
+
+_env_stores: dict = {}
 
 
 def _env(name: str) -> str:

@@ -439,6 +439,12 @@ def init_from_env(rank, n, store_path, port):
     os.environ.update(env)
     try:
         c = comm.init(timeout=COMM_TIMEOUT_S)
+        # A second init() in the same processes reuses the store rank 0 hosts (it once tried to
+        # listen on the port again: EADDRINUSE).
+        with comm.init(timeout=COMM_TIMEOUT_S) as second:
+            t = torch.ones(3)
+            second.all_reduce(t)
+            assert t.tolist() == [float(n)] * 3
     finally:  # pooled worker: leave the environment as found
         for k, v in saved.items():
             if v is None:

@@ -111,6 +111,7 @@ def child_uses(rank, n, store_path):
                     "broadcast": outcome(c.broadcast, t),
                     "barrier": outcome(c.barrier),
                     "wait": outcome(work.wait),
+                    "future": outcome(work.get_future),  # once a future nothing would complete
                     "close": outcome(c.close)}
 
         report = _in_child(body)

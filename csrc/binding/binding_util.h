@@ -102,6 +102,7 @@ class PyWork {
     if (!timeout.is_none()) {
       double s = timeout.cast<double>();
       if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
+      s = std::min(s, kMaxTimeoutSeconds);
       ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
     py::gil_scoped_release nogil;
@@ -115,6 +116,10 @@ class PyWork {
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> future() {
+    // In a forked child nothing would ever complete it (the progress thread is the parent's).
+    if (work_->from_parent_process())
+      throw CommError(ErrorKind::kClosed,
+                      "this work was issued by the process this one was forked from; only that process has its future");
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
       complete_with(*work_, future_, outputs_);

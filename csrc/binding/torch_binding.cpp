@@ -306,6 +306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("seq", &Communicator::seq)
       .def_property_readonly("closed", &Communicator::closed)
+      .def("on_progress_thread", &Communicator::on_progress_thread)
       .def_property_readonly("tunables", &Communicator::tunables)
       .def("segment_name", &Communicator::segment_name)
       .def("attach",

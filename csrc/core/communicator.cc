@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -29,7 +30,8 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     WaitPolicy policy;
     policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
     policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
-    policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(timeout_s * 1e9));
+    const double capped_s = std::min(timeout_s, kMaxTimeoutSeconds);
+    policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(capped_s * 1e9));
     group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes,
                                         tun_.skew_rounds != 0);
     engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
@@ -37,6 +39,16 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
 }
 
 Communicator::~Communicator() {
+  if (!closed_.load() && !in_forked_child() && engine_ && engine_->on_progress_thread()) {
+    // The last reference went away inside a callback on the progress thread, which is running
+    // here: it cannot be joined from itself, and the queued works still use the engine and the
+    // group. Both are left behind (the thread ends once its queue is empty); the peers learn
+    // nothing until their own deadline. Python's finalizer closes on another thread instead.
+    closed_.store(true);
+    engine_.release()->stop_detached();
+    (void)group_.release();
+    return;
+  }
   try {
     close();
   } catch (...) {  // only a re-entrant close() throws, and nothing can destroy a communicator in use
@@ -83,6 +95,9 @@ void Communicator::check_not_poisoned() {
 }
 
 namespace {
+constexpr const char* kCloseOnProgressThread =
+    "close() on braid's progress thread (inside a future's callback, say): it would wait for that "
+    "thread itself to finish; close the communicator after the callback returned";
 constexpr const char* kReentrant =
     "re-entrant call: this thread is inside a collective of this communicator (a signal handler that "
     "ran while it waited?); a blocking call or close() here would wait for that collective, which "
@@ -443,10 +458,11 @@ void Communicator::abort() {
   if (closed_.load() || in_forked_child()) return close();
   const std::string msg = "rank " + std::to_string(rank_) + " aborted the communicator";
   record_poison(ErrorKind::kClosed, msg);
-  if (group_) group_->request_abort(msg);
+  if (group_) group_->request_abort(msg, ErrorKind::kClosed);
   // From a signal handler run inside this communicator's collective: that collective fails as soon
-  // as the handler returns; closing is left to whoever handles its error.
-  if (engine_->inline_on_this_thread()) return;
+  // as the handler returns; closing is left to whoever handles its error. So too from a callback
+  // on the progress thread, which cannot wait for itself.
+  if (engine_->inline_on_this_thread() || engine_->on_progress_thread()) return;
   close();
 }
 
@@ -454,6 +470,9 @@ void Communicator::close() {
   // Tearing down under the call that this thread is running would free what that call uses.
   if (!closed_.load() && !in_forked_child() && engine_ && engine_->inline_on_this_thread())
     throw CommError(ErrorKind::kGeneric, kReentrant);
+  // The progress thread (a future's callback) would wait for itself to finish.
+  if (!closed_.load() && !in_forked_child() && engine_ && engine_->on_progress_thread())
+    throw CommError(ErrorKind::kGeneric, kCloseOnProgressThread);
   if (closed_.exchange(true)) return;
   if (in_forked_child()) {
     // Leaked on purpose: the progress thread exists only in the parent (joining it here would

@@ -51,6 +51,8 @@ class Communicator {
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   const Tunables& tunables() const { return tun_; }
+  // Whether the calling thread is this communicator's progress thread (a future's callback).
+  bool on_progress_thread() const { return engine_ && engine_->on_progress_thread(); }
 
   // Bootstrap (single host): publish segment_name(), attach everyone's, then unlink_own() once
   // every rank has attached. Not needed when world_size == 1.

@@ -17,6 +17,11 @@ enum class ErrorKind : uint32_t {
   kClosed = 5,     // CommClosed: use after close()
 };
 
+// Longer timeouts mean "wait for ever" and are cut to this (~31 years): in nanoseconds it still
+// fits an int64 added to a clock reading (1e10 s, a common "forever", overflowed to a deadline in
+// the past).
+constexpr double kMaxTimeoutSeconds = 1e9;
+
 class CommError : public std::runtime_error {
  public:
   CommError(ErrorKind kind, const std::string& msg) : std::runtime_error(msg), kind_(kind) {}

@@ -65,6 +65,13 @@ void ProgressEngine::loop() {
   }
 }
 
+void ProgressEngine::stop_detached() {
+  std::lock_guard<std::mutex> lk(mu_);
+  stop_ = true;
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.detach();
+}
+
 void ProgressEngine::shutdown() {
   std::thread t;
   {

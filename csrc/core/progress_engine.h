@@ -55,6 +55,9 @@ class ProgressEngine {
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_seq_cst); }
   // Runs what is queued, then stops the thread. Later submissions are refused by the owner.
   void shutdown();
+  // From the progress thread itself, which cannot join itself: the thread runs what is queued,
+  // then ends on its own (detached). The engine must outlive it: its owner leaks it.
+  void stop_detached();
   // Whether the calling thread is this engine's progress thread (running a work or one of its
   // completion callbacks): a blocking call made there would wait for this very thread.
   bool on_progress_thread() const { return current_engine() == this; }

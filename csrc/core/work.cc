@@ -12,6 +12,8 @@ namespace braid {
 
 namespace {
 using Clock = std::chrono::steady_clock;
+constexpr const char* kIssuedByParent =
+    "this work was issued by the process this one was forked from; only that process can wait for it";
 // How often an interruptible wait asks whether to stop (the hook takes Python's GIL: a wait
 // shorter than this never does).
 constexpr auto kInterruptPoll = std::chrono::milliseconds(100);
@@ -72,9 +74,7 @@ std::string Work::error_message() const {
 }
 
 bool Work::wait(std::chrono::nanoseconds timeout, bool interruptible) {
-  if (fork_generation() != fork_generation_)
-    throw CommError(ErrorKind::kClosed,
-                    "this work was issued by the process this one was forked from; only that process can wait for it");
+  if (from_parent_process()) throw CommError(ErrorKind::kClosed, kIssuedByParent);
   std::unique_lock<std::mutex> lk(mu_);
   if (!done_ && engine_ != nullptr && engine_ == ProgressEngine::current_engine())
     throw CommError(ErrorKind::kGeneric, std::string(kOnProgressThread));

@@ -42,6 +42,8 @@ class Work {
   const std::shared_ptr<void>& p2p() const { return p2p_; }
 
   bool is_completed() const;
+  // Whether this process was forked after the work was made: only the parent can complete it.
+  bool from_parent_process() const { return fork_generation() != fork_generation_; }
   bool succeeded() const;
   // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
   // work's error if it failed, and CommError(kClosed) in a process forked after the work was

@@ -251,15 +251,16 @@ void ShmGroup::check_abort() {
   if (hub_->abort_epoch.load(std::memory_order_acquire) != 0) raise_abort();
   if (abort_requested_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lk(abort_mu_);
-    throw CommError(ErrorKind::kGeneric, abort_msg_);
+    throw CommError(abort_kind_, abort_msg_);
   }
 }
 
-void ShmGroup::request_abort(const std::string& msg) {
+void ShmGroup::request_abort(const std::string& msg, ErrorKind kind) {
   {
     std::lock_guard<std::mutex> lk(abort_mu_);
     if (abort_requested_.load(std::memory_order_relaxed)) return;
     abort_msg_ = msg;
+    abort_kind_ = kind;
     abort_requested_.store(true, std::memory_order_release);
   }
   wake_all();

@@ -154,8 +154,8 @@ class ShmGroup {
   // Announces a normal departure: peers still waiting on this rank fail with PeerError.
   void mark_left() noexcept;
   // From any thread: the thread running this rank's collectives fails its current or next wait
-  // with CommError(`msg`) (and, through the communicator, publishes it to the peers). Sticky.
-  void request_abort(const std::string& msg);
+  // with CommError(`kind`, `msg`) (and, through the communicator, publishes it to the peers). Sticky.
+  void request_abort(const std::string& msg, ErrorKind kind = ErrorKind::kGeneric);
 
  private:
   SegmentHeader* header(int rank) const { return headers_[rank]; }
@@ -210,6 +210,7 @@ class ShmGroup {
   std::atomic<bool> abort_requested_{false};  // request_abort() was called
   std::mutex abort_mu_;
   std::string abort_msg_;
+  ErrorKind abort_kind_ = ErrorKind::kGeneric;  // what the aborted wait raises (abort(): kClosed)
 };
 
 }  // namespace braid
