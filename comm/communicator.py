@@ -57,6 +57,16 @@ def _op_code(op: Op) -> int:
     return code
 
 
+def _index(value: object, name: str) -> int:
+    """An integer argument: Python and numpy/torch integers, not bools, floats or strings."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+
+
 # Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the C++ core does.
 _MAX_TIMEOUT_S = 1e9
 
@@ -179,9 +189,10 @@ class Communicator:
                  skew_rounds: Optional[bool] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
-        if not isinstance(world_size, int) or world_size < 1:
+        world_size, rank = _index(world_size, "world_size"), _index(rank, "rank")
+        if world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}")
@@ -412,6 +423,10 @@ class Communicator:
             self._c.abort()
             if self._c.closed:  # not when called from inside one of its collectives
                 self._finalizer.detach()
+
+    def __reduce__(self):
+        raise TypeError("a braid Communicator cannot be pickled (it is a live connection to its "
+                        "peers): build one in each process, or drop it from what you save")
 
     def __copy__(self) -> "Communicator":
         return self
