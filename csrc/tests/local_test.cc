@@ -1,6 +1,8 @@
 // Single-process checks: a world of one (no shared memory, no fork), tunables and arguments.
+#include <atomic>
 #include <memory>
 #include <stdexcept>
+#include <thread>
 
 #include "check.h"
 #include "collective_check.h"
@@ -45,6 +47,61 @@ BRAID_TEST(world_of_one_copies_or_keeps) {
   comm.close();
   CHECK(comm.closed());
   CHECK_THROWS_KIND(braid::ErrorKind::kClosed, comm.submit(braid::Request{}, false));
+}
+
+// A completion callback runs on the progress thread: calls it makes run there at once (a blocking
+// one returns, an async one is complete when returned) instead of queueing behind the work whose
+// completion is running; close() there raises (it would join its own thread), abort() fails the
+// communicator and leaves closing to the caller.
+BRAID_TEST(calls_from_a_completion_callback_run_on_the_progress_thread) {
+  for (bool aborting : {false, true}) {
+    braid::Communicator comm(0, 1, tiny_tunables(Algo::kAuto), 1.0);
+    comm.attach({braid::PeerInfo{}});
+    comm.unlink_own();
+    CallSpec sa, sb, sc;
+    sa.count = 100;
+    sb.count = 50;
+    sb.call = 1;
+    sc.count = 70;
+    sc.call = 2;
+    PreparedCall pa(sa, 0, 1), pb(sb, 0, 1), pc(sc, 0, 1);
+    std::atomic<bool> go{false};
+    // Holds the progress thread until the callback is attached, so that it runs there.
+    comm.submit_task([&] { while (!go.load()) std::this_thread::yield(); }, nullptr, true);
+    auto work = comm.submit(pa.request(), true);
+    std::atomic<bool> on_thread{false}, inner_done{false}, close_threw{false}, abort_returned{false};
+    work->on_complete([&](const braid::Work&) {
+      on_thread = comm.on_progress_thread();
+      comm.submit(pb.request(), false);
+      inner_done = comm.submit(pc.request(), true)->is_completed();
+      if (aborting) {
+        comm.abort();
+        abort_returned = true;
+      } else {
+        try {
+          comm.close();
+        } catch (const braid::CommError&) {
+          close_threw = true;
+        }
+      }
+    });
+    go = true;
+    CHECK(work->wait());
+    if (!aborting) {
+      comm.submit(braid::Request{}, false);  // a barrier queued behind the callback: it is over
+      pa.check();
+      pb.check();
+      pc.check();
+      CHECK(on_thread && inner_done && close_threw);
+      CHECK(!comm.closed());
+    } else {
+      while (!abort_returned.load()) std::this_thread::yield();
+      CHECK_THROWS_KIND(braid::ErrorKind::kClosed, comm.submit(braid::Request{}, false));
+      CHECK(on_thread && inner_done);
+    }
+    comm.close();
+    CHECK(comm.closed());
+  }
 }
 
 BRAID_TEST(tunables_parse_and_validate) {
