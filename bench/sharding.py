@@ -257,6 +257,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser = _parser(prog)
     args = parser.parse_args(argv)
     run = turns.run_options(parser, args, IMPLS, started)
+    if args.warmup < 2:  # the first loss comes before any update: alone it checks nothing
+        parser.error("--warmup must be at least 2: the losses of the warm-up steps after the first "
+                     "update are what is compared with fsdp2-gloo")
     for name in ("batch", "seq"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")

@@ -93,6 +93,7 @@ def test_collectives_benchmark_runs(tmp_path):
     (["ddp", "--modes", ""], "none given"),
     (["tp", "--nproc", "-1"], "--nproc must be at least 1"),
     (["sharding", "--timeout", "0"], "must be positive"),
+    (["sharding", "--warmup", "1"], "--warmup must be at least 2"),
     (["compression", "--numel", ""], "expected a count"),
     (["compression", "--repeats", "0"], "--repeats must be at least 1"),
 ])
