@@ -70,6 +70,9 @@ from braid import comm
 from . import deepspeed_peer, launch, mpi_peer, protocol, report
 
 IMPLS = ("braid", "gloo", "mpi", "deepspeed")
+# The ranks stop measuring this long before --deadline (at most a quarter of the run), to report
+# what they have before the launcher stops them.
+DEADLINE_MARGIN_S = 60.0
 
 # torch 2.13 renamed the single-tensor gloo collectives; older versions have the old names only.
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -186,15 +189,23 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
                 if rank == 0:
                     print(f"braid.bench: DeepSpeed peer skipped: {e}", file=sys.stderr)
         progress = report.Progress(protocol.planned(backends, config.ops, config.sizes), enabled=rank == 0)
+        # Measuring stops a margin before the deadline, so that the ranks report what they have
+        # instead of being stopped with it.
+        stop_at = config.deadline - min(DEADLINE_MARGIN_S, (config.deadline - config.started) / 4)
         records = protocol.run_suite(backends, config.ops, config.sizes, config.dtype, rank, world_size,
-                                     config.timing, progress)
+                                     config.timing, progress, stop_at)
+        truncated = len(records) < protocol.planned(backends, config.ops, config.sizes)
+        if truncated and rank == 0:
+            print("braid.bench: stopped before the deadline (--deadline): the tables hold what was "
+                  "measured until then", file=sys.stderr)
         progress.close()
         if braid is not None:
             braid.close()
         launch.end_gloo_use()  # without it, runs with the DeepSpeed peer aborted a rank at exit
     finally:
         dist.destroy_process_group()
-    return _report(config, records, world_size) if rank == 0 else 0
+    status = _report(config, records, world_size) if rank == 0 else 0
+    return launch.EXIT_FAILED if truncated else status
 
 
 # -- the Open MPI peer ---------------------------------------------------------------------------

@@ -246,7 +246,8 @@ def _round(x: float) -> float:
 
 
 def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[int], dtype: str, rank: int,
-              world_size: int, timing: Timing, progress: Callable[[str, str, int], None]) -> list[dict]:
+              world_size: int, timing: Timing, progress: Callable[[str, str, int], None],
+              stop_at: float | None = None) -> list[dict]:
     """Measures every backend on every op it implements (its ``ops`` attribute, all of ``ops``
     when it has none) and size; ``progress(impl, op, bytes)`` precedes each (op, size) with the
     names of the backends measured there.
@@ -254,11 +255,17 @@ def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[i
     The backends share each (op, size): their timed batches alternate (time_collectives), so a
     slow phase of the machine (another tenant, a frequency change) falls on all of them alike
     instead of on whichever ran during it, which keeps the side-by-side ratios meaningful on a
-    noisy host."""
+    noisy host.
+
+    ``stop_at`` (a time.time()): once any rank is past it, every rank stops before the next
+    measurement (the ranks agree through the first backend) and the records so far are returned,
+    so that a run cut short by its deadline still reports what it measured."""
     records = []
     for op in ops:
         here = [b for b in backends if op in _ops_of(b, ops)]
         for nbytes in sizes:
+            if stop_at is not None and here and here[0].reduce([float(time.time() > stop_at)], "max")[0]:
+                return records
             count = message_count(op, nbytes, dtype, world_size)
             for backend in here:
                 progress(backend.name, op, nbytes)

@@ -81,6 +81,21 @@ def test_collectives_benchmark_runs(tmp_path):
     assert "# busbw ratio braid / gloo" in proc.stdout
 
 
+def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
+    """A run too long for its --deadline stops measuring shortly before it on every rank, prints
+    and writes what it has, and exits with a failure (it once lost everything when stopped)."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid,gloo",
+         "--max-bytes", "256M", "--deadline", "12", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "stopped before the deadline" in proc.stderr, proc.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert 0 < len(records) < 2 * 4 * 17 and all(r["wrong"] == 0 for r in records)
+    assert "# busbw ratio braid / gloo" in proc.stdout
+
+
 @pytest.mark.parametrize("argv, message", [
     (["collectives", "--min-bytes", "1", "--max-bytes", "3"], "less than one float32 element per rank"),
     (["collectives", "--ops", "reduce_scatter", "--dtype", "float64", "--min-bytes", "8"], "use at least 16"),
