@@ -180,6 +180,15 @@ def resume_from_checkpoint(rank, n, store_path, compressor):
         ((m(x) - y) ** 2).mean().backward()
         opt.step()
 
+    def last_four(model, m, state, opt):
+        """Steps 4-7: the compressed bytes each sent, and the parameters after them."""
+        sent = []
+        for i in range(4, 8):
+            before = state.compression.wire_total.sent
+            step(m, opt, i)
+            sent.append(state.compression.wire_total.sent - before)
+        return sent, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
     with process_group(rank, n, store_path):
         with make_comm(rank, n, store_path) as c:
             model, m, state, opt = build(c)
@@ -189,12 +198,7 @@ def resume_from_checkpoint(rank, n, store_path, compressor):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
                        saved)
             state.steps_here = 0  # the uninterrupted run: exact for the warm-up, same buckets
-            modes = []
-            for i in range(4, 8):
-                sent = state.compression.wire_total.sent
-                step(m, opt, i)
-                modes.append(state.compression.wire_total.sent - sent)
-            straight = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            modes, straight = last_four(model, m, state, opt)
 
             saved.seek(0)
             ckpt = torch.load(saved, weights_only=False)
@@ -202,12 +206,7 @@ def resume_from_checkpoint(rank, n, store_path, compressor):
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["opt"])
             state.load_state_dict(ckpt["hook"])
-            resumed_modes = []
-            for i in range(4, 8):
-                sent = state.compression.wire_total.sent
-                step(m, opt, i)
-                resumed_modes.append(state.compression.wire_total.sent - sent)
-            resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            resumed_modes, resumed = last_four(model, m, state, opt)
             return torch.equal(straight, resumed), modes, resumed_modes, state.step
 
 

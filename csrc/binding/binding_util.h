@@ -116,10 +116,7 @@ class PyWork {
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> future() {
-    // In a forked child nothing would ever complete it (the progress thread is the parent's).
-    if (work_->from_parent_process())
-      throw CommError(ErrorKind::kClosed,
-                      "this work was issued by the process this one was forked from; only that process has its future");
+    work_->check_same_process();  // in a forked child nothing would ever complete the future
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
       complete_with(*work_, future_, outputs_);

@@ -53,6 +53,10 @@ void Work::finish(ErrorKind kind, std::string msg) noexcept {
   for (auto& cb : cbs) cb(*this);
 }
 
+void Work::check_same_process() const {
+  if (fork_generation() != fork_generation_) throw CommError(ErrorKind::kClosed, kIssuedByParent);
+}
+
 bool Work::is_completed() const {
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
@@ -74,7 +78,7 @@ std::string Work::error_message() const {
 }
 
 bool Work::wait(std::chrono::nanoseconds timeout, bool interruptible) {
-  if (from_parent_process()) throw CommError(ErrorKind::kClosed, kIssuedByParent);
+  check_same_process();
   std::unique_lock<std::mutex> lk(mu_);
   if (!done_ && engine_ != nullptr && engine_ == ProgressEngine::current_engine())
     throw CommError(ErrorKind::kGeneric, std::string(kOnProgressThread));

@@ -42,8 +42,9 @@ class Work {
   const std::shared_ptr<void>& p2p() const { return p2p_; }
 
   bool is_completed() const;
-  // Whether this process was forked after the work was made: only the parent can complete it.
-  bool from_parent_process() const { return fork_generation() != fork_generation_; }
+  // Throws CommError(kClosed) in a process forked after the work was made: only the parent's
+  // progress thread can complete it, so waiting for it (or its future) here would never end.
+  void check_same_process() const;
   bool succeeded() const;
   // Blocks until completion (or `timeout`, when positive: then returns false). Throws the
   // work's error if it failed, and CommError(kClosed) in a process forked after the work was
