@@ -102,15 +102,21 @@ def host_identity() -> str:
 class Work:
     """Handle of an async collective: ``wait()``, ``is_completed()``, ``get_future()``."""
 
-    __slots__ = ("_w",)
+    __slots__ = ("_w", "_what")
 
-    def __init__(self, w):
+    def __init__(self, w, what: str = "collective"):
         self._w = w
+        self._what = what
 
     def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
         """Blocks until the collective is done; raises its error. With ``timeout`` (seconds or a
-        timedelta) returns False if it is still running then."""
-        return self._w.wait(None if timeout is None else _seconds(timeout))
+        timedelta) returns False if it is still running then; a timeout of 0 only polls (True
+        when done, the error raised when it failed)."""
+        if timeout is None:
+            return self._w.wait(None)
+        if _is_zero(timeout):
+            return self._w.is_completed() and self._w.wait(None)
+        return self._w.wait(_seconds(timeout))
 
     def is_completed(self) -> bool:
         return self._w.is_completed()
@@ -122,6 +128,35 @@ class Work:
         """A ``torch.futures.Future`` completed by braid's progress thread with the list of output
         tensors (as ``torch.distributed``'s Work), or with the error."""
         return self._w.get_future()
+
+    def describe(self) -> str:
+        """The collective and its state: "all_reduce running", "broadcast done",
+        "all_reduce failed: PeerError: ..."."""
+        if not self._w.is_completed():
+            return f"{self._what} running"
+        if self._w.is_success():
+            return f"{self._what} done"
+        return f"{self._what} failed: {self._w.exception_message()}"
+
+    def __repr__(self) -> str:
+        return f"<braid.comm.Work {self.describe()}>"
+
+
+def _is_zero(timeout) -> bool:
+    """Whether a wait timeout (seconds or a timedelta) is exactly zero: a poll."""
+    if isinstance(timeout, timedelta):
+        return timeout == timedelta(0)
+    return isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == 0
+
+
+def _async_flag(async_op) -> bool:
+    """``async_op`` as the binding takes it: a bool (numpy's included); anything else raises a
+    TypeError naming the argument instead of the binding's list of signatures."""
+    if async_op is True or async_op is False:
+        return async_op
+    if type(async_op).__name__ == "bool_":  # numpy.bool_
+        return bool(async_op)
+    raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
 
 def _splits(sizes, name: str) -> Optional[list]:
@@ -141,8 +176,8 @@ def _splits(sizes, name: str) -> Optional[list]:
     return [operator.index(v) for v in values]
 
 
-def _wrap(w):
-    return None if w is None else Work(w)
+def _wrap(w, what: str):
+    return None if w is None else Work(w, what)
 
 
 def _close_soon(c) -> None:
@@ -351,8 +386,10 @@ class Communicator:
             self.last_wire_bytes = None
             # The common spelling without a call: this line is on the latency of every small call.
             code = _OP_CODES.get(op) if op.__class__ is str else None
+            if async_op.__class__ is not bool:
+                async_op = _async_flag(async_op)
             w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
-            return None if w is None else Work(w)
+            return None if w is None else Work(w, "all_reduce")
         from .compression import Compressor
 
         if not isinstance(compression, Compressor):
@@ -363,18 +400,20 @@ class Communicator:
         code = _op_code(op)
         if code not in (0, 1):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
-        work = compression.all_reduce(self, tensor, "avg" if code == 1 else "sum", key=key, async_op=async_op)
+        work = compression.all_reduce(self, tensor, "avg" if code == 1 else "sum", key=key,
+                                      async_op=_async_flag(async_op))
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
                        async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (world_size * output.numel() elements) across ranks; rank r receives
         the reduced r-th slice in ``output``."""
-        return _wrap(self._c.reduce_scatter(output, input, _op_code(op), async_op))
+        w = self._c.reduce_scatter(output, input, _op_code(op), _async_flag(async_op))
+        return _wrap(w, "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
-        return _wrap(self._c.all_gather(output, input, async_op))
+        return _wrap(self._c.all_gather(output, input, _async_flag(async_op)), "all_gather")
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
                    output_split_sizes: Optional[Sequence[int]] = None,
@@ -391,9 +430,10 @@ class Communicator:
         as its sizes need, instead of as one collective.
         """
         if output_split_sizes is None and input_split_sizes is None:
-            return _wrap(self._c.all_to_all(output, input, async_op))
-        return _wrap(self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
-                                          _splits(input_split_sizes, "input_split_sizes"), async_op))
+            return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
+        w = self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
+                                 _splits(input_split_sizes, "input_split_sizes"), _async_flag(async_op))
+        return _wrap(w, "all_to_all")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
@@ -401,11 +441,11 @@ class Communicator:
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
-        return _wrap(self._c.broadcast(tensor, src, async_op))
+        return _wrap(self._c.broadcast(tensor, src, _async_flag(async_op)), "broadcast")
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has called barrier()."""
-        return _wrap(self._c.barrier(async_op))
+        return _wrap(self._c.barrier(_async_flag(async_op)), "barrier")
 
     def close(self) -> None:
         """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs

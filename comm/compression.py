@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Union
 
 import torch
 
 from . import _C
+from .communicator import Work
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -77,7 +79,7 @@ class CompressedWork:
     as soon as the collective completes (it issues no collective, so it may run there)."""
 
     def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
-        self._work = work
+        self._work = Work(work, "all_reduce")
 
         def decode(fut: torch.futures.Future) -> list:
             fut.value()  # raises the collective's error
@@ -86,9 +88,10 @@ class CompressedWork:
 
         self._decoded = work.get_future().then(decode)
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
         """Blocks until the collective is done and the result decoded; raises its error. With
-        ``timeout`` (seconds) returns False if the collective is still running then."""
+        ``timeout`` (seconds or a timedelta) returns False if the collective is still running
+        then; 0 only polls."""
         if not self._work.wait(timeout):  # raises braid's typed errors
             return False
         self._decoded.wait()
@@ -96,6 +99,11 @@ class CompressedWork:
 
     def is_completed(self) -> bool:
         return self._decoded.done()
+
+    def __repr__(self) -> str:
+        if self._work.is_completed() and self._work.is_success() and not self._decoded.done():
+            return "<braid.comm.CompressedWork all_reduce decoding>"
+        return f"<braid.comm.CompressedWork {self._work.describe()}>"
 
     def get_future(self) -> torch.futures.Future:
         """A future holding ``[tensor]`` once the result is decoded into it."""

@@ -66,6 +66,14 @@ def bad_calls(c) -> list:
         ("broadcast src -1", lambda: bc(ones, src=-1), ValueError, "src"),
         ("broadcast meta", lambda: bc(meta), ValueError, "tensor"),
         ("broadcast complex64", lambda: bc(cplx), TypeError, "tensor.*dtype"),
+        ("all_reduce async_op 'yes'", lambda: ar(ones, async_op="yes"), TypeError, "async_op"),
+        ("all_reduce async_op None", lambda: ar(ones, async_op=None), TypeError, "async_op"),
+        ("compressed all_reduce async_op 1",
+         lambda: ar(ones, compression=comm.Cast(torch.bfloat16), async_op=1), TypeError, "async_op"),
+        ("reduce_scatter async_op 'yes'", lambda: rs(part, inp, async_op="yes"), TypeError, "async_op"),
+        ("all_gather async_op 'yes'", lambda: ag(out, part, async_op="yes"), TypeError, "async_op"),
+        ("broadcast async_op 'yes'", lambda: bc(ones, async_op="yes"), TypeError, "async_op"),
+        ("barrier async_op 'yes'", lambda: c.barrier(async_op="yes"), TypeError, "async_op"),
     ]
     rows = torch.zeros(2 * n, 3)
     even = [2] * n
@@ -101,6 +109,11 @@ def bad_calls(c) -> list:
          TypeError, "output and input"),
         ("all_to_all split output overlaps input", lambda: a2a(rows, input_split_sizes=even),
          ValueError, "overlap"),
+        ("all_to_all async_op 'yes'", lambda: c.all_to_all(rows.clone(), rows, async_op="yes"),
+         TypeError, "async_op"),
+        ("all_to_all split async_op 'yes'",
+         lambda: c.all_to_all(rows.clone(), rows, async_op="yes", input_split_sizes=even),
+         TypeError, "async_op"),
     ]
     if n > 1:
         other = slice(((r + 1) % n) * m, ((r + 1) % n + 1) * m)

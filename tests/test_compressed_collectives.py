@@ -6,6 +6,7 @@ pipeline in torch (quantize every rank's input, sum the decoded chunks in rank o
 re-quantize, decode) and compares bit for bit; the test process checks that all ranks hold the
 same bits. Tiny slots push the all-to-all and all-gather through their pipelined paths.
 """
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -307,8 +308,8 @@ def test_compressed_all_reduce_matches_reference(n, name):
 
 
 def async_and_ratio(rank, n, store_path):
-    """Async compressed calls complete through wait() and futures in issue order; the wire ratio
-    of a large tensor is what the format promises."""
+    """Async compressed calls complete through wait() (a poll, a timedelta, no timeout) and futures
+    in issue order; the wire ratio of a large tensor is what the format promises."""
     log = CaseLog()
     with make_comm(rank, n, store_path) as c:
         numel = 1 << 18
@@ -322,8 +323,11 @@ def async_and_ratio(rank, n, store_path):
             ratio = c.last_wire_bytes.ratio
             log.expect(f"{q} ratio {ratio:.2f} >= {floor}", ratio >= floor)
             futs = [w.get_future() for w in works[2:]]
-            works[1].wait()
-            works[0].wait()
+            while not works[1].wait(0):  # a poll: True once the result is decoded into the tensor
+                pass
+            log.expect(f"{q} wait(timedelta)", works[0].wait(timedelta(seconds=60)) is True)
+            done = "<braid.comm.CompressedWork all_reduce done>"
+            log.expect(f"{q} repr {works[0]!r}", repr(works[0]) == done)
             for f, t in zip(futs, tensors[2:]):
                 log.expect(f"{q} future value is the tensor", f.wait()[0] is t)
             for i, t in enumerate(tensors):

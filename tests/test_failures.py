@@ -129,11 +129,15 @@ def absent_rank(rank, n, store_path, absent, async_op):
         start = time.monotonic()
         work = c.all_reduce(t, async_op=True)
         fut = work.get_future()
-        result["early_wait"] = work.wait(timeout=0.2)  # the deadline is 1 s away: still running
+        result["early_poll"] = work.wait(0)  # a poll: the deadline is 1 s away
+        result["early_wait"] = work.wait(timeout=0.2)  # still running
         result["early_completed"] = work.is_completed()
+        result["early_repr"] = repr(work)
         seen = outcome(work.wait)
         seen["elapsed"] = time.monotonic() - start
         result["completed"], result["success"] = work.is_completed(), work.is_success()
+        result["late_poll"] = outcome(work.wait, timedelta(0))  # a poll of a failed work raises
+        result["late_repr"] = repr(work)
         result["future"] = outcome(fut.wait)
     else:
         seen = outcome(c.all_reduce, t)
@@ -252,7 +256,8 @@ def test_mismatched_collectives_raise_on_every_rank(case, n):
 def test_absent_rank_times_out_naming_it(async_op):
     """A rank that never calls all_reduce: the others raise CommTimeout after their 1 s deadline (not
     before, not long after) naming that rank and its pid, and only it. Async: wait(timeout) reports
-    False while it runs, the future fails with the error, and the Work reports failure."""
+    False while it runs (and a poll, wait(0), too), the future fails with the error, the Work reports
+    failure, a poll then raises the error, and the Work's repr says running, then failed and why."""
     n, absent = 3, 1
     results = run_ranks(absent_rank, n, absent, async_op)
     pid = results[absent]["pid"]
@@ -268,7 +273,13 @@ def test_absent_rank_times_out_naming_it(async_op):
         assert result["leaked"] == []
         if async_op:
             assert result["early_wait"] is False and result["early_completed"] is False, result
+            assert result["early_poll"] is False, result
+            assert result["early_repr"] == "<braid.comm.Work all_reduce running>", result
             assert result["completed"] is True and result["success"] is False, result
+            _assert_raised(result["late_poll"], comm.CommTimeout, DETECTION_LIMIT_S,
+                           f"rank {absent} (pid {pid}")
+            assert result["late_repr"].startswith("<braid.comm.Work all_reduce failed: "), result
+            assert f"rank {absent} (pid {pid}" in result["late_repr"], result
             fut = result["future"]
             assert fut["type"] is not None and "CommTimeout" in fut["message"], fut
             assert f"rank {absent} (pid {pid}" in fut["message"], fut
