@@ -41,7 +41,7 @@ __device__ float block_max(float v) {
   if (lane == 0) partial[warp] = u;
   __syncthreads();
   if (warp == 0) {
-    u = lane < (blockDim.x + 31) / 32 ? partial[lane] : 0u;
+    u = lane < static_cast<int>((blockDim.x + 31) / 32) ? partial[lane] : 0u;
     for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
     if (lane == 0) partial[0] = u;
   }
