@@ -5,15 +5,17 @@
     torchrun --nproc-per-node 4 -m braid.bench collectives   # under a launcher: no spawning
 
 Launch. Without RANK and WORLD_SIZE in the environment this process hosts a TCPStore on a free
-loopback port, spawns the ranks and watches them: when one fails, the others get a few seconds to
-report their side, then are stopped, and the run fails; the whole run has a deadline (--deadline;
-under torchrun it bounds the MPI peer only). Every rank joins a gloo process group and a braid
-communicator over that store, and, when deepspeed imports, loads DeepSpeed's shared-memory
-all_reduce (deepspeed_peer.py; all_reduce only): these implementations run in the same
-processes, their timed batches alternating at each op and size. Every collective wait has a deadline
-(--timeout). Rank 0 then runs the Open MPI peer (mpi_peer.py) under its own ``mpirun
---oversubscribe -np N`` when mpi4py imports and mpirun exists, merges its records, prints and
-writes the results; the other ranks stay quiet.
+loopback port and starts the ranks: under ``mpirun --oversubscribe --bind-to none -np N`` when
+Open MPI is measured (mpi4py imports and mpirun exists; mpi_peer.py is the ranks' entry point),
+else spawned and watched here (when one fails, the others get a few seconds to report their
+side, then are stopped, and the run fails). The whole run has a deadline (--deadline). Every rank
+joins a gloo process group and a braid communicator over that store, under mpirun also
+MPI_COMM_WORLD, and, when deepspeed imports, loads DeepSpeed's shared-memory all_reduce
+(deepspeed_peer.py; all_reduce only): these implementations run in the same processes, their
+timed batches alternating at each op and size, so a slow phase of the machine falls on all of
+them. Every collective wait of braid and gloo has a deadline (--timeout). Under torchrun the
+ranks are torchrun's, and Open MPI is left out. Rank 0 prints and writes the results; the other
+ranks stay quiet.
 
 Measurement (protocol.py), on zero-filled buffers: warm-up, then batches of k back-to-back calls
 (k from --time-budget, or --iters), a barrier of the implementation under test before each
@@ -41,11 +43,12 @@ where load_average is the host's 1, 5 and 15 minute load at launch (other work o
 every figure) and a record's ``iters`` the calls per timed batch. --plot draws busbw against size.
 
 Exit status: 0; 1 when a rank or the setup failed; 3 when the run finished but a result had
-wrong elements or the MPI peer failed.
+wrong elements.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -55,11 +58,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from importlib import metadata
 
 import numpy as np
@@ -73,14 +75,12 @@ IMPLS = ("braid", "gloo", "mpi", "deepspeed")
 # The ranks stop measuring this long before --deadline (at most a quarter of the run), to report
 # what they have before the launcher stops them.
 DEADLINE_MARGIN_S = 60.0
+# Under mpirun the ranks read the run's Config from the launcher's store under this key.
+MPIRUN_CONFIG_KEY = "braid-bench/config"
 
 # torch 2.13 renamed the single-tensor gloo collectives; older versions have the old names only.
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run as asked; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,23 @@ class Config:
     timeout: float  # seconds, every collective and store wait
     deadline: float  # time.time() by which the whole run must be over
     started: float  # time.time() at launch
-    launcher: str  # "spawn" (this module started the ranks) or "torchrun"
+    launcher: str  # how the ranks started: "spawn" (by this module), "mpirun" (by this module) or "torchrun"
     bind: str  # "core": local rank r runs on the r-th usable CPU; "none": the scheduler decides
     machine: dict  # report.machine_info() at launch, before the ranks load the host
     json_path: str | None
     plot_path: str | None
+
+    def to_json(self) -> str:
+        """For ranks started by mpirun, which read it from the launcher's store (JSON, not pickle:
+        anything on the loopback can reach a TCPStore)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str | bytes) -> "Config":
+        d = json.loads(text)
+        d.update(ops=tuple(d["ops"]), impls=tuple(d["impls"]), sizes=tuple(d["sizes"]),
+                 timing=protocol.Timing(**d["timing"]))
+        return Config(**d)
 
 
 class TorchBackend:
@@ -164,13 +176,14 @@ def gloo_backend(dtype: str) -> TorchBackend:
 def deepspeed_backend(rank: int, world_size: int, config: "Config") -> TorchBackend:
     """DeepSpeed's shared-memory all_reduce (deepspeed_peer.py); RuntimeError when it cannot run."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    run_id = str(os.getppid() if config.launcher == "spawn" else os.environ.get("MASTER_PORT", 0))
+    run_id = str(os.environ.get("MASTER_PORT", 0) if config.launcher == "torchrun" else os.getppid())
     all_reduce = deepspeed_peer.shm_all_reduce(rank, world_size, local, config.dtype, run_id)
     return TorchBackend("deepspeed", config.dtype, {"all_reduce": lambda out, x: all_reduce(x)}, dist.barrier)
 
 
 # -- one rank ------------------------------------------------------------------------------------
-def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+def run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    """One rank of the benchmark: measures every implementation in turn; rank 0 reports."""
     # One torch thread: nothing measured uses torch's thread pool, and OpenMP workers spinning
     # after a buffer conversion would steal the cores the collectives run on.
     launch.start_rank(rank, world_size, store_port, bind=config.bind, threads=1, timeout_s=config.timeout)
@@ -182,6 +195,12 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
             backends.append(braid_backend(braid, config.dtype))
         if "gloo" in config.impls:
             backends.append(gloo_backend(config.dtype))
+        mpi_library = None
+        if "mpi" in config.impls:  # only under mpirun (main() sees to it)
+            from mpi4py import MPI
+
+            backends.append(mpi_peer.MpiBackend(MPI.COMM_WORLD))
+            mpi_library = mpi_peer.library_version()
         if "deepspeed" in config.impls and set(config.ops) & set(deepspeed_peer.OPS):
             try:
                 backends.append(deepspeed_backend(rank, world_size, config))
@@ -204,7 +223,7 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
         launch.end_gloo_use()  # without it, runs with the DeepSpeed peer aborted a rank at exit
     finally:
         dist.destroy_process_group()
-    status = _report(config, records, world_size) if rank == 0 else 0
+    status = _report(config, records, world_size, mpi_library) if rank == 0 else 0
     return launch.EXIT_FAILED if truncated else status
 
 
@@ -219,34 +238,38 @@ def _mpi_unavailable(dtype: str) -> str | None:
     return None
 
 
-def _run_mpi_peer(config: Config, world_size: int) -> tuple[list[dict], str]:
-    """Runs mpi_peer.py under mpirun on the same sizes and protocol; returns (records, library)."""
-    with tempfile.TemporaryDirectory(prefix="braid-bench-mpi-") as tmp:
-        out = os.path.join(tmp, "mpi.json")
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(world_size),
-               sys.executable, "-m", "braid.bench.mpi_peer", "--ops", ",".join(config.ops),
-               "--sizes", ",".join(map(str, config.sizes)), "--dtype", config.dtype,
-               "--json", out, *protocol.timing_argv(config.timing)]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Its own session, so that on a deadline mpirun and its ranks go down together. Its
-        # output goes to stderr: stdout carries only the tables.
-        proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno(), start_new_session=True)
-        try:
-            code = proc.wait(timeout=max(config.deadline - time.time(), 1.0))
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"the MPI peer did not finish before the deadline (--deadline); "
-                             f"command: {' '.join(cmd)}") from None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if code != 0:
-            raise BenchError(f"the MPI peer failed with exit status {code} (its output is above); "
-                             f"command: {' '.join(cmd)}")
-        with open(out) as f:
-            result = json.load(f)
-    return result["records"], result["mpi_library"]
+def _run_under_mpirun(config: Config, world_size: int) -> int:
+    """Hosts the store and starts the ranks under mpirun (mpi_peer.main); waits for them until the
+    deadline. mpirun runs in a session of its own, so that on the deadline it goes down with its
+    ranks, and through ``setpriv --pdeathsig`` it gets SIGTERM (which it passes to its ranks) if
+    this process dies first, however it dies."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=config.timeout))
+    store.set(MPIRUN_CONFIG_KEY, config.to_json())  # for the ranks this process starts
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+           "-np", str(world_size), sys.executable, "-m", "braid.bench.mpi_peer", str(store.port)]
+    if shutil.which("setpriv"):
+        cmd = ["setpriv", "--pdeathsig", "TERM", *cmd]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, launch.exit_on_signal)
+    try:
+        code = proc.wait(timeout=max(config.deadline + launch.FAILURE_GRACE_S - time.time(), 1.0))
+        if code in (0, launch.EXIT_FAILED, launch.EXIT_FINDINGS):  # the ranks said why
+            return code
+        print(f"braid.bench: a rank died under mpirun (exit status {code}; mpirun's message is above)",
+              file=sys.stderr)
+        return launch.EXIT_FAILED
+    except subprocess.TimeoutExpired:
+        print("braid.bench: the ranks did not finish before the deadline (--deadline); stopping them",
+              file=sys.stderr)
+        return launch.EXIT_FAILED
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        signal.signal(signal.SIGTERM, previous)
 
 
 # -- output (rank 0) -----------------------------------------------------------------------------
@@ -275,16 +298,8 @@ def _version(package: str = "braid") -> str | None:
         return None
 
 
-def _report(config: Config, records: list[dict], world_size: int) -> int:
+def _report(config: Config, records: list[dict], world_size: int, mpi_library: str | None) -> int:
     status = 0
-    mpi_library = None
-    if "mpi" in config.impls:
-        try:
-            mpi_records, mpi_library = _run_mpi_peer(config, world_size)
-            records = records + mpi_records
-        except BenchError as e:
-            print(f"braid.bench: {e}", file=sys.stderr)
-            status = launch.EXIT_FINDINGS
     blocks = [report.results_table(records, impl, op) for op in config.ops for impl in config.impls]
     if "braid" in config.impls:
         blocks += [report.ratio_table(records, "braid", peer) for peer in config.impls if peer != "braid"]
@@ -354,8 +369,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="seconds any collective or store wait may take before the run fails "
                    "(default 120)")
     p.add_argument("--deadline", type=float, default=1800.0,
-                   help="seconds the whole run may take; then the spawned ranks and the MPI peer "
-                   "are stopped (default 1800)")
+                   help="seconds the whole run may take; then the ranks are stopped (default 1800)")
     p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
                    help="rank placement: core = local rank r on the r-th usable CPU; auto (default) = "
                         "core when ranks <= CPUs, else none, as Open MPI's mpirun does")
@@ -393,6 +407,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if launcher == "torchrun" and args.nproc not in (None, world_size):
         note(f"--nproc {args.nproc} ignored: torchrun started {world_size} ranks")
     mpi_missing = _mpi_unavailable(args.dtype)
+    if launcher == "torchrun" and not mpi_missing:
+        mpi_missing = ("torchrun started the ranks, and only ranks that mpirun starts can run Open MPI "
+                       "(run without torchrun: the benchmark then starts its ranks under mpirun)")
     ds_missing = deepspeed_peer.unavailable(args.dtype)
     impls = args.impls
     if impls is None:
@@ -418,11 +435,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     sizes = [args.min_bytes]
     while sizes[-1] * args.step_factor <= args.max_bytes:
         sizes.append(sizes[-1] * args.step_factor)
+    if launcher == "spawn" and "mpi" in impls:
+        launcher = "mpirun"
     config = Config(args.ops, impls, tuple(sizes), args.dtype, timing, args.timeout,
                     started + args.deadline, started, launcher, launch.resolve_bind(args.bind, world_size),
                     report.machine_info(), args.json, args.plot)
     if rank == 0:
         print(_header(config, world_size), flush=True)
     if launcher == "torchrun":
-        return launch.run_rank_reporting(_run_rank, rank, world_size, None, config)
-    return launch.spawn(_run_rank, world_size, config.timeout, config.deadline, config)
+        return launch.run_rank_reporting(run_rank, rank, world_size, None, config)
+    if launcher == "mpirun":
+        return _run_under_mpirun(config, world_size)
+    return launch.spawn(run_rank, world_size, config.timeout, config.deadline, config)

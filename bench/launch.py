@@ -114,8 +114,9 @@ def _spawned_rank(fn: RankFn, rank: int, world_size: int, store_port: int, args:
     sys.exit(run_rank_reporting(fn, rank, world_size, store_port, *args))
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds spawn(), whose cleanup stops the ranks
+def exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM handler of a launcher: unwinds it, so that its cleanup stops the ranks."""
+    raise SystemExit(128 + signum)
 
 
 def spawn(fn: RankFn, nproc: int, timeout_s: float, deadline: float, *args) -> int:
@@ -127,7 +128,7 @@ def spawn(fn: RankFn, nproc: int, timeout_s: float, deadline: float, *args) -> i
     me = os.getpid()
     procs = [ctx.Process(target=_spawned_rank, args=(fn, r, nproc, store.port, args, me), name=f"rank{r}")
              for r in range(nproc)]
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         for p in procs:
             p.start()

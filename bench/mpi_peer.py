@@ -1,27 +1,26 @@
 """Open MPI peer of the collectives benchmark: mpi4py on numpy buffers, timed and checked like braid.
 
-The collectives benchmark launches it under its own mpirun after braid and gloo have finished:
+When mpi4py and mpirun are available, the collectives benchmark starts its ranks under
 
-    mpirun --allow-run-as-root --oversubscribe -np N python -m braid.bench.mpi_peer \\
-        --ops all_reduce,broadcast --sizes 4096,16384 --dtype float32 --json OUT.json
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -np N \\
+        python -m braid.bench.mpi_peer PORT
 
+(PORT: the launching process's TCPStore on the loopback, which also holds the run's settings),
+so that Open MPI runs in the same processes as braid, gloo and DeepSpeed and its timed batches
+alternate with theirs at each op and size: a slow phase of the machine falls on all of them.
 Calls: Allreduce in place (MPI.IN_PLACE), Reduce_scatter_block, Allgather, Bcast, all with
-MPI.SUM where they reduce; Alltoall and Alltoallv for all_to_all and all_to_allv. Timing and
-check follow protocol.py, so the numbers compare with braid's and gloo's. Rank 0 draws the
-progress bar and writes OUT.json: ``{"mpi_library": first line of
-MPI.Get_library_version(), "records": [...]}`` (records as in collectives.py). MPI has no
-float16 or bfloat16 datatype: those dtypes are refused.
+MPI.SUM where they reduce; Alltoall and Alltoallv for all_to_all and all_to_allv. MPI has no
+float16 or bfloat16 datatype: those dtypes leave Open MPI out.
 """
 from __future__ import annotations
 
-import argparse
+import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import protocol, report
+from . import protocol
 
 DTYPES = ("float32", "float64", "int32", "int64")
 
@@ -66,48 +65,41 @@ class MpiBackend:
         return buf.tolist()
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m braid.bench.mpi_peer",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", required=True, help="comma-separated: " + ",".join(protocol.ALL_OPS))
-    parser.add_argument("--sizes", required=True, help="comma-separated message sizes S in bytes")
-    parser.add_argument("--dtype", required=True, choices=DTYPES)
-    parser.add_argument("--json", required=True, metavar="PATH", help="where rank 0 writes the records")
-    protocol.add_timing_arguments(parser)
-    return parser
+def library_version() -> str:
+    """The first line of MPI.Get_library_version()."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    ops = args.ops.split(",")
-    if not set(ops) <= set(protocol.ALL_OPS):
-        parser.error(f"--ops: unknown op in {args.ops!r}; choose from {', '.join(protocol.ALL_OPS)}")
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    except ValueError:
-        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    timing = protocol.timing_from_args(args, parser)
+    """A rank of the collectives benchmark started by mpirun (see the module docstring)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) != 1 or not args[0].isdigit():
+        sys.stderr.write("usage: python -m braid.bench.mpi_peer STORE_PORT (started by the collectives "
+                         "benchmark under mpirun)\n")
+        return 2
+    # Imported here: collectives.py imports this module, and mpi4py initializes MPI on import.
+    from datetime import timedelta
 
-    # Imported here, not at the top: collectives.py imports this module where mpi4py may be absent.
+    import torch.distributed as dist
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, world_size = comm.Get_rank(), comm.Get_size()
-    try:
-        progress = report.Progress(len(ops) * len(sizes), enabled=rank == 0)
-        records = protocol.run_suite([MpiBackend(comm)], ops, sizes, args.dtype, rank, world_size,
-                                     timing, progress)
-        progress.close()
-        if rank == 0:
-            library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
-            report.write_json(args.json, {"mpi_library": library, "records": records})
-    except BaseException:  # noqa: BLE001 -- any failure on one rank would leave the others
-        # waiting in a collective forever: abort the whole job instead.
-        sys.stderr.write(f"braid.bench.mpi_peer: rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
-    return 0
+    from . import collectives, launch
+
+    port = int(args[0])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    config = collectives.Config.from_json(store.get(collectives.MPIRUN_CONFIG_KEY))
+    world = MPI.COMM_WORLD
+    rank, world_size = world.Get_rank(), world.Get_size()
+    # Placement and DeepSpeed's peer read these, as under torchrun.
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", str(rank)))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", str(world_size)))
+    status = launch.run_rank_reporting(collectives.run_rank, rank, world_size, port, config)
+    if status not in (0, launch.EXIT_FINDINGS):
+        # The others may wait in an MPI collective, which has no deadline: end the whole job.
+        world.Abort(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Timing and correctness protocol of the collectives benchmark, shared by every implementation.
 
-numpy only: the Open MPI peer (``mpi_peer.py``) runs it without importing torch. An implementation
-is a :class:`Backend`; :func:`run_suite` measures backends over ops and sizes and returns records.
+numpy only: it needs nothing of torch (the Open MPI backend, ``mpi_peer.py``, works on numpy
+buffers). An implementation is a :class:`Backend`; :func:`run_suite` measures backends over ops
+and sizes and returns records.
 
 Timing, for each (op, size), on zero-filled buffers: ``warmup`` calls, the slowest rank's median
 warm-up call sets ``k`` (calls per batch) so that ``batches`` batches fill about ``time_budget``
@@ -52,7 +53,7 @@ class Timing:
 
 
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
-    """The timing options, identical for the benchmark and the MPI peer it launches."""
+    """The timing options of the collectives benchmarks."""
     d = Timing()
     parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up calls (default {d.warmup})")
     parser.add_argument("--batches", type=int, default=d.batches,
@@ -74,13 +75,6 @@ def timing_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.iters is not None and args.iters < 1:
         parser.error("--iters must be at least 1")
     return Timing(args.warmup, args.batches, args.time_budget, args.iters)
-
-
-def timing_argv(timing: Timing) -> list[str]:
-    """``timing`` as command-line options for the MPI peer."""
-    argv = ["--warmup", str(timing.warmup), "--batches", str(timing.batches),
-            "--time-budget", repr(timing.time_budget)]
-    return argv + (["--iters", str(timing.iters)] if timing.iters else [])
 
 
 def bus_factor(op: str, world_size: int) -> float:

@@ -1,5 +1,7 @@
 """The collectives benchmark's protocol and a short end-to-end run (no timing is checked)."""
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
@@ -79,6 +81,28 @@ def test_collectives_benchmark_runs(tmp_path):
                           for b in (4096, 16384))
     assert all(r["wrong"] == 0 for r in doc["records"])
     assert "# busbw ratio braid / gloo" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
+                    reason="needs Open MPI and mpi4py (make bench-peers)")
+@pytest.mark.timeout(240)
+def test_open_mpi_is_measured_in_the_same_ranks(tmp_path):
+    """With Open MPI present the ranks start under mpirun and run braid, gloo and MPI side by side:
+    records of all three, checked and right, the launcher and the MPI library in the JSON."""
+    out = tmp_path / "c.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid,gloo,mpi",
+         "--ops", "all_reduce,reduce_scatter", "--max-bytes", "16K", "--iters", "2", "--batches", "2",
+         "--warmup", "1", "--timeout", "60", "--deadline", "200", "--json", str(out)],
+        capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    keys = sorted((r["impl"], r["op"], r["bytes"]) for r in doc["records"])
+    assert keys == sorted((impl, op, b) for impl in ("braid", "gloo", "mpi")
+                          for op in ("all_reduce", "reduce_scatter") for b in (4096, 16384))
+    assert all(r["wrong"] == 0 for r in doc["records"])
+    assert doc["config"]["launcher"] == "mpirun" and "Open MPI" in doc["machine"]["mpi_library"], doc
+    assert "# busbw ratio braid / mpi" in proc.stdout
 
 
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
