@@ -97,8 +97,9 @@ std::vector<uint8_t> encode(const std::vector<float>& x, DType dtype) {
   return out;
 }
 
+// Bit for bit (NaNs included); empty vectors have null data(), which memcmp must not get.
 bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 std::string last_failure() { return cuda_host::last_failure(); }
