@@ -65,22 +65,29 @@ def test_wrong_results_are_counted():
     assert records[0]["wrong"] == 1
 
 
-@pytest.mark.timeout(240)
-def test_collectives_benchmark_runs(tmp_path):
-    """Two spawned ranks, braid and gloo, tiny sizes: JSON with every record checked and right."""
+def short_collectives_run(tmp_path, impls: tuple, ops: tuple) -> tuple:
+    """A 2-rank run of ``impls`` on ``ops`` at 4 and 16 KiB that must succeed, with every record
+    present and right and the braid/peer ratios printed; returns (process, JSON document)."""
     out = tmp_path / "c.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid,gloo",
-         "--ops", "all_reduce,all_gather", "--max-bytes", "16K", "--iters", "2", "--batches", "2",
+        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", ",".join(impls),
+         "--ops", ",".join(ops), "--max-bytes", "16K", "--iters", "2", "--batches", "2",
          "--warmup", "1", "--timeout", "60", "--deadline", "200", "--json", str(out)],
         capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     keys = sorted((r["impl"], r["op"], r["bytes"]) for r in doc["records"])
-    assert keys == sorted((impl, op, b) for impl in ("braid", "gloo") for op in ("all_reduce", "all_gather")
-                          for b in (4096, 16384))
+    assert keys == sorted((impl, op, b) for impl in impls for op in ops for b in (4096, 16384))
     assert all(r["wrong"] == 0 for r in doc["records"])
-    assert "# busbw ratio braid / gloo" in proc.stdout
+    for peer in impls[1:]:
+        assert f"# busbw ratio braid / {peer}" in proc.stdout
+    return proc, doc
+
+
+@pytest.mark.timeout(240)
+def test_collectives_benchmark_runs(tmp_path):
+    """Two spawned ranks, braid and gloo, tiny sizes: JSON with every record checked and right."""
+    short_collectives_run(tmp_path, ("braid", "gloo"), ("all_reduce", "all_gather"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
@@ -89,20 +96,8 @@ def test_collectives_benchmark_runs(tmp_path):
 def test_open_mpi_is_measured_in_the_same_ranks(tmp_path):
     """With Open MPI present the ranks start under mpirun and run braid, gloo and MPI side by side:
     records of all three, checked and right, the launcher and the MPI library in the JSON."""
-    out = tmp_path / "c.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid,gloo,mpi",
-         "--ops", "all_reduce,reduce_scatter", "--max-bytes", "16K", "--iters", "2", "--batches", "2",
-         "--warmup", "1", "--timeout", "60", "--deadline", "200", "--json", str(out)],
-        capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    keys = sorted((r["impl"], r["op"], r["bytes"]) for r in doc["records"])
-    assert keys == sorted((impl, op, b) for impl in ("braid", "gloo", "mpi")
-                          for op in ("all_reduce", "reduce_scatter") for b in (4096, 16384))
-    assert all(r["wrong"] == 0 for r in doc["records"])
+    _, doc = short_collectives_run(tmp_path, ("braid", "gloo", "mpi"), ("all_reduce", "reduce_scatter"))
     assert doc["config"]["launcher"] == "mpirun" and "Open MPI" in doc["machine"]["mpi_library"], doc
-    assert "# busbw ratio braid / mpi" in proc.stdout
 
 
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
