@@ -71,16 +71,17 @@ def _index(value: object, name: str) -> int:
 _MAX_TIMEOUT_S = 1e9
 
 
-def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout") -> float:
-    """Seconds of a timedelta or a real number, positive, at most _MAX_TIMEOUT_S."""
+def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout", zero_ok: bool = False) -> float:
+    """Seconds of a timedelta or a real number, positive (or 0 with ``zero_ok``), at most
+    _MAX_TIMEOUT_S."""
     if isinstance(timeout, timedelta):
         secs = timeout.total_seconds()
     elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
         secs = float(timeout)
     else:
         raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got {timeout!r}")
-    if not secs > 0:
-        raise ValueError(f"{name} must be positive, got {timeout!r}")
+    if not (secs > 0 or (zero_ok and secs == 0)):
+        raise ValueError(f"{name} must be {'0 or more' if zero_ok else 'positive'}, got {timeout!r}")
     return min(secs, _MAX_TIMEOUT_S)
 
 
@@ -104,7 +105,7 @@ class Work:
 
     __slots__ = ("_w", "_what")
 
-    def __init__(self, w, what: str = "collective"):
+    def __init__(self, w, what: str):
         self._w = w
         self._what = what
 
@@ -112,11 +113,10 @@ class Work:
         """Blocks until the collective is done; raises its error. With ``timeout`` (seconds or a
         timedelta) returns False if it is still running then; a timeout of 0 only polls (True
         when done, the error raised when it failed)."""
-        if timeout is None:
-            return self._w.wait(None)
-        if _is_zero(timeout):
+        secs = None if timeout is None else _seconds(timeout, zero_ok=True)
+        if secs == 0:
             return self._w.is_completed() and self._w.wait(None)
-        return self._w.wait(_seconds(timeout))
+        return self._w.wait(secs)
 
     def is_completed(self) -> bool:
         return self._w.is_completed()
@@ -140,13 +140,6 @@ class Work:
 
     def __repr__(self) -> str:
         return f"<braid.comm.Work {self.describe()}>"
-
-
-def _is_zero(timeout) -> bool:
-    """Whether a wait timeout (seconds or a timedelta) is exactly zero: a poll."""
-    if isinstance(timeout, timedelta):
-        return timeout == timedelta(0)
-    return isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == 0
 
 
 def _async_flag(async_op) -> bool:

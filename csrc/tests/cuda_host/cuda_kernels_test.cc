@@ -45,7 +45,7 @@ struct Guarded {
   bool same_bytes(const Guarded& o, size_t n) const { return std::memcmp(raw.data() + kPad, o.raw.data() + kPad, n) == 0; }
 };
 
-const DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+const std::vector<DType> kDtypes = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
 // The sanitizer builds (make sanitize) switch fibers tens of times slower: they run a corner of
 // each matrix (the first entries and the last, where the hard sizes sit), enough for memory
@@ -57,8 +57,7 @@ constexpr bool kInstrumented = false;
 #endif
 
 template <class T>
-std::vector<T> sweep(std::initializer_list<T> all) {
-  std::vector<T> v(all);
+std::vector<T> sweep(std::vector<T> v) {
   if (kInstrumented && v.size() > 2) v = {v.front(), v.back()};
   return v;
 }
@@ -111,7 +110,7 @@ BRAID_TEST(emulated_quantize_matches_the_cpu_bit_for_bit) {
   const auto counts = sweep<size_t>({0, 1, 33, 257, 1000, 2049});
   // Blocks below, at and above a warp, uneven, at the 256-thread launch width, past it.
   const auto blocks = sweep<size_t>({16, 32, 98, 256, 1000});
-  const auto dtypes = sweep<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  const auto dtypes = sweep(kDtypes);
   size_t cases = 0;
   for (int bits : {8, 4}) {
     for (size_t block : blocks) {
@@ -217,7 +216,7 @@ BRAID_TEST(emulated_top_k_selects_what_the_cpu_selects) {
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> u;
   int sampled = 0, cases = 0;
-  for (DType dtype : sweep<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16})) {
+  for (DType dtype : sweep(kDtypes)) {
     for (size_t count : sweep<size_t>({1, 100, 40000, 150001})) {
       for (double ratio : sweep<double>({0.001, 0.01, 0.05, 0.5})) {
         for (int shape : sweep<int>({0, 1, 2})) {
