@@ -86,7 +86,13 @@ def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout", zero_
 
 
 def host_identity() -> str:
-    """What makes two processes able to share memory: same machine boot and same /dev/shm."""
+    """What makes two processes able to share memory: same machine boot and same /dev/shm.
+
+    ``BRAID_HOST_ID`` overrides it (as ``NCCL_HOSTID``): ranks with different values talk over TCP
+    even on one machine; ranks with equal values must really share a machine."""
+    forced = os.environ.get("BRAID_HOST_ID")
+    if forced:
+        return f"env|{forced}"
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -200,7 +206,9 @@ class Communicator:
             skew_rounds: tunables; ``None`` takes the ``BRAID_*`` environment variable or the
             built-in default (README).
 
-    All ranks must currently share one host (POSIX shared memory transport).
+    Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
+    published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface
+    ``BRAID_SOCKET_IFNAME`` names or else the one that routes to the store's host.
     """
 
     def __init__(self, store: "dist.Store", rank: int, world_size: int, *,
@@ -254,7 +262,8 @@ class Communicator:
         self._store = store
         self.last_wire_bytes: Optional["WireStats"] = None
         try:
-            self._c = _C.Communicator(rank, world_size, tun, self._timeout_s)
+            host_ids = self._host_ids()
+            self._c = _C.Communicator(rank, world_size, tun, self._timeout_s, host_ids)
         except Exception as e:
             self._tell_peers(e)
             raise
@@ -305,16 +314,18 @@ class Communicator:
                     raise CommTimeout(f"rank {self._rank}: ranks [{', '.join(missing)}] did not {what} "
                                       f"within {self._timeout_s:g} s ({e})") from None
 
+    def _host_ids(self) -> list:
+        """Which ranks share a host, from every rank's published host identity: equal numbers
+        for equal identities (host_identity())."""
+        if self._world_size == 1:
+            return [0]
+        hosts = self._gather("host", host_identity(), "join the communicator")
+        ids: dict = {}
+        return [ids.setdefault(h, len(ids)) for h in hosts]
+
     def _bootstrap(self) -> None:
         if self._world_size == 1:
             return
-        hosts = self._gather("host", host_identity(), "join the communicator")
-        if len(set(hosts)) != 1:
-            groups = {}
-            for r, h in enumerate(hosts):
-                groups.setdefault(h.split("|")[0], []).append(r)
-            raise CommError(f"ranks span several hosts ({groups}); braid's shared-memory transport "
-                            "needs all ranks on one host until the TCP transport exists")
         me = f"{self._c.segment_name()}|{os.getpid()}|{socket.gethostname()}"
         peers = []
         for entry in self._gather("seg", me, "publish their shared memory"):
@@ -326,6 +337,20 @@ class Communicator:
             self._store.set(self._key("attached_all"), "1")
         self._wait([self._key("attached_all")], "map the shared memory")
         self._c.unlink_own()
+        if self._c.num_hosts > 1:
+            self._connect_hosts([p[2] for p in peers])
+
+    def _connect_hosts(self, hostnames: Sequence[str]) -> None:
+        """TCP between the ranks of different hosts: a per-communicator secret from the store
+        (rank 0 draws it), every rank's endpoint published, then authenticated connections."""
+        if self._rank == 0:
+            self._store.set(self._key("secret"), os.urandom(32).hex())
+        self._wait([self._key("secret")], "publish the communicator's secret")
+        secret = bytes.fromhex(self._store.get(self._key("secret")).decode())
+        endpoint = self._c.listen_tcp(_bind_address(self._store), secret)
+        endpoints = self._gather("tcp", endpoint, "publish their TCP endpoints")
+        labels = [f"rank {r} ({endpoints[r]} on {hostnames[r]})" for r in range(self._world_size)]
+        self._c.connect_tcp(endpoints, labels)
 
     def _release_core(self):
         """Hands the C++ communicator to a new owner (the torch.distributed backend), which
@@ -344,12 +369,18 @@ class Communicator:
 
     @property
     def local_rank(self) -> int:
-        """Rank among the ranks of this host (all ranks share one host for now)."""
-        return self._rank
+        """Rank among the ranks of this host (in rank order)."""
+        return self._c.local_rank
 
     @property
     def local_world_size(self) -> int:
-        return self._world_size
+        """Number of ranks on this host."""
+        return self._c.local_world_size
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of hosts the ranks span (told apart by host_identity())."""
+        return self._c.num_hosts
 
     @property
     def timeout(self) -> timedelta:
@@ -486,20 +517,22 @@ def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
 
     In order: the explicit ``store``/``rank``/``world_size``; the default process group's store
     when ``torch.distributed`` is initialized; the torchrun environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT). Keyword arguments go to :class:`Communicator`.
+    MASTER_ADDR, MASTER_PORT); SLURM's (SLURM_PROCID, SLURM_NTASKS, the first host of
+    SLURM_STEP_NODELIST or SLURM_JOB_NODELIST, a port derived from SLURM_JOB_ID) where torchrun's
+    are absent. Keyword arguments go to :class:`Communicator`.
     """
     if store is None and dist.is_available() and dist.is_initialized():
         store = dist.PrefixStore("braid/", dist.distributed_c10d._get_default_store())
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
     if rank is None:
-        rank = int(_env("RANK"))
+        rank = int(_env("RANK", "SLURM_PROCID"))
     if world_size is None:
-        world_size = int(_env("WORLD_SIZE"))
+        world_size = int(_env("WORLD_SIZE", "SLURM_NTASKS"))
     if store is None:
         timeout = kwargs.get("timeout", timedelta(seconds=300))
         use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        where = (_env("MASTER_ADDR"), int(_env("MASTER_PORT")))
+        where = (_master_addr(), _master_port())
         # One store per address in a process: rank 0 hosts it, and a second init() must not try
         # to listen on the port again.
         tcp = _env_stores.get(where)
@@ -518,9 +551,68 @@ def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
 _env_stores: dict = {}
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name)
+def _store_host(store) -> Optional[str]:
+    """The host of the TCPStore under ``store`` (through PrefixStores), else None."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.host if isinstance(store, dist.TCPStore) else None
+
+
+def _bind_address(store) -> str:
+    """The address this rank listens on for other hosts' ranks: BRAID_SOCKET_IFNAME's interface
+    (BRAID_SOCKET_FAMILY=AF_INET6 for IPv6), else the one that routes to the store's host, else
+    the first interface that is up other than loopback, else loopback."""
+    spec = os.environ.get("BRAID_SOCKET_IFNAME")
+    family = os.environ.get("BRAID_SOCKET_FAMILY", "AF_INET")
+    if family not in ("AF_INET", "AF_INET6"):
+        raise ValueError(f"BRAID_SOCKET_FAMILY must be AF_INET or AF_INET6, got {family!r}")
+    if spec:
+        return _C.interface_address(spec, family == "AF_INET6")
+    host = _store_host(store)
+    if host:
+        try:
+            return _C.route_address(host)
+        except ValueError:
+            pass
+    try:
+        return _C.interface_address("^lo", family == "AF_INET6")
+    except ValueError:
+        return "::1" if family == "AF_INET6" else "127.0.0.1"
+
+
+def _env(name: str, slurm: Optional[str] = None) -> str:
+    value = os.environ.get(name) or (os.environ.get(slurm) if slurm else None)
     if not value:
-        raise ValueError(f"{name} is not set: pass store, rank and world_size, initialize "
-                         "torch.distributed, or launch with torchrun")
+        also = f" (nor {slurm})" if slurm else ""
+        raise ValueError(f"{name} is not set{also}: pass store, rank and world_size, initialize "
+                         "torch.distributed, or launch with torchrun or srun")
     return value
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host name of a SLURM node list: "node[03-05,07],gpu1" -> "node03"."""
+    head = nodelist.split(",", 1)[0] if "[" not in nodelist.split(",", 1)[0] else nodelist[:nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",", 1)[0].split("-", 1)[0]
+    return prefix + first
+
+
+def _master_addr() -> str:
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if nodes:
+        return first_slurm_host(nodes)
+    return _env("MASTER_ADDR")
+
+
+def _master_port() -> int:
+    if os.environ.get("MASTER_PORT"):
+        return int(os.environ["MASTER_PORT"])
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and job.isdigit():
+        # Every task of the job derives the same port; jobs sharing a node rarely collide.
+        return 20000 + int(job) % 20000
+    return int(_env("MASTER_PORT"))

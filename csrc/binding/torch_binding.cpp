@@ -289,7 +289,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("stream_min_bytes", &Tunables::stream_min_bytes)
       .def_readwrite("spin_us", &Tunables::spin_us)
       .def_readwrite("yield_us", &Tunables::yield_us)
-      .def_readwrite("skew_rounds", &Tunables::skew_rounds);
+      .def_readwrite("skew_rounds", &Tunables::skew_rounds)
+      .def_readwrite("nsocks", &Tunables::nsocks)
+      .def_readwrite("socket_chunk_bytes", &Tunables::socket_chunk_bytes)
+      .def_readwrite("cross_oneshot_max_bytes", &Tunables::cross_oneshot_max_bytes)
+      .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes);
 
   py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")
       .def("wait", &PyWork::wait, py::arg("timeout") = py::none())
@@ -300,8 +304,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
   communicator
-      .def(py::init<int, int, Tunables, double>(), py::arg("rank"), py::arg("world_size"), py::arg("tunables"),
-           py::arg("timeout_s"))
+      .def(py::init<int, int, Tunables, double, std::vector<int>>(), py::arg("rank"), py::arg("world_size"),
+           py::arg("tunables"), py::arg("timeout_s"), py::arg("host_ids") = std::vector<int>{})
+      .def_property_readonly("local_rank", [](const Communicator& c) { return c.topology().local_rank(); })
+      .def_property_readonly("local_world_size", [](const Communicator& c) { return c.topology().local_world(); })
+      .def_property_readonly("num_hosts", [](const Communicator& c) { return c.topology().num_hosts(); })
+      .def("listen_tcp",
+           [](Communicator& c, const std::string& bind_ip, const py::bytes& secret) {
+             const std::string s = secret;
+             return c.listen_tcp(bind_ip, std::vector<uint8_t>(s.begin(), s.end()));
+           })
+      .def("connect_tcp", &Communicator::connect_tcp, py::arg("endpoints"), py::arg("labels"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("tcp_bytes_sent", &Communicator::tcp_bytes_sent)
+      .def_property_readonly("tcp_bytes_received", &Communicator::tcp_bytes_received)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)
       .def_property_readonly("seq", &Communicator::seq)
@@ -339,5 +355,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_cuda_kernels") = false;
 #endif
+  m.def(
+      "interface_address",
+      [](const std::string& spec, bool ipv6) { return interface_address(spec, ipv6 ? AF_INET6 : AF_INET); },
+      py::arg("spec"), py::arg("ipv6") = false,
+        "The address of the first interface that is up and matches a BRAID_SOCKET_IFNAME spec.");
+  m.def("route_address", &route_address, py::arg("host"),
+        "The local address the kernel would use to reach `host`.");
   m.def("reduce_tensors", &reduce_tensors, py::arg("inputs"), py::arg("op"), py::arg("world_size") = 1);
 }

@@ -14,28 +14,35 @@
 
 namespace braid {
 
-Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s)
+Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s, std::vector<int> host_ids)
     : rank_(rank), world_(world_size), tun_(tunables), owner_pid_(static_cast<int>(::getpid())) {
   if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
   if (rank < 0 || rank >= world_size) throw std::invalid_argument("rank must be in [0, world_size)");
-  if (world_size > kMaxLocalRanks)
-    throw std::invalid_argument("world_size must be at most " + std::to_string(kMaxLocalRanks) +
-                                " on one host");
+  if (!host_ids.empty() && static_cast<int>(host_ids.size()) != world_size)
+    throw std::invalid_argument("host_ids needs one entry per rank");
+  topo_ = host_ids.empty() ? Topology::single_host(rank, world_size) : Topology::from_host_ids(rank, host_ids);
+  const int local_world = topo_.local_world();
+  if (local_world > kMaxLocalRanks)
+    throw std::invalid_argument("at most " + std::to_string(kMaxLocalRanks) + " ranks may share one host, got " +
+                                std::to_string(local_world));
   if (!(timeout_s > 0)) throw std::invalid_argument("timeout must be positive");
-  tun_.resolve(world_size);
+  tun_.resolve(local_world);
   tun_.validate();
   oneshot_max_ = static_cast<size_t>(tun_.oneshot_max_bytes);
-  if (world_ > 1) {
-    ShmLayout layout{oneshot_max_, tun_.slot_bytes, tun_.nslots, world_size};
+  const double capped_s = std::min(timeout_s, kMaxTimeoutSeconds);
+  timeout_ = std::chrono::nanoseconds(static_cast<int64_t>(capped_s * 1e9));
+  if (local_world > 1) {
+    ShmLayout layout{oneshot_max_, tun_.slot_bytes, tun_.nslots, local_world};
     WaitPolicy policy;
     policy.spin = std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3));
     policy.yield = std::chrono::nanoseconds(static_cast<int64_t>(tun_.yield_us * 1e3));
-    const double capped_s = std::min(timeout_s, kMaxTimeoutSeconds);
-    policy.timeout = std::chrono::nanoseconds(static_cast<int64_t>(capped_s * 1e9));
-    group_ = std::make_unique<ShmGroup>(rank, world_size, layout, policy, tun_.stream_min_bytes,
+    policy.timeout = timeout_;
+    group_ = std::make_unique<ShmGroup>(topo_.local_rank(), local_world, layout, policy, tun_.stream_min_bytes,
                                         tun_.skew_rounds != 0);
-    engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
+    if (topo_.multi_host()) group_->set_global_ranks(topo_.hosts[static_cast<size_t>(topo_.host)]);
   }
+  if (world_ > 1)
+    engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
 }
 
 Communicator::~Communicator() {
@@ -47,6 +54,7 @@ Communicator::~Communicator() {
     closed_.store(true);
     engine_.release()->stop_detached();
     (void)group_.release();
+    (void)tcp_.release();
     return;
   }
   try {
@@ -61,7 +69,27 @@ void Communicator::attach(const std::vector<PeerInfo>& peers) {
   if (!group_) return;
   if (static_cast<int>(peers.size()) != world_)
     throw std::invalid_argument("attach needs one PeerInfo per rank");
-  group_->attach(peers);
+  std::vector<PeerInfo> local;
+  for (int r : topo_.hosts[static_cast<size_t>(topo_.host)]) local.push_back(peers[static_cast<size_t>(r)]);
+  group_->attach(local);
+}
+
+std::string Communicator::listen_tcp(const std::string& bind_ip, const std::vector<uint8_t>& secret) {
+  if (!topo_.multi_host()) throw std::invalid_argument("listen_tcp: every rank of this communicator is on this host");
+  TcpConfig cfg;
+  cfg.sockets = tun_.nsocks;
+  cfg.chunk_bytes = tun_.socket_chunk_bytes;
+  cfg.timeout = timeout_;
+  cfg.secret = secret;
+  tcp_ = std::make_unique<TcpTransport>(rank_, world_, bind_ip, std::move(cfg));
+  return tcp_->address();
+}
+
+void Communicator::connect_tcp(const std::vector<std::string>& endpoints, const std::vector<std::string>& labels) {
+  if (!tcp_) throw std::invalid_argument("connect_tcp before listen_tcp");
+  std::vector<bool> remote(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) remote[static_cast<size_t>(r)] = topo_.host_of[static_cast<size_t>(r)] != topo_.host;
+  tcp_->connect(endpoints, remote, labels);
 }
 
 void Communicator::unlink_own() {
@@ -128,7 +156,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
-  if (group_ && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
+  if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
     auto shared = std::make_shared<Request>(std::move(req));
     work = std::make_shared<Work>([this, shared] { execute(*shared); });
     work->set_p2p(shared);
@@ -137,7 +165,10 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   }
   work->set_engine(engine_.get());
   engine_->enqueue(work);  // behind the async work issued before it
-  if (p2p_waiting_.load(std::memory_order_seq_cst)) group_->wake();
+  if (p2p_waiting_.load(std::memory_order_seq_cst)) {
+    if (group_) group_->wake();
+    if (tcp_) tcp_->wake();
+  }
   if (!async) {
     wait_blocking(*work);
     return nullptr;
@@ -154,7 +185,7 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
   for (const Request& r : reqs) {
     if (r.kind != CollKind::kSend && r.kind != CollKind::kRecv)
       throw std::invalid_argument("submit_exchange takes send and recv requests only");
-    if (!group_) throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
+    if (world_ == 1) throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
     if (r.dtype != dtype) throw std::invalid_argument("submit_exchange: every request must have the exchange's dtype");
   }
   Request header;
@@ -288,7 +319,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
           continue;
         }
         const size_t before = active[i].op.off;
-        if (group_->advance(active[i].op)) {
+        if (p2p_advance(active[i].op)) {
           if (active[i].req->epilogue) active[i].req->epilogue();
           std::shared_ptr<Work> w = std::move(active[i].work);
           active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
@@ -317,8 +348,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         std::atomic<bool>& flag;
         ~Clear() { flag.store(false, std::memory_order_seq_cst); }
       } clear{p2p_waiting_};
-      group_->wait_p2p(heads.data(), static_cast<int>(heads.size()),
-                       [&] { return engine_->enqueued() != seen; });
+      p2p_wait(heads.data(), static_cast<int>(heads.size()), [&] { return engine_->enqueued() != seen; });
     }
   } catch (const CommError& e) {
     poison(e);
@@ -342,6 +372,7 @@ void Communicator::record_poison(ErrorKind kind, const std::string& msg) {
 void Communicator::poison(const CommError& e) {
   record_poison(e.kind(), e.what());
   if (group_) group_->publish_failure(e.kind(), e.what());
+  if (tcp_) tcp_->publish_failure(e.kind(), e.what());
 }
 
 std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std::shared_ptr<void> keepalive,
@@ -367,6 +398,7 @@ void Communicator::wait_blocking(Work& work) {
   } catch (const Interrupted& e) {
     const std::string msg = "rank " + std::to_string(rank_) + " was " + e.what();
     if (group_) group_->request_abort(msg);
+    if (tcp_) tcp_->request_abort(msg, ErrorKind::kGeneric);
     work.wait_done();
     record_poison(ErrorKind::kGeneric, msg);
     throw;
@@ -398,54 +430,18 @@ void Communicator::execute(Request& r) {
   const bool tagged = r.kind == CollKind::kAllGather || r.kind == CollKind::kAllToAll;
   d.root = tagged ? r.tag : static_cast<uint32_t>(r.root);
   try {
-    if (!group_) {
+    if (world_ == 1) {
       execute_local(r);
+    } else if (r.kind == CollKind::kSend || r.kind == CollKind::kRecv) {
+      const size_t bytes = r.count * dtype_size(r.dtype);
+      if (r.kind == CollKind::kSend)
+        p2p_blocking(r.root, true, const_cast<void*>(r.in), bytes, r.dtype);
+      else
+        p2p_blocking(r.root, false, r.out, bytes, r.dtype);
+    } else if (topo_.multi_host()) {
+      execute_cross_host(r, d);
     } else {
-      const size_t es = dtype_size(r.dtype);
-      const size_t n = static_cast<size_t>(world_);
-      switch (r.kind) {
-        case CollKind::kAllReduce: {
-          const Algo a = all_reduce_algo(r.count * es);
-          d.algo = static_cast<uint32_t>(a);
-          if (a == Algo::kOneShot)
-            oneshot_all_reduce(*group_, d, r.in, r.out);
-          else if (a == Algo::kRing)
-            ring_all_reduce(*group_, d, r.in, r.out);
-          else
-            twoshot_all_reduce(*group_, d, r.in, r.out);
-          break;
-        }
-        case CollKind::kReduceScatter:
-        case CollKind::kAllGather:
-        case CollKind::kAllToAll:
-        case CollKind::kBroadcast: {
-          // One-shot when what a rank publishes fits a parity buffer (reduce_scatter and
-          // all_to_all publish their whole input), pipelined through the slots otherwise.
-          const bool whole = r.kind == CollKind::kReduceScatter || r.kind == CollKind::kAllToAll;
-          const size_t published = r.count * es * (whole ? n : 1);
-          const bool small = published <= oneshot_max_;
-          d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
-          if (r.kind == CollKind::kReduceScatter)
-            (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);
-          else if (r.kind == CollKind::kAllGather)
-            (small ? oneshot_all_gather : pipelined_all_gather)(*group_, d, r.in, r.out);
-          else if (r.kind == CollKind::kAllToAll)
-            (small ? oneshot_all_to_all : pipelined_all_to_all)(*group_, d, r.in, r.out);
-          else
-            (small ? oneshot_broadcast : pipelined_broadcast)(*group_, d, r.out);
-          break;
-        }
-        case CollKind::kBarrier:
-        case CollKind::kExchange:
-          barrier(*group_, d);
-          break;
-        case CollKind::kSend:
-          group_->send(r.root, r.in, r.count * es, r.dtype);
-          break;
-        case CollKind::kRecv:
-          group_->recv(r.root, r.out, r.count * es, r.dtype);
-          break;
-      }
+      run_on_host(r, d);
     }
     if (r.epilogue) r.epilogue();
   } catch (const CommError& e) {
@@ -454,11 +450,106 @@ void Communicator::execute(Request& r) {
   }
 }
 
+void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
+  const size_t es = dtype_size(r.dtype);
+  const size_t n = static_cast<size_t>(group_->world_size());
+  switch (r.kind) {
+    case CollKind::kAllReduce: {
+      const Algo a = all_reduce_algo(r.count * es);
+      d.algo = static_cast<uint32_t>(a);
+      if (a == Algo::kOneShot)
+        oneshot_all_reduce(*group_, d, r.in, r.out);
+      else if (a == Algo::kRing)
+        ring_all_reduce(*group_, d, r.in, r.out);
+      else
+        twoshot_all_reduce(*group_, d, r.in, r.out);
+      break;
+    }
+    case CollKind::kReduceScatter:
+    case CollKind::kAllGather:
+    case CollKind::kAllToAll:
+    case CollKind::kBroadcast: {
+      // One-shot when what a rank publishes fits a parity buffer (reduce_scatter and
+      // all_to_all publish their whole input), pipelined through the slots otherwise.
+      const bool whole = r.kind == CollKind::kReduceScatter || r.kind == CollKind::kAllToAll;
+      const size_t published = r.count * es * (whole ? n : 1);
+      const bool small = published <= oneshot_max_;
+      d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
+      if (r.kind == CollKind::kReduceScatter)
+        (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);
+      else if (r.kind == CollKind::kAllGather)
+        (small ? oneshot_all_gather : pipelined_all_gather)(*group_, d, r.in, r.out);
+      else if (r.kind == CollKind::kAllToAll)
+        (small ? oneshot_all_to_all : pipelined_all_to_all)(*group_, d, r.in, r.out);
+      else
+        (small ? oneshot_broadcast : pipelined_broadcast)(*group_, d, r.out);
+      break;
+    }
+    case CollKind::kBarrier:
+    case CollKind::kExchange:
+      barrier(*group_, d);
+      break;
+    case CollKind::kSend:
+    case CollKind::kRecv:
+      break;  // never a collective
+  }
+}
+
+bool Communicator::p2p_advance(P2POp& op) {
+  if (topo_.host_of[static_cast<size_t>(op.peer)] != topo_.host) return tcp_->advance(op);
+  // The host's group numbers its ranks from 0: move the transfer there and back.
+  const int peer = op.peer;
+  op.peer = topo_.local_index[static_cast<size_t>(peer)];
+  struct Restore {
+    P2POp& op;
+    int peer;
+    ~Restore() { op.peer = peer; }
+  } restore{op, peer};
+  return group_->advance(op);
+}
+
+void Communicator::p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted) {
+  std::vector<P2POp> local;  // copies renumbered for the host's group
+  std::vector<P2POp*> remote;
+  for (int i = 0; i < nops; ++i) {
+    if (topo_.host_of[static_cast<size_t>(ops[i]->peer)] != topo_.host) {
+      remote.push_back(ops[i]);
+    } else {
+      local.push_back(*ops[i]);
+      local.back().peer = topo_.local_index[static_cast<size_t>(ops[i]->peer)];
+    }
+  }
+  std::vector<P2POp*> local_ptrs;
+  for (P2POp& op : local) local_ptrs.push_back(&op);
+  if (remote.empty()) return group_->wait_p2p(local_ptrs.data(), static_cast<int>(local_ptrs.size()), interrupted);
+  if (local.empty()) return tcp_->wait(remote.data(), static_cast<int>(remote.size()), interrupted);
+  // Both: TCP's poll in short slices, looking at the host's mailboxes in between.
+  auto local_ready = [&] {
+    for (const P2POp& op : local)
+      if (group_->ready(op)) return true;
+    return false;
+  };
+  tcp_->wait(remote.data(), static_cast<int>(remote.size()), [&] { return local_ready() || interrupted(); },
+             std::chrono::milliseconds(1));
+}
+
+void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype) {
+  P2POp op;
+  op.peer = peer;
+  op.send = send;
+  op.data = static_cast<char*>(data);
+  op.bytes = bytes;
+  op.dtype = dtype;
+  P2POp* ops[] = {&op};
+  while (!p2p_advance(op)) p2p_wait(ops, 1, [] { return false; });
+}
+
 void Communicator::abort() {
   if (closed_.load() || in_forked_child()) return close();
   const std::string msg = "rank " + std::to_string(rank_) + " aborted the communicator";
   record_poison(ErrorKind::kClosed, msg);
   if (group_) group_->request_abort(msg, ErrorKind::kClosed);
+  if (tcp_) tcp_->request_abort(msg, ErrorKind::kClosed);
   // From a signal handler run inside this communicator's collective: that collective fails as soon
   // as the handler returns; closing is left to whoever handles its error. So too from a callback
   // on the progress thread, which cannot wait for itself.
@@ -481,11 +572,13 @@ void Communicator::close() {
     // and descriptors go when the child exits.
     (void)engine_.release();
     (void)group_.release();
+    (void)tcp_.release();
     return;
   }
   engine_->shutdown();
   if (group_) group_->mark_left();
   group_.reset();
+  tcp_.reset();
 }
 
 }  // namespace braid

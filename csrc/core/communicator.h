@@ -1,5 +1,6 @@
 // The torch-free communicator: sequence numbers, algorithm choice, error poisoning, issue-order
-// execution (inline or on the progress thread) over a shared-memory rank group.
+// execution (inline or on the progress thread) over a shared-memory rank group per host and, when
+// the ranks span hosts, TCP between them.
 #pragma once
 
 #include <atomic>
@@ -13,7 +14,9 @@
 #include "errors.h"
 #include "fork_guard.h"
 #include "progress_engine.h"
+#include "topology.h"
 #include "transport/shm_group.h"
+#include "transport/tcp/tcp_transport.h"
 #include "tunables.h"
 #include "work.h"
 
@@ -43,7 +46,8 @@ struct Request {
 
 class Communicator {
  public:
-  Communicator(int rank, int world_size, Tunables tunables, double timeout_s);
+  // `host_ids[r]` is equal for ranks that share a host (empty: all on this host).
+  Communicator(int rank, int world_size, Tunables tunables, double timeout_s, std::vector<int> host_ids = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -54,11 +58,21 @@ class Communicator {
   // Whether the calling thread is this communicator's progress thread (a future's callback).
   bool on_progress_thread() const { return engine_ && engine_->on_progress_thread(); }
 
-  // Bootstrap (single host): publish segment_name(), attach everyone's, then unlink_own() once
-  // every rank has attached. Not needed when world_size == 1.
+  const Topology& topology() const { return topo_; }
+
+  // Bootstrap of the host's shared memory: publish segment_name(), attach everyone's (one entry
+  // per communicator rank; those of other hosts are ignored), then unlink_own() once every rank
+  // has attached. Not needed when this host has one rank.
   std::string segment_name() const;
   void attach(const std::vector<PeerInfo>& peers);
   void unlink_own();
+  // Bootstrap across hosts: listen on `bind_ip` and return the endpoint to publish, then connect
+  // to every rank on another host (`endpoints` and `labels` for every rank) proving `secret`.
+  std::string listen_tcp(const std::string& bind_ip, const std::vector<uint8_t>& secret);
+  void connect_tcp(const std::vector<std::string>& endpoints, const std::vector<std::string>& labels);
+  // Payload bytes this rank sent and received over TCP so far.
+  uint64_t tcp_bytes_sent() const { return tcp_ ? tcp_->bytes_sent() : 0; }
+  uint64_t tcp_bytes_received() const { return tcp_ ? tcp_->bytes_received() : 0; }
 
   // Blocking when `async` is false (returns null); otherwise returns the queued Work.
   std::shared_ptr<Work> submit(Request req, bool async);
@@ -98,6 +112,22 @@ class Communicator {
  private:
   void execute(Request& r);
   void execute_local(Request& r);
+  // One collective on this host's shared-memory group, described by `d` (its algo is filled in).
+  void run_on_host(Request& r, CollectiveDesc& d);
+  // Across hosts (cross_host.cc): the collective `r` (described to the other hosts by `d`) as
+  // steps on this host's group and direct transfers between hosts.
+  void execute_cross_host(Request& r, const CollectiveDesc& d);
+  void cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
+  void cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d);
+  void cross_broadcast(void* data, size_t bytes, int root, const CollectiveDesc& d);
+  void cross_barrier(const CollectiveDesc& d);
+  void cross_all_to_all(const void* in, void* out, size_t chunk_bytes, const CollectiveDesc& d);
+  // A step on this host's group (none when it has one rank), numbered on the host.
+  void host_step(CollKind kind, DType dt, ReduceOp op, size_t count, int root, const void* in, void* out);
+  // Point-to-point routed by the peer's host: shared memory on this host, TCP to others.
+  bool p2p_advance(P2POp& op);
+  void p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
+  void p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype);
   // Runs the point-to-point works the engine hands over together (ProgressEngine::P2PRunner).
   void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
   // Records the first communication error and tells the peers.
@@ -126,7 +156,11 @@ class Communicator {
   int world_;
   Tunables tun_;
   size_t oneshot_max_ = 0;  // tun_.oneshot_max_bytes once resolved
-  std::unique_ptr<ShmGroup> group_;
+  std::chrono::nanoseconds timeout_{};  // every wait's deadline
+  Topology topo_;
+  std::unique_ptr<ShmGroup> group_;    // this host's ranks (null when it has one)
+  std::unique_ptr<TcpTransport> tcp_;  // the other hosts' ranks (null on one host)
+  uint64_t host_seq_ = 0;              // steps run on group_ across hosts (their shm sequence)
   // Behind a pointer so that a forked child can abandon it without touching its thread or locks.
   std::unique_ptr<ProgressEngine> engine_ = std::make_unique<ProgressEngine>();
   const uint64_t fork_generation_ = fork_generation();

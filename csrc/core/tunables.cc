@@ -126,6 +126,10 @@ Tunables Tunables::from_env() {
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
   if (env("BRAID_SKEW_ROUNDS") != nullptr)
     t.skew_rounds = static_cast<int>(std::min<size_t>(env_size("BRAID_SKEW_ROUNDS", 0), 2));
+  t.nsocks = env_size_as<int>("BRAID_NSOCKS", t.nsocks);
+  t.socket_chunk_bytes = env_size("BRAID_SOCKET_CHUNK_BYTES", t.socket_chunk_bytes);
+  t.cross_oneshot_max_bytes = env_size("BRAID_CROSS_ONESHOT_MAX_BYTES", t.cross_oneshot_max_bytes);
+  t.cross_piece_bytes = env_size("BRAID_CROSS_PIECE_BYTES", t.cross_piece_bytes);
   return t;
 }
 
@@ -146,6 +150,13 @@ void Tunables::validate() const {
   if (skew_rounds < -1 || skew_rounds > 1)
     throw std::invalid_argument("skew_rounds (BRAID_SKEW_ROUNDS) must be 0 or 1");
   if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
+  if (nsocks < 1 || nsocks > 64) throw std::invalid_argument("nsocks (BRAID_NSOCKS) must be between 1 and 64");
+  if (socket_chunk_bytes < 4096 || socket_chunk_bytes > (size_t(1) << 30))
+    throw std::invalid_argument("socket_chunk_bytes (BRAID_SOCKET_CHUNK_BYTES) must be between 4 KiB and 1 GiB");
+  if (cross_oneshot_max_bytes > (size_t(1) << 30))
+    throw std::invalid_argument("cross_oneshot_max_bytes (BRAID_CROSS_ONESHOT_MAX_BYTES) must be at most 1 GiB");
+  if (cross_piece_bytes < 1024 || cross_piece_bytes > (size_t(1) << 30))
+    throw std::invalid_argument("cross_piece_bytes (BRAID_CROSS_PIECE_BYTES) must be between 1 KiB and 1 GiB");
 }
 
 }  // namespace braid

@@ -55,6 +55,20 @@ struct Tunables {
   int skew_rounds = -1;
   double yield_us = 50.0;
 
+  // Across hosts (TCP). Defaults to be measured by `python -m braid.bench multihost`
+  // (docs/results); until then they follow NCCL's socket transport (2 sockets, 512 KiB chunks).
+  // BRAID_NSOCKS: sockets per peer pair (and channel) that a message is striped across.
+  int nsocks = 2;
+  // BRAID_SOCKET_CHUNK_BYTES: the striping unit; each chunk carries a 72-byte header.
+  size_t socket_chunk_bytes = 512 * 1024;
+  // BRAID_CROSS_ONESHOT_MAX_BYTES: all_reduce messages up to this size cross hosts in one round
+  // trip (every host leader sends its host's sum to every other) instead of a reduce-scatter to
+  // owners and their results back (two message latencies, but each link carries 2/n of it).
+  size_t cross_oneshot_max_bytes = 64 * 1024;
+  // BRAID_CROSS_PIECE_BYTES: an owner reduces its part in pieces of this size as they arrive,
+  // and sends each reduced piece on while the next ones travel.
+  size_t cross_piece_bytes = 1024 * 1024;
+
   static Tunables from_env();
   // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,
   // spin budget, skew.

@@ -74,8 +74,9 @@ struct SegmentHeader {
   char error_msg[488];
   // Point-to-point progress: chunks this rank posted to each destination, and took from each
   // source (see ShmGroup::send). Each side writes only its own arrays.
-  alignas(kLine) std::atomic<uint64_t> mailbox_sent[kMaxLocalRanks];
-  alignas(kLine) std::atomic<uint64_t> mailbox_taken[kMaxLocalRanks];
+  // Indexed by lane: channel * kMaxLocalRanks + peer (see Channel).
+  alignas(kLine) std::atomic<uint64_t> mailbox_sent[kNumChannels * kMaxLocalRanks];
+  alignas(kLine) std::atomic<uint64_t> mailbox_taken[kNumChannels * kMaxLocalRanks];
 };
 
 // What precedes the data of a mailbox chunk: the receiver checks the message against its own.
@@ -92,55 +93,18 @@ static_assert(offsetof(SegmentHeader, desc) + sizeof(CollectiveDesc[2]) - offset
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters must be lock-free");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared counters must be lock-free");
 
-const char* coll_kind_name(CollKind k) {
-  switch (k) {
-    case CollKind::kAllReduce: return "all_reduce";
-    case CollKind::kReduceScatter: return "reduce_scatter";
-    case CollKind::kAllGather: return "all_gather";
-    case CollKind::kBroadcast: return "broadcast";
-    case CollKind::kBarrier: return "barrier";
-    case CollKind::kAllToAll: return "all_to_all";
-    case CollKind::kSend: return "send";
-    case CollKind::kRecv: return "recv";
-    case CollKind::kExchange: return "all_to_all with split sizes";
-  }
-  return "unknown";
-}
-
-bool CollectiveDesc::operator==(const CollectiveDesc& o) const {
-  return seq == o.seq && count == o.count && kind == o.kind && dtype == o.dtype && op == o.op &&
-         root == o.root && algo == o.algo;
-}
-
-std::string CollectiveDesc::describe() const {
-  std::ostringstream s;
-  const auto k = static_cast<CollKind>(kind);
-  s << coll_kind_name(k) << " #" << seq;
-  if (k == CollKind::kBarrier) return s.str();
-  if (k == CollKind::kExchange) return s.str() + " (" + dtype_name(static_cast<DType>(dtype)) + ")";
-  s << " (" << dtype_name(static_cast<DType>(dtype)) << ", count " << count;
-  if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
-    s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
-  if (k == CollKind::kBroadcast) s << ", src " << root;
-  if (k == CollKind::kAllReduce && root != 0) s << ", root " << root;  // a reduce's destination
-  if ((k == CollKind::kAllGather || k == CollKind::kAllToAll) && root != 0)
-    s << ", tag " << std::hex << std::showbase << root << std::dec << std::noshowbase;
-  s << ", algo " << algo_name(static_cast<Algo>(algo)) << ")";  // algo is a byte: not a character
-  return s.str();
-}
-
 size_t ShmLayout::oneshot_offset() const { return round_up(sizeof(SegmentHeader), 4096); }
 size_t ShmLayout::slots_offset() const { return oneshot_offset() + 2 * round_up(oneshot_bytes, 4096); }
 namespace {
 constexpr size_t kMailboxSlot = (kChunkHeader + kMailboxChunkBytes + 4095) / 4096 * 4096;
 }
 
-size_t ShmLayout::mailbox_offset(int dst, uint64_t chunk) const {
+size_t ShmLayout::mailbox_offset(int lane, uint64_t chunk) const {
   const size_t first = slots_offset() + static_cast<size_t>(nslots) * round_up(slot_bytes, 4096);
-  return first + (static_cast<size_t>(dst) * kMailboxDepth + chunk % kMailboxDepth) * kMailboxSlot;
+  return first + (static_cast<size_t>(lane) * kMailboxDepth + chunk % kMailboxDepth) * kMailboxSlot;
 }
 
-size_t ShmLayout::total_bytes() const { return mailbox_offset(world_size, 0); }
+size_t ShmLayout::total_bytes() const { return mailbox_offset(kNumChannels * world_size, 0); }
 
 ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
                    size_t stream_min_bytes, bool skewed_rounds)
@@ -153,7 +117,7 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
   // The collectives' part (header, one-shot buffers, slots) is backed now; each mailbox when this
   // rank first sends to its destination (most programs never use point-to-point).
   own_ = ShmSegment::create(layout_.total_bytes(), layout_.mailbox_offset(0, 0));
-  mailbox_reserved_.assign(world_size, false);
+  mailbox_reserved_.assign(static_cast<size_t>(kNumChannels) * world_size, false);
   auto* h = new (own_.data()) SegmentHeader();
   h->magic = kMagic;
   h->total_bytes = layout_.total_bytes();
@@ -170,8 +134,8 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
   bases_[rank_] = static_cast<char*>(own_.data());
   for (int r = 0; r < world_; ++r)
     if (r != rank_) all_peers_.push_back(r);
-  sent_.assign(world_, 0);
-  taken_.assign(world_, 0);
+  sent_.assign(static_cast<size_t>(kNumChannels) * world_, 0);
+  taken_.assign(static_cast<size_t>(kNumChannels) * world_, 0);
 }
 
 ShmGroup::~ShmGroup() {
@@ -190,7 +154,7 @@ void ShmGroup::attach(const std::vector<PeerInfo>& peers) {
         h->total_bytes != layout_.total_bytes() || h->oneshot_bytes != layout_.oneshot_bytes ||
         h->slot_bytes != layout_.slot_bytes || h->nslots != static_cast<uint32_t>(layout_.nslots))
       throw CommError(ErrorKind::kGeneric,
-                      "rank " + std::to_string(r) + "'s shared memory does not match this rank's "
+                      rank_name(r) + "'s shared memory does not match this rank's "
                       "layout: all ranks must use the same braid version and the same BRAID_* tunables");
     headers_[r] = h;
     bases_[r] = static_cast<char*>(peers_[r].data());
@@ -286,7 +250,7 @@ void ShmGroup::raise_abort() {
     std::string msg(h->error_msg, strnlen(h->error_msg, sizeof(h->error_msg)));
     if (kind != ErrorKind::kTimeout && kind != ErrorKind::kMismatch && kind != ErrorKind::kPeer)
       kind = ErrorKind::kPeer;
-    throw CommError(kind, msg + " [reported by rank " + std::to_string(r) + "]");
+    throw CommError(kind, msg + " [reported by " + rank_name(r) + "]");
   }
   throw CommError(ErrorKind::kPeer, "a peer aborted the communicator");
 }
@@ -296,9 +260,13 @@ std::string ShmGroup::what_doing(const char* word, const std::string* doing) con
   return current_ ? word + current_->describe() : std::string();
 }
 
+std::string ShmGroup::rank_name(int r) const {
+  return "rank " + std::to_string(global_.empty() ? r : global_[static_cast<size_t>(r)]);
+}
+
 std::string ShmGroup::rank_label(int r) const {
   std::ostringstream s;
-  s << "rank " << r;
+  s << rank_name(r);
   if (r < static_cast<int>(info_.size())) s << " (pid " << info_[r].pid << " on " << info_[r].host << ")";
   return s.str();
 }
@@ -323,7 +291,7 @@ void ShmGroup::check_peers_alive(const int* peers, int npeers, const Awaited& aw
     if (!awaited(r)) continue;  // only those we still need
     if (h->state.load(std::memory_order_acquire) == kStateLeft)
       throw CommError(ErrorKind::kPeer, rank_label(r) + " closed its communicator" + what_doing(" during ", doing) +
-                                            " while rank " + std::to_string(rank_) + " waited for it");
+                                            " while " + rank_name(rank_) + " waited for it");
     bool dead = false;
     if (pidfds_[r] >= 0) {
       struct pollfd p{pidfds_[r], POLLIN, 0};
@@ -393,13 +361,13 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
       // Only waits that already took a while ask: the hook takes Python's GIL, which a busy
       // Python thread may hold for milliseconds, and a short wait must not pay for that.
       if (now - start >= kInterruptAfter && interrupt_requested())
-        throw Interrupted("rank " + std::to_string(rank_) + " was interrupted by a signal" +
+        throw Interrupted(rank_name(rank_) + " was interrupted by a signal" +
                           what_doing(" during ", doing));
     }
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();
       std::ostringstream s;
-      s << "rank " << rank_ << " timed out after " << secs << " s"
+      s << rank_name(rank_) << " timed out after " << secs << " s"
         << what_doing(" in ", doing) << " waiting for "
         << missing_ranks(peers, npeers, awaited) << ", which did not arrive";
       throw CommError(ErrorKind::kTimeout, s.str());
@@ -425,35 +393,41 @@ uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
   for (int r : all_peers_) {
     const CollectiveDesc& theirs = header(r)->desc[d.seq & 1];
     if (!(theirs == d))
-      throw CommError(ErrorKind::kMismatch, "collective mismatch: rank " + std::to_string(rank_) +
-                                                " called " + d.describe() + " but rank " +
-                                                std::to_string(r) + " called " + theirs.describe());
+      throw CommError(ErrorKind::kMismatch, "collective mismatch: " + rank_name(rank_) +
+                                                " called " + d.describe() + " but " +
+                                                rank_name(r) + " called " + theirs.describe());
   }
   return s;
 }
 
-std::string P2POp::describe() const {
-  return std::string(send ? "send of " : "recv of ") + std::to_string(bytes) + " bytes " + (send ? "to" : "from") +
-         " rank " + std::to_string(peer);
+namespace {
+// A lane is one (channel, peer) mailbox stream; the header arrays are sized for any world size.
+size_t header_lane(Channel c, int peer) { return static_cast<size_t>(c) * kMaxLocalRanks + static_cast<size_t>(peer); }
+}  // namespace
+
+size_t ShmGroup::lane(const P2POp& op) const {
+  return static_cast<size_t>(op.channel) * static_cast<size_t>(world_) + static_cast<size_t>(op.peer);
 }
 
 bool ShmGroup::p2p_ready(const P2POp& op) const {
   if (op.done) return true;
-  if (op.send) return header(op.peer)->mailbox_taken[rank_].load(std::memory_order_acquire) + kMailboxDepth > sent_[op.peer];
-  return header(op.peer)->mailbox_sent[rank_].load(std::memory_order_acquire) > taken_[op.peer];
+  const size_t me = header_lane(op.channel, rank_);
+  if (op.send) return header(op.peer)->mailbox_taken[me].load(std::memory_order_acquire) + kMailboxDepth > sent_[lane(op)];
+  return header(op.peer)->mailbox_sent[me].load(std::memory_order_acquire) > taken_[lane(op)];
 }
 
 bool ShmGroup::advance(P2POp& op) {
   while (!op.done && p2p_ready(op)) {
     const int peer = op.peer;
+    const size_t l = lane(op);
     if (op.send) {
-      if (!mailbox_reserved_[peer]) {
-        own_.reserve(layout_.mailbox_offset(peer, 0), kMailboxDepth * kMailboxSlot);
-        mailbox_reserved_[peer] = true;
+      if (!mailbox_reserved_[l]) {
+        own_.reserve(layout_.mailbox_offset(static_cast<int>(l), 0), kMailboxDepth * kMailboxSlot);
+        mailbox_reserved_[l] = true;
       }
       // Chunk k reuses the mailbox slot of chunk k - depth, which the receiver has taken (ready).
-      const uint64_t k = sent_[peer];
-      char* slot = bases_[rank_] + layout_.mailbox_offset(peer, k);
+      const uint64_t k = sent_[l];
+      char* slot = bases_[rank_] + layout_.mailbox_offset(static_cast<int>(l), k);
       const size_t n = std::min(op.bytes - op.off, kMailboxChunkBytes);
       auto* c = reinterpret_cast<MailboxChunk*>(slot);
       c->total_bytes = op.bytes;
@@ -461,25 +435,26 @@ bool ShmGroup::advance(P2POp& op) {
       c->bytes = n;
       c->dtype = static_cast<uint32_t>(op.dtype);
       if (n > 0) std::memcpy(slot + kChunkHeader, op.data + op.off, n);
-      sent_[peer] = k + 1;
-      publish(header(rank_)->mailbox_sent[peer], k + 1);  // release: the chunk is visible first
+      sent_[l] = k + 1;
+      publish(header(rank_)->mailbox_sent[header_lane(op.channel, peer)], k + 1);  // release: the chunk is visible first
       op.off += n;
     } else {
-      const uint64_t k = taken_[peer];
-      const char* slot = bases_[peer] + layout_.mailbox_offset(rank_, k);
+      const uint64_t k = taken_[l];
+      const size_t theirs = static_cast<size_t>(op.channel) * static_cast<size_t>(world_) + static_cast<size_t>(rank_);
+      const char* slot = bases_[peer] + layout_.mailbox_offset(static_cast<int>(theirs), k);
       const auto* c = reinterpret_cast<const MailboxChunk*>(slot);
       if (c->total_bytes != op.bytes || c->dtype != static_cast<uint32_t>(op.dtype) || c->offset != op.off ||
           c->bytes > kMailboxChunkBytes || c->bytes > op.bytes - op.off)
         throw CommError(ErrorKind::kMismatch,
-                        "point-to-point mismatch: rank " + std::to_string(rank_) + " expected " +
-                            std::to_string(op.bytes) + " bytes of " + dtype_name(op.dtype) + " from rank " +
-                            std::to_string(peer) + ", which sent " + std::to_string(c->total_bytes) + " bytes of " +
+                        "point-to-point mismatch: " + rank_name(rank_) + " expected " +
+                            std::to_string(op.bytes) + " bytes of " + dtype_name(op.dtype) + " from " +
+                            rank_name(peer) + ", which sent " + std::to_string(c->total_bytes) + " bytes of " +
                             dtype_name(static_cast<DType>(c->dtype)));
       // A message larger than the cache is written around it, as the collectives' outputs are.
       copy_output(op.data + op.off, slot + kChunkHeader, c->bytes, streaming(op.bytes));
       op.off += c->bytes;
-      taken_[peer] = k + 1;
-      publish(header(rank_)->mailbox_taken[peer], k + 1);
+      taken_[l] = k + 1;
+      publish(header(rank_)->mailbox_taken[header_lane(op.channel, peer)], k + 1);
     }
     op.done = op.off >= op.bytes;
   }

@@ -14,46 +14,15 @@
 #include <string>
 #include <vector>
 
+#include "../collective.h"
 #include "../dtype.h"
 #include "../errors.h"
 #include "shm_segment.h"
+#include "transport.h"
 
 namespace braid {
 
 constexpr int kMaxLocalRanks = 64;
-
-enum class CollKind : uint32_t {
-  kAllReduce = 1,
-  kReduceScatter = 2,
-  kAllGather = 3,
-  kBroadcast = 4,
-  kBarrier = 5,
-  kAllToAll = 6,  // rank r receives every rank's chunk r (compressed reduce-scatter)
-  // Point-to-point (not collectives: they carry no descriptor and take no sequence number).
-  kSend = 7,
-  kRecv = 8,
-  // The collective start of an all-to-all with split sizes (Communicator::submit_exchange): every
-  // rank arrives with it before the point-to-point transfers, so that ranks that disagree on
-  // what they call (one of them an equal-split all_to_all, say) fail with a mismatch at once.
-  kExchange = 9,
-};
-const char* coll_kind_name(CollKind k);
-
-// What a rank is about to do; every rank compares its own with every peer's before moving data.
-// 24 bytes: both parities fit the cache line of the step counter, so a peer's arrival and what it
-// announced cross between cores in one transfer.
-struct CollectiveDesc {
-  uint64_t seq = 0;     // 1-based count of collectives issued on this communicator
-  uint64_t count = 0;   // elements per rank (all_reduce, broadcast: of the tensor)
-  uint32_t root = 0;    // broadcast source; a reduce's destination (all_reduce); all_gather /
-                        // all_to_all: the caller's tag (Request::tag)
-  uint8_t kind = 0;     // CollKind
-  uint8_t dtype = 0;    // DType
-  uint8_t op = 0;       // ReduceOp (0 where no reduction)
-  uint8_t algo = 0;     // Algo chosen by the tuner; differing choices must not meet
-  bool operator==(const CollectiveDesc& o) const;
-  std::string describe() const;
-};
 
 struct PeerInfo {
   std::string segment;
@@ -65,15 +34,15 @@ struct ShmLayout {
   size_t oneshot_bytes;  // capacity of each of the two one-shot buffers
   size_t slot_bytes;     // capacity of each pipeline slot
   int nslots;            // pipeline depth
-  int world_size;        // one point-to-point mailbox per destination rank
+  int world_size;        // one point-to-point mailbox per destination rank and channel
   size_t oneshot_offset() const;
   size_t slots_offset() const;
-  size_t mailbox_offset(int dst, uint64_t chunk) const;
+  size_t mailbox_offset(int lane, uint64_t chunk) const;  // lane: channel * world_size + dst
   size_t total_bytes() const;
 };
 
 // Point-to-point: each sender owns, in its segment, a FIFO of kMailboxDepth chunks of
-// kMailboxChunkBytes per destination. Sends are eager up to that much data in flight (pages are
+// kMailboxChunkBytes per destination and channel. Sends are eager up to that much data in flight (pages are
 // touched only when used), then wait for the receiver to take chunks.
 constexpr int kMailboxDepth = 4;
 constexpr size_t kMailboxChunkBytes = size_t{1} << 20;
@@ -86,25 +55,13 @@ struct WaitPolicy {
 
 struct SegmentHeader;
 
-// One point-to-point transfer in progress (see ShmGroup::advance).
-struct P2POp {
-  int peer = 0;
-  bool send = true;
-  char* data = nullptr;  // send: read only
-  size_t bytes = 0;
-  DType dtype = DType::kFloat32;
-  size_t off = 0;        // bytes moved so far
-  bool done = false;     // a zero-byte transfer still moves one (empty) chunk
-  std::string describe() const;
-};
-
-class ShmGroup {
+class ShmGroup : public Transport {
  public:
   // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
   // `skewed_rounds`: pipelined all-reduces overlap the stages of consecutive rounds.
   ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
            size_t stream_min_bytes, bool skewed_rounds);
-  ~ShmGroup();
+  ~ShmGroup() override;
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
 
@@ -115,6 +72,9 @@ class ShmGroup {
   void unlink_own() { own_.unlink(); }
 
   int rank() const { return rank_; }
+  // Ranks in messages: this group's ranks are the communicator's ranks on this host, numbered
+  // 0..n-1 here; `global[i]` is the communicator rank of local rank i.
+  void set_global_ranks(std::vector<int> global) { global_ = std::move(global); }
   int world_size() const { return world_; }
   const ShmLayout& layout() const { return layout_; }
 
@@ -141,10 +101,16 @@ class ShmGroup {
   // every chunk it can without waiting and returns whether `op` is finished; wait_p2p() waits
   // until one of `ops` can move a chunk or `interrupted()` is true (deadline, liveness and abort
   // as every wait). Only the first unfinished op of each (direction, peer) may be advanced.
-  bool advance(P2POp& op);
+  // On each (channel, peer) lane a mailbox of its own (Channel).
+  bool advance(P2POp& op) override;
   void wait_p2p(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
+  void wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted) override {
+    wait_p2p(ops, nops, interrupted);
+  }
+  // Whether `op` can move a chunk now (for waits that also watch another transport).
+  bool ready(const P2POp& op) const { return p2p_ready(op); }
   // Wakes every waiter of the host (e.g. a wait_p2p whose `interrupted` became true).
-  void wake() noexcept { wake_all(); }
+  void wake() noexcept override { wake_all(); }
 
   char* oneshot(int rank, uint64_t seq) const;
   char* slot(int rank, int k) const;
@@ -180,7 +146,9 @@ class ShmGroup {
   [[noreturn]] void raise_abort();
   template <class Awaited>
   void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
-  std::string rank_label(int r) const;
+  std::string rank_label(int r) const;  // "rank 3 (pid 4121 on host-a)"
+  std::string rank_name(int r) const;   // "rank 3"
+  size_t lane(const P2POp& op) const;   // index of op's (channel, peer) in sent_/taken_
   // `word` + what this rank is doing (`doing`, or the current collective) for error messages.
   std::string what_doing(const char* word, const std::string* doing) const;
   template <class Awaited>
@@ -201,7 +169,9 @@ class ShmGroup {
   std::vector<PeerInfo> info_;
   std::vector<int> pidfds_;         // -1 where pidfd_open is unavailable
   std::vector<int> all_peers_;
+  std::vector<int> global_;         // communicator rank of each local rank (empty: the same)
   uint64_t step_ = 0;
+  // Per lane (channel * world + peer):
   std::vector<uint64_t> sent_;      // chunks posted to each destination (mirrors the header)
   std::vector<uint64_t> taken_;     // chunks taken from each source
   std::vector<bool> mailbox_reserved_;  // this rank's mailbox to each destination is backed

@@ -1,0 +1,51 @@
+// Collectives among a group of ranks over any Transport, each rank talking to every other
+// directly: what crosses between hosts (one rank per host in a group, TCP between them).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "../collective.h"
+#include "../dtype.h"
+#include "../transport/transport.h"
+
+namespace braid {
+
+// The ranks of one collective over a transport, in the group's order, and this rank's place.
+struct PeerGroup {
+  Transport* transport = nullptr;
+  std::vector<int> members;  // transport ranks
+  int me = 0;                // index of this rank in members
+  const CollectiveDesc* desc = nullptr;  // travels with every transfer; receivers compare it
+  int size() const { return static_cast<int>(members.size()); }
+};
+
+// out = in[0] (op) in[1] (op) ... over the members, in member order, on every member (bitwise
+// identical). Each member owns a contiguous part of the elements: the others send it that part
+// of their input, it reduces the part in pieces of `piece_bytes` as they arrive (member order,
+// float32 accumulation for half types, the division of avg by `divisor`) and sends each reduced
+// piece back to all. With `oneshot` every member sends its whole input to every other and
+// reduces everything itself: one message latency instead of two, for small messages.
+void direct_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                       int divisor, size_t piece_bytes, bool oneshot);
+
+// out = the members' blocks in member order, member m's of bytes[m] bytes; `in` is this
+// member's block (may alias its place in `out`).
+void direct_all_gather(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes);
+
+// Member `root`'s `bytes` at `data` to every member.
+void direct_broadcast(const PeerGroup& g, void* data, size_t bytes, int root);
+
+// Returns once every member has arrived.
+void direct_barrier(const PeerGroup& g);
+
+// One transfer of an exchange: `bytes` at `data` to or from member `member`.
+struct DirectBlock {
+  int member;
+  void* data;
+  size_t bytes;
+};
+// Runs every send and receive together (all-to-all: each pair's in both directions at once).
+void direct_exchange(const PeerGroup& g, const std::vector<DirectBlock>& sends, const std::vector<DirectBlock>& recvs);
+
+}  // namespace braid

@@ -1,0 +1,216 @@
+// Collectives when the ranks span hosts: exact steps on each host's shared memory, direct
+// transfers between hosts over TCP, composed so that every byte crosses a host boundary as few
+// times as the collective needs. Results are bitwise identical on every rank: each element is
+// reduced once, in a fixed order (each host's ranks in rank order, then the hosts in host order),
+// and copied everywhere else.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "algorithms/direct.h"
+#include "communicator.h"
+
+namespace braid {
+
+void Communicator::host_step(CollKind kind, DType dt, ReduceOp op, size_t count, int root, const void* in, void* out) {
+  if (!group_) {  // the host's only rank: each step is a copy at most
+    const size_t bytes = count * dtype_size(dt);
+    if ((kind == CollKind::kAllReduce || kind == CollKind::kAllGather) && in != out && bytes > 0)
+      std::memmove(out, in, bytes);
+    return;
+  }
+  Request r;
+  r.kind = kind;
+  r.dtype = dt;
+  r.op = op;
+  r.count = count;
+  r.root = root;
+  r.in = in;
+  r.out = out;
+  CollectiveDesc d;
+  d.seq = ++host_seq_;
+  d.count = count;
+  d.kind = static_cast<uint8_t>(kind);
+  d.dtype = static_cast<uint8_t>(dt);
+  d.op = static_cast<uint8_t>(op);
+  d.root = static_cast<uint32_t>(root);
+  run_on_host(r, d);
+}
+
+namespace {
+PeerGroup cross_group(TcpTransport* tcp, const std::vector<int>& members, int rank, const CollectiveDesc& d) {
+  PeerGroup g;
+  g.transport = tcp;
+  g.members = members;
+  g.me = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  g.desc = &d;
+  return g;
+}
+}  // namespace
+
+void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                                    const CollectiveDesc& d) {
+  const size_t es = dtype_size(dt);
+  const size_t bytes = count * es;
+  const int local = topo_.local_world(), me = topo_.local_rank();
+  // Steps on a host sum without the division of avg, which happens once, at the end, by the
+  // number of all ranks.
+  const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  const bool small = bytes <= tun_.cross_oneshot_max_bytes;
+  if (!small && local > 1 && topo_.uniform() && count >= static_cast<size_t>(local)) {
+    // Hierarchical: reduce-scatter on the host, each local rank all-reduces its slice with its
+    // counterparts on the other hosts (a host pair carries `local` streams at once), all-gather
+    // on the host. A count that does not divide goes through a padded copy.
+    const size_t per = (count + local - 1) / static_cast<size_t>(local);
+    const size_t padded = per * static_cast<size_t>(local);
+    std::vector<char> pad;
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    if (padded != count) {
+      pad.assign(padded * es, 0);
+      std::memcpy(pad.data(), in, bytes);
+      src = dst = pad.data();
+    }
+    std::vector<char> slice(per * es);
+    host_step(CollKind::kReduceScatter, dt, host_op, per, 0, src, slice.data());
+    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(me), rank_, d);
+    direct_all_reduce(g, dt, op, slice.data(), slice.data(), per, world_, tun_.cross_piece_bytes, false);
+    host_step(CollKind::kAllGather, dt, host_op, per, 0, slice.data(), dst);
+    if (padded != count) std::memcpy(out, pad.data(), bytes);
+    return;
+  }
+  // Through the host leaders (any layout, and every small message): the host's sum on every local
+  // rank, the leaders all-reduce the host sums, each leader broadcasts the result on its host.
+  host_step(CollKind::kAllReduce, dt, host_op, count, 0, in, out);
+  if (me == 0) {
+    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    direct_all_reduce(g, dt, op, out, out, count, world_, tun_.cross_piece_bytes, small);
+  }
+  host_step(CollKind::kBroadcast, dt, host_op, count, 0, out, out);
+}
+
+void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d) {
+  // Blocks laid out host by host (each host's ranks in rank order): the host's block is one
+  // all-gather on the host, the leaders exchange host blocks, and each leader broadcasts them on
+  // its host. When the ranks of each host are consecutive (torchrun, srun) that is rank order
+  // already, and no reordering copy is needed.
+  std::vector<size_t> host_bytes, host_off;
+  std::vector<int> order;  // ranks, host by host
+  size_t off = 0;
+  for (const auto& h : topo_.hosts) {
+    host_off.push_back(off);
+    host_bytes.push_back(h.size() * bytes);
+    off += h.size() * bytes;
+    order.insert(order.end(), h.begin(), h.end());
+  }
+  bool in_rank_order = true;
+  for (int i = 0; i < world_; ++i) in_rank_order = in_rank_order && order[static_cast<size_t>(i)] == i;
+  std::vector<char> staged;
+  char* by_host = static_cast<char*>(out);
+  if (!in_rank_order) {
+    staged.resize(static_cast<size_t>(world_) * bytes);
+    by_host = staged.data();
+  }
+  const size_t h = static_cast<size_t>(topo_.host);
+  host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, bytes, 0, in, by_host + host_off[h]);
+  if (topo_.local_rank() == 0) {
+    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    direct_all_gather(g, by_host + host_off[h], by_host, host_bytes);
+  }
+  host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(world_) * bytes, 0, by_host,
+            by_host);
+  if (!in_rank_order)
+    for (int i = 0; i < world_; ++i)
+      if (bytes > 0)
+        std::memcpy(static_cast<char*>(out) + static_cast<size_t>(order[static_cast<size_t>(i)]) * bytes,
+                    by_host + static_cast<size_t>(i) * bytes, bytes);
+}
+
+void Communicator::cross_broadcast(void* data, size_t bytes, int root, const CollectiveDesc& d) {
+  const int root_host = topo_.host_of[static_cast<size_t>(root)];
+  // On the root's host everyone gets it first (its leader among them), then the leaders pass it
+  // on, then each other host's leader broadcasts it there.
+  if (topo_.host == root_host)
+    host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, bytes, topo_.local_index[static_cast<size_t>(root)],
+              data, data);
+  if (topo_.local_rank() == 0) {
+    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    direct_broadcast(g, data, bytes, root_host);
+  }
+  if (topo_.host != root_host) host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, bytes, 0, data, data);
+}
+
+void Communicator::cross_barrier(const CollectiveDesc& d) {
+  host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
+  if (topo_.local_rank() == 0) direct_barrier(cross_group(tcp_.get(), topo_.counterparts(0), rank_, d));
+  host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
+}
+
+void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, const CollectiveDesc& d) {
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  // The other hosts' chunks travel directly, each pair's in both directions at once.
+  std::vector<int> everyone(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) everyone[static_cast<size_t>(r)] = r;
+  PeerGroup g = cross_group(tcp_.get(), everyone, rank_, d);
+  std::vector<DirectBlock> sends, recvs;
+  for (int r = 0; r < world_; ++r) {
+    if (topo_.host_of[static_cast<size_t>(r)] == topo_.host) continue;
+    sends.push_back({r, const_cast<char*>(src) + static_cast<size_t>(r) * chunk, chunk});
+    recvs.push_back({r, dst + static_cast<size_t>(r) * chunk, chunk});
+  }
+  direct_exchange(g, sends, recvs);
+  // This host's chunks: one all-to-all on the host, through packed copies.
+  const auto& mine = topo_.hosts[static_cast<size_t>(topo_.host)];
+  if (mine.size() == 1) {
+    if (dst + static_cast<size_t>(rank_) * chunk != src + static_cast<size_t>(rank_) * chunk && chunk > 0)
+      std::memcpy(dst + static_cast<size_t>(rank_) * chunk, src + static_cast<size_t>(rank_) * chunk, chunk);
+    return;
+  }
+  std::vector<char> packed_in(mine.size() * chunk), packed_out(mine.size() * chunk);
+  for (size_t i = 0; i < mine.size(); ++i)
+    if (chunk > 0) std::memcpy(packed_in.data() + i * chunk, src + static_cast<size_t>(mine[i]) * chunk, chunk);
+  host_step(CollKind::kAllToAll, DType::kUInt8, ReduceOp::kSum, chunk, 0, packed_in.data(), packed_out.data());
+  for (size_t i = 0; i < mine.size(); ++i)
+    if (chunk > 0) std::memcpy(dst + static_cast<size_t>(mine[i]) * chunk, packed_out.data() + i * chunk, chunk);
+}
+
+void Communicator::execute_cross_host(Request& r, const CollectiveDesc& d) {
+  tcp_->set_current(&d);
+  struct Clear {
+    TcpTransport* t;
+    ~Clear() { t->set_current(nullptr); }
+  } clear{tcp_.get()};
+  const size_t es = dtype_size(r.dtype);
+  switch (r.kind) {
+    case CollKind::kAllReduce:
+      cross_all_reduce(r.dtype, r.op, r.in, r.out, r.count, d);
+      break;
+    case CollKind::kReduceScatter: {
+      // The whole input all-reduced, this rank's slice kept: correct for any layout, at twice the
+      // bytes across hosts that a reduce-scatter needs.
+      std::vector<char> full(static_cast<size_t>(world_) * r.count * es);
+      cross_all_reduce(r.dtype, r.op, r.in, full.data(), static_cast<size_t>(world_) * r.count, d);
+      if (r.count > 0) std::memcpy(r.out, full.data() + static_cast<size_t>(rank_) * r.count * es, r.count * es);
+      break;
+    }
+    case CollKind::kAllGather:
+      cross_all_gather(r.in, r.out, r.count * es, d);
+      break;
+    case CollKind::kBroadcast:
+      cross_broadcast(r.out, r.count * es, r.root, d);
+      break;
+    case CollKind::kBarrier:
+    case CollKind::kExchange:
+      cross_barrier(d);
+      break;
+    case CollKind::kAllToAll:
+      cross_all_to_all(r.in, r.out, r.count * es, d);
+      break;
+    case CollKind::kSend:
+    case CollKind::kRecv:
+      break;  // routed point to point, never here
+  }
+}
+
+}  // namespace braid
