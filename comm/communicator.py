@@ -261,6 +261,7 @@ class Communicator:
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._store = store
         self.last_wire_bytes: Optional["WireStats"] = None
+        tun.validate()  # before waiting for the peers: bad settings fail at once
         try:
             host_ids = self._host_ids()
             self._c = _C.Communicator(rank, world_size, tun, self._timeout_s, host_ids)

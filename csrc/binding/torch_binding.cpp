@@ -290,6 +290,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("spin_us", &Tunables::spin_us)
       .def_readwrite("yield_us", &Tunables::yield_us)
       .def_readwrite("skew_rounds", &Tunables::skew_rounds)
+      .def(
+          "validate",
+          [](Tunables t) {  // a copy: the defaults that depend on the host stay unresolved
+            t.resolve(1);
+            t.validate();
+          },
+          "Raises ValueError naming the first knob out of its range.")
       .def_readwrite("nsocks", &Tunables::nsocks)
       .def_readwrite("socket_chunk_bytes", &Tunables::socket_chunk_bytes)
       .def_readwrite("cross_oneshot_max_bytes", &Tunables::cross_oneshot_max_bytes)

@@ -1,0 +1,224 @@
+"""Collectives across hosts, over TCP, against exact references.
+
+Hosts are simulated on one machine with ``BRAID_HOST_ID`` (ranks with different ids talk over TCP
+on loopback, ranks with equal ids through shared memory), so these run everywhere; the tests in
+test_multihost_netns.py repeat the core of them between network namespaces. Tiny tunables (4 KiB
+socket chunks, 1 KiB reduction pieces, a 256-byte small-message limit, tiny shm slots) push a few
+thousand elements through every path: the leaders' one-shot, the owners' pieces, hierarchical
+slices with padding, multi-chunk striping across sockets.
+
+The promised order of an all_reduce across hosts: each host's ranks in rank order (the host's
+partial result, rounded to the dtype), then the hosts in host order, with avg's division once,
+by the number of all ranks.
+"""
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+from braid import comm
+from helpers import DTYPES, CaseLog, assert_ranks_agree, make_input, ops_for, reduce_reference
+from helpers.ranks import make_comm, run_ranks
+
+TINY_TCP = {"slot_bytes": 1024, "oneshot_max_bytes": 256, "nslots": 2}
+TINY_ENV = {"BRAID_SOCKET_CHUNK_BYTES": "4096", "BRAID_CROSS_PIECE_BYTES": "1024",
+            "BRAID_CROSS_ONESHOT_MAX_BYTES": "256", "BRAID_NSOCKS": "3"}
+# Layouts: host id of every rank. Two hosts of 1, 2 and 3 ranks, ranks of a host not consecutive,
+# and three uneven hosts (2 + 1 + 1).
+LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1], "2x3": [0, 0, 0, 1, 1, 1], "2x2-interleaved": [0, 1, 0, 1],
+           "2+1+1": [0, 0, 1, 2]}
+COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
+
+
+@contextmanager
+def environment(values: dict):
+    """Sets environment variables for the block (a pooled worker keeps its environment)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def hosts_comm(rank, n, store_path, layout, tiny=True, **kwargs):
+    """A communicator whose ranks sit on the simulated hosts of ``layout``."""
+    env = {"BRAID_HOST_ID": f"host{layout[rank]}", **(TINY_ENV if tiny else {})}
+    with environment(env):
+        return make_comm(rank, n, store_path, **(TINY_TCP if tiny else {}), **kwargs)
+
+
+def hosts_of(layout):
+    """Ranks of each host, hosts in order of their lowest rank."""
+    order = []
+    for h in layout:
+        if h not in order:
+            order.append(h)
+    return [[r for r, x in enumerate(layout) if x == h] for h in order]
+
+
+def cross_host_reference(inputs, op, layout):
+    """The all_reduce result across hosts: host partials in rank order, then hosts in order."""
+    host_op = "sum" if op == "avg" else op
+    partials = [reduce_reference([inputs[r] for r in ranks], host_op, 1) for ranks in hosts_of(layout)]
+    return reduce_reference(partials, op, len(layout))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank functions.
+
+def all_reduce_across_hosts(rank, n, store_path, layout, seed):
+    log = CaseLog()
+    with hosts_comm(rank, n, store_path, layout) as c:
+        log.expect("topology", (c.num_hosts, c.local_world_size) ==
+                   (len(hosts_of(layout)), layout.count(layout[rank])), f"{c.num_hosts} {c.local_world_size}")
+        for dtype in DTYPES:
+            for count in COUNTS:
+                inputs = [make_input(seed, r, count, dtype) for r in range(n)]
+                for op in ops_for(dtype):
+                    expected = cross_host_reference(inputs, op, layout)
+                    t = inputs[rank].clone()
+                    c.all_reduce(t, op=op)
+                    log.check(f"{dtype} count {count} {op}", t, expected)
+                    out = inputs[rank].clone()
+                    w = c.all_reduce(out, op=op, async_op=True)  # two in flight, in issue order
+                    t2 = inputs[rank].clone()
+                    w2 = c.all_reduce(t2, op=op, async_op=True)
+                    w.wait()
+                    w2.wait()
+                    log.check(f"{dtype} count {count} {op} async", out, expected)
+                    log.check(f"{dtype} count {count} {op} async 2", t2, expected)
+    return log.summary()
+
+
+def data_movement_across_hosts(rank, n, store_path, layout, seed):
+    """all_gather, broadcast from every root, all_to_all (equal and uneven), reduce_scatter,
+    point-to-point, barrier: each against the exact result."""
+    log = CaseLog()
+    with hosts_comm(rank, n, store_path, layout) as c:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for count in (0, 1, 5, 1031, 3000):
+                inputs = [make_input(seed, r, count, dtype) for r in range(n)]
+                out = torch.full((n * count,), 7, dtype=dtype)
+                c.all_gather(out, inputs[rank])
+                log.check(f"all_gather {dtype} {count}", out, torch.cat(inputs))
+                for root in range(n):
+                    t = inputs[rank].clone()
+                    c.broadcast(t, src=root)
+                    log.check(f"broadcast {dtype} {count} from {root}", t, inputs[root])
+                chunks = [make_input(seed + 1, r, n * count, dtype) for r in range(n)]
+                out = torch.full((n * count,), 7, dtype=dtype)
+                c.all_to_all(out, chunks[rank])
+                expected = torch.cat([chunks[r][rank * count:(rank + 1) * count] for r in range(n)])
+                log.check(f"all_to_all {dtype} {count}", out, expected, rank_specific=True)
+                for op in ("sum", "max", "avg"):
+                    inp = [make_input(seed + 2, r, n * count, dtype) for r in range(n)]
+                    mine = slice(rank * count, (rank + 1) * count)
+                    out = torch.full((count,), 7, dtype=dtype)
+                    c.reduce_scatter(out, inp[rank].clone(), op=op)
+                    log.check(f"reduce_scatter {dtype} {count} {op}", out,
+                              cross_host_reference(inp, op, layout)[mine], rank_specific=True)
+        # Uneven all_to_all: rank i sends (i + j) % 3 + 1 rows to rank j.
+        sizes_in = [(rank + j) % 3 + 1 for j in range(n)]
+        sizes_out = [(j + rank) % 3 + 1 for j in range(n)]
+        inp = torch.arange(sum(sizes_in), dtype=torch.float32) + 1000 * rank
+        out = torch.empty(sum(sizes_out))
+        c.all_to_all(out, inp, output_split_sizes=sizes_out, input_split_sizes=sizes_in)
+        expected = []
+        for j in range(n):
+            theirs = [(j + k) % 3 + 1 for k in range(n)]
+            start = sum(theirs[:rank])
+            expected.append(torch.arange(start, start + theirs[rank], dtype=torch.float32) + 1000 * j)
+        log.check("all_to_all uneven", out, torch.cat(expected), rank_specific=True)
+        c.barrier()
+    return log.summary()
+
+
+def backend_across_hosts(rank, n, store_path, layout, name):
+    """One of test_backend's rank functions with the braid backend's ranks on simulated hosts:
+    torch.distributed's calls (point-to-point and batch_isend_irecv included), DDP, FSDP2 and
+    DTensor against gloo in the same processes."""
+    import test_backend
+
+    with environment({"BRAID_HOST_ID": f"host{layout[rank]}", **TINY_ENV}):
+        return getattr(test_backend, name)(rank, n, store_path)
+
+
+def compressed_across_hosts(rank, n, store_path, layout, seed):
+    """Quantized and top-k all-reduces move their payloads with all_to_all and all_gather only:
+    across hosts they give the same bits as on one host, step after step (error feedback
+    included). The warm-up steps are exact all-reduces, in the cross-host order."""
+    log = CaseLog()
+    with hosts_comm(rank, n, store_path, layout) as across, make_comm(rank, n, store_path) as one_host:
+        for make in (lambda: comm.Int8Quantizer(block=64, stochastic=False), lambda: comm.Int4Quantizer(block=32),
+                     lambda: comm.TopK(ratio=0.05)):
+            a, b = make(), make()
+            for step in range(5):
+                inputs = [make_input(seed + step, r, 3001, torch.float32) for r in range(n)]
+                t1, t2 = inputs[rank].clone(), inputs[rank].clone()
+                across.all_reduce(t1, op="avg", compression=a)
+                one_host.all_reduce(t2, op="avg", compression=b)
+                if step < a.warmup_steps:
+                    log.check(f"{type(a).__name__} warm-up step {step}", t1, cross_host_reference(inputs, "avg", layout))
+                else:
+                    log.check(f"{type(a).__name__} step {step}", t1, t2)
+    return log.summary()
+
+
+def silent_host(rank, n, store_path, layout):
+    """Rank 0 stays connected but never calls: its peer on the other host times out naming it."""
+    from datetime import timedelta
+
+    from helpers import outcome
+    from helpers.ranks import open_store
+
+    store = open_store(store_path)
+    with hosts_comm(rank, n, store_path, layout, tiny=False, timeout=2.0) as c:
+        c.barrier()
+        if rank == 0:
+            store.wait(["silent/done"], timedelta(seconds=30))  # alive, connected, silent
+            return None
+        result = outcome(c.all_reduce, torch.ones(10))
+        store.set("silent/done", "1")
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests.
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_all_reduce_across_hosts(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(all_reduce_across_hosts, len(layout), layout, 11), min_cases=100)
+
+
+@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1"])
+def test_data_movement_across_hosts(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(data_movement_across_hosts, len(layout), layout, 5), min_cases=50)
+
+
+@pytest.mark.parametrize("fn", ["_run_collectives", "_run_point_to_point", "_run_ddp_fsdp_dtensor",
+                                "_run_work_api_and_callbacks"])
+@pytest.mark.parametrize("name", ["2x1", "2+1+1"])
+def test_torch_distributed_backend_across_hosts(name, fn):
+    layout = LAYOUTS[name]
+    results = run_ranks(backend_across_hosts, len(layout), layout, fn)
+    assert all(r is not False for r in results), results
+
+
+@pytest.mark.parametrize("name", ["2x1", "2x2"])
+def test_compressed_all_reduce_across_hosts_equals_one_host(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(compressed_across_hosts, len(layout), layout, 3), min_cases=12)
+
+
+def test_silent_peer_on_other_host_times_out_naming_it():
+    results = run_ranks(silent_host, 2, [0, 1])
+    r1 = results[1]
+    assert r1["type"] == "CommTimeout", r1
+    assert "rank 0" in r1["message"], r1
