@@ -222,3 +222,76 @@ def test_silent_peer_on_other_host_times_out_naming_it():
     r1 = results[1]
     assert r1["type"] == "CommTimeout", r1
     assert "rank 0" in r1["message"], r1
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults across hosts.
+
+DETECTION_LIMIT_S = 2.0  # a dead peer on another host must be noticed long before any deadline
+
+
+def killed_across_hosts(rank, n, store_path, layout, victims):
+    from helpers import outcome
+    from helpers.ranks import open_store
+
+    c = hosts_comm(rank, n, store_path, layout, timeout=30.0)
+    store = open_store(store_path)
+    c.all_reduce(make_input(0, rank, 5000, torch.float32))
+    if rank in victims:
+        store.set(f"victim_ready{rank}", str(os.getpid()))
+        store.wait(["never_set"])  # blocks until the test process SIGKILLs this rank
+        raise AssertionError("the victim was not killed")
+    seen = outcome(c.all_reduce, make_input(0, rank, 5000, torch.float32))
+    return {"seen": seen, "after": outcome(c.barrier)}
+
+
+@pytest.mark.parametrize("victims", [(3,), (2, 3)], ids=["one-rank", "whole-host"])
+def test_rank_killed_on_other_host_raises_peer_error_everywhere(victims):
+    """SIGKILL of a rank (or of every rank of a host) while the others wait in an all_reduce: every
+    survivor, on either host, raises PeerError within 2 s, and the communicator stays poisoned."""
+    import time
+    from datetime import timedelta
+
+    from helpers.ranks import FreshRanks, open_store
+
+    layout = LAYOUTS["2x2"]
+    n = len(layout)
+    with FreshRanks(n) as ranks:
+        ranks.start(killed_across_hosts, layout, victims)
+        open_store(ranks.store_path).wait([f"victim_ready{v}" for v in victims], timedelta(seconds=60))
+        killed_at = time.monotonic()
+        for v in victims:
+            ranks.kill(v)
+        outcomes = ranks.outcomes()
+    for r in range(n):
+        if r in victims:
+            assert outcomes[r][0] == "died", outcomes[r]
+            continue
+        kind, result = outcomes[r]
+        assert kind == "ok", result
+        seen = result["seen"]
+        assert seen["type"] == "PeerError", (r, seen)
+        assert seen["at"] - killed_at < DETECTION_LIMIT_S, (r, seen)
+        assert result["after"]["type"] == "PeerError", (r, result["after"])
+
+
+def mismatch_across_hosts(rank, n, store_path, layout):
+    from helpers import outcome
+
+    with hosts_comm(rank, n, store_path, layout, timeout=30.0) as c:
+        x = torch.ones(1000)
+        if rank == n - 1:
+            return outcome(c.all_gather, torch.empty(1000 * n), x)
+        return outcome(c.all_reduce, x)
+
+
+@pytest.mark.parametrize("name", ["2x1", "2x2", "2+1+1"])
+def test_mismatch_across_hosts_raises_everywhere(name):
+    """One rank calls all_gather where the others call all_reduce: every rank raises
+    CollectiveMismatch (the ranks that compared descriptors; the others through the failure they
+    were sent), none waits for the deadline."""
+    layout = LAYOUTS[name]
+    results = run_ranks(mismatch_across_hosts, len(layout), layout)
+    for r, seen in enumerate(results):
+        assert seen["type"] == "CollectiveMismatch", (r, seen)
+        assert seen["elapsed"] < 10, (r, seen)
