@@ -46,8 +46,12 @@ def environment(values: dict):
 
 
 def hosts_comm(rank, n, store_path, layout, tiny=True, **kwargs):
-    """A communicator whose ranks sit on the simulated hosts of ``layout``."""
-    env = {"BRAID_HOST_ID": f"host{layout[rank]}", **(TINY_ENV if tiny else {})}
+    """A communicator whose ranks sit on the simulated hosts of ``layout``: by BRAID_HOST_ID, or,
+    when the ranks really run on separate hosts (network namespaces: BRAID_TEST_REAL_HOSTS=1), by
+    their own host identity."""
+    env = dict(TINY_ENV) if tiny else {}
+    if os.environ.get("BRAID_TEST_REAL_HOSTS") != "1":
+        env["BRAID_HOST_ID"] = f"host{layout[rank]}"
     with environment(env):
         return make_comm(rank, n, store_path, **(TINY_TCP if tiny else {}), **kwargs)
 
@@ -144,7 +148,10 @@ def backend_across_hosts(rank, n, store_path, layout, name):
     DTensor against gloo in the same processes."""
     import test_backend
 
-    with environment({"BRAID_HOST_ID": f"host{layout[rank]}", **TINY_ENV}):
+    env = dict(TINY_ENV)
+    if os.environ.get("BRAID_TEST_REAL_HOSTS") != "1":
+        env["BRAID_HOST_ID"] = f"host{layout[rank]}"
+    with environment(env):
         return getattr(test_backend, name)(rank, n, store_path)
 
 
@@ -295,3 +302,19 @@ def test_mismatch_across_hosts_raises_everywhere(name):
     for r, seen in enumerate(results):
         assert seen["type"] == "CollectiveMismatch", (r, seen)
         assert seen["elapsed"] < 10, (r, seen)
+
+
+def link_cut(rank, n, store_path, layout):
+    """test_multihost_netns: after a barrier each rank waits for the test to cut host 1's link,
+    then calls all_reduce with a 3 s deadline."""
+    from datetime import timedelta
+
+    from helpers import outcome
+    from helpers.ranks import open_store
+
+    store = open_store(store_path)
+    c = hosts_comm(rank, n, store_path, layout, tiny=False, timeout=3.0)
+    c.barrier()
+    store.set(f"cut/ready{rank}", "1")
+    store.wait(["cut/go"], timedelta(seconds=60))
+    return outcome(c.all_reduce, torch.ones(100000))

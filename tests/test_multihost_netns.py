@@ -1,0 +1,112 @@
+"""braid between simulated hosts: network namespaces joined through a bridge, each host with its own
+hostname and /dev/shm (tests/helpers/hosts.py), so only TCP crosses between them and the ranks find
+their hosts from their real host identity (no BRAID_HOST_ID). The rank functions are
+test_multihost's; here they run as processes started inside the namespaces, sharing a FileStore on
+the common file system. Skipped, with the reason, where namespaces cannot be made (not root, no
+iproute2); test_multihost covers the same paths over loopback everywhere.
+"""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from helpers.hosts import SimulatedHosts, unavailable_reason
+from helpers.ranks import new_store_path, open_store
+
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts unavailable: {REASON}")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+RANK_TIMEOUT_S = 150
+
+# A rank: runs test_multihost.<fn>(rank, n, store_path, *args) and prints its result as JSON.
+_RANK_MAIN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import test_multihost
+fn = getattr(test_multihost, {fn!r})
+print("RESULT " + json.dumps(fn({rank}, {n}, {store!r}, *{args!r})), flush=True)
+"""
+
+
+def start_ranks(hosts, layout, fn, store_path, *args, env=None):
+    """One process per rank, on the host ``layout`` names; returns the Popen objects."""
+    procs = []
+    for rank, h in enumerate(layout):
+        code = _RANK_MAIN.format(tests=TESTS_DIR, fn=fn, rank=rank, n=len(layout), store=store_path, args=list(args))
+        procs.append(hosts.popen(h, [sys.executable, "-c", code], cwd=TESTS_DIR,
+                                 env={"BRAID_TEST_REAL_HOSTS": "1", **(env or {})},
+                                 stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").PIPE,
+                                 text=True))
+    return procs
+
+
+def results_of(procs, timeout_s=RANK_TIMEOUT_S):
+    """Every rank's JSON result; a rank that fails or hangs fails the test with its stderr."""
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for rank, p in enumerate(procs):
+        try:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a hang: kill everyone, report
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} did not finish within {timeout_s} s") from None
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"rank {rank} exited {p.returncode}:\n{stderr[-3000:]}"
+        out.append(json.loads(lines[-1][len("RESULT "):]))
+    return out
+
+
+def assert_agree(summaries, min_cases):
+    failures = [f"rank {r}: {f}" for r, s in enumerate(summaries) for f in s["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    assert len({s["digest"] for s in summaries}) == 1, "ranks hold different bits"
+    assert min(s["cases"] for s in summaries) >= min_cases
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [[0, 1], [0, 0, 1, 1], [0, 0, 1, 2]], ids=["2x1", "2x2", "2+1+1"])
+def test_collectives_between_namespaces(layout):
+    """Exact all_reduce (every dtype and op, every path), data movement and compressed
+    all-reduces between hosts that share nothing but a network."""
+    with SimulatedHosts(max(layout) + 1) as hosts:
+        store = new_store_path()
+        assert_agree(results_of(start_ranks(hosts, layout, "all_reduce_across_hosts", store, layout, 21)), 100)
+        store = new_store_path()
+        assert_agree(results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 22)), 50)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_fsdp2_dtensor_between_namespaces():
+    """torch.distributed on braid between namespaces (and gloo in the same processes, as the
+    reference) trains DDP, FSDP2 and DTensor models to the same parameters."""
+    layout = [0, 1]
+    with SimulatedHosts(2) as hosts:
+        store = new_store_path()
+        results = results_of(start_ranks(hosts, layout, "backend_across_hosts", store, layout, "_run_ddp_fsdp_dtensor"))
+        assert all(r is not False for r in results), results
+
+
+@pytest.mark.timeout(120)
+def test_link_down_times_out_naming_the_ranks_behind_it():
+    """Host 1's link goes down between two collectives: the ranks of host 0 raise CommTimeout at
+    their deadline, naming a rank of host 1 (none hangs, none raises anything else)."""
+    layout = [0, 0, 1, 1]
+    with SimulatedHosts(2) as hosts:
+        store_path = new_store_path()
+        procs = start_ranks(hosts, layout, "link_cut", store_path, layout)
+        store = open_store(store_path)
+        store.wait([f"cut/ready{r}" for r in range(len(layout))], timedelta(seconds=90))
+        hosts.set_link(1, False)
+        store.set("cut/go", "1")
+        results = results_of(procs)
+    for r in (0, 1):
+        seen = results[r]
+        assert seen["type"] == "CommTimeout", (r, seen)
+        assert "rank 2" in seen["message"] or "rank 3" in seen["message"], (r, seen)
+    for r in (2, 3):
+        assert results[r]["type"] in ("CommTimeout", "PeerError"), (r, results[r])
