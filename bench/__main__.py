@@ -15,6 +15,7 @@ BENCHMARKS = {
     "sharding": "~25M-parameter LM training step on 2 ranks: FSDP2 (gloo, braid comms) vs braid ZeRO-2/3",
     "compression": "compression kernels: GB/s against memcpy, wire ratio, relative error",
     "ddp": "DDP step time of a ~25M-parameter transformer: gloo vs braid hooks (exact, compressed)",
+    "multihost": "all_reduce across simulated hosts on shaped links: braid (exact, compressed) vs gloo",
 }
 
 

@@ -1,11 +1,11 @@
-"""Tests of tests/helpers/hosts.py, the simulated hosts that the TCP transport's tests run ranks on."""
+"""Tests of braid.bench.simhosts, the simulated hosts that the TCP transport's tests run ranks on."""
 import os
 import subprocess
 import sys
 import uuid
 
 import pytest
-from helpers.hosts import SimulatedHosts, find_tool, unavailable_reason
+from braid.bench.simhosts import SimulatedHosts, find_tool, unavailable_reason
 
 PY = sys.executable
 PORT = 29517  # any port: each instance's hosts have a network of their own

@@ -1,5 +1,5 @@
 """braid between simulated hosts: network namespaces joined through a bridge, each host with its own
-hostname and /dev/shm (tests/helpers/hosts.py), so only TCP crosses between them and the ranks find
+hostname and /dev/shm (braid.bench.simhosts), so only TCP crosses between them and the ranks find
 their hosts from their real host identity (no BRAID_HOST_ID). The rank functions are
 test_multihost's; here they run as processes started inside the namespaces, sharing a FileStore on
 the common file system. Skipped, with the reason, where namespaces cannot be made (not root, no
@@ -12,7 +12,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from helpers.hosts import SimulatedHosts, unavailable_reason
+from braid.bench.simhosts import SimulatedHosts, unavailable_reason
 from helpers.ranks import new_store_path, open_store
 
 REASON = unavailable_reason()

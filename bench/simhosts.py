@@ -1,4 +1,4 @@
-"""Simulated hosts on one machine (network namespaces on a bridge), for tests of braid's TCP transport.
+"""Simulated hosts on one machine (network namespaces on a bridge), for braid's multi-host tests and benchmark.
 
     reason = unavailable_reason()                    # None: this machine can make them (root, iproute2, ...)
     with SimulatedHosts(3, rate_mbit=1000) as hosts:
@@ -16,8 +16,7 @@ of the file system is the machine's, shared by all hosts (like a cluster's share
 
 A long-lived "anchor" process per host owns these namespaces; ``popen`` enters them with nsenter, so two
 processes of one host share /dev/shm however their lifetimes overlap. Needs root, iproute2 (ip, tc) and
-util-linux (unshare, nsenter, mount). This module uses the standard library only, never torch or braid
-(though importing it as helpers.hosts runs tests/helpers/__init__.py, which imports torch).
+util-linux (unshare, nsenter, mount). This module uses the standard library only, never torch or braid.
 """
 from __future__ import annotations
 
@@ -77,7 +76,7 @@ def find_tool(name: str) -> Optional[str]:
 
 
 def _warn(message: str) -> None:
-    print(f"tests/helpers/hosts.py: {message}", file=sys.stderr, flush=True)
+    print(f"braid.bench.simhosts: {message}", file=sys.stderr, flush=True)
 
 
 def _run(argv: Sequence[str], *, check: bool = True, timeout: float = COMMAND_TIMEOUT_S,
@@ -354,7 +353,7 @@ class SimulatedHosts:
                     f.write(real.read().rstrip("\n") + "\n")
             except OSError:
                 f.write("127.0.0.1 localhost\n")
-            f.write("# simulated hosts (tests/helpers/hosts.py)\n")
+            f.write("# simulated hosts (braid.bench.simhosts)\n")
             for h, name in enumerate(self.hostnames):
                 f.write(f"{self._addresses[h]} {name}\n")
                 if self.ipv6:

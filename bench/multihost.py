@@ -1,0 +1,333 @@
+"""Collectives across simulated hosts: braid vs gloo (and braid's compressed all-reduces) on links
+shaped to 1 and 10 Gbit and unshaped, with the plain-TCP floor of the same link measured in the run.
+
+The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
+/dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
+Every rank runs braid and gloo in the same process, their batches alternating, and reports the
+nccl-tests columns plus link use: the bytes that left the host's uplink during the batch (the
+kernel's counter of the host's interface), over the batch's time, over the link rate. Needs root
+and iproute2; elsewhere it says why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from .report import human_bytes, machine_info, write_json
+from .simhosts import SimulatedHosts, unavailable_reason
+
+IMPLS = ("braid", "gloo")
+# name: (braid.comm class, its arguments)
+COMPRESSORS = {
+    "int8": ("Int8Quantizer", {}),
+    "int4": ("Int4Quantizer", {}),
+    "topk1%": ("TopK", {"ratio": 0.01}),
+}
+DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+QUICK_SIZES = (4 << 10, 1 << 20, 16 << 20)
+STORE_PORT = 29517
+# Each timed batch lasts at least this long (more iterations for small messages), so that link
+# counters and clocks are read over a meaningful span.
+MIN_BATCH_S = 0.3
+
+
+def parse_sizes(text: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = units.get(part[-1:], 1)
+        digits = part[:-1] if part[-1:] in units else part
+        if not digits.isdigit() or int(digits) <= 0:
+            raise argparse.ArgumentTypeError(f"bad size {part!r} (e.g. 4K,1M,64M)")
+        out.append(int(digits) * mult)
+    return out
+
+
+def parse_layouts(text: str) -> list[int]:
+    """"2x1,2x2" -> ranks per host for 2 hosts."""
+    out = []
+    for part in text.split(","):
+        hosts, _, per = part.partition("x")
+        if hosts != "2" or not per.isdigit() or not 1 <= int(per) <= 4:
+            raise argparse.ArgumentTypeError(f"layouts are 2xL with L in 1..4, got {part!r}")
+        out.append(int(per))
+    return out
+
+
+def parse_links(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        if not part.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"links are Mbit/s integers (0: unshaped), got {part!r}")
+        out.append(int(part))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Inside a simulated host: one rank.
+
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def rank_main(settings: dict) -> int:
+    """One rank: times every implementation at every size, alternating, and prints JSON records
+    (rank 0 prints the ones of the whole run)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from braid import comm
+
+    torch.set_num_threads(1)
+    rank, world, per_host = settings["rank"], settings["world"], settings["per_host"]
+    timeout = timedelta(seconds=settings["timeout"])
+    store = dist.TCPStore(settings["master"], STORE_PORT, world, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", store), rank=rank, world_size=world,
+                            timeout=timeout)
+    c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=settings["timeout"])
+    reports_link = c.local_rank == 0
+    impls = list(IMPLS) + list(settings["compressors"])
+    records = []
+    for nbytes in settings["sizes"]:
+        count = nbytes // 4
+        x = torch.full((count,), float(rank + 1))
+        expected = world * (world + 1) / 2
+        compressors = {name: getattr(comm, COMPRESSORS[name][0])(**COMPRESSORS[name][1])
+                       for name in settings["compressors"]}
+
+        def call(impl: str, t: torch.Tensor) -> None:
+            if impl == "braid":
+                c.all_reduce(t)
+            elif impl == "gloo":
+                dist.all_reduce(t)
+            else:
+                c.all_reduce(t, compression=compressors[impl], key=nbytes)
+
+        # Warm-up (compressors: past their exact steps) and the iteration count of a batch.
+        iters = {}
+        for impl in impls:
+            t = x.clone()
+            for _ in range(3):
+                call(impl, t)
+            c.barrier()
+            t0 = time.perf_counter()
+            call(impl, t)
+            one = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(one, op=dist.ReduceOp.MAX)
+            iters[impl] = max(2, min(settings["max_iters"], math.ceil(MIN_BATCH_S / max(one.item(), 1e-6))))
+        best = {}
+        for _ in range(settings["rounds"]):
+            for impl in impls:
+                t = x.clone()
+                wrong = 0
+                c.barrier()
+                tx0, t0 = _tx_bytes(), time.perf_counter()
+                for _ in range(iters[impl]):
+                    t.copy_(x)
+                    call(impl, t)
+                elapsed = time.perf_counter() - t0
+                tx = _tx_bytes() - tx0
+                if impl in IMPLS:
+                    wrong = int((t != expected).sum())
+                stats = torch.tensor([elapsed, tx if reports_link else 0, wrong], dtype=torch.float64)
+                gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+                dist.all_gather(gathered, stats)
+                total = max(g[0].item() for g in gathered)
+                link = max(g[1].item() for g in gathered)  # the busiest host's uplink
+                if impl not in best or total < best[impl]["total"]:
+                    best[impl] = {"total": total, "link_bytes": link, "wrong": int(sum(g[2].item() for g in gathered))}
+        for impl in impls:
+            b = best[impl]
+            sec = b["total"] / iters[impl]
+            algbw = nbytes / sec / 1e9
+            record = {"impl": impl, "bytes": nbytes, "count": count, "hosts": 2, "per_host": per_host,
+                      "link_mbit": settings["link_mbit"], "time_us": sec * 1e6, "algbw": algbw,
+                      "busbw": algbw * 2 * (world - 1) / world, "wrong": b["wrong"] if impl in IMPLS else None,
+                      "link_bytes_per_call": b["link_bytes"] / iters[impl], "iters": iters[impl]}
+            rate = settings["link_mbit"] * 1e6 / 8
+            record["link_use"] = (b["link_bytes"] / b["total"] / rate) if rate else None
+            records.append(record)
+        if rank == 0:
+            print(f"PROGRESS {human_bytes(nbytes)} done", flush=True)
+    c.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        print("RECORDS " + json.dumps(records), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain-TCP floor: what `streams` TCP connections carry from host 1 to host 0.
+
+_FLOOR_SERVER = """
+import socket, sys, threading
+n, total = int(sys.argv[1]), int(sys.argv[2])
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", 29518)); srv.listen(64); print("ready", flush=True)
+def drain(c):
+    left = total // n
+    while left > 0:
+        got = c.recv(min(left, 1 << 20))
+        if not got: break
+        left -= len(got)
+    c.sendall(b"k"); c.close()
+ts = [threading.Thread(target=drain, args=(srv.accept()[0],)) for _ in range(n)]
+[t.start() for t in ts]; [t.join() for t in ts]
+"""
+_FLOOR_CLIENT = """
+import socket, sys, threading, time
+host, n, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+buf = bytes(1 << 20)
+socks = [socket.create_connection((host, 29518)) for _ in range(n)]
+def pump(s):
+    left = total // n
+    while left > 0:
+        k = min(left, len(buf)); s.sendall(buf[:k]); left -= k
+    s.recv(1)
+t0 = time.perf_counter()
+ts = [threading.Thread(target=pump, args=(s,)) for s in socks]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(total / (time.perf_counter() - t0))
+"""
+
+
+def tcp_floor(hosts: SimulatedHosts, streams: int, total: int) -> float:
+    """Bytes per second that ``streams`` plain TCP connections carry from host 1 to host 0."""
+    server = hosts.popen(0, [sys.executable, "-c", _FLOOR_SERVER, str(streams), str(total)],
+                         stdout=subprocess.PIPE, text=True)
+    server.stdout.readline()
+    out = hosts.run(1, [sys.executable, "-c", _FLOOR_CLIENT, hosts.addresses[0], str(streams), str(total)],
+                    timeout=300)
+    server.wait(timeout=60)
+    return float(out.stdout.strip())
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher.
+
+def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
+    world = 2 * per_host
+    procs = []
+    for rank in range(world):
+        settings = {"rank": rank, "world": world, "per_host": per_host, "master": hosts.addresses[0],
+                    "sizes": args.sizes, "max_iters": args.iters, "rounds": args.rounds, "link_mbit": link,
+                    "compressors": args.compressors, "timeout": args.timeout}
+        procs.append(hosts.popen(rank // per_host, [sys.executable, "-m", "braid.bench.multihost", "--rank-main",
+                                                    json.dumps(settings)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    records = None
+    deadline = time.monotonic() + args.deadline
+    for line in procs[0].stdout:
+        if line.startswith("PROGRESS "):
+            print(f"  {line[len('PROGRESS '):].strip()}", flush=True)
+        elif line.startswith("RECORDS "):
+            records = json.loads(line[len("RECORDS "):])
+        if time.monotonic() > deadline:
+            break
+    for rank, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"rank {rank} exited {p.returncode}:\n{err[-3000:]}")
+    if records is None:
+        raise RuntimeError("rank 0 reported no results")
+    return records
+
+
+def link_name(link: int) -> str:
+    return "unshaped" if link == 0 else (f"{link // 1000} Gbit" if link % 1000 == 0 else f"{link} Mbit")
+
+
+def table(records: Sequence[dict], floor: dict) -> str:
+    by = {}
+    for r in records:
+        by.setdefault((r["link_mbit"], r["per_host"], r["bytes"]), {})[r["impl"]] = r
+    impls = []
+    for r in records:
+        if r["impl"] not in impls:
+            impls.append(r["impl"])
+    head = (f"{'link':>9} {'layout':>6} {'size':>7} " + " ".join(f"{i + ' us':>12}" for i in impls)
+            + f" {'braid busbw':>11} {'braid link':>10} {'gloo link':>9} " + " ".join(f"{'gloo/' + i:>11}" for i in impls if i != "gloo")
+            + f" {'#wrong':>6}")
+    lines = [head]
+    for (link, per, nbytes), row in sorted(by.items()):
+        def use(impl):
+            v = row.get(impl, {}).get("link_use")
+            return "-" if v is None else f"{100 * v:.0f}%"
+        gloo = row["gloo"]["time_us"]
+        lines.append(f"{link_name(link):>9} {'2x' + str(per):>6} {human_bytes(nbytes):>7} "
+                     + " ".join(f"{row[i]['time_us']:>12.1f}" for i in impls)
+                     + f" {row['braid']['busbw']:>11.3f} {use('braid'):>10} {use('gloo'):>9} "
+                     + " ".join(f"{gloo / row[i]['time_us']:>10.2f}x" for i in impls if i != "gloo")
+                     + f" {row['braid']['wrong'] + row['gloo']['wrong']:>6}")
+    if floor:
+        lines.append("")
+        lines.append("plain TCP between the two hosts (the floor braid's link use is measured against):")
+        for link, (one, four) in sorted(floor.items()):
+            lines.append(f"  {link_name(link):>9}: 1 stream {one / 1e9:.3f} GB/s, 4 streams {four / 1e9:.3f} GB/s")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench multihost") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--links", type=parse_links, default=[1000, 10000, 0],
+                        help="link rates in Mbit/s, 0 for unshaped (default 1000,10000,0)")
+    parser.add_argument("--layouts", type=parse_layouts, default=[1, 2], help="2xL layouts (default 2x1,2x2)")
+    parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
+                        help="all_reduce sizes in bytes (default 4K,64K,1M,16M,64M)")
+    parser.add_argument("--compressors", default="int8,int4,topk1%",
+                        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)")
+    parser.add_argument("--iters", type=int, default=50, help="most iterations of a timed batch (default 50)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best counts (default 2)")
+    parser.add_argument("--quick", action="store_true", help="the short run of `make bench`")
+    parser.add_argument("--timeout", type=float, default=120.0, help="braid's and gloo's deadline per wait (s)")
+    parser.add_argument("--deadline", type=float, default=1800.0, help="deadline of one configuration (s)")
+    parser.add_argument("--json", help="write the records as JSON to this path")
+    parser.add_argument("--rank-main", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_main:
+        return rank_main(json.loads(args.rank_main))
+    args.compressors = [c for c in args.compressors.split(",") if c]
+    for name in args.compressors:
+        if name not in COMPRESSORS:
+            parser.error(f"--compressors: unknown {name!r} (choose from {', '.join(COMPRESSORS)})")
+    if args.iters < 2 or args.rounds < 1:
+        parser.error("--iters must be >= 2 and --rounds >= 1")
+    if args.quick:
+        args.sizes, args.links, args.layouts, args.iters = list(QUICK_SIZES), [1000, 0], [1, 2], 10
+    reason = unavailable_reason(rate=True)
+    if reason is not None:
+        print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
+        return 0
+    records, floor = [], {}
+    configs = [(link, per) for link in args.links for per in args.layouts]
+    for i, (link, per) in enumerate(configs):
+        print(f"[{i + 1}/{len(configs)}] {link_name(link)} link, 2 hosts x {per} rank(s):", flush=True)
+        with SimulatedHosts(2, rate_mbit=link or None) as hosts:
+            if link not in floor:
+                total = 256 << 20 if link in (0, 10000) else 64 << 20
+                floor[link] = (tcp_floor(hosts, 1, total), tcp_floor(hosts, 4, total))
+            records += run_config(hosts, per, link, args)
+    print()
+    print(table(records, floor))
+    if args.json:
+        write_json(args.json, {"benchmark": "multihost", "machine": machine_info(), "records": records,
+                               "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()}})
+    wrong = sum((r["wrong"] or 0) for r in records)
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
