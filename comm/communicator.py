@@ -203,8 +203,9 @@ class Communicator:
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
         algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us,
-            skew_rounds: tunables; ``None`` takes the ``BRAID_*`` environment variable or the
-            built-in default (README).
+            skew_rounds: tunables of the shared-memory transport; nsocks, socket_chunk_bytes,
+            cross_oneshot_max_bytes, cross_piece_bytes: of the TCP transport between hosts.
+            ``None`` takes the ``BRAID_*`` environment variable or the built-in default (README).
 
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
     published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface
@@ -222,7 +223,11 @@ class Communicator:
                  stream_min_bytes: Optional[int] = None,
                  spin_us: Optional[float] = None,
                  yield_us: Optional[float] = None,
-                 skew_rounds: Optional[bool] = None):
+                 skew_rounds: Optional[bool] = None,
+                 nsocks: Optional[int] = None,
+                 socket_chunk_bytes: Optional[int] = None,
+                 cross_oneshot_max_bytes: Optional[int] = None,
+                 cross_piece_bytes: Optional[int] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         world_size, rank = _index(world_size, "world_size"), _index(rank, "rank")
@@ -241,7 +246,10 @@ class Communicator:
         for name, value, kind in (("oneshot_max_bytes", oneshot_max_bytes, int),
                                   ("slot_bytes", slot_bytes, int), ("nslots", nslots, int),
                                   ("stream_min_bytes", stream_min_bytes, int),
-                                  ("spin_us", spin_us, float), ("yield_us", yield_us, float)):
+                                  ("spin_us", spin_us, float), ("yield_us", yield_us, float),
+                                  ("nsocks", nsocks, int), ("socket_chunk_bytes", socket_chunk_bytes, int),
+                                  ("cross_oneshot_max_bytes", cross_oneshot_max_bytes, int),
+                                  ("cross_piece_bytes", cross_piece_bytes, int)):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
@@ -250,7 +258,7 @@ class Communicator:
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
             if kind is int:  # saturate at the C++ field's range: the constructor then names the bounds
-                value = min(value, 2**31 - 1 if name == "nslots" else 2**63 - 1)
+                value = min(value, 2**31 - 1 if name in ("nslots", "nsocks") else 2**63 - 1)
             setattr(tun, name, value)
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):

@@ -14,6 +14,7 @@
 #include "errors.h"
 #include "fork_guard.h"
 #include "progress_engine.h"
+#include "scratch.h"
 #include "topology.h"
 #include "transport/shm_group.h"
 #include "transport/tcp/tcp_transport.h"
@@ -118,6 +119,7 @@ class Communicator {
   // steps on this host's group and direct transfers between hosts.
   void execute_cross_host(Request& r, const CollectiveDesc& d);
   void cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
+  void cross_reduce_scatter(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
   void cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d);
   void cross_broadcast(void* data, size_t bytes, int root, const CollectiveDesc& d);
   void cross_barrier(const CollectiveDesc& d);
@@ -161,6 +163,7 @@ class Communicator {
   std::unique_ptr<ShmGroup> group_;    // this host's ranks (null when it has one)
   std::unique_ptr<TcpTransport> tcp_;  // the other hosts' ranks (null on one host)
   uint64_t host_seq_ = 0;              // steps run on group_ across hosts (their shm sequence)
+  ScratchBuffers scratch_;             // staging of the cross-host collectives (cross_host.cc)
   // Behind a pointer so that a forked child can abandon it without touching its thread or locks.
   std::unique_ptr<ProgressEngine> engine_ = std::make_unique<ProgressEngine>();
   const uint64_t fork_generation_ = fork_generation();

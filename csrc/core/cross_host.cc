@@ -38,9 +38,14 @@ void Communicator::host_step(CollKind kind, DType dt, ReduceOp op, size_t count,
 }
 
 namespace {
-PeerGroup cross_group(TcpTransport* tcp, const std::vector<int>& members, int rank, const CollectiveDesc& d) {
+// Scratch slots: 0 is the direct algorithms' reduction staging (PeerGroup::scratch).
+constexpr size_t kSlotPart = 1, kSlotWhole = 2, kSlotFull = 3;
+
+PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vector<int>& members, int rank,
+                      const CollectiveDesc& d) {
   PeerGroup g;
   g.transport = tcp;
+  g.scratch = scratch;
   g.members = members;
   g.me = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
   g.desc = &d;
@@ -63,34 +68,86 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
     // on the host. A count that does not divide goes through a padded copy.
     const size_t per = (count + local - 1) / static_cast<size_t>(local);
     const size_t padded = per * static_cast<size_t>(local);
-    std::vector<char> pad;
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
+    char* pad = nullptr;
     if (padded != count) {
-      pad.assign(padded * es, 0);
-      std::memcpy(pad.data(), in, bytes);
-      src = dst = pad.data();
+      pad = scratch_.get(kSlotWhole, padded * es);
+      std::memcpy(pad, in, bytes);
+      std::memset(pad + bytes, 0, (padded - count) * es);  // never read into a result: elementwise
+      src = dst = pad;
     }
-    std::vector<char> slice(per * es);
-    host_step(CollKind::kReduceScatter, dt, host_op, per, 0, src, slice.data());
-    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(me), rank_, d);
-    direct_all_reduce(g, dt, op, slice.data(), slice.data(), per, world_, tun_.cross_piece_bytes, false);
-    host_step(CollKind::kAllGather, dt, host_op, per, 0, slice.data(), dst);
-    if (padded != count) std::memcpy(out, pad.data(), bytes);
+    char* slice = scratch_.get(kSlotPart, per * es);
+    host_step(CollKind::kReduceScatter, dt, host_op, per, 0, src, slice);
+    PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(me), rank_, d);
+    direct_all_reduce(g, dt, op, slice, slice, per, world_, tun_.cross_piece_bytes, false);
+    host_step(CollKind::kAllGather, dt, host_op, per, 0, slice, dst);
+    if (pad != nullptr) std::memcpy(out, pad, bytes);
     return;
   }
   // Through the host leaders (any layout, and every small message): the host's sum on every local
   // rank, the leaders all-reduce the host sums, each leader broadcasts the result on its host.
   host_step(CollKind::kAllReduce, dt, host_op, count, 0, in, out);
   if (me == 0) {
-    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
     direct_all_reduce(g, dt, op, out, out, count, world_, tun_.cross_piece_bytes, small);
   }
   host_step(CollKind::kBroadcast, dt, host_op, count, 0, out, out);
 }
 
+void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                                        const CollectiveDesc& d) {
+  const size_t es = dtype_size(dt), bytes = count * es;
+  const char* src = static_cast<const char*>(in);
+  if (!topo_.uniform()) {
+    // Uneven hosts: the whole input all-reduced, this rank's chunk kept (twice the bytes across
+    // hosts that the path below sends).
+    char* full = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
+    cross_all_reduce(dt, op, in, full, static_cast<size_t>(world_) * count, d);
+    if (bytes > 0) std::memcpy(out, full + static_cast<size_t>(rank_) * bytes, bytes);
+    return;
+  }
+  // Chunks regrouped by local index: block i holds, host by host, the chunks of the ranks with
+  // local index i. A reduce-scatter on the host gives local rank i its host's sum of block i; the
+  // ranks with local index i then reduce-scatter those across hosts, each keeping its own chunk.
+  const int local = topo_.local_world(), hosts = topo_.num_hosts();
+  char* grouped = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
+  char* part = scratch_.get(kSlotPart, static_cast<size_t>(hosts) * bytes);
+  for (int i = 0; i < local; ++i)
+    for (int h = 0; h < hosts; ++h)
+      if (bytes > 0)
+        std::memcpy(grouped + static_cast<size_t>(i * hosts + h) * bytes,
+                    src + static_cast<size_t>(topo_.hosts[static_cast<size_t>(h)][static_cast<size_t>(i)]) * bytes, bytes);
+  const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  if (local > 1)
+    host_step(CollKind::kReduceScatter, dt, host_op, static_cast<size_t>(hosts) * count, 0, grouped, part);
+  else
+    part = grouped;
+  PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
+  direct_reduce_scatter(g, dt, op, part, out, count, world_, tun_.cross_piece_bytes);
+}
+
 void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d) {
-  // Blocks laid out host by host (each host's ranks in rank order): the host's block is one
+  if (topo_.uniform() && topo_.local_world() > 1) {
+    // Every local rank gathers from its counterparts on the other hosts (a host pair carries
+    // `local` streams at once), then the host gathers those blocks: chunk of rank
+    // hosts[h][i] at (i * hosts + h), regrouped into rank order.
+    const int local = topo_.local_world(), hosts = topo_.num_hosts();
+    char* part = scratch_.get(kSlotPart, static_cast<size_t>(hosts) * bytes);
+    char* grouped = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
+    PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
+    direct_all_gather(g, in, part, std::vector<size_t>(static_cast<size_t>(hosts), bytes));
+    host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(hosts) * bytes, 0, part,
+              grouped);
+    for (int i = 0; i < local; ++i)
+      for (int h = 0; h < hosts; ++h)
+        if (bytes > 0)
+          std::memcpy(static_cast<char*>(out) +
+                          static_cast<size_t>(topo_.hosts[static_cast<size_t>(h)][static_cast<size_t>(i)]) * bytes,
+                      grouped + static_cast<size_t>(i * hosts + h) * bytes, bytes);
+    return;
+  }
+  // Uneven hosts: blocks laid out host by host (each host's ranks in rank order): the host's block is one
   // all-gather on the host, the leaders exchange host blocks, and each leader broadcasts them on
   // its host. When the ranks of each host are consecutive (torchrun, srun) that is rank order
   // already, and no reordering copy is needed.
@@ -105,16 +162,11 @@ void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, con
   }
   bool in_rank_order = true;
   for (int i = 0; i < world_; ++i) in_rank_order = in_rank_order && order[static_cast<size_t>(i)] == i;
-  std::vector<char> staged;
-  char* by_host = static_cast<char*>(out);
-  if (!in_rank_order) {
-    staged.resize(static_cast<size_t>(world_) * bytes);
-    by_host = staged.data();
-  }
+  char* by_host = in_rank_order ? static_cast<char*>(out) : scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
   const size_t h = static_cast<size_t>(topo_.host);
   host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, bytes, 0, in, by_host + host_off[h]);
   if (topo_.local_rank() == 0) {
-    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
     direct_all_gather(g, by_host + host_off[h], by_host, host_bytes);
   }
   host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(world_) * bytes, 0, by_host,
@@ -134,7 +186,7 @@ void Communicator::cross_broadcast(void* data, size_t bytes, int root, const Col
     host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, bytes, topo_.local_index[static_cast<size_t>(root)],
               data, data);
   if (topo_.local_rank() == 0) {
-    PeerGroup g = cross_group(tcp_.get(), topo_.counterparts(0), rank_, d);
+    PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
     direct_broadcast(g, data, bytes, root_host);
   }
   if (topo_.host != root_host) host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, bytes, 0, data, data);
@@ -142,7 +194,7 @@ void Communicator::cross_broadcast(void* data, size_t bytes, int root, const Col
 
 void Communicator::cross_barrier(const CollectiveDesc& d) {
   host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
-  if (topo_.local_rank() == 0) direct_barrier(cross_group(tcp_.get(), topo_.counterparts(0), rank_, d));
+  if (topo_.local_rank() == 0) direct_barrier(cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d));
   host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
 }
 
@@ -152,7 +204,7 @@ void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, con
   // The other hosts' chunks travel directly, each pair's in both directions at once.
   std::vector<int> everyone(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) everyone[static_cast<size_t>(r)] = r;
-  PeerGroup g = cross_group(tcp_.get(), everyone, rank_, d);
+  PeerGroup g = cross_group(tcp_.get(), &scratch_, everyone, rank_, d);
   std::vector<DirectBlock> sends, recvs;
   for (int r = 0; r < world_; ++r) {
     if (topo_.host_of[static_cast<size_t>(r)] == topo_.host) continue;
@@ -167,12 +219,13 @@ void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, con
       std::memcpy(dst + static_cast<size_t>(rank_) * chunk, src + static_cast<size_t>(rank_) * chunk, chunk);
     return;
   }
-  std::vector<char> packed_in(mine.size() * chunk), packed_out(mine.size() * chunk);
+  char* packed_in = scratch_.get(kSlotPart, mine.size() * chunk);
+  char* packed_out = scratch_.get(kSlotFull, mine.size() * chunk);
   for (size_t i = 0; i < mine.size(); ++i)
-    if (chunk > 0) std::memcpy(packed_in.data() + i * chunk, src + static_cast<size_t>(mine[i]) * chunk, chunk);
-  host_step(CollKind::kAllToAll, DType::kUInt8, ReduceOp::kSum, chunk, 0, packed_in.data(), packed_out.data());
+    if (chunk > 0) std::memcpy(packed_in + i * chunk, src + static_cast<size_t>(mine[i]) * chunk, chunk);
+  host_step(CollKind::kAllToAll, DType::kUInt8, ReduceOp::kSum, chunk, 0, packed_in, packed_out);
   for (size_t i = 0; i < mine.size(); ++i)
-    if (chunk > 0) std::memcpy(dst + static_cast<size_t>(mine[i]) * chunk, packed_out.data() + i * chunk, chunk);
+    if (chunk > 0) std::memcpy(dst + static_cast<size_t>(mine[i]) * chunk, packed_out + i * chunk, chunk);
 }
 
 void Communicator::execute_cross_host(Request& r, const CollectiveDesc& d) {
@@ -186,14 +239,9 @@ void Communicator::execute_cross_host(Request& r, const CollectiveDesc& d) {
     case CollKind::kAllReduce:
       cross_all_reduce(r.dtype, r.op, r.in, r.out, r.count, d);
       break;
-    case CollKind::kReduceScatter: {
-      // The whole input all-reduced, this rank's slice kept: correct for any layout, at twice the
-      // bytes across hosts that a reduce-scatter needs.
-      std::vector<char> full(static_cast<size_t>(world_) * r.count * es);
-      cross_all_reduce(r.dtype, r.op, r.in, full.data(), static_cast<size_t>(world_) * r.count, d);
-      if (r.count > 0) std::memcpy(r.out, full.data() + static_cast<size_t>(rank_) * r.count * es, r.count * es);
+    case CollKind::kReduceScatter:
+      cross_reduce_scatter(r.dtype, r.op, r.in, r.out, r.count, d);
       break;
-    }
     case CollKind::kAllGather:
       cross_all_gather(r.in, r.out, r.count * es, d);
       break;

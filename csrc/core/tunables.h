@@ -55,10 +55,14 @@ struct Tunables {
   int skew_rounds = -1;
   double yield_us = 50.0;
 
-  // Across hosts (TCP). Defaults to be measured by `python -m braid.bench multihost`
-  // (docs/results); until then they follow NCCL's socket transport (2 sockets, 512 KiB chunks).
-  // BRAID_NSOCKS: sockets per peer pair (and channel) that a message is striped across.
-  int nsocks = 2;
+  // Across hosts (TCP).
+  // BRAID_NSOCKS: sockets per peer pair (and channel) that a message is striped across. More help
+  // where one TCP flow cannot fill the link (long fat links, NICs that spread flows over queues).
+  // Measured between two simulated hosts on the 2-core VM (all_reduce 2x1, fp32, braid/gloo,
+  // docs/results/2026-11-25-epyc-2vcpu.md): 1 Gbit 16/64 MB: 1 socket 1.01x/1.00x, 2 0.97x/0.99x,
+  // 4 0.96x/1.00x; unshaped: 1 socket 1.71x/1.44x, 4 1.47x/1.22x; 10 Gbit 64 MB: 1 socket 1.18x,
+  // 2 1.16x. One socket is as fast or faster here, as in NCCL's default for plain NICs.
+  int nsocks = 1;
   // BRAID_SOCKET_CHUNK_BYTES: the striping unit; each chunk carries a 72-byte header.
   size_t socket_chunk_bytes = 512 * 1024;
   // BRAID_CROSS_ONESHOT_MAX_BYTES: all_reduce messages up to this size cross hosts in one round

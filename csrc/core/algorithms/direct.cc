@@ -16,7 +16,7 @@ namespace {
 // others run (a reduced piece's sends).
 class Transfers {
  public:
-  explicit Transfers(const PeerGroup& g) : g_(g) {}
+  explicit Transfers(const PeerGroup& g) : g_(g), lanes_(2 * g.members.size()) {}
 
   P2POp& add(int member, bool send, void* data, size_t bytes) {
     auto op = std::make_unique<P2POp>();
@@ -27,33 +27,35 @@ class Transfers {
     op->dtype = DType::kUInt8;
     op->channel = Channel::kCollective;
     op->desc = g_.desc;
+    lanes_[2 * static_cast<size_t>(member) + (send ? 1 : 0)].push_back(op.get());
     ops_.push_back(std::move(op));
+    ++left_;
     return *ops_.back();
   }
 
-  // Advances every lane head; waits when nothing could move. Returns false once all are done.
+  // Advances the head of every lane (one peer, one direction: transfers match in issue order);
+  // waits when none could move. Returns false once every transfer is done.
   bool step() {
-    bool moved = false, left = false;
+    if (left_ == 0) return false;
+    bool moved = false;
     heads_.clear();
-    for (size_t i = 0; i < ops_.size(); ++i) {
-      P2POp& op = *ops_[i];
-      if (op.done || !lane_head(i)) continue;
-      const size_t before = op.off;
-      if (g_.transport->advance(op)) {
-        moved = true;
-        continue;
+    for (Lane& lane : lanes_) {
+      while (lane.next < lane.ops.size()) {
+        P2POp& op = *lane.ops[lane.next];
+        const size_t before = op.off;
+        if (g_.transport->advance(op)) {
+          ++lane.next;
+          --left_;
+          moved = true;
+          continue;
+        }
+        moved = moved || op.off != before;
+        heads_.push_back(&op);
+        break;
       }
-      left = true;
-      moved = moved || op.off != before;
-      heads_.push_back(&op);
     }
-    if (!left) {
-      for (const auto& op : ops_)
-        if (!op->done) return true;  // a lane's next op: loop again
-      return false;
-    }
-    if (!moved) g_.transport->wait(heads_.data(), static_cast<int>(heads_.size()), [] { return false; });
-    return true;
+    if (left_ > 0 && !moved) g_.transport->wait(heads_.data(), static_cast<int>(heads_.size()), [] { return false; });
+    return left_ > 0 || moved;
   }
 
   void run() {
@@ -62,22 +64,89 @@ class Transfers {
   }
 
  private:
-  bool lane_head(size_t i) const {
-    const P2POp& a = *ops_[i];
-    for (size_t j = 0; j < i; ++j) {
-      const P2POp& b = *ops_[j];
-      if (!b.done && b.peer == a.peer && b.send == a.send) return false;
-    }
-    return true;
-  }
-
+  struct Lane {
+    std::vector<P2POp*> ops;
+    size_t next = 0;  // the head: every op before it is done
+    void push_back(P2POp* op) { ops.push_back(op); }
+  };
   const PeerGroup& g_;
   std::vector<std::unique_ptr<P2POp>> ops_;
+  std::vector<Lane> lanes_;  // 2 * member + (send ? 1 : 0)
   std::vector<P2POp*> heads_;
+  size_t left_ = 0;
 };
 
 // Member m's part of `count` elements: [begin(m), begin(m + 1)).
 size_t part_begin(size_t count, int n, int m) { return count * static_cast<size_t>(m) / static_cast<size_t>(n); }
+
+// The stage that all-reduce and reduce-scatter share: member m reduces elements [lo[m], hi[m])
+// of every member's input. The others send it theirs in pieces (in the lane order the owner
+// receives them), and it reduces each piece, in member order, as soon as every member's copy
+// has arrived, into `dst` (element 0: its own lo).
+class OwnerReduce {
+ public:
+  OwnerReduce(const PeerGroup& g, Transfers& t, DType dt, ReduceOp op, const char* src, std::vector<size_t> lo,
+              std::vector<size_t> hi, char* dst, int divisor, size_t piece_bytes)
+      : g_(g), dt_(dt), op_(op), es_(dtype_size(dt)), src_(src), lo_(std::move(lo)), hi_(std::move(hi)), dst_(dst),
+        divisor_(divisor) {
+    const int n = g.size(), me = g.me;
+    piece_ = std::max<size_t>(1, piece_bytes / es_);
+    mine_ = hi_[static_cast<size_t>(me)] - lo_[static_cast<size_t>(me)];
+    npieces_ = pieces(mine_);
+    const size_t scratch_bytes = static_cast<size_t>(n) * mine_ * es_;
+    scratch_ = g.scratch != nullptr ? g.scratch->get(0, scratch_bytes) : (owned_.resize(scratch_bytes), owned_.data());
+    incoming_.resize(static_cast<size_t>(n));
+    for (int m = 0; m < n; ++m) {
+      if (m == me) continue;
+      const size_t mlo = lo_[static_cast<size_t>(m)], len = hi_[static_cast<size_t>(m)] - mlo;
+      for (size_t k = 0; k < pieces(len); ++k)
+        t.add(m, true, const_cast<char*>(src) + (mlo + begin(len, k)) * es_, (begin(len, k + 1) - begin(len, k)) * es_);
+      for (size_t k = 0; k < npieces_; ++k)
+        incoming_[static_cast<size_t>(m)].push_back(
+            &t.add(m, false, scratch_ + (static_cast<size_t>(m) * mine_ + begin(mine_, k)) * es_,
+                   (begin(mine_, k + 1) - begin(mine_, k)) * es_));
+    }
+  }
+
+  size_t pieces(size_t len) const { return std::max<size_t>(1, (len + piece_ - 1) / piece_); }
+  size_t begin(size_t len, size_t k) const { return std::min(len, k * piece_); }
+  bool done() const { return reduced_ == npieces_; }
+
+  // Reduces the pieces whose inputs have all arrived; `reduced(a, b)` follows each (elements
+  // [a, b) of this member's part).
+  template <class OnPiece>
+  void reduce_ready(const OnPiece& reduced) {
+    const int n = g_.size(), me = g_.me;
+    std::vector<Operand> srcs(static_cast<size_t>(n));
+    for (; reduced_ < npieces_; ++reduced_) {
+      for (int m = 0; m < n; ++m)
+        if (m != me && !incoming_[static_cast<size_t>(m)][reduced_]->done) return;
+      const size_t a = begin(mine_, reduced_), b = begin(mine_, reduced_ + 1);
+      for (int m = 0; m < n; ++m)
+        srcs[static_cast<size_t>(m)] = {
+            m == me ? src_ + (lo_[static_cast<size_t>(me)] + a) * es_ : scratch_ + (static_cast<size_t>(m) * mine_ + a) * es_,
+            false};
+      // dst may alias this member's own input range: reduce_n reads each block before writing
+      // it, and no transfer reads that range (the others' parts only).
+      reduce_n(dt_, op_, srcs.data(), n, dst_ + a * es_, false, nullptr, b - a, divisor_, true);
+      reduced(a, b);
+    }
+  }
+
+ private:
+  const PeerGroup& g_;
+  DType dt_;
+  ReduceOp op_;
+  size_t es_;
+  const char* src_;
+  std::vector<size_t> lo_, hi_;
+  char* dst_;
+  int divisor_;
+  size_t piece_ = 1, mine_ = 0, npieces_ = 1, reduced_ = 0;
+  char* scratch_ = nullptr;  // every other member's copy of this member's part, slot m for member m
+  std::vector<char> owned_;  // the scratch when the group brings none
+  std::vector<std::vector<P2POp*>> incoming_;
+};
 
 }  // namespace
 
@@ -85,74 +154,54 @@ void direct_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in
                        int divisor, size_t piece_bytes, bool oneshot) {
   const int n = g.size(), me = g.me;
   const size_t es = dtype_size(dt);
-  const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  // What this member reduces: its part, or (one-shot) everything.
-  const size_t lo = oneshot ? 0 : part_begin(count, n, me);
-  const size_t hi = oneshot ? count : part_begin(count, n, me + 1);
-  const size_t mine = hi - lo;
-  const size_t piece = std::max<size_t>(1, piece_bytes / es);
-  const size_t npieces = oneshot ? 1 : std::max<size_t>(1, (mine + piece - 1) / piece);
-  auto piece_lo = [&](size_t k) { return oneshot ? 0 : std::min(mine, k * piece); };
-  auto piece_hi = [&](size_t k) { return oneshot ? mine : std::min(mine, (k + 1) * piece); };
-  // Every other member's contribution to what this member reduces, slot j for member j.
-  std::vector<char> scratch(static_cast<size_t>(n) * mine * es);
-  Transfers t(g);
-  // Stage 1: my input of every other member's part to that member (in pieces, so that the owner
-  // reduces the first piece while the next ones travel), and theirs of mine to me.
-  std::vector<std::vector<P2POp*>> incoming(static_cast<size_t>(n));
+  std::vector<size_t> lo(static_cast<size_t>(n)), hi(static_cast<size_t>(n));
   for (int m = 0; m < n; ++m) {
-    if (m == me) continue;
-    const size_t mlo = oneshot ? 0 : part_begin(count, n, m), mhi = oneshot ? count : part_begin(count, n, m + 1);
-    const size_t mpieces = oneshot ? 1 : std::max<size_t>(1, (mhi - mlo + piece - 1) / piece);
-    for (size_t k = 0; k < mpieces; ++k) {
-      const size_t a = oneshot ? 0 : std::min(mhi - mlo, k * piece), b = oneshot ? mhi - mlo : std::min(mhi - mlo, (k + 1) * piece);
-      t.add(m, true, const_cast<char*>(src) + (mlo + a) * es, (b - a) * es);
-    }
-    for (size_t k = 0; k < npieces; ++k)
-      incoming[static_cast<size_t>(m)].push_back(
-          &t.add(m, false, scratch.data() + (static_cast<size_t>(m) * mine + piece_lo(k)) * es,
-                 (piece_hi(k) - piece_lo(k)) * es));
+    // One-shot: every member reduces everything, from everyone's whole input.
+    lo[static_cast<size_t>(m)] = oneshot ? 0 : part_begin(count, n, m);
+    hi[static_cast<size_t>(m)] = oneshot ? count : part_begin(count, n, m + 1);
   }
-  // Stage 2 (not one-shot): each owner's reduced pieces back to every member.
-  if (!oneshot)
-    for (int m = 0; m < n; ++m) {
-      if (m == me) continue;
-      const size_t mlo = part_begin(count, n, m), mhi = part_begin(count, n, m + 1);
-      const size_t mpieces = std::max<size_t>(1, (mhi - mlo + piece - 1) / piece);
-      for (size_t k = 0; k < mpieces; ++k) {
-        const size_t a = std::min(mhi - mlo, k * piece), b = std::min(mhi - mlo, (k + 1) * piece);
-        t.add(m, false, dst + (mlo + a) * es, (b - a) * es);
-      }
-    }
-  std::vector<Operand> srcs(static_cast<size_t>(n));
-  size_t reduced = 0;  // pieces of mine reduced so far
-  auto reduce_ready = [&] {
-    for (; reduced < npieces; ++reduced) {
-      for (int m = 0; m < n; ++m)
-        if (m != me && !incoming[static_cast<size_t>(m)][reduced]->done) return;
-      const size_t a = piece_lo(reduced), b = piece_hi(reduced);
-      for (int m = 0; m < n; ++m)
-        srcs[static_cast<size_t>(m)] = {m == me ? src + (lo + a) * es : scratch.data() + (static_cast<size_t>(m) * mine + a) * es,
-                                        false};
-      // The output may alias the input: reduce_n reads each block before writing it, and no
-      // transfer reads this range of my input (the others' parts only).
-      reduce_n(dt, op, srcs.data(), n, dst + (lo + a) * es, false, nullptr, b - a, divisor, true);
-      if (!oneshot)
-        for (int m = 0; m < n; ++m)
-          if (m != me) t.add(m, true, dst + (lo + a) * es, (b - a) * es);
-    }
-  };
+  const size_t my_lo = lo[static_cast<size_t>(me)];
+  Transfers t(g);
+  OwnerReduce owner(g, t, dt, op, static_cast<const char*>(in), lo, hi, dst + my_lo * es, divisor,
+                    oneshot ? count * es : piece_bytes);
   if (oneshot) {
     // In place, the result overwrites the input that the sends still read: reduce once all
     // transfers are done.
     t.run();
-    reduce_ready();
+    owner.reduce_ready([](size_t, size_t) {});
     return;
   }
+  // Each owner's reduced pieces back to every member, in the order the owner reduces them.
+  for (int m = 0; m < n; ++m) {
+    if (m == me) continue;
+    const size_t mlo = lo[static_cast<size_t>(m)], len = hi[static_cast<size_t>(m)] - mlo;
+    for (size_t k = 0; k < owner.pieces(len); ++k)
+      t.add(m, false, dst + (mlo + owner.begin(len, k)) * es, (owner.begin(len, k + 1) - owner.begin(len, k)) * es);
+  }
+  auto send_on = [&](size_t a, size_t b) {
+    for (int m = 0; m < n; ++m)
+      if (m != me) t.add(m, true, dst + (my_lo + a) * es, (b - a) * es);
+  };
   for (;;) {
-    reduce_ready();
-    if (!t.step() && reduced == npieces) break;
+    owner.reduce_ready(send_on);
+    if (!t.step() && owner.done()) break;
+  }
+}
+
+void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                           int divisor, size_t piece_bytes) {
+  const int n = g.size();
+  std::vector<size_t> lo(static_cast<size_t>(n)), hi(static_cast<size_t>(n));
+  for (int m = 0; m < n; ++m) {
+    lo[static_cast<size_t>(m)] = static_cast<size_t>(m) * count;
+    hi[static_cast<size_t>(m)] = static_cast<size_t>(m + 1) * count;
+  }
+  Transfers t(g);
+  OwnerReduce owner(g, t, dt, op, static_cast<const char*>(in), lo, hi, static_cast<char*>(out), divisor, piece_bytes);
+  for (;;) {
+    owner.reduce_ready([](size_t, size_t) {});
+    if (!t.step() && owner.done()) break;
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "../collective.h"
 #include "../dtype.h"
+#include "../scratch.h"
 #include "../transport/transport.h"
 
 namespace braid {
@@ -17,6 +18,7 @@ struct PeerGroup {
   std::vector<int> members;  // transport ranks
   int me = 0;                // index of this rank in members
   const CollectiveDesc* desc = nullptr;  // travels with every transfer; receivers compare it
+  ScratchBuffers* scratch = nullptr;     // reduction staging (slot 0), reused across calls
   int size() const { return static_cast<int>(members.size()); }
 };
 
@@ -28,6 +30,11 @@ struct PeerGroup {
 // reduces everything itself: one message latency instead of two, for small messages.
 void direct_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
                        int divisor, size_t piece_bytes, bool oneshot);
+
+// Member m receives in `out` the reduction (member order, avg divided by `divisor`) of block m
+// (`count` elements at in + m * count) of every member's input; pieces as direct_all_reduce.
+void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                           int divisor, size_t piece_bytes);
 
 // out = the members' blocks in member order, member m's of bytes[m] bytes; `in` is this
 // member's block (may alias its place in `out`).
