@@ -1,5 +1,6 @@
 """Collectives across simulated hosts: braid vs gloo (and braid's compressed all-reduces) on links
-shaped to 1 and 10 Gbit and unshaped, with the plain-TCP floor of the same link measured in the run.
+shaped to 1 and 10 Gbit and unshaped, with the plain-TCP floor of the same link measured in the run,
+and the DDP step of the ~25M-parameter LM (``python -m braid.bench ddp``, its ranks on the hosts).
 
 The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
 /dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
@@ -63,7 +64,7 @@ def parse_layouts(text: str) -> list[int]:
 
 def parse_links(text: str) -> list[int]:
     out = []
-    for part in text.split(","):
+    for part in filter(None, text.split(",")):
         if not part.strip().isdigit():
             raise argparse.ArgumentTypeError(f"links are Mbit/s integers (0: unshaped), got {part!r}")
         out.append(int(part))
@@ -246,6 +247,42 @@ def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[di
     return records
 
 
+DDP_MODES = "compute,gloo,braid,bf16,int8,int4,topk"
+
+
+def run_ddp(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
+    """The DDP benchmark (``python -m braid.bench ddp``, ~25M-parameter LM) with its ranks on the
+    simulated hosts, started as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    import tempfile
+
+    world = 2 * per_host
+    out = os.path.join(tempfile.mkdtemp(prefix="braid-multihost-ddp-"), "ddp.json")
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
+               "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(STORE_PORT + 2)}
+        argv = [sys.executable, "-m", "braid.bench", "ddp", "--modes", args.ddp_modes, "--steps", str(args.ddp_steps),
+                "--warmup", "3", "--shapes", args.ddp_shapes, "--timeout", str(args.timeout), "--json", out]
+        procs.append(hosts.popen(rank // per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True))
+    for rank, p in enumerate(procs):
+        try:
+            stdout, err = p.communicate(timeout=args.deadline)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"DDP rank {rank} did not finish within {args.deadline} s") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"DDP rank {rank} exited {p.returncode}:\n{err[-3000:]}")
+        if rank == 0:
+            print("\n".join("  " + line for line in stdout.splitlines()), flush=True)
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    for r in rows:
+        r.update(link_mbit=link, per_host=per_host, hosts=2)
+    return rows
+
+
 def link_name(link: int) -> str:
     return "unshaped" if link == 0 else (f"{link // 1000} Gbit" if link % 1000 == 0 else f"{link} Mbit")
 
@@ -280,6 +317,17 @@ def table(records: Sequence[dict], floor: dict) -> str:
     return "\n".join(lines)
 
 
+def ddp_table(rows: Sequence[dict]) -> str:
+    lines = [f"{'link':>9} {'shape':>7} {'mode':<8} {'step ms':>9} {'vs gloo':>8} {'loss':>9}"]
+    gloo = {(r["link_mbit"], r["batch"], r["seq"]): r["step_s"] for r in rows if r["mode"] == "gloo"}
+    for r in rows:
+        base = gloo.get((r["link_mbit"], r["batch"], r["seq"]))
+        vs = f"{r['step_s'] / base:.2f}x" if base else "-"
+        lines.append(f"{link_name(r['link_mbit']):>9} {str(r['batch']) + 'x' + str(r['seq']):>7} {r['mode']:<8} "
+                     f"{r['step_s'] * 1e3:>9.0f} {vs:>8} {r['loss']:>9.4f}")
+    return "DDP step of the ~25M-parameter LM (median of the slowest rank):\n" + "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench multihost") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", type=parse_links, default=[1000, 10000, 0],
@@ -294,6 +342,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     parser.add_argument("--quick", action="store_true", help="the short run of `make bench`")
     parser.add_argument("--timeout", type=float, default=120.0, help="braid's and gloo's deadline per wait (s)")
     parser.add_argument("--deadline", type=float, default=1800.0, help="deadline of one configuration (s)")
+    parser.add_argument("--ddp-links", type=parse_links, default=[1000],
+                        help="links on which the DDP step is measured too, 2 hosts x 1 rank (default 1000; "
+                             "empty for none)")
+    parser.add_argument("--ddp-modes", default=DDP_MODES, help=f"modes of the DDP step (default {DDP_MODES})")
+    parser.add_argument("--ddp-steps", type=int, default=5, help="timed DDP steps per mode (default 5)")
+    parser.add_argument("--ddp-shapes", default="1x32,4x128",
+                        help="batch x sequence per rank of the DDP step, one table each (default 1x32,4x128: "
+                             "what communication costs a step depends on the compute it can hide behind)")
     parser.add_argument("--json", help="write the records as JSON to this path")
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -306,7 +362,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     if args.iters < 2 or args.rounds < 1:
         parser.error("--iters must be >= 2 and --rounds >= 1")
     if args.quick:
-        args.sizes, args.links, args.layouts, args.iters = list(QUICK_SIZES), [1000, 0], [1, 2], 10
+        args.sizes, args.links, args.layouts, args.iters, args.ddp_steps = list(QUICK_SIZES), [1000, 0], [1, 2], 10, 3
     reason = unavailable_reason(rate=True)
     if reason is not None:
         print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
@@ -320,11 +376,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
                 total = 256 << 20 if link in (0, 10000) else 64 << 20
                 floor[link] = (tcp_floor(hosts, 1, total), tcp_floor(hosts, 4, total))
             records += run_config(hosts, per, link, args)
+    ddp_rows = []
+    for link in args.ddp_links:
+        print(f"DDP step, {link_name(link)} link, 2 hosts x 1 rank:", flush=True)
+        with SimulatedHosts(2, rate_mbit=link or None) as hosts:
+            ddp_rows += run_ddp(hosts, 1, link, args)
     print()
     print(table(records, floor))
+    if ddp_rows:
+        print()
+        print(ddp_table(ddp_rows))
     if args.json:
         write_json(args.json, {"benchmark": "multihost", "machine": machine_info(), "records": records,
-                               "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()}})
+                               "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()},
+                               "ddp": ddp_rows})
     wrong = sum((r["wrong"] or 0) for r in records)
     return 1 if wrong else 0
 
