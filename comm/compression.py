@@ -52,6 +52,12 @@ class WireStats:
         return WireStats(self.sent + other.sent, self.received + other.received, self.dense + other.dense)
 
 
+def _exact_on_hosts(comm: "Communicator") -> bool:
+    """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
+    only between hosts: ranks on several hosts, the same number on each, more than one."""
+    return comm.num_hosts > 1 and comm.local_world_size > 1 and comm._c.uniform_hosts
+
+
 def dense_wire_bytes(nbytes: int, world_size: int) -> int:
     """Bytes a rank sends in an uncompressed all-reduce of ``nbytes`` (reduce-scatter + all-gather)."""
     return 2 * (world_size - 1) * nbytes // world_size
@@ -302,6 +308,8 @@ class _BlockQuantizer(Compressor):
         return max(self.block, -(-per // self.block) * self.block)
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        if _exact_on_hosts(comm):
+            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
@@ -339,6 +347,40 @@ class _BlockQuantizer(Compressor):
 
         moved = 2 * (n - 1) * cb  # all-to-all, then all-gather, of one chunk per peer
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+
+    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
+        """Exact on each host, quantized between hosts: the host reduce-scatters the tensor (local
+        rank i keeps slice i), slice i is quantized once (its own error-feedback residual) and
+        all-reduced with the ranks of local index i on the other hosts, and the host all-gathers
+        the slices. One unit of work on the communicator (in issue order, async or not)."""
+        local, hosts, numel = comm.local_world_size, comm.num_hosts, flat.numel()
+        per = -(-numel // local)
+        chunk = self.chunk_elems(per, hosts)
+        cb = self.wire_bytes(chunk)
+
+        def make() -> list:
+            return [
+                torch.empty(hosts * cb, dtype=torch.uint8),
+                torch.empty(hosts * cb, dtype=torch.uint8),
+                torch.empty(chunk, dtype=torch.float32),
+                torch.empty(hosts * cb, dtype=torch.uint8),
+                torch.empty(per, dtype=flat.dtype),
+                torch.empty(per * local if per * local != numel else 0, dtype=flat.dtype),
+            ]
+
+        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == hosts * cb and b[2].numel() == chunk
+                                  and b[4].numel() == per and b[4].dtype == flat.dtype)
+        send, recv, acc, gathered, mine, padded = bufs
+        work = comm._c.host_quantized_all_reduce(
+            flat, self._residual_for(key, per), padded, mine, send, recv, acc, gathered, self.bits, self.block,
+            chunk, op_code == _AVG, self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
+
+        def finish() -> None:
+            self._scratch[key] = bufs
+
+        es = flat.element_size()
+        moved = 2 * (hosts - 1) * cb + 2 * (local - 1) * per * es  # between hosts + exact on the host
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
 
 
 class Int8Quantizer(_BlockQuantizer):

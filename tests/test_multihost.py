@@ -218,7 +218,91 @@ def test_torch_distributed_backend_across_hosts(name, fn):
     assert all(r is not False for r in results), results
 
 
-@pytest.mark.parametrize("name", ["2x1", "2x2"])
+def _expected_between_hosts(q, inputs, residuals, op, layout, call, dtype):
+    """The quantized all-reduce across uniform hosts in torch: host sums (rank order, rounded to
+    the dtype, zero padded to a multiple of the local ranks), slice i of every host quantized by
+    the rank of local index i (its own seed and residual) and all-reduced among those ranks as
+    the flat quantized all-reduce does, avg divided by all ranks. Returns (result, residuals)."""
+    from braid.comm import _C
+    from braid.comm.compression import _mix64
+    from helpers import compression_reference as ref
+    from test_compressed_collectives import _seed
+
+    hosts = hosts_of(layout)
+    n, local, nhosts, numel = len(layout), len(hosts[0]), len(hosts), inputs[0].numel()
+    per = -(-numel // local)
+    chunk = q.chunk_elems(per, nhosts)
+    cb = _C.quantized_bytes(chunk, q.bits, q.block)
+    padded = [torch.cat([x, torch.zeros(per * local - numel, dtype=dtype)]) for x in inputs]
+    host_sum = [reduce_reference([padded[r] for r in ranks], "sum", 1) for ranks in hosts]
+    out, new_res = torch.empty(per * local, dtype=dtype), list(residuals)
+    for i in range(local):
+        owners = [ranks[i] for ranks in hosts]
+        payloads = []
+        for h, r in enumerate(owners):
+            p, res = ref.quantize(host_sum[h][i * per:(i + 1) * per], residuals[r], q.bits, q.block, q.stochastic,
+                                  _seed(q, r, call), chunk, nhosts)
+            payloads.append(p)
+            new_res[r] = res
+        gathered = []
+        for j in range(nhosts):
+            acc = torch.zeros(chunk)
+            for h in range(nhosts):
+                acc = acc + ref.dequantize(payloads[h][j * cb:(j + 1) * cb], chunk, q.bits, q.block, torch.float32)
+            if op == "avg":
+                acc = acc / torch.full_like(acc, n)
+            p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, owners[j], call), 1),
+                                index_base=j * chunk)
+            gathered.append(p)
+        out[i * per:(i + 1) * per] = ref.dequantize(torch.cat(gathered), per, q.bits, q.block, dtype, chunk)
+    return out[:numel], new_res
+
+
+def quantized_between_hosts(rank, n, store_path, layout, seed):
+    """Across uniform hosts with several ranks each, int8 and int4 all-reduces are exact on each
+    host and quantized only between hosts: every call equals the torch reference bit for bit
+    (sizes that do not divide, both ops, float32 and bfloat16, error feedback carried over
+    calls), and the residuals are the slices'."""
+    from test_compressed_collectives import KEY
+
+    log = CaseLog()
+    with hosts_comm(rank, n, store_path, layout) as c:
+        for make in (lambda: comm.Int8Quantizer(block=64, seed=3), lambda: comm.Int4Quantizer(block=32, seed=5),
+                     lambda: comm.Int8Quantizer(block=64, stochastic=False, error_feedback=False)):
+            for dtype in (torch.float32, torch.bfloat16):
+                for numel in (1, 13, 1000, 4099):
+                    for op in ("avg", "sum"):
+                        q = make()
+                        local = layout.count(layout[rank])
+                        per = -(-numel // local)
+                        residuals = [torch.zeros(per) for _ in range(n)]
+                        what = f"{q!r} {dtype} numel {numel} {op}"
+                        for call in range(4):
+                            inputs = [make_input(seed + call, r, numel, dtype) for r in range(n)]
+                            t = inputs[rank].clone()
+                            work = c.all_reduce(t, op=op, compression=q, key=KEY, async_op=call % 2 == 1)
+                            if work is not None:
+                                work.wait()
+                            if call < q.warmup_steps:
+                                log.check(f"{what} call {call}", t, cross_host_reference(inputs, op, layout))
+                                continue
+                            base = residuals if q.error_feedback else [None] * n
+                            expected, new_res = _expected_between_hosts(q, inputs, base, op, layout, call, dtype)
+                            log.check(f"{what} call {call}", t, expected)
+                            if q.error_feedback:
+                                residuals = new_res
+                                log.check(f"{what} call {call} residual", q.residual(KEY), residuals[rank],
+                                          rank_specific=True)
+    return log.summary()
+
+
+@pytest.mark.parametrize("name", ["2x2", "2x3"])
+def test_quantized_all_reduce_is_exact_on_hosts_and_compressed_between(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(quantized_between_hosts, len(layout), layout, 31), min_cases=100)
+
+
+@pytest.mark.parametrize("name", ["2x1", "2+1+1"])
 def test_compressed_all_reduce_across_hosts_equals_one_host(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(compressed_across_hosts, len(layout), layout, 3), min_cases=12)

@@ -196,6 +196,89 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{g}));
 }
 
+// Across hosts: exact on the host, quantized between hosts, as one unit of work
+// (host_quantized_all_reduce in quantized_all_reduce.h).
+py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
+                                             py::handle mine, py::handle send, py::handle recv, py::handle accumulator,
+                                             py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
+                                             bool stochastic, uint64_t seed, uint64_t quantize_seed, bool async,
+                                             uint32_t tag) {
+  const QuantFormat fmt = checked_format(bits, block);
+  at::Tensor data = checked_contiguous(tensor, "tensor", kFloatTypes);
+  const size_t local = static_cast<size_t>(c.scope_size(Scope::kHost));
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
+  const size_t numel = static_cast<size_t>(data.numel());
+  const size_t slice = (numel + local - 1) / local;
+  if (chunk < 0 || chunk % block != 0 || static_cast<size_t>(chunk) * hosts < slice)
+    throw py::value_error("chunk must be a multiple of block (" + std::to_string(block) + ") covering the slice (" +
+                          std::to_string(slice) + " elements over " + std::to_string(hosts) + " hosts), got " +
+                          std::to_string(chunk));
+  const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), hosts) / hosts;
+  at::Tensor m = checked_contiguous(mine, "mine", kFloatTypes);
+  at::Tensor p = checked_contiguous(padded, "padded", kFloatTypes);
+  if (m.scalar_type() != data.scalar_type() || p.scalar_type() != data.scalar_type())
+    throw py::type_error("mine and padded must have the tensor's dtype");
+  if (static_cast<size_t>(m.numel()) != slice)
+    throw py::value_error("mine must hold " + std::to_string(slice) + " elements, got " + std::to_string(m.numel()));
+  if (slice * local != numel && static_cast<size_t>(p.numel()) != slice * local)
+    throw py::value_error("padded must hold " + std::to_string(slice * local) + " elements, got " +
+                          std::to_string(p.numel()));
+  float* res = nullptr;
+  at::Tensor r;
+  if (!residual.is_none()) {
+    r = checked_contiguous(residual, "residual", {at::kFloat});
+    if (static_cast<size_t>(r.numel()) != slice)
+      throw py::value_error("residual must hold the slice's " + std::to_string(slice) + " elements, got " +
+                            std::to_string(r.numel()));
+    res = r.data_ptr<float>();
+  }
+  at::Tensor s = checked_contiguous(send, "send", {at::kByte});
+  at::Tensor rv = checked_contiguous(recv, "recv", {at::kByte});
+  at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
+  at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&s, "send"}, {&rv, "recv"}, {&g, "gathered"}}) {
+    if (static_cast<size_t>(t->numel()) != hosts * cb)
+      throw py::value_error(std::string(name) + " must hold hosts * " + std::to_string(cb) + " bytes, got " +
+                            std::to_string(t->numel()));
+    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
+      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
+  }
+  if (acc.numel() != chunk)
+    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
+                          std::to_string(acc.numel()));
+  HostQuantizedAllReduceArgs a;
+  a.cross.fmt = fmt;
+  a.cross.chunk = static_cast<size_t>(chunk);
+  a.cross.average = average;
+  a.cross.divisor = c.world_size();
+  a.cross.stochastic = stochastic;
+  a.cross.seed = seed;
+  a.cross.tag = tag;
+  a.cross.scope = Scope::kCross;
+  a.cross.send = s.data_ptr<uint8_t>();
+  a.cross.recv = rv.data_ptr<uint8_t>();
+  a.cross.acc = acc.data_ptr<float>();
+  a.cross.gathered = g.data_ptr<uint8_t>();
+  a.dtype = to_dtype(data.scalar_type(), "tensor");
+  a.data = data.data_ptr();
+  a.numel = numel;
+  a.slice = slice;
+  a.padded = p.data_ptr();
+  a.mine = m.data_ptr();
+  a.residual = res;
+  a.send_out = s.data_ptr<uint8_t>();
+  a.quantize_seed = quantize_seed;
+  auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{data, p, m, s, rv, acc, g});
+  if (r.defined()) keep->push_back(r);
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = c.submit_task([&c, a] { host_quantized_all_reduce(c, a); }, async ? keep : nullptr, async);
+  }
+  if (!async) return py::none();
+  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{data}));
+}
+
 }  // namespace
 
 void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator) {
@@ -220,6 +303,12 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
                    py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
                    py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"),
                    py::arg("tag") = 0);
+  communicator.def("host_quantized_all_reduce", &host_quantized_all_reduce_tensors, py::arg("tensor"),
+                   py::arg("residual"), py::arg("padded"), py::arg("mine"), py::arg("send"), py::arg("recv"),
+                   py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
+                   py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("quantize_seed"),
+                   py::arg("async_op"), py::arg("tag") = 0);
+  communicator.def_property_readonly("uniform_hosts", [](const Communicator& c) { return c.topology().uniform(); });
 }
 
 }  // namespace braid

@@ -438,6 +438,8 @@ void Communicator::execute(Request& r) {
         p2p_blocking(r.root, true, const_cast<void*>(r.in), bytes, r.dtype);
       else
         p2p_blocking(r.root, false, r.out, bytes, r.dtype);
+    } else if (r.scope == Scope::kCross || (topo_.multi_host() && r.scope == Scope::kHost)) {
+      execute_scoped(r, d);
     } else if (topo_.multi_host()) {
       execute_cross_host(r, d);
     } else {

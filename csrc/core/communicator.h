@@ -23,6 +23,15 @@
 
 namespace braid {
 
+// Which ranks a collective spans. Across hosts a compressed all-reduce reduces exactly on each
+// host and compresses only what crosses hosts: it runs steps on the host's ranks and on the
+// ranks with its local index on the other hosts (its counterparts), in issue order with the rest.
+enum class Scope : uint8_t {
+  kAll = 0,    // every rank of the communicator
+  kHost = 1,   // the ranks of this rank's host (all of them when the communicator has one host)
+  kCross = 2,  // this rank and its counterparts, one per host (only itself on one host)
+};
+
 // One collective call, by raw pointers. `in` and `out` may be equal (in place).
 struct Request {
   CollKind kind = CollKind::kBarrier;
@@ -37,6 +46,7 @@ struct Request {
   // ranks like the rest of the descriptor (in the root field, which these kinds do not use); 0
   // for plain calls.
   uint32_t tag = 0;
+  Scope scope = Scope::kAll;
   const void* in = nullptr;
   void* out = nullptr;
   // Runs on the executing thread after the data moved (e.g. copies a staged result back).
@@ -60,6 +70,9 @@ class Communicator {
   bool on_progress_thread() const { return engine_ && engine_->on_progress_thread(); }
 
   const Topology& topology() const { return topo_; }
+  // Ranks a collective of `s` spans, and this rank's index among them.
+  int scope_size(Scope s) const;
+  int scope_rank(Scope s) const;
 
   // Bootstrap of the host's shared memory: publish segment_name(), attach everyone's (one entry
   // per communicator rank; those of other hosts are ignored), then unlink_own() once every rank
@@ -118,6 +131,8 @@ class Communicator {
   // Across hosts (cross_host.cc): the collective `r` (described to the other hosts by `d`) as
   // steps on this host's group and direct transfers between hosts.
   void execute_cross_host(Request& r, const CollectiveDesc& d);
+  // A collective of Scope kHost or kCross across hosts (cross_host.cc).
+  void execute_scoped(Request& r, const CollectiveDesc& d);
   void cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
   void cross_reduce_scatter(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
   void cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d);

@@ -15,8 +15,9 @@ namespace braid {
 void Communicator::host_step(CollKind kind, DType dt, ReduceOp op, size_t count, int root, const void* in, void* out) {
   if (!group_) {  // the host's only rank: each step is a copy at most
     const size_t bytes = count * dtype_size(dt);
-    if ((kind == CollKind::kAllReduce || kind == CollKind::kAllGather) && in != out && bytes > 0)
-      std::memmove(out, in, bytes);
+    const bool moves = kind == CollKind::kAllReduce || kind == CollKind::kAllGather ||
+                       kind == CollKind::kReduceScatter || kind == CollKind::kAllToAll;
+    if (moves && in != out && bytes > 0) std::memmove(out, in, bytes);
     return;
   }
   Request r;
@@ -226,6 +227,71 @@ void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, con
   host_step(CollKind::kAllToAll, DType::kUInt8, ReduceOp::kSum, chunk, 0, packed_in, packed_out);
   for (size_t i = 0; i < mine.size(); ++i)
     if (chunk > 0) std::memcpy(dst + static_cast<size_t>(mine[i]) * chunk, packed_out + i * chunk, chunk);
+}
+
+int Communicator::scope_size(Scope s) const {
+  if (s == Scope::kHost) return topo_.local_world();
+  if (s == Scope::kCross) return static_cast<int>(topo_.counterparts(topo_.local_rank()).size());
+  return world_;
+}
+
+int Communicator::scope_rank(Scope s) const {
+  if (s == Scope::kHost) return topo_.local_rank();
+  if (s == Scope::kCross) return topo_.host;  // counterparts are listed host by host
+  return rank_;
+}
+
+void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
+  const size_t es = dtype_size(r.dtype), bytes = r.count * es;
+  if (r.scope == Scope::kHost) {
+    host_step(r.kind, r.dtype, r.op, r.count, r.root, r.in, r.out);
+    return;
+  }
+  // kCross: this rank's counterparts (just itself on one host).
+  if (tcp_) tcp_->set_current(&d);
+  struct Clear {
+    TcpTransport* t;
+    ~Clear() {
+      if (t) t->set_current(nullptr);
+    }
+  } clear{tcp_.get()};
+  PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
+  const int n = g.size();
+  switch (r.kind) {
+    case CollKind::kAllReduce:
+      direct_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, n, tun_.cross_piece_bytes,
+                        bytes <= tun_.cross_oneshot_max_bytes);
+      break;
+    case CollKind::kReduceScatter:
+      direct_reduce_scatter(g, r.dtype, r.op, r.in, r.out, r.count, n, tun_.cross_piece_bytes);
+      break;
+    case CollKind::kAllGather:
+      direct_all_gather(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes));
+      break;
+    case CollKind::kBroadcast:
+      direct_broadcast(g, r.out, bytes, topo_.host_of[static_cast<size_t>(r.root)]);
+      break;
+    case CollKind::kBarrier:
+    case CollKind::kExchange:
+      direct_barrier(g);
+      break;
+    case CollKind::kAllToAll: {
+      std::vector<DirectBlock> sends, recvs;
+      const char* src = static_cast<const char*>(r.in);
+      char* dst = static_cast<char*>(r.out);
+      for (int m = 0; m < n; ++m) {
+        if (m == g.me) continue;
+        sends.push_back({m, const_cast<char*>(src) + static_cast<size_t>(m) * bytes, bytes});
+        recvs.push_back({m, dst + static_cast<size_t>(m) * bytes, bytes});
+      }
+      direct_exchange(g, sends, recvs);
+      if (bytes > 0) std::memcpy(dst + static_cast<size_t>(g.me) * bytes, src + static_cast<size_t>(g.me) * bytes, bytes);
+      break;
+    }
+    case CollKind::kSend:
+    case CollKind::kRecv:
+      break;  // point to point is never scoped
+  }
 }
 
 void Communicator::execute_cross_host(Request& r, const CollectiveDesc& d) {

@@ -4,11 +4,12 @@
 #include "quantized_all_reduce.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace braid {
 
 void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
-  const size_t n = static_cast<size_t>(c.world_size()), me = static_cast<size_t>(c.rank());
+  const size_t n = static_cast<size_t>(c.scope_size(a.scope)), me = static_cast<size_t>(c.scope_rank(a.scope));
   const size_t cb = a.fmt.bytes(a.chunk);
 
   Request scatter;
@@ -18,12 +19,14 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
   scatter.in = a.send;
   scatter.out = a.recv;
   scatter.tag = a.tag;
+  scatter.scope = a.scope;
   c.run_collective(scatter);
 
   std::fill(a.acc, a.acc + a.chunk, 0.0f);
   for (size_t r = 0; r < n; ++r) dequantize_accumulate(a.fmt, a.recv + r * cb, a.chunk, a.acc);
-  if (a.average && n > 1) {
-    const float d = static_cast<float>(n);
+  const size_t divisor = a.divisor > 0 ? static_cast<size_t>(a.divisor) : n;
+  if (a.average && divisor > 1) {
+    const float d = static_cast<float>(divisor);
     for (size_t i = 0; i < a.chunk; ++i) a.acc[i] /= d;
   }
   uint8_t* mine = a.gathered + me * cb;
@@ -36,7 +39,42 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
   gather.in = mine;
   gather.out = a.gathered;
   gather.tag = a.tag;
+  gather.scope = a.scope;
   c.run_collective(gather);
+}
+
+void host_quantized_all_reduce(Communicator& c, const HostQuantizedAllReduceArgs& a) {
+  const size_t local = static_cast<size_t>(c.scope_size(Scope::kHost));
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
+  const size_t es = dtype_size(a.dtype);
+  char* whole = static_cast<char*>(a.data);
+  if (a.slice * local != a.numel) {  // padded: the tail never meets another element
+    whole = static_cast<char*>(a.padded);
+    std::memcpy(whole, a.data, a.numel * es);
+    std::memset(whole + a.numel * es, 0, (a.slice * local - a.numel) * es);
+  }
+  Request scatter;
+  scatter.kind = CollKind::kReduceScatter;
+  scatter.dtype = a.dtype;
+  scatter.op = ReduceOp::kSum;
+  scatter.count = a.slice;
+  scatter.scope = Scope::kHost;
+  scatter.in = whole;
+  scatter.out = a.mine;
+  c.run_collective(scatter);
+  quantize(a.cross.fmt, a.dtype, a.mine, a.residual, a.slice, a.cross.chunk, hosts, a.cross.stochastic, a.quantize_seed,
+           0, a.send_out);
+  quantized_all_reduce(c, a.cross);
+  dequantize(a.cross.fmt, a.cross.gathered, a.slice, a.cross.chunk, a.dtype, a.mine);
+  Request gather;
+  gather.kind = CollKind::kAllGather;
+  gather.dtype = a.dtype;
+  gather.count = a.slice;
+  gather.scope = Scope::kHost;
+  gather.in = a.mine;
+  gather.out = whole;
+  c.run_collective(gather);
+  if (whole != a.data) std::memcpy(a.data, whole, a.numel * es);
 }
 
 }  // namespace braid

@@ -14,11 +14,13 @@ namespace braid {
 struct QuantizedAllReduceArgs {
   QuantFormat fmt;
   size_t chunk = 0;         // elements per rank's chunk (a multiple of fmt.block)
-  bool average = false;     // divide the sum by the world size before re-quantizing
+  bool average = false;     // divide the sum by `divisor` (0: the ranks of `scope`) before re-quantizing
+  int divisor = 0;
+  Scope scope = Scope::kAll;  // the ranks the chunks travel between
   bool stochastic = true;   // rounding of the re-quantization
   uint64_t seed = 0;        // its random stream (elements numbered from rank * chunk)
   uint32_t tag = 0;         // Request::tag of both collectives (ranks must agree on it)
-  const uint8_t* send = nullptr;  // world_size chunks of fmt.bytes(chunk), chunk j for rank j
+  const uint8_t* send = nullptr;  // one chunk of fmt.bytes(chunk) per rank of the scope, chunk j for rank j
   uint8_t* recv = nullptr;        // world_size chunks: scratch for what the peers sent
   float* acc = nullptr;           // `chunk` floats: scratch for the sum
   uint8_t* gathered = nullptr;    // world_size chunks out: the reduced, re-quantized chunk j of rank j
@@ -27,5 +29,23 @@ struct QuantizedAllReduceArgs {
 // Runs on the communicator's executing thread as one unit (Communicator::submit_task). Every
 // rank decodes the same gathered bytes, so results are bitwise identical everywhere.
 void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a);
+
+// Across hosts: exact on each host, quantized only between hosts (ZeRO++ qgZ's idea). The
+// tensor's host sum is reduce-scattered on the host (local rank i keeps slice i), each slice is
+// quantized once (error feedback on the slice) and all-reduced with its counterparts on the
+// other hosts as above, and the host all-gathers the dequantized slices back into the tensor.
+struct HostQuantizedAllReduceArgs {
+  QuantizedAllReduceArgs cross;  // scope kCross; chunk = the slice's chunks, one per host
+  DType dtype = DType::kFloat32;
+  void* data = nullptr;          // the tensor, in place
+  size_t numel = 0;
+  size_t slice = 0;              // elements per local rank: numel / local ranks, rounded up
+  void* padded = nullptr;        // local ranks * slice elements of dtype (when numel does not divide)
+  void* mine = nullptr;          // slice elements of dtype
+  float* residual = nullptr;     // slice floats, or null without error feedback
+  uint8_t* send_out = nullptr;   // cross.send, writable: the slice is quantized into it
+  uint64_t quantize_seed = 0;
+};
+void host_quantized_all_reduce(Communicator& c, const HostQuantizedAllReduceArgs& a);
 
 }  // namespace braid
