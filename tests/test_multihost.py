@@ -402,3 +402,13 @@ def link_cut(rank, n, store_path, layout):
     store.set(f"cut/ready{rank}", "1")
     store.wait(["cut/go"], timedelta(seconds=60))
     return outcome(c.all_reduce, torch.ones(100000))
+
+
+def tcp_endpoint(rank, n, store_path, layout):
+    """test_multihost_netns: the TCP endpoint this rank published (its listening address)."""
+    from helpers.ranks import open_store
+
+    with hosts_comm(rank, n, store_path, layout, tiny=False) as c:
+        prefix = c._prefix
+        c.barrier()
+    return open_store(store_path).get(f"{prefix}tcp/{rank}").decode()

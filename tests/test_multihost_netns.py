@@ -81,6 +81,22 @@ def test_collectives_between_namespaces(layout):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(unavailable_reason(ipv6=True) is not None, reason=f"no IPv6 hosts: {unavailable_reason(ipv6=True)}")
+def test_collectives_between_namespaces_over_ipv6():
+    """BRAID_SOCKET_IFNAME and BRAID_SOCKET_FAMILY=AF_INET6: the ranks listen on their interface's
+    IPv6 address and the same collectives are exact."""
+    layout = [0, 0, 1]
+    env = {"BRAID_SOCKET_IFNAME": "eth", "BRAID_SOCKET_FAMILY": "AF_INET6"}
+    with SimulatedHosts(2, ipv6=True) as hosts:
+        store = new_store_path()
+        assert_agree(results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 23,
+                                            env=env)), 50)
+        store = new_store_path()
+        endpoints = results_of(start_ranks(hosts, layout, "tcp_endpoint", store, layout, env=env))
+        assert all(e.startswith("[fd00:") for e in endpoints), endpoints
+
+
+@pytest.mark.timeout(300)
 def test_ddp_fsdp2_dtensor_between_namespaces():
     """torch.distributed on braid between namespaces (and gloo in the same processes, as the
     reference) trains DDP, FSDP2 and DTensor models to the same parameters."""
