@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import launch
+
 OPS = ("all_reduce",)
 DTYPES = ("float32", "bfloat16", "float16")
 # DeepSpeed's vector_kernel_level(): 1 = AVX2 (float32 kernels), 2 = AVX-512BW (half types too).
@@ -103,16 +105,8 @@ def shm_all_reduce(rank: int, world_size: int, local_world_size: int, dtype: str
         error = f"DeepSpeed's {dtype} all_reduce kernel needs {need}, which this CPU lacks"
     _agreed(error)
     names = {"LOCAL_SIZE": str(world_size), "MASTER_ADDR": "braid-bench", "MASTER_PORT": run_id}
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(names)
-    try:
+    with launch.scoped_environ(names):
         module.initialize(world_size, rank)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     dist.barrier()  # every rank has mapped every segment: the names can go
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"/dev/shm/{_SEGMENT_PREFIX}_{os.getuid()}_braid-bench_{run_id}_{rank}")

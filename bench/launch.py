@@ -7,6 +7,7 @@ seconds to report their side, then are stopped; past the deadline every rank is 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -29,6 +30,21 @@ EXIT_FINDINGS = 3  # the run finished, but a result was wrong or a peer failed
 FAILURE_GRACE_S = 5.0
 
 RankFn = Callable[..., int]
+
+
+@contextlib.contextmanager
+def scoped_environ(values: dict):
+    """Sets environment variables for the block and restores what was there before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launcher() -> str:

@@ -52,6 +52,12 @@ class WireStats:
         return WireStats(self.sent + other.sent, self.received + other.received, self.dense + other.dense)
 
 
+def _quantized_buffers(n: int, chunk_bytes: int, chunk: int) -> list:
+    """Scratch of a quantized all-reduce among n ranks: send, recv, accumulator, gathered."""
+    return [torch.empty(n * chunk_bytes, dtype=torch.uint8), torch.empty(n * chunk_bytes, dtype=torch.uint8),
+            torch.empty(chunk, dtype=torch.float32), torch.empty(n * chunk_bytes, dtype=torch.uint8)]
+
+
 def _exact_on_hosts(comm: "Communicator") -> bool:
     """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
     only between hosts: ranks on several hosts, the same number on each, more than one."""
@@ -314,15 +320,8 @@ class _BlockQuantizer(Compressor):
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
 
-        def make() -> list:
-            return [
-                torch.empty(n * cb, dtype=torch.uint8),
-                torch.empty(n * cb, dtype=torch.uint8),
-                torch.empty(chunk, dtype=torch.float32),
-                torch.empty(n * cb, dtype=torch.uint8),
-            ]
-
-        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
+        bufs = self._take_scratch(key, lambda: _quantized_buffers(n, cb, chunk),
+                                  lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
         send, recv, acc, gathered = bufs
         residual = self._residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
@@ -359,11 +358,8 @@ class _BlockQuantizer(Compressor):
         cb = self.wire_bytes(chunk)
 
         def make() -> list:
-            return [
-                torch.empty(hosts * cb, dtype=torch.uint8),
-                torch.empty(hosts * cb, dtype=torch.uint8),
-                torch.empty(chunk, dtype=torch.float32),
-                torch.empty(hosts * cb, dtype=torch.uint8),
+            # + this rank's slice, and the padded tensor when it does not divide
+            return _quantized_buffers(hosts, cb, chunk) + [
                 torch.empty(per, dtype=flat.dtype),
                 torch.empty(per * local if per * local != numel else 0, dtype=flat.dtype),
             ]

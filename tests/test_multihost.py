@@ -12,11 +12,11 @@ partial result, rounded to the dtype), then the hosts in host order, with avg's 
 by the number of all ranks.
 """
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
 from braid import comm
+from braid.bench.launch import scoped_environ as environment  # a pooled worker keeps its environment
 from helpers import DTYPES, CaseLog, assert_ranks_agree, make_input, ops_for, reduce_reference
 from helpers.ranks import make_comm, run_ranks
 
@@ -28,21 +28,6 @@ TINY_ENV = {"BRAID_SOCKET_CHUNK_BYTES": "4096", "BRAID_CROSS_PIECE_BYTES": "1024
 LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1], "2x3": [0, 0, 0, 1, 1, 1], "2x2-interleaved": [0, 1, 0, 1],
            "2+1+1": [0, 0, 1, 2]}
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
-
-
-@contextmanager
-def environment(values: dict):
-    """Sets environment variables for the block (a pooled worker keeps its environment)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def hosts_comm(rank, n, store_path, layout, tiny=True, **kwargs):
@@ -412,3 +397,28 @@ def tcp_endpoint(rank, n, store_path, layout):
         prefix = c._prefix
         c.barrier()
     return open_store(store_path).get(f"{prefix}tcp/{rank}").decode()
+
+
+def nothing_outlives_close(rank, n, store_path, layout):
+    """File descriptors (sockets, listener, eventfd) and threads (progress, accept) before a
+    communicator across hosts and after its close()."""
+    def fds():
+        return sorted(os.listdir("/proc/self/fd"))
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    before = (fds(), threads())
+    c = hosts_comm(rank, n, store_path, layout)
+    c.all_reduce(torch.ones(100000), async_op=True).wait()  # starts the progress thread
+    during = len(fds())
+    c.close()
+    after = (fds(), threads())
+    return {"before": before, "after": after, "more_during": during > len(before[0])}
+
+
+def test_no_socket_or_thread_outlives_close():
+    layout = LAYOUTS["2x2"]
+    for r, result in enumerate(run_ranks(nothing_outlives_close, len(layout), layout)):
+        assert result["more_during"], (r, result)
+        assert result["after"] == result["before"], (r, result)

@@ -151,6 +151,22 @@ void cast_tensor(py::handle input, py::handle residual, py::handle out) {
                      static_cast<size_t>(in.numel()));
 }
 
+// The byte buffers of a quantized all-reduce among `n` ranks (`who`: what n counts) hold one
+// chunk of `cb` bytes per rank, 4-byte aligned for the scales; the accumulator `chunk` floats.
+void check_chunk_buffers(std::initializer_list<std::pair<const at::Tensor*, const char*>> payloads,
+                         const at::Tensor& acc, const char* who, size_t n, size_t cb, int64_t chunk) {
+  for (auto [t, name] : payloads) {
+    if (static_cast<size_t>(t->numel()) != n * cb)
+      throw py::value_error(std::string(name) + " must hold " + who + " * " + std::to_string(cb) + " bytes, got " +
+                            std::to_string(t->numel()));
+    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
+      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
+  }
+  if (acc.numel() != chunk)
+    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
+                          std::to_string(acc.numel()));
+}
+
 // The middle of a quantized all-reduce as one unit of work (see quantized_all_reduce.h).
 py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::handle recv, py::handle accumulator,
                                         py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
@@ -165,16 +181,7 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   at::Tensor r = checked_contiguous(recv, "recv", {at::kByte});
   at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
   at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&s, "send"}, {&r, "recv"}, {&g, "gathered"}}) {
-    if (static_cast<size_t>(t->numel()) != n * cb)
-      throw py::value_error(std::string(name) + " must hold world_size * " + std::to_string(cb) + " bytes, got " +
-                            std::to_string(t->numel()));
-    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
-      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
-  }
-  if (acc.numel() != chunk)
-    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
-                          std::to_string(acc.numel()));
+  check_chunk_buffers({{&s, "send"}, {&r, "recv"}, {&g, "gathered"}}, acc, "world_size", n, cb, chunk);
   QuantizedAllReduceArgs a;
   a.fmt = fmt;
   a.chunk = static_cast<size_t>(chunk);
@@ -236,16 +243,7 @@ py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor,
   at::Tensor rv = checked_contiguous(recv, "recv", {at::kByte});
   at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
   at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&s, "send"}, {&rv, "recv"}, {&g, "gathered"}}) {
-    if (static_cast<size_t>(t->numel()) != hosts * cb)
-      throw py::value_error(std::string(name) + " must hold hosts * " + std::to_string(cb) + " bytes, got " +
-                            std::to_string(t->numel()));
-    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
-      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
-  }
-  if (acc.numel() != chunk)
-    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
-                          std::to_string(acc.numel()));
+  check_chunk_buffers({{&s, "send"}, {&rv, "recv"}, {&g, "gathered"}}, acc, "hosts", hosts, cb, chunk);
   HostQuantizedAllReduceArgs a;
   a.cross.fmt = fmt;
   a.cross.chunk = static_cast<size_t>(chunk);

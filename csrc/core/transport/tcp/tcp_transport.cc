@@ -57,6 +57,12 @@ struct TcpTransport::Stripe {
   bool finished = false;
   FrameHeader hdr{};       // send: the header being written; recv: the one being read
   std::string abort_text;  // recv: an abort frame's message
+  // The frame is done: on to this socket's next chunk (every `stride`-th of `nchunks`).
+  void next_chunk(size_t stride, size_t nchunks) {
+    pos = 0;
+    chunk += stride;
+    finished = chunk >= nchunks;
+  }
 };
 
 TcpTransport::TcpTransport(int rank, int world_size, const std::string& bind_ip, TcpConfig cfg)
@@ -236,6 +242,7 @@ void TcpTransport::start(Lane& lane, const P2POp& op) {
   const size_t nchunks = std::max<size_t>(1, (op.bytes + cfg_.chunk_bytes - 1) / cfg_.chunk_bytes);
   lane.active = true;
   lane.total = op.bytes;
+  lane.nchunks = nchunks;
   lane.moved = 0;
   lane.stripes.resize(k);
   for (size_t i = 0; i < k; ++i) {
@@ -259,7 +266,6 @@ void TcpTransport::fail_io(int peer, const P2POp& op, const std::string& what) {
 }
 
 bool TcpTransport::pump_send(Peer& p, int peer, Lane& lane, P2POp& op) {
-  const size_t nchunks = std::max<size_t>(1, (lane.total + cfg_.chunk_bytes - 1) / cfg_.chunk_bytes);
   bool all = true;
   for (Stripe& s : lane.stripes) {
     while (!s.finished) {
@@ -302,11 +308,7 @@ bool TcpTransport::pump_send(Peer& p, int peer, Lane& lane, P2POp& op) {
       const size_t after = s.pos > sizeof(FrameHeader) ? s.pos - sizeof(FrameHeader) : 0;
       lane.moved += after - before;
       bytes_sent_ += after - before;
-      if (s.pos == sizeof(FrameHeader) + len) {
-        s.pos = 0;
-        s.chunk += lane.stripes.size();
-        s.finished = s.chunk >= nchunks;
-      }
+      if (s.pos == sizeof(FrameHeader) + len) s.next_chunk(lane.stripes.size(), lane.nchunks);
     }
     all = all && s.finished;
   }
@@ -347,7 +349,6 @@ void TcpTransport::check_header(int peer, const P2POp& op, const Lane& lane, con
 }
 
 bool TcpTransport::pump_recv(Peer& p, int peer, Lane& lane, P2POp& op) {
-  const size_t nchunks = std::max<size_t>(1, (lane.total + cfg_.chunk_bytes - 1) / cfg_.chunk_bytes);
   bool all = true;
   for (Stripe& s : lane.stripes) {
     while (!s.finished) {
@@ -386,9 +387,7 @@ bool TcpTransport::pump_recv(Peer& p, int peer, Lane& lane, P2POp& op) {
       if (s.pos >= sizeof(FrameHeader) && s.pos == sizeof(FrameHeader) + s.hdr.length) {
         if (s.hdr.kind == static_cast<uint8_t>(FrameKind::kAbort))
           throw CommError(static_cast<ErrorKind>(s.hdr.error), s.abort_text + " [reported by " + peers_[peer].label + "]");
-        s.pos = 0;
-        s.chunk += lane.stripes.size();
-        s.finished = s.chunk >= nchunks;
+        s.next_chunk(lane.stripes.size(), lane.nchunks);
       }
     }
     all = all && s.finished;

@@ -71,6 +71,7 @@ class TcpTransport : public Transport {
     uint64_t msg = 0;       // messages finished on this lane
     bool active = false;    // a message is in flight
     size_t total = 0;
+    size_t nchunks = 1;     // the message's chunks (a zero-byte message still sends one)
     size_t moved = 0;       // payload bytes moved
     std::vector<Stripe> stripes;
   };
