@@ -34,7 +34,7 @@ _DIST_OPS = {
     dist.ReduceOp.BOR: 6,
     dist.ReduceOp.BXOR: 7,
 }
-_ALGOS = ("auto", "oneshot", "twoshot", "ring")
+_ALGOS = ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")
 # How often a bootstrap wait looks for a peer's published failure.
 _BOOTSTRAP_POLL_S = 0.1
 _instances = itertools.count()
@@ -400,7 +400,9 @@ class Communicator:
         return self._c.closed
 
     def all_reduce_algorithm(self, nbytes: int) -> str:
-        """Name of the algorithm all_reduce uses for a message of ``nbytes`` bytes."""
+        """Name of the algorithm all_reduce uses for a message of ``nbytes`` bytes: on one host
+        "oneshot", "twoshot" or "ring"; across hosts "oneshot" (one round trip between the host
+        leaders), "hierarchical" or "leaders"."""
         return self._c.all_reduce_algo(nbytes)
 
     # -- collectives -----------------------------------------------------------------------

@@ -84,6 +84,35 @@ def all_reduce_across_hosts(rank, n, store_path, layout, seed):
     return log.summary()
 
 
+def forced_algorithms(rank, n, store_path, layout, seed):
+    """BRAID_ALGO across hosts: each cross-host structure forced gives the same exact result at
+    every size (the order does not depend on the structure), and the choice is reported."""
+    log = CaseLog()
+    uniform = len({layout.count(h) for h in layout}) == 1 and layout.count(layout[0]) > 1
+    for algo in ("oneshot", "hierarchical", "leaders", "auto"):
+        with hosts_comm(rank, n, store_path, layout, algo=algo) as c:
+            want = {"oneshot": "oneshot", "leaders": "leaders",
+                    "hierarchical": "hierarchical" if uniform else "leaders"}.get(algo)
+            if want is not None:
+                log.expect(f"{algo} reported", c.all_reduce_algorithm(1 << 20) == want, c.all_reduce_algorithm(1 << 20))
+            for dtype in (torch.float32, torch.bfloat16, torch.int64):
+                for count in (0, 1, 5, 1021, 5003):
+                    inputs = [make_input(seed, r, count, dtype) for r in range(n)]
+                    for op in ("sum", "avg", "max"):
+                        t = inputs[rank].clone()
+                        c.all_reduce(t, op=op)
+                        log.check(f"{algo} {dtype} {count} {op}", t, cross_host_reference(inputs, op, layout))
+    return log.summary()
+
+
+def algo_disagreement(rank, n, store_path, layout):
+    from helpers import outcome
+
+    with hosts_comm(rank, n, store_path, layout, algo="leaders" if rank == n - 1 else "hierarchical",
+                    timeout=30.0) as c:
+        return outcome(c.all_reduce, torch.ones(10000))
+
+
 def data_movement_across_hosts(rank, n, store_path, layout, seed):
     """all_gather, broadcast from every root, all_to_all (equal and uneven), reduce_scatter,
     point-to-point, barrier: each against the exact result."""
@@ -186,6 +215,20 @@ def silent_host(rank, n, store_path, layout):
 def test_all_reduce_across_hosts(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(all_reduce_across_hosts, len(layout), layout, 11), min_cases=100)
+
+
+@pytest.mark.parametrize("name", ["2x2", "2+1+1"])
+def test_forced_algorithms_across_hosts(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(forced_algorithms, len(layout), layout, 13), min_cases=150)
+
+
+def test_ranks_forcing_different_algorithms_raise_a_mismatch():
+    """Ranks that disagree on BRAID_ALGO across hosts raise CollectiveMismatch (the algorithm is
+    part of the descriptor) rather than mixing structures."""
+    layout = LAYOUTS["2x2"]
+    for r, seen in enumerate(run_ranks(algo_disagreement, len(layout), layout)):
+        assert seen["type"] == "CollectiveMismatch", (r, seen)
 
 
 @pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1"])

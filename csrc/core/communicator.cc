@@ -96,12 +96,25 @@ void Communicator::unlink_own() {
   if (group_) group_->unlink_own();
 }
 
-Algo Communicator::all_reduce_algo(size_t bytes) const {
+Algo Communicator::host_all_reduce_algo(size_t bytes) const {
   const bool fits = bytes <= oneshot_max_;  // one-shot needs the message to fit its buffer
   switch (tun_.algo) {
-    case Algo::kAuto: return fits ? Algo::kOneShot : Algo::kTwoShot;
-    case Algo::kOneShot: return fits ? Algo::kOneShot : Algo::kTwoShot;
-    default: return tun_.algo;
+    case Algo::kTwoShot:
+    case Algo::kRing: return tun_.algo;
+    default: return fits ? Algo::kOneShot : Algo::kTwoShot;
+  }
+}
+
+Algo Communicator::all_reduce_algo(size_t bytes) const {
+  if (!topo_.multi_host()) return host_all_reduce_algo(bytes);
+  const bool can_slice = topo_.uniform() && topo_.local_world() > 1;
+  switch (tun_.algo) {
+    case Algo::kOneShot: return Algo::kOneShot;
+    case Algo::kLeaders: return Algo::kLeaders;
+    case Algo::kHierarchical: return can_slice ? Algo::kHierarchical : Algo::kLeaders;
+    default:
+      if (bytes <= tun_.cross_oneshot_max_bytes) return Algo::kOneShot;
+      return can_slice ? Algo::kHierarchical : Algo::kLeaders;
   }
 }
 
@@ -441,6 +454,7 @@ void Communicator::execute(Request& r) {
     } else if (r.scope == Scope::kCross || (topo_.multi_host() && r.scope == Scope::kHost)) {
       execute_scoped(r, d);
     } else if (topo_.multi_host()) {
+      if (r.kind == CollKind::kAllReduce) d.algo = static_cast<uint8_t>(all_reduce_algo(r.count * dtype_size(r.dtype)));
       execute_cross_host(r, d);
     } else {
       run_on_host(r, d);
@@ -457,7 +471,7 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
   const size_t n = static_cast<size_t>(group_->world_size());
   switch (r.kind) {
     case CollKind::kAllReduce: {
-      const Algo a = all_reduce_algo(r.count * es);
+      const Algo a = host_all_reduce_algo(r.count * es);
       d.algo = static_cast<uint32_t>(a);
       if (a == Algo::kOneShot)
         oneshot_all_reduce(*group_, d, r.in, r.out);

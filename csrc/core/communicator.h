@@ -108,7 +108,9 @@ class Communicator {
   std::shared_ptr<Work> submit_exchange(DType dtype, std::vector<Request> reqs, std::function<void()> epilogue,
                                         std::shared_ptr<void> keepalive, bool async);
 
-  // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark).
+  // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark): across
+  // hosts the cross-host structure (oneshot, hierarchical or leaders), on one host the
+  // shared-memory algorithm.
   Algo all_reduce_algo(size_t bytes) const;
   uint64_t seq() const { return seq_; }
 
@@ -124,6 +126,8 @@ class Communicator {
   bool closed() const { return closed_.load(); }
 
  private:
+  // The shared-memory all_reduce algorithm for a message on this host's group.
+  Algo host_all_reduce_algo(size_t bytes) const;
   void execute(Request& r);
   void execute_local(Request& r);
   // One collective on this host's shared-memory group, described by `d` (its algo is filled in).

@@ -62,8 +62,8 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   // Steps on a host sum without the division of avg, which happens once, at the end, by the
   // number of all ranks.
   const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  const bool small = bytes <= tun_.cross_oneshot_max_bytes;
-  if (!small && local > 1 && topo_.uniform() && count >= static_cast<size_t>(local)) {
+  const Algo algo = all_reduce_algo(bytes);
+  if (algo == Algo::kHierarchical) {
     // Hierarchical: reduce-scatter on the host, each local rank all-reduces its slice with its
     // counterparts on the other hosts (a host pair carries `local` streams at once), all-gather
     // on the host. A count that does not divide goes through a padded copy.
@@ -91,7 +91,7 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   host_step(CollKind::kAllReduce, dt, host_op, count, 0, in, out);
   if (me == 0) {
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-    direct_all_reduce(g, dt, op, out, out, count, world_, tun_.cross_piece_bytes, small);
+    direct_all_reduce(g, dt, op, out, out, count, world_, tun_.cross_piece_bytes, algo == Algo::kOneShot);
   }
   host_step(CollKind::kBroadcast, dt, host_op, count, 0, out, out);
 }

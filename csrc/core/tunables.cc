@@ -101,6 +101,8 @@ const char* algo_name(Algo a) {
     case Algo::kOneShot: return "oneshot";
     case Algo::kTwoShot: return "twoshot";
     case Algo::kRing: return "ring";
+    case Algo::kHierarchical: return "hierarchical";
+    case Algo::kLeaders: return "leaders";
   }
   return "unknown";
 }
@@ -110,7 +112,10 @@ Algo parse_algo(const std::string& s) {
   if (s == "oneshot") return Algo::kOneShot;
   if (s == "twoshot") return Algo::kTwoShot;
   if (s == "ring") return Algo::kRing;
-  throw std::invalid_argument("BRAID_ALGO must be one of auto, oneshot, twoshot, ring; got '" + s + "'");
+  if (s == "hierarchical") return Algo::kHierarchical;
+  if (s == "leaders") return Algo::kLeaders;
+  throw std::invalid_argument("BRAID_ALGO must be one of auto, oneshot, twoshot, ring, hierarchical, leaders; got '" +
+                              s + "'");
 }
 
 Tunables Tunables::from_env() {
