@@ -58,6 +58,14 @@ def _quantized_buffers(n: int, chunk_bytes: int, chunk: int) -> list:
             torch.empty(chunk, dtype=torch.float32), torch.empty(n * chunk_bytes, dtype=torch.uint8)]
 
 
+def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
+    """This rank's slice of ``flat`` across ``local`` host ranks, and the padded copy of ``flat``
+    (empty when its size divides) for an all-reduce exact on the host."""
+    per = -(-flat.numel() // local)
+    padded = torch.empty(per * local if per * local != flat.numel() else 0, dtype=flat.dtype)
+    return padded, torch.empty(per, dtype=flat.dtype)
+
+
 def _exact_on_hosts(comm: "Communicator") -> bool:
     """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
     only between hosts: ranks on several hosts, the same number on each, more than one."""
@@ -358,11 +366,8 @@ class _BlockQuantizer(Compressor):
         cb = self.wire_bytes(chunk)
 
         def make() -> list:
-            # + this rank's slice, and the padded tensor when it does not divide
-            return _quantized_buffers(hosts, cb, chunk) + [
-                torch.empty(per, dtype=flat.dtype),
-                torch.empty(per * local if per * local != numel else 0, dtype=flat.dtype),
-            ]
+            padded, mine = _slice_buffers(flat, local)
+            return _quantized_buffers(hosts, cb, chunk) + [mine, padded]
 
         bufs = self._take_scratch(key, make, lambda b: b[0].numel() == hosts * cb and b[2].numel() == chunk
                                   and b[4].numel() == per and b[4].dtype == flat.dtype)
@@ -450,6 +455,8 @@ class TopK(Compressor):
                              f"at most {_INT32_MAX} elements per call")
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        if _exact_on_hosts(comm):
+            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel, es = comm.world_size, flat.numel(), flat.element_size()
         residual = self._residual_for(key, numel)
         if residual is not None:
@@ -497,6 +504,24 @@ class TopK(Compressor):
         moved = (n - 1) * 8 * k
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
 
+    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
+        """Exact on each host, top-k between hosts: the host reduce-scatters the tensor, this
+        rank's slice (+ its residual) keeps its top k of the slice, all-gathered among the ranks
+        of the same local index on the other hosts and summed in host order, and the host
+        all-gathers the slices. One unit of work on the communicator."""
+        local, hosts, numel, es = comm.local_world_size, comm.num_hosts, flat.numel(), flat.element_size()
+        per = -(-numel // local)
+        k = self.k(per)
+        sparse = self.sparse(per, hosts, es)
+        padded, mine = _slice_buffers(flat, local)
+        work = comm._c.host_top_k_all_reduce(
+            flat, self._residual_for(key, per), padded, mine, torch.empty(k), torch.empty(k, dtype=torch.int32),
+            torch.empty(8 * k, dtype=torch.uint8), torch.empty(hosts * 8 * k, dtype=torch.uint8), torch.empty(per),
+            k, sparse, op_code == _AVG, async_op, self._call_tag(op_code, flat))
+        between = (hosts - 1) * 8 * k if sparse else dense_wire_bytes(per * 4, hosts)
+        moved = between + 2 * (local - 1) * per * es
+        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+
 
 class Cast(Compressor):
     """Sends the tensor as ``dtype`` (torch.bfloat16 or torch.float16, rounded to nearest even):
@@ -522,6 +547,8 @@ class Cast(Compressor):
         return {"dtype": self.dtype, **super()._config()}
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
+        if _exact_on_hosts(comm):
+            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel = comm.world_size, flat.numel()
         residual = self._residual_for(key, numel)
         bufs = self._take_scratch(
@@ -538,3 +565,16 @@ class Cast(Compressor):
 
         moved = dense_wire_bytes(numel * sent.element_size(), n)
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+
+    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
+        """Exact on each host, cast between hosts: the host reduce-scatters the tensor, this
+        rank's slice (+ its residual) is rounded once to ``dtype`` and all-reduced among the ranks
+        of the same local index on the other hosts, and the host all-gathers the slices."""
+        local, hosts, numel, es = comm.local_world_size, comm.num_hosts, flat.numel(), flat.element_size()
+        per = -(-numel // local)
+        padded, mine = _slice_buffers(flat, local)
+        sent = torch.empty(per, dtype=self.dtype)
+        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), padded, mine, sent, torch.empty(per),
+                                            op_code == _AVG, async_op)
+        moved = dense_wire_bytes(per * sent.element_size(), hosts) + 2 * (local - 1) * per * es
+        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))

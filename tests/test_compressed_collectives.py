@@ -202,11 +202,13 @@ def _expected_quantized(q, inputs, residuals, op, n, call, dtype):
     return ref.dequantize(torch.cat(gathered), numel, q.bits, q.block, dtype, chunk), new_res
 
 
-def _expected_top_k(q, inputs, residuals, op, n, dtype):
+def _expected_top_k(q, inputs, residuals, op, n, dtype, divisor=None):
+    """``divisor``: what avg divides by when it is not the n ranks summed (across hosts)."""
     numel = inputs[0].numel()
+    divisor = divisor or n
     xs = [inputs[r].float() + residuals[r] for r in range(n)]
     if not q.sparse(numel, n, inputs[0].element_size()):
-        return reduce_reference(xs, op, n).to(dtype), [torch.zeros(numel) for _ in range(n)]
+        return reduce_reference(xs, op, divisor).to(dtype), [torch.zeros(numel) for _ in range(n)]
     k = q.k(numel)
     acc = torch.zeros(numel)
     new_res = []
@@ -218,14 +220,14 @@ def _expected_top_k(q, inputs, residuals, op, n, dtype):
         res[idx] = 0
         new_res.append(res)
     if op == "avg":
-        acc.div_(n)
+        acc.div_(divisor)
     return acc.to(dtype), new_res
 
 
-def _expected_cast(q, inputs, residuals, op, n, dtype):
+def _expected_cast(q, inputs, residuals, op, n, dtype, divisor=None):
     xs = [inputs[r].float() + residuals[r] for r in range(n)]
     sent = [x.to(q.dtype) for x in xs]
-    return reduce_reference(sent, op, n).to(dtype), [x - s.float() for x, s in zip(xs, sent)]
+    return reduce_reference(sent, op, divisor or n).to(dtype), [x - s.float() for x, s in zip(xs, sent)]
 
 
 def _expected_wire(q, numel, n, elem_size):

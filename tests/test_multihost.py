@@ -247,64 +247,83 @@ def test_torch_distributed_backend_across_hosts(name, fn):
 
 
 def _expected_between_hosts(q, inputs, residuals, op, layout, call, dtype):
-    """The quantized all-reduce across uniform hosts in torch: host sums (rank order, rounded to
-    the dtype, zero padded to a multiple of the local ranks), slice i of every host quantized by
-    the rank of local index i (its own seed and residual) and all-reduced among those ranks as
-    the flat quantized all-reduce does, avg divided by all ranks. Returns (result, residuals)."""
+    """A compressed all-reduce across uniform hosts in torch: host sums (rank order, rounded to
+    the dtype, zero padded to a multiple of the local ranks), slice i of every host compressed by
+    the rank of local index i (its own seed and residual) and all-reduced among those ranks as the
+    flat compressed all-reduce does, avg divided by all ranks. Returns (result, residuals)."""
     from braid.comm import _C
     from braid.comm.compression import _mix64
     from helpers import compression_reference as ref
-    from test_compressed_collectives import _seed
+    from test_compressed_collectives import _expected_cast, _expected_top_k, _seed
 
     hosts = hosts_of(layout)
     n, local, nhosts, numel = len(layout), len(hosts[0]), len(hosts), inputs[0].numel()
     per = -(-numel // local)
-    chunk = q.chunk_elems(per, nhosts)
-    cb = _C.quantized_bytes(chunk, q.bits, q.block)
     padded = [torch.cat([x, torch.zeros(per * local - numel, dtype=dtype)]) for x in inputs]
     host_sum = [reduce_reference([padded[r] for r in ranks], "sum", 1) for ranks in hosts]
     out, new_res = torch.empty(per * local, dtype=dtype), list(residuals)
     for i in range(local):
         owners = [ranks[i] for ranks in hosts]
-        payloads = []
+        slices = [host_sum[h][i * per:(i + 1) * per] for h in range(nhosts)]
+        owned = [residuals[r] if residuals[r] is not None else torch.zeros(per) for r in owners]
+        if isinstance(q, comm.TopK):
+            out[i * per:(i + 1) * per], res = _expected_top_k(q, slices, owned, op, nhosts, dtype, divisor=n)
+        elif isinstance(q, comm.Cast):
+            out[i * per:(i + 1) * per], res = _expected_cast(q, slices, owned, op, nhosts, dtype, divisor=n)
+        else:
+            chunk = q.chunk_elems(per, nhosts)
+            cb = _C.quantized_bytes(chunk, q.bits, q.block)
+            payloads, res = [], []
+            for h, r in enumerate(owners):
+                p, rr = ref.quantize(slices[h], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk,
+                                     nhosts)
+                payloads.append(p)
+                res.append(rr)
+            gathered = []
+            for j in range(nhosts):
+                acc = torch.zeros(chunk)
+                for h in range(nhosts):
+                    acc = acc + ref.dequantize(payloads[h][j * cb:(j + 1) * cb], chunk, q.bits, q.block, torch.float32)
+                if op == "avg":
+                    acc = acc / torch.full_like(acc, n)
+                p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, owners[j], call), 1),
+                                    index_base=j * chunk)
+                gathered.append(p)
+            out[i * per:(i + 1) * per] = ref.dequantize(torch.cat(gathered), per, q.bits, q.block, dtype, chunk)
         for h, r in enumerate(owners):
-            p, res = ref.quantize(host_sum[h][i * per:(i + 1) * per], residuals[r], q.bits, q.block, q.stochastic,
-                                  _seed(q, r, call), chunk, nhosts)
-            payloads.append(p)
-            new_res[r] = res
-        gathered = []
-        for j in range(nhosts):
-            acc = torch.zeros(chunk)
-            for h in range(nhosts):
-                acc = acc + ref.dequantize(payloads[h][j * cb:(j + 1) * cb], chunk, q.bits, q.block, torch.float32)
-            if op == "avg":
-                acc = acc / torch.full_like(acc, n)
-            p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, owners[j], call), 1),
-                                index_base=j * chunk)
-            gathered.append(p)
-        out[i * per:(i + 1) * per] = ref.dequantize(torch.cat(gathered), per, q.bits, q.block, dtype, chunk)
+            new_res[r] = res[h]
     return out[:numel], new_res
 
 
-def quantized_between_hosts(rank, n, store_path, layout, seed):
-    """Across uniform hosts with several ranks each, int8 and int4 all-reduces are exact on each
-    host and quantized only between hosts: every call equals the torch reference bit for bit
+COMPRESSED_BETWEEN_HOSTS = {
+    "int8": lambda: comm.Int8Quantizer(block=64, seed=3),
+    "int4": lambda: comm.Int4Quantizer(block=32, seed=5),
+    "int8-nearest-no-ef": lambda: comm.Int8Quantizer(block=64, stochastic=False, error_feedback=False),
+    "topk": lambda: comm.TopK(0.05),
+    "topk-dense": lambda: comm.TopK(0.5),
+    "cast-bf16": lambda: comm.Cast(torch.bfloat16),
+    "cast-f16-no-ef": lambda: comm.Cast(torch.float16, error_feedback=False),
+}
+
+
+def compressed_between_hosts(rank, n, store_path, layout, seed, names):
+    """Across uniform hosts with several ranks each, compressed all-reduces are exact on each
+    host and compressed only between hosts: every call equals the torch reference bit for bit
     (sizes that do not divide, both ops, float32 and bfloat16, error feedback carried over
-    calls), and the residuals are the slices'."""
+    calls, async calls), and the residuals are the slices'."""
     from test_compressed_collectives import KEY
 
     log = CaseLog()
     with hosts_comm(rank, n, store_path, layout) as c:
-        for make in (lambda: comm.Int8Quantizer(block=64, seed=3), lambda: comm.Int4Quantizer(block=32, seed=5),
-                     lambda: comm.Int8Quantizer(block=64, stochastic=False, error_feedback=False)):
+        for name in names:
             for dtype in (torch.float32, torch.bfloat16):
                 for numel in (1, 13, 1000, 4099):
                     for op in ("avg", "sum"):
-                        q = make()
+                        q = COMPRESSED_BETWEEN_HOSTS[name]()
                         local = layout.count(layout[rank])
                         per = -(-numel // local)
                         residuals = [torch.zeros(per) for _ in range(n)]
-                        what = f"{q!r} {dtype} numel {numel} {op}"
+                        what = f"{name} {dtype} numel {numel} {op}"
                         for call in range(4):
                             inputs = [make_input(seed + call, r, numel, dtype) for r in range(n)]
                             t = inputs[rank].clone()
@@ -324,10 +343,12 @@ def quantized_between_hosts(rank, n, store_path, layout, seed):
     return log.summary()
 
 
+@pytest.mark.parametrize("names", [("int8", "int4", "int8-nearest-no-ef"), ("topk", "topk-dense"),
+                                   ("cast-bf16", "cast-f16-no-ef")], ids=["quantized", "topk", "cast"])
 @pytest.mark.parametrize("name", ["2x2", "2x3"])
-def test_quantized_all_reduce_is_exact_on_hosts_and_compressed_between(name):
+def test_compression_is_exact_on_hosts_and_compressed_between(name, names):
     layout = LAYOUTS[name]
-    assert_ranks_agree(run_ranks(quantized_between_hosts, len(layout), layout, 31), min_cases=100)
+    assert_ranks_agree(run_ranks(compressed_between_hosts, len(layout), layout, 31, names), min_cases=60)
 
 
 @pytest.mark.parametrize("name", ["2x1", "2+1+1"])

@@ -6,6 +6,7 @@
 
 #include "../core/compression/error_feedback.h"
 #include "../core/compression/quantize.h"
+#include "../core/compression/between_hosts.h"
 #include "../core/compression/quantized_all_reduce.h"
 #include "../core/compression/top_k.h"
 #include "binding_util.h"
@@ -203,24 +204,19 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{g}));
 }
 
-// Across hosts: exact on the host, quantized between hosts, as one unit of work
-// (host_quantized_all_reduce in quantized_all_reduce.h).
-py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
-                                             py::handle mine, py::handle send, py::handle recv, py::handle accumulator,
-                                             py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
-                                             bool stochastic, uint64_t seed, uint64_t quantize_seed, bool async,
-                                             uint32_t tag) {
-  const QuantFormat fmt = checked_format(bits, block);
+// The tensor of an all-reduce that is exact on the host and compressed between hosts, with its
+// slice and padded staging (host_compressed_all_reduce): checked here, once.
+struct CheckedSlice {
+  HostSlice s;
+  std::vector<at::Tensor> keep;  // what an async call holds until it is done
+};
+
+CheckedSlice checked_slice(Communicator& c, py::handle tensor, py::handle padded, py::handle mine) {
+  CheckedSlice out;
   at::Tensor data = checked_contiguous(tensor, "tensor", kFloatTypes);
   const size_t local = static_cast<size_t>(c.scope_size(Scope::kHost));
-  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
   const size_t numel = static_cast<size_t>(data.numel());
   const size_t slice = (numel + local - 1) / local;
-  if (chunk < 0 || chunk % block != 0 || static_cast<size_t>(chunk) * hosts < slice)
-    throw py::value_error("chunk must be a multiple of block (" + std::to_string(block) + ") covering the slice (" +
-                          std::to_string(slice) + " elements over " + std::to_string(hosts) + " hosts), got " +
-                          std::to_string(chunk));
-  const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), hosts) / hosts;
   at::Tensor m = checked_contiguous(mine, "mine", kFloatTypes);
   at::Tensor p = checked_contiguous(padded, "padded", kFloatTypes);
   if (m.scalar_type() != data.scalar_type() || p.scalar_type() != data.scalar_type())
@@ -230,21 +226,62 @@ py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor,
   if (slice * local != numel && static_cast<size_t>(p.numel()) != slice * local)
     throw py::value_error("padded must hold " + std::to_string(slice * local) + " elements, got " +
                           std::to_string(p.numel()));
-  float* res = nullptr;
-  at::Tensor r;
-  if (!residual.is_none()) {
-    r = checked_contiguous(residual, "residual", {at::kFloat});
-    if (static_cast<size_t>(r.numel()) != slice)
-      throw py::value_error("residual must hold the slice's " + std::to_string(slice) + " elements, got " +
-                            std::to_string(r.numel()));
-    res = r.data_ptr<float>();
+  out.s.dtype = to_dtype(data.scalar_type(), "tensor");
+  out.s.data = data.data_ptr();
+  out.s.numel = numel;
+  out.s.slice = slice;
+  out.s.padded = p.data_ptr();
+  out.s.mine = m.data_ptr();
+  out.keep = {data, p, m};
+  return out;
+}
+
+float* checked_slice_floats(py::handle t, const char* name, size_t n, std::vector<at::Tensor>& keep, bool optional) {
+  if (optional && t.is_none()) return nullptr;
+  at::Tensor r = checked_contiguous(t, name, {at::kFloat});
+  if (static_cast<size_t>(r.numel()) != n)
+    throw py::value_error(std::string(name) + " must hold " + std::to_string(n) + " floats, got " +
+                          std::to_string(r.numel()));
+  keep.push_back(r);
+  return r.data_ptr<float>();
+}
+
+// Runs `between_hosts` inside host_compressed_all_reduce as one unit of work on the communicator.
+py::object submit_host_compressed(Communicator& c, CheckedSlice& cs, std::function<void(const HostSlice&)> between_hosts,
+                                  bool async) {
+  auto keep = std::make_shared<std::vector<at::Tensor>>(cs.keep);
+  const HostSlice s = cs.s;
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = c.submit_task([&c, s, between_hosts] { host_compressed_all_reduce(c, s, [&] { between_hosts(s); }); },
+                      async ? keep : nullptr, async);
   }
+  if (!async) return py::none();
+  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{cs.keep[0]}));
+}
+
+py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
+                                             py::handle mine, py::handle send, py::handle recv, py::handle accumulator,
+                                             py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
+                                             bool stochastic, uint64_t seed, uint64_t quantize_seed, bool async,
+                                             uint32_t tag) {
+  const QuantFormat fmt = checked_format(bits, block);
+  CheckedSlice cs = checked_slice(c, tensor, padded, mine);
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
+  if (chunk < 0 || chunk % block != 0 || static_cast<size_t>(chunk) * hosts < cs.s.slice)
+    throw py::value_error("chunk must be a multiple of block (" + std::to_string(block) + ") covering the slice (" +
+                          std::to_string(cs.s.slice) + " elements over " + std::to_string(hosts) + " hosts), got " +
+                          std::to_string(chunk));
+  const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), hosts) / hosts;
+  SliceQuantizeArgs a;
+  a.residual = checked_slice_floats(residual, "residual", cs.s.slice, cs.keep, true);
   at::Tensor s = checked_contiguous(send, "send", {at::kByte});
   at::Tensor rv = checked_contiguous(recv, "recv", {at::kByte});
   at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
   at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
   check_chunk_buffers({{&s, "send"}, {&rv, "recv"}, {&g, "gathered"}}, acc, "hosts", hosts, cb, chunk);
-  HostQuantizedAllReduceArgs a;
+  cs.keep.insert(cs.keep.end(), {s, rv, g, acc});
   a.cross.fmt = fmt;
   a.cross.chunk = static_cast<size_t>(chunk);
   a.cross.average = average;
@@ -257,24 +294,60 @@ py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor,
   a.cross.recv = rv.data_ptr<uint8_t>();
   a.cross.acc = acc.data_ptr<float>();
   a.cross.gathered = g.data_ptr<uint8_t>();
-  a.dtype = to_dtype(data.scalar_type(), "tensor");
-  a.data = data.data_ptr();
-  a.numel = numel;
-  a.slice = slice;
-  a.padded = p.data_ptr();
-  a.mine = m.data_ptr();
-  a.residual = res;
   a.send_out = s.data_ptr<uint8_t>();
   a.quantize_seed = quantize_seed;
-  auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{data, p, m, s, rv, acc, g});
-  if (r.defined()) keep->push_back(r);
-  std::shared_ptr<Work> w;
-  {
-    py::gil_scoped_release nogil;
-    w = c.submit_task([&c, a] { host_quantized_all_reduce(c, a); }, async ? keep : nullptr, async);
-  }
-  if (!async) return py::none();
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{data}));
+  return submit_host_compressed(c, cs, [&c, a](const HostSlice& hs) { quantized_between_hosts(c, hs, a); }, async);
+}
+
+py::object host_top_k_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
+                                         py::handle mine, py::handle values, py::handle indices, py::handle send,
+                                         py::handle gathered, py::handle accumulator, int64_t k, bool sparse,
+                                         bool average, bool async, uint32_t tag) {
+  CheckedSlice cs = checked_slice(c, tensor, padded, mine);
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross)), per = cs.s.slice;
+  if (k < 1 || static_cast<size_t>(k) > per)
+    throw py::value_error("k must be in [1, " + std::to_string(per) + "] (the slice), got " + std::to_string(k));
+  if (per > static_cast<size_t>(INT32_MAX)) throw py::value_error("the slice has more elements than int32 indices address");
+  SliceTopKArgs a;
+  a.k = static_cast<size_t>(k);
+  a.sparse = sparse;
+  a.average = average;
+  a.divisor = c.world_size();
+  a.tag = tag;
+  a.residual = checked_slice_floats(residual, "residual", per, cs.keep, true);
+  a.values = checked_slice_floats(values, "values", a.k, cs.keep, false);
+  a.acc = checked_slice_floats(accumulator, "accumulator", per, cs.keep, false);
+  at::Tensor idx = checked_contiguous(indices, "indices", {at::kInt});
+  at::Tensor s = checked_contiguous(send, "send", {at::kByte});
+  at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
+  if (static_cast<size_t>(idx.numel()) != a.k || static_cast<size_t>(s.numel()) != 8 * a.k ||
+      static_cast<size_t>(g.numel()) != hosts * 8 * a.k)
+    throw py::value_error("indices, send and gathered must hold k ints, 8 k bytes and hosts * 8 k bytes");
+  cs.keep.insert(cs.keep.end(), {idx, s, g});
+  a.indices = idx.data_ptr<int32_t>();
+  a.send = s.data_ptr<uint8_t>();
+  a.gathered = g.data_ptr<uint8_t>();
+  return submit_host_compressed(c, cs, [&c, a](const HostSlice& hs) { top_k_between_hosts(c, hs, a); }, async);
+}
+
+py::object host_cast_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
+                                        py::handle mine, py::handle sent, py::handle accumulator, bool average,
+                                        bool async) {
+  CheckedSlice cs = checked_slice(c, tensor, padded, mine);
+  const size_t per = cs.s.slice;
+  SliceCastArgs a;
+  a.average = average;
+  a.divisor = c.world_size();
+  a.residual = checked_slice_floats(residual, "residual", per, cs.keep, true);
+  a.acc = checked_slice_floats(accumulator, "accumulator", per, cs.keep, false);
+  at::Tensor out = checked_contiguous(sent, "sent", {at::kBFloat16, at::kHalf});
+  if (static_cast<size_t>(out.numel()) != per)
+    throw py::value_error("sent must hold the slice's " + std::to_string(per) + " elements, got " +
+                          std::to_string(out.numel()));
+  cs.keep.push_back(out);
+  a.wire = to_dtype(out.scalar_type(), "sent");
+  a.sent = out.data_ptr();
+  return submit_host_compressed(c, cs, [&c, a](const HostSlice& hs) { cast_between_hosts(c, hs, a); }, async);
 }
 
 }  // namespace
@@ -306,6 +379,13 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
                    py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
                    py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("quantize_seed"),
                    py::arg("async_op"), py::arg("tag") = 0);
+  communicator.def("host_top_k_all_reduce", &host_top_k_all_reduce_tensors, py::arg("tensor"), py::arg("residual"),
+                   py::arg("padded"), py::arg("mine"), py::arg("values"), py::arg("indices"), py::arg("send"),
+                   py::arg("gathered"), py::arg("accumulator"), py::arg("k"), py::arg("sparse"), py::arg("average"),
+                   py::arg("async_op"), py::arg("tag") = 0);
+  communicator.def("host_cast_all_reduce", &host_cast_all_reduce_tensors, py::arg("tensor"), py::arg("residual"),
+                   py::arg("padded"), py::arg("mine"), py::arg("sent"), py::arg("accumulator"), py::arg("average"),
+                   py::arg("async_op"));
   communicator.def_property_readonly("uniform_hosts", [](const Communicator& c) { return c.topology().uniform(); });
 }
 

@@ -47,6 +47,9 @@ struct Request {
   // for plain calls.
   uint32_t tag = 0;
   Scope scope = Scope::kAll;
+  // avg divides by this many ranks instead of the scope's (a step of an all-reduce over all
+  // ranks that runs between hosts only); 0: the scope's. Scope kCross only.
+  int divisor = 0;
   const void* in = nullptr;
   void* out = nullptr;
   // Runs on the executing thread after the data moved (e.g. copies a staged result back).

@@ -259,11 +259,12 @@ void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
   const int n = g.size();
   switch (r.kind) {
     case CollKind::kAllReduce:
-      direct_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, n, tun_.cross_piece_bytes,
+      direct_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, r.divisor > 0 ? r.divisor : n, tun_.cross_piece_bytes,
                         bytes <= tun_.cross_oneshot_max_bytes);
       break;
     case CollKind::kReduceScatter:
-      direct_reduce_scatter(g, r.dtype, r.op, r.in, r.out, r.count, n, tun_.cross_piece_bytes);
+      direct_reduce_scatter(g, r.dtype, r.op, r.in, r.out, r.count, r.divisor > 0 ? r.divisor : n,
+                            tun_.cross_piece_bytes);
       break;
     case CollKind::kAllGather:
       direct_all_gather(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes));

@@ -43,38 +43,42 @@ void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
   c.run_collective(gather);
 }
 
-void host_quantized_all_reduce(Communicator& c, const HostQuantizedAllReduceArgs& a) {
+void host_compressed_all_reduce(Communicator& c, const HostSlice& s, const std::function<void()>& between_hosts) {
   const size_t local = static_cast<size_t>(c.scope_size(Scope::kHost));
-  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
-  const size_t es = dtype_size(a.dtype);
-  char* whole = static_cast<char*>(a.data);
-  if (a.slice * local != a.numel) {  // padded: the tail never meets another element
-    whole = static_cast<char*>(a.padded);
-    std::memcpy(whole, a.data, a.numel * es);
-    std::memset(whole + a.numel * es, 0, (a.slice * local - a.numel) * es);
+  const size_t es = dtype_size(s.dtype);
+  char* whole = static_cast<char*>(s.data);
+  if (s.slice * local != s.numel) {  // padded: the tail never meets another element
+    whole = static_cast<char*>(s.padded);
+    std::memcpy(whole, s.data, s.numel * es);
+    std::memset(whole + s.numel * es, 0, (s.slice * local - s.numel) * es);
   }
   Request scatter;
   scatter.kind = CollKind::kReduceScatter;
-  scatter.dtype = a.dtype;
+  scatter.dtype = s.dtype;
   scatter.op = ReduceOp::kSum;
-  scatter.count = a.slice;
+  scatter.count = s.slice;
   scatter.scope = Scope::kHost;
   scatter.in = whole;
-  scatter.out = a.mine;
+  scatter.out = s.mine;
   c.run_collective(scatter);
-  quantize(a.cross.fmt, a.dtype, a.mine, a.residual, a.slice, a.cross.chunk, hosts, a.cross.stochastic, a.quantize_seed,
-           0, a.send_out);
-  quantized_all_reduce(c, a.cross);
-  dequantize(a.cross.fmt, a.cross.gathered, a.slice, a.cross.chunk, a.dtype, a.mine);
+  between_hosts();
   Request gather;
   gather.kind = CollKind::kAllGather;
-  gather.dtype = a.dtype;
-  gather.count = a.slice;
+  gather.dtype = s.dtype;
+  gather.count = s.slice;
   gather.scope = Scope::kHost;
-  gather.in = a.mine;
+  gather.in = s.mine;
   gather.out = whole;
   c.run_collective(gather);
-  if (whole != a.data) std::memcpy(a.data, whole, a.numel * es);
+  if (whole != s.data) std::memcpy(s.data, whole, s.numel * es);
+}
+
+void quantized_between_hosts(Communicator& c, const HostSlice& s, const SliceQuantizeArgs& a) {
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
+  quantize(a.cross.fmt, s.dtype, s.mine, a.residual, s.slice, a.cross.chunk, hosts, a.cross.stochastic, a.quantize_seed,
+           0, a.send_out);
+  quantized_all_reduce(c, a.cross);
+  dequantize(a.cross.fmt, a.cross.gathered, s.slice, a.cross.chunk, s.dtype, s.mine);
 }
 
 }  // namespace braid

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "../communicator.h"
 #include "quantize.h"
@@ -30,22 +31,29 @@ struct QuantizedAllReduceArgs {
 // rank decodes the same gathered bytes, so results are bitwise identical everywhere.
 void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a);
 
-// Across hosts: exact on each host, quantized only between hosts (ZeRO++ qgZ's idea). The
-// tensor's host sum is reduce-scattered on the host (local rank i keeps slice i), each slice is
-// quantized once (error feedback on the slice) and all-reduced with its counterparts on the
-// other hosts as above, and the host all-gathers the dequantized slices back into the tensor.
-struct HostQuantizedAllReduceArgs {
-  QuantizedAllReduceArgs cross;  // scope kCross; chunk = the slice's chunks, one per host
+// Across hosts, a compressed all-reduce is exact on each host and compressed only between hosts
+// (ZeRO++ qgZ's idea): the tensor is reduce-scattered on the host (local rank i keeps the host's
+// sum of slice i), `between_hosts` compresses slice i once (error feedback on the slice) and
+// all-reduces it with the ranks of local index i on the other hosts (Scope::kCross), leaving the
+// result in the slice, and the host all-gathers the slices back into the tensor.
+struct HostSlice {
   DType dtype = DType::kFloat32;
-  void* data = nullptr;          // the tensor, in place
+  void* data = nullptr;    // the tensor, in place
   size_t numel = 0;
-  size_t slice = 0;              // elements per local rank: numel / local ranks, rounded up
-  void* padded = nullptr;        // local ranks * slice elements of dtype (when numel does not divide)
-  void* mine = nullptr;          // slice elements of dtype
+  size_t slice = 0;        // elements per local rank: numel / local ranks, rounded up
+  void* padded = nullptr;  // local ranks * slice elements of dtype (used when numel does not divide)
+  void* mine = nullptr;    // slice elements of dtype
+};
+void host_compressed_all_reduce(Communicator& c, const HostSlice& s, const std::function<void()>& between_hosts);
+
+// The quantized all-reduce of a slice between hosts (the `between_hosts` of the quantizers):
+// quantize once, the quantized all-reduce above among the counterparts, dequantize.
+struct SliceQuantizeArgs {
+  QuantizedAllReduceArgs cross;  // scope kCross; chunk = the slice's chunks, one per host
   float* residual = nullptr;     // slice floats, or null without error feedback
   uint8_t* send_out = nullptr;   // cross.send, writable: the slice is quantized into it
   uint64_t quantize_seed = 0;
 };
-void host_quantized_all_reduce(Communicator& c, const HostQuantizedAllReduceArgs& a);
+void quantized_between_hosts(Communicator& c, const HostSlice& s, const SliceQuantizeArgs& a);
 
 }  // namespace braid

@@ -1,0 +1,114 @@
+// Top-k and cast between hosts: the compressed middle of host_compressed_all_reduce.
+#include "between_hosts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../reduce.h"
+#include "error_feedback.h"
+#include "top_k.h"
+
+namespace braid {
+
+namespace {
+// float32 `acc` into `out` of dtype (divided by `divisor` when averaging).
+void store_slice(DType dtype, const float* acc, void* out, size_t n, bool average, int divisor) {
+  const Operand src{acc, true};
+  reduce_n(dtype, average ? ReduceOp::kAvg : ReduceOp::kSum, &src, 1, out, false, nullptr, n, divisor, true);
+}
+
+// `in` of dtype into float32 `out`.
+void load_slice(DType dtype, const void* in, float* out, size_t n) {
+  const Operand src{in, false};
+  if (dtype == DType::kFloat32)
+    std::memcpy(out, in, n * sizeof(float));
+  else
+    reduce_n(dtype, ReduceOp::kSum, &src, 1, out, true, nullptr, n, 1, false);
+}
+}  // namespace
+
+void top_k_between_hosts(Communicator& c, const HostSlice& s, const SliceTopKArgs& a) {
+  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross)), per = s.slice, k = a.k;
+  const void* src = s.mine;
+  DType src_dtype = s.dtype;
+  if (a.residual != nullptr) {  // residual = slice + residual: what this rank owes the sum
+    error_feedback_update(s.dtype, s.mine, a.residual, nullptr, per);
+    src = a.residual;
+    src_dtype = DType::kFloat32;
+  }
+  if (!a.sparse) {  // the dense all-reduce is smaller than k values and indices per host
+    load_slice(src_dtype, src, a.acc, per);
+    if (a.residual != nullptr) std::fill(a.residual, a.residual + per, 0.0f);  // everything is sent
+    Request dense;
+    dense.kind = CollKind::kAllReduce;
+    dense.dtype = DType::kFloat32;
+    dense.op = a.average ? ReduceOp::kAvg : ReduceOp::kSum;
+    dense.count = per;
+    dense.scope = Scope::kCross;
+    dense.divisor = a.divisor;
+    dense.in = a.acc;
+    dense.out = a.acc;
+    c.run_collective(dense);
+    store_slice(s.dtype, a.acc, s.mine, per, false, 1);
+    return;
+  }
+  top_k_select(src_dtype, src, per, k, a.values, a.indices);
+  if (a.residual != nullptr) {
+    // The sent entries leave the residual (x - x = 0); a non-finite value sent leaves NaN there,
+    // so then every non-finite entry is reset to 0, as the other compressors do.
+    bool finite = true;
+    for (size_t i = 0; i < k; ++i) {
+      a.acc[i] = -a.values[i];
+      finite = finite && std::isfinite(a.values[i]);
+    }
+    scatter_add(a.residual, a.indices, a.acc, k);
+    if (!finite)
+      for (size_t i = 0; i < per; ++i) a.residual[i] = finite_or_zero(a.residual[i]);
+  }
+  std::memcpy(a.send, a.values, 4 * k);
+  std::memcpy(a.send + 4 * k, a.indices, 4 * k);
+  Request gather;
+  gather.kind = CollKind::kAllGather;
+  gather.dtype = DType::kUInt8;
+  gather.count = 8 * k;
+  gather.scope = Scope::kCross;
+  gather.tag = a.tag;
+  gather.in = a.send;
+  gather.out = a.gathered;
+  c.run_collective(gather);
+  std::fill(a.acc, a.acc + per, 0.0f);
+  for (size_t h = 0; h < hosts; ++h) {  // host order: every rank sums the same pairs in the same order
+    const uint8_t* part = a.gathered + h * 8 * k;
+    const auto* idx = reinterpret_cast<const int32_t*>(part + 4 * k);
+    for (size_t i = 0; i < k; ++i)  // indices come off the wire: checked, not trusted
+      if (idx[i] < 0 || static_cast<size_t>(idx[i]) >= per)
+        throw CommError(ErrorKind::kGeneric, "top-k indices from host " + std::to_string(h) + " out of range [0, " +
+                                                 std::to_string(per) + "): " + std::to_string(idx[i]));
+    scatter_add(a.acc, idx, reinterpret_cast<const float*>(part), k);
+  }
+  store_slice(s.dtype, a.acc, s.mine, per, a.average, a.divisor);
+}
+
+void cast_between_hosts(Communicator& c, const HostSlice& s, const SliceCastArgs& a) {
+  const size_t per = s.slice;
+  cast_with_feedback(s.dtype, s.mine, a.residual, a.wire, a.sent, per);
+  Request reduce;
+  reduce.kind = CollKind::kAllReduce;
+  reduce.dtype = a.wire;
+  reduce.op = a.average ? ReduceOp::kAvg : ReduceOp::kSum;
+  reduce.count = per;
+  reduce.scope = Scope::kCross;
+  reduce.divisor = a.divisor;
+  reduce.in = a.sent;
+  reduce.out = a.sent;
+  c.run_collective(reduce);
+  if (s.dtype == a.wire) {
+    std::memcpy(s.mine, a.sent, per * dtype_size(a.wire));
+    return;
+  }
+  load_slice(a.wire, a.sent, a.acc, per);
+  store_slice(s.dtype, a.acc, s.mine, per, false, 1);
+}
+
+}  // namespace braid
