@@ -169,6 +169,18 @@ def backend_across_hosts(rank, n, store_path, layout, name):
         return getattr(test_backend, name)(rank, n, store_path)
 
 
+def module_across_hosts(rank, n, store_path, layout, module, name, *args):
+    """One of test_fsdp's or test_tp's rank functions with its ranks on simulated hosts: braid's
+    sharded wrapper (against DDP on gloo) and TP layers (against the dense model), unchanged."""
+    import importlib
+
+    env = dict(TINY_ENV)
+    if os.environ.get("BRAID_TEST_REAL_HOSTS") != "1":
+        env["BRAID_HOST_ID"] = f"host{layout[rank]}"
+    with environment(env):
+        return getattr(importlib.import_module(module), name)(rank, n, store_path, *args)
+
+
 def compressed_across_hosts(rank, n, store_path, layout, seed):
     """Quantized and top-k all-reduces move their payloads with all_to_all and all_gather only:
     across hosts they give the same bits as on one host, step after step (error feedback
@@ -349,6 +361,23 @@ def compressed_between_hosts(rank, n, store_path, layout, seed, names):
 def test_compression_is_exact_on_hosts_and_compressed_between(name, names):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(compressed_between_hosts, len(layout), layout, 31, names), min_cases=60)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_wrapper_across_hosts_matches_ddp(stage):
+    """braid.comm.fsdp (ZeRO-1/2/3) with its ranks on 2 + 1 hosts ends where DDP on gloo does."""
+    layout = [0, 0, 1]
+    run_ranks(module_across_hosts, len(layout), layout, "test_fsdp", "_run_vs_ddp", stage, 1, True, 1)
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+def test_tensor_parallel_across_hosts_matches_dense(sequence_parallel):
+    """braid.comm.tp's block and training across 2 x 2 hosts equal the dense model's."""
+    layout = LAYOUTS["2x2"]
+    checked = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "_run_block", sequence_parallel)
+    assert checked == [16] * len(layout)
+    losses = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "_run_training", sequence_parallel, 3)
+    assert all(run == losses[0] for run in losses)
 
 
 @pytest.mark.parametrize("name", ["2x1", "2+1+1"])
