@@ -82,7 +82,7 @@ bench: install
 	$(PY) -m braid.bench ddp --shapes 1x32,2x64,4x128 --json results/ddp.json
 	$(PY) -m braid.bench compression --json results/compression.json
 	$(PY) -m braid.bench attention --json results/attention.json --plot results/attention.png
-	$(PY) -m braid.bench multihost --quick --json results/multihost.json
+	$(PY) -m braid.bench multihost --quick --json results/multihost.json --plot results/multihost.png
 
 # On a machine with a CUDA GPU whose Python already has torch with CUDA, triton and pytest (no
 # venv, no network needed): build braid with its CUDA sources, run the GPU tests and the GPU

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .report import human_bytes, machine_info, write_json
+from .report import human_bytes, machine_info, output_path, panel_grid, save_panels, write_json
 from .simhosts import SimulatedHosts, unavailable_reason
 
 IMPLS = ("braid", "gloo")
@@ -317,6 +317,30 @@ def table(records: Sequence[dict], floor: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str, records: Sequence[dict]) -> None:
+    """PNG: time per all_reduce against size, one panel per link and layout, one line per
+    implementation (the compressed ones against gloo's exact time, as in the table)."""
+    configs = sorted({(r["link_mbit"], r["per_host"]) for r in records}, key=lambda c: (c[0] == 0, c))
+    fig, axes = panel_grid(len(configs), 2, (6.4, 4.4))
+    for (link, per), ax in zip(configs, axes):
+        rows = [r for r in records if (r["link_mbit"], r["per_host"]) == (link, per)]
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["bytes"])
+            ax.plot([r["bytes"] for r in mine], [r["time_us"] / 1e3 for r in mine], marker="o", markersize=4,
+                    label=impl)
+        sizes = sorted({r["bytes"] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [human_bytes(x).replace(" ", "") for x in sizes], rotation=45, fontsize=8)
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(f"{link_name(link)} link, 2 hosts x {per}")
+        ax.set_xlabel("all_reduce size (bytes)")
+        ax.set_ylabel("time per call (ms)")
+        ax.legend(fontsize=8)
+    save_panels(fig, axes, path, "braid vs gloo all_reduce between two simulated hosts (lower is better)")
+
+
 def ddp_table(rows: Sequence[dict]) -> str:
     lines = [f"{'link':>9} {'shape':>7} {'mode':<8} {'step ms':>9} {'vs gloo':>8} {'loss':>9}"]
     gloo = {(r["link_mbit"], r["batch"], r["seq"]): r["step_s"] for r in rows if r["mode"] == "gloo"}
@@ -350,7 +374,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     parser.add_argument("--ddp-shapes", default="1x32,4x128",
                         help="batch x sequence per rank of the DDP step, one table each (default 1x32,4x128: "
                              "what communication costs a step depends on the compute it can hide behind)")
-    parser.add_argument("--json", help="write the records as JSON to this path")
+    parser.add_argument("--json", type=output_path(), help="write the records as JSON to this path")
+    parser.add_argument("--plot", type=output_path(".png"), help="write a PNG of time against size to this path")
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
@@ -390,6 +415,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         write_json(args.json, {"benchmark": "multihost", "machine": machine_info(), "records": records,
                                "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()},
                                "ddp": ddp_rows})
+    if args.plot and records:
+        plot(args.plot, records)
     wrong = sum((r["wrong"] or 0) for r in records)
     return 1 if wrong else 0
 
