@@ -16,7 +16,7 @@
 #include "progress_engine.h"
 #include "scratch.h"
 #include "topology.h"
-#include "transport/shm_group.h"
+#include "transport/shm/group.h"
 #include "transport/tcp/tcp_transport.h"
 #include "tunables.h"
 #include "work.h"

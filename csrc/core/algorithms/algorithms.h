@@ -7,7 +7,7 @@
 
 #include "../copy.h"
 #include "../dtype.h"
-#include "../transport/shm_group.h"
+#include "../transport/shm/group.h"
 
 namespace braid {
 

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "../collective.h"
-#include "../dtype.h"
-#include "../errors.h"
-#include "shm_segment.h"
-#include "transport.h"
+#include "../../collective.h"
+#include "../../dtype.h"
+#include "../../errors.h"
+#include "segment.h"
+#include "../transport.h"
 
 namespace braid {
 

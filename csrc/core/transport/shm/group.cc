@@ -1,7 +1,7 @@
 // Shared-memory rank group: counters in separate cache lines, a host-wide futex doorbell that
 // posters ring only when someone sleeps, and waits that escalate from spinning to yielding to a
 // futex sleep with a deadline, periodic peer liveness checks (pidfd) and abort propagation.
-#include "shm_group.h"
+#include "group.h"
 
 #include <linux/futex.h>
 #include <poll.h>
@@ -18,9 +18,9 @@
 #include <cstring>
 #include <sstream>
 
-#include "../copy.h"
-#include "../interrupt.h"
-#include "../tunables.h"
+#include "../../copy.h"
+#include "../../interrupt.h"
+#include "../../tunables.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 // POSIX shared memory with RAII: shm_open/ftruncate/mmap, unlink as soon as peers have mapped.
-#include "shm_segment.h"
+#include "segment.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <utility>
 
-#include "../errors.h"
+#include "../../errors.h"
 
 namespace braid {
 namespace {
