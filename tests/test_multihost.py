@@ -26,7 +26,7 @@ TINY_ENV = {"BRAID_SOCKET_CHUNK_BYTES": "4096", "BRAID_CROSS_PIECE_BYTES": "1024
 # Layouts: host id of every rank. Two hosts of 1, 2 and 3 ranks, ranks of a host not consecutive,
 # and three uneven hosts (2 + 1 + 1).
 LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1], "2x3": [0, 0, 0, 1, 1, 1], "2x2-interleaved": [0, 1, 0, 1],
-           "2+1+1": [0, 0, 1, 2]}
+           "2+1+1": [0, 0, 1, 2], "3x1": [0, 1, 2]}
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
 
@@ -81,6 +81,51 @@ def all_reduce_across_hosts(rank, n, store_path, layout, seed):
                     w2.wait()
                     log.check(f"{dtype} count {count} {op} async", out, expected)
                     log.check(f"{dtype} count {count} {op} async 2", t2, expected)
+    return log.summary()
+
+
+def ring_reference(parts, op, n):
+    """The ring between hosts over members' inputs ``parts``: chunk c (of len(parts)) reduced in
+    the member order c, c + 1, ... (cyclic), in the accumulator type, rounded once, avg divided
+    by the n ranks."""
+    m, count = len(parts), parts[0].numel()
+    out = torch.empty_like(parts[0])
+    for c in range(m):
+        lo, hi = count * c // m, count * (c + 1) // m
+        out[lo:hi] = reduce_reference([parts[(c + j) % m][lo:hi] for j in range(m)], op, n)
+    return out
+
+
+def ring_cross_host_reference(inputs, op, layout):
+    """all_reduce with the ring between hosts: host partials (rank order, rounded), then the ring
+    among the hosts, of the whole message (leaders) or of each local index's slice (uniform hosts
+    with several ranks: hierarchical)."""
+    hosts = hosts_of(layout)
+    host_op = "sum" if op == "avg" else op
+    n, local, count = len(layout), len(hosts[0]), inputs[0].numel()
+    if len({len(h) for h in hosts}) == 1 and local > 1:
+        per = -(-count // local)
+        padded = [torch.cat([x, torch.zeros(per * local - count, dtype=x.dtype)]) for x in inputs]
+        partials = [reduce_reference([padded[r] for r in ranks], host_op, 1) for ranks in hosts]
+        return torch.cat([ring_reference([p[i * per:(i + 1) * per] for p in partials], op, n)
+                          for i in range(local)])[:count]
+    partials = [reduce_reference([inputs[r] for r in ranks], host_op, 1) for ranks in hosts]
+    return ring_reference(partials, op, n)
+
+
+def ring_across_hosts(rank, n, store_path, layout, algo, seed):
+    """The ring between hosts (BRAID_ALGO=ring, or chosen for one rank on each of three hosts):
+    every dtype and op at counts around the chunk and piece boundaries, exact against its order."""
+    log = CaseLog()
+    with hosts_comm(rank, n, store_path, layout, algo=algo) as c:
+        log.expect("ring chosen", c.all_reduce_algorithm(1 << 20) == "ring", c.all_reduce_algorithm(1 << 20))
+        for dtype in DTYPES:
+            for count in (300, 767, 768, 769, 3001, 12289):  # past the one-shot limit: the ring
+                inputs = [make_input(seed, r, count, dtype) for r in range(n)]
+                for op in ops_for(dtype):
+                    t = inputs[rank].clone()
+                    c.all_reduce(t, op=op)
+                    log.check(f"{dtype} count {count} {op}", t, ring_cross_host_reference(inputs, op, layout))
     return log.summary()
 
 
@@ -233,6 +278,12 @@ def test_all_reduce_across_hosts(name):
 def test_forced_algorithms_across_hosts(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(forced_algorithms, len(layout), layout, 13), min_cases=150)
+
+
+@pytest.mark.parametrize("name,algo", [("3x1", "auto"), ("2+1+1", "ring"), ("2x2", "ring")])
+def test_ring_between_hosts(name, algo):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(ring_across_hosts, len(layout), layout, algo, 17), min_cases=100)
 
 
 def test_ranks_forcing_different_algorithms_raise_a_mismatch():

@@ -99,8 +99,9 @@ void Communicator::unlink_own() {
 Algo Communicator::host_all_reduce_algo(size_t bytes) const {
   const bool fits = bytes <= oneshot_max_;  // one-shot needs the message to fit its buffer
   switch (tun_.algo) {
-    case Algo::kTwoShot:
-    case Algo::kRing: return tun_.algo;
+    case Algo::kTwoShot: return tun_.algo;
+    // Across hosts a ring runs between hosts; the host's own steps keep the rank order.
+    case Algo::kRing: return topo_.multi_host() ? (fits ? Algo::kOneShot : Algo::kTwoShot) : Algo::kRing;
     default: return fits ? Algo::kOneShot : Algo::kTwoShot;
   }
 }
@@ -112,9 +113,13 @@ Algo Communicator::all_reduce_algo(size_t bytes) const {
     case Algo::kOneShot: return Algo::kOneShot;
     case Algo::kLeaders: return Algo::kLeaders;
     case Algo::kHierarchical: return can_slice ? Algo::kHierarchical : Algo::kLeaders;
+    case Algo::kRing: return Algo::kRing;
     default:
       if (bytes <= tun_.cross_oneshot_max_bytes) return Algo::kOneShot;
-      return can_slice ? Algo::kHierarchical : Algo::kLeaders;
+      if (can_slice) return Algo::kHierarchical;
+      // One rank per host, more than two hosts: a flat ring (one neighbour each way, as NCCL)
+      // rather than every host talking to every other at once; at two hosts both are the same.
+      return topo_.local_world() == 1 && topo_.uniform() && topo_.num_hosts() > 2 ? Algo::kRing : Algo::kLeaders;
   }
 }
 

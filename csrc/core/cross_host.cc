@@ -63,7 +63,16 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   // number of all ranks.
   const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   const Algo algo = all_reduce_algo(bytes);
-  if (algo == Algo::kHierarchical) {
+  const bool can_slice = topo_.uniform() && local > 1;
+  // Between hosts: around a ring (BRAID_ALGO=ring, or one rank on each of more than two hosts),
+  // else directly (every member with every other; one round trip for small messages).
+  auto between_hosts = [&](const PeerGroup& g, const void* from, void* to, size_t n) {
+    if (algo == Algo::kRing)
+      ring_all_reduce(g, dt, op, from, to, n, world_, tun_.cross_piece_bytes);
+    else
+      direct_all_reduce(g, dt, op, from, to, n, world_, tun_.cross_piece_bytes, algo == Algo::kOneShot);
+  };
+  if (algo == Algo::kHierarchical || (algo == Algo::kRing && can_slice)) {
     // Hierarchical: reduce-scatter on the host, each local rank all-reduces its slice with its
     // counterparts on the other hosts (a host pair carries `local` streams at once), all-gather
     // on the host. A count that does not divide goes through a padded copy.
@@ -81,7 +90,7 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
     char* slice = scratch_.get(kSlotPart, per * es);
     host_step(CollKind::kReduceScatter, dt, host_op, per, 0, src, slice);
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(me), rank_, d);
-    direct_all_reduce(g, dt, op, slice, slice, per, world_, tun_.cross_piece_bytes, false);
+    between_hosts(g, slice, slice, per);
     host_step(CollKind::kAllGather, dt, host_op, per, 0, slice, dst);
     if (pad != nullptr) std::memcpy(out, pad, bytes);
     return;
@@ -91,7 +100,7 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   host_step(CollKind::kAllReduce, dt, host_op, count, 0, in, out);
   if (me == 0) {
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-    direct_all_reduce(g, dt, op, out, out, count, world_, tun_.cross_piece_bytes, algo == Algo::kOneShot);
+    between_hosts(g, out, out, count);
   }
   host_step(CollKind::kBroadcast, dt, host_op, count, 0, out, out);
 }

@@ -11,7 +11,8 @@ enum class Algo : uint32_t {
   kAuto = 0,
   kOneShot = 1,  // every rank publishes its input, every rank reduces all inputs
   kTwoShot = 2,  // pipelined reduce-scatter + all-gather through shared-memory slots
-  kRing = 3,     // ring reduce-scatter + all-gather between neighbours through shared memory
+  kRing = 3,     // ring reduce-scatter + all-gather between neighbours (on one host through
+                 // shared memory; across hosts the part between hosts, over TCP)
   // Across hosts (ranks on one host take the automatic choice for these):
   kHierarchical = 4,  // reduce-scatter on the host, slices across hosts, all-gather on the host
   kLeaders = 5,       // host sums through the host leaders, then a broadcast on each host
@@ -23,8 +24,8 @@ struct Tunables {
   // BRAID_ALGO: auto | oneshot | twoshot | ring | hierarchical | leaders (all_reduce only; the
   // others pick by size). On one host: the shared-memory algorithm. Across hosts: oneshot sends
   // every message in one round trip between the host leaders, hierarchical and leaders pick the
-  // cross-host structure (see Communicator::all_reduce_algo), and twoshot and ring the
-  // algorithm of the steps on each host.
+  // cross-host structure with direct transfers between hosts, ring runs the part between hosts
+  // around a ring (see Communicator::all_reduce_algo), and twoshot the steps on each host.
   Algo algo = Algo::kAuto;
   // BRAID_ONESHOT_MAX_BYTES: largest message (bytes a rank publishes) sent one-shot. One-shot
   // makes every rank read n copies of the message, two-shot about two but with three

@@ -56,3 +56,16 @@ struct DirectBlock {
 void direct_exchange(const PeerGroup& g, const std::vector<DirectBlock>& sends, const std::vector<DirectBlock>& recvs);
 
 }  // namespace braid
+
+namespace braid {
+
+// out = the reduction of every member's `in`, around the ring of members (member i sends to
+// i + 1): n - 1 reduce-scatter steps, then n - 1 all-gather steps, each chunk cut into pieces of
+// `piece_bytes` so that a piece travels on while the next is reduced. Chunk c is reduced in the
+// member order c, c + 1, ..., c - 1 (cyclic) and copied everywhere else: results are identical
+// on every member. Partial sums of float16/bfloat16 travel as float32 (rounded once). Each
+// member sends and receives 2 (n - 1) / n of the message, one peer at a time.
+void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count, int divisor,
+                     size_t piece_bytes);
+
+}  // namespace braid

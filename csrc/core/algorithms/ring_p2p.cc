@@ -1,0 +1,133 @@
+// Ring all-reduce over any Transport (between hosts): reduce-scatter then all-gather around the
+// ring, one neighbour each way, pieces pipelined within each step.
+//
+//   reduce-scatter step s (0 .. n-2): send chunk (me - s) to the right (my input at s = 0, the
+//     partial received at step s - 1 plus my input after), receive chunk (me - s - 1) from the
+//     left and add my input to it. After step n - 2 the chunk (me + 1) is complete: it is
+//     finalized (avg) into the output.
+//   all-gather step t (0 .. n-2): send chunk (me + 1 - t) to the right (the complete chunk at
+//     t = 0, the one received at step t - 1 after), receive chunk (me - t) into the output.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "../reduce.h"
+#include "direct.h"
+
+namespace braid {
+
+void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count, int divisor,
+                     size_t piece_bytes) {
+  const int n = g.size(), me = g.me;
+  const size_t es = dtype_size(dt), as = acc_size(dt);
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  if (n == 1) {
+    const Operand s{src, false};
+    reduce_n(dt, op, &s, 1, dst, false, nullptr, count, divisor, true);
+    return;
+  }
+  auto chunk_lo = [&](int c) { return count * static_cast<size_t>((c % n + n) % n) / static_cast<size_t>(n); };
+  auto chunk_len = [&](int c) {
+    const int k = (c % n + n) % n;
+    return count * static_cast<size_t>(k + 1) / static_cast<size_t>(n) - chunk_lo(k);
+  };
+  const size_t piece = std::max<size_t>(1, piece_bytes / as);
+  auto pieces = [&](size_t len) { return std::max<size_t>(1, (len + piece - 1) / piece); };
+  const int right = (me + 1) % n, left = (me + n - 1) % n;
+  const int steps = n - 1;
+  // Partial sums (accumulator type) received at each reduce-scatter step, and the ones sent on.
+  const size_t max_chunk = count / static_cast<size_t>(n) + 1;
+  const size_t region = static_cast<size_t>(steps) * max_chunk * as;
+  std::unique_ptr<char[]> owned;
+  char* scratch = g.scratch != nullptr ? g.scratch->get(0, 2 * region) : (owned.reset(new char[2 * region]), owned.get());
+  auto got_at = [&](int s) { return scratch + static_cast<size_t>(s) * max_chunk * as; };
+  auto partial_at = [&](int s) { return scratch + region + static_cast<size_t>(s) * max_chunk * as; };
+
+  std::vector<std::unique_ptr<P2POp>> ops;
+  auto add = [&](int peer, bool send, void* data, size_t bytes) -> P2POp* {
+    auto op = std::make_unique<P2POp>();
+    op->peer = g.members[static_cast<size_t>(peer)];
+    op->send = send;
+    op->data = static_cast<char*>(data);
+    op->bytes = bytes;
+    op->dtype = DType::kUInt8;
+    op->channel = Channel::kCollective;
+    op->desc = g.desc;
+    ops.push_back(std::move(op));
+    return ops.back().get();
+  };
+  // Every receive is posted up front, in the order the left neighbour sends.
+  struct Piece {
+    int step;  // 0 .. 2n-3: reduce-scatter steps, then all-gather steps
+    size_t a, b;
+    P2POp* recv;
+  };
+  std::vector<Piece> incoming;
+  for (int s = 0; s < 2 * steps; ++s) {
+    const bool rs = s < steps;
+    const int c = rs ? me - s - 1 : me - (s - steps);
+    const size_t len = chunk_len(c);
+    for (size_t k = 0; k < pieces(len); ++k) {
+      const size_t a = std::min(len, k * piece), b = std::min(len, (k + 1) * piece);
+      char* to = rs ? got_at(s) + a * as : dst + (chunk_lo(c) + a) * es;
+      incoming.push_back({s, a, b, add(left, false, to, (b - a) * (rs ? as : es))});
+    }
+  }
+  // Step 0 of the reduce-scatter sends my own chunk `me` (as the accumulator type).
+  {
+    const size_t len = chunk_len(me);
+    const Operand own{src + chunk_lo(me) * es, false};
+    reduce_n(dt, ReduceOp::kSum, &own, 1, partial_at(0), true, nullptr, len, 1, false);
+    for (size_t k = 0; k < pieces(len); ++k) {
+      const size_t a = std::min(len, k * piece), b = std::min(len, (k + 1) * piece);
+      add(right, true, partial_at(0) + a * as, (b - a) * as);
+    }
+  }
+  // Advance every transfer in lane order; handle the received pieces strictly in order, so that
+  // the sends they cause join the right lane in the order the neighbour posted its receives.
+  size_t handled = 0;
+  std::vector<P2POp*> heads;
+  for (;;) {
+    bool moved = false;
+    heads.clear();
+    for (int lane = 0; lane < 2; ++lane) {  // receives from the left, sends to the right
+      for (auto& op : ops) {
+        if (op->send != (lane == 1) || op->done) continue;
+        const size_t before = op->off;
+        if (g.transport->advance(*op)) {
+          moved = true;
+          continue;
+        }
+        moved = moved || op->off != before;
+        heads.push_back(op.get());
+        break;  // only the head of a lane moves
+      }
+    }
+    for (; handled < incoming.size() && incoming[handled].recv->done; ++handled, moved = true) {
+      const Piece& p = incoming[handled];
+      if (p.step < steps) {
+        const int c = me - p.step - 1;
+        const Operand s2[2] = {{got_at(p.step) + p.a * as, true}, {src + (chunk_lo(c) + p.a) * es, false}};
+        if (p.step < steps - 1) {  // add my input, pass the partial on
+          reduce_n(dt, op, s2, 2, partial_at(p.step + 1) + p.a * as, true, nullptr, p.b - p.a, divisor, false);
+          add(right, true, partial_at(p.step + 1) + p.a * as, (p.b - p.a) * as);
+        } else {  // complete: into the output, and around the ring again
+          char* final_piece = dst + (chunk_lo(c) + p.a) * es;
+          reduce_n(dt, op, s2, 2, final_piece, false, nullptr, p.b - p.a, divisor, true);
+          add(right, true, final_piece, (p.b - p.a) * es);
+        }
+      } else if (p.step < 2 * steps - 1) {  // forward what the all-gather brought
+        const int c = me - (p.step - steps);
+        add(right, true, dst + (chunk_lo(c) + p.a) * es, (p.b - p.a) * es);
+      }
+    }
+    bool all_done = handled == incoming.size();
+    for (const auto& op : ops) all_done = all_done && op->done;
+    if (all_done) return;
+    if (!moved && !heads.empty()) g.transport->wait(heads.data(), static_cast<int>(heads.size()), [] { return false; });
+  }
+}
+
+}  // namespace braid
