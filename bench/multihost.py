@@ -17,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -253,10 +254,12 @@ DDP_MODES = "compute,gloo,braid,bf16,int8,int4,topk"
 def run_ddp(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
     """The DDP benchmark (``python -m braid.bench ddp``, ~25M-parameter LM) with its ranks on the
     simulated hosts, started as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
-    import tempfile
-
     world = 2 * per_host
-    out = os.path.join(tempfile.mkdtemp(prefix="braid-multihost-ddp-"), "ddp.json")
+    with tempfile.TemporaryDirectory(prefix="braid-multihost-ddp-") as tmp:
+        return _ddp_rows(hosts, per_host, link, args, world, os.path.join(tmp, "ddp.json"))
+
+
+def _ddp_rows(hosts: SimulatedHosts, per_host: int, link: int, args, world: int, out: str) -> list[dict]:
     procs = []
     for rank in range(world):
         env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),

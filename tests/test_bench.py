@@ -100,6 +100,31 @@ def test_open_mpi_is_measured_in_the_same_ranks(tmp_path):
     assert doc["config"]["launcher"] == "mpirun" and "Open MPI" in doc["machine"]["mpi_library"], doc
 
 
+@pytest.mark.timeout(240)
+def test_multihost_benchmark_runs(tmp_path):
+    """Two simulated hosts on an unshaped link, the smallest run: braid's and gloo's records,
+    checked and right, the TCP floor, a PNG; where hosts cannot be simulated it says why and
+    exits 0."""
+    from braid.bench.simhosts import unavailable_reason
+
+    out, png = tmp_path / "m.json", tmp_path / "m.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid.bench", "multihost", "--links", "0", "--layouts", "2x1", "--sizes", "4K,1M",
+         "--compressors", "int8", "--iters", "3", "--rounds", "1", "--ddp-links", "", "--json", str(out),
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if unavailable_reason(rate=True) is not None:
+        assert "cannot be made here" in proc.stdout
+        return
+    doc = json.loads(out.read_text())
+    assert sorted((r["impl"], r["bytes"]) for r in doc["records"]) == [
+        ("braid", 4096), ("braid", 1 << 20), ("gloo", 4096), ("gloo", 1 << 20), ("int8", 4096), ("int8", 1 << 20)]
+    assert all(r["wrong"] == 0 for r in doc["records"] if r["impl"] in ("braid", "gloo"))
+    assert doc["tcp_floor"]["0"]["1"] > 0 and png.stat().st_size > 0
+    assert "plain TCP between the two hosts" in proc.stdout
+
+
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
     """A run too long for its --deadline stops measuring shortly before it on every rank, prints
     and writes what it has, and exits with a failure (it once lost everything when stopped)."""
@@ -130,6 +155,11 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["sharding", "--warmup", "1"], "--warmup must be at least 2"),
     (["compression", "--numel", ""], "expected a count"),
     (["compression", "--repeats", "0"], "--repeats must be at least 1"),
+    (["multihost", "--layouts", "3x1"], "layouts are 2xL"),
+    (["multihost", "--sizes", "4Q"], "bad size"),
+    (["multihost", "--compressors", "zip"], "unknown 'zip'"),
+    (["multihost", "--iters", "1"], "--iters must be >= 2"),
+    (["multihost", "--plot", "x.pdf"], "must end in .png"),
 ])
 def test_bad_benchmark_arguments_stop_before_running(argv, message):
     """Bad options are usage errors (exit status 2) before anything runs, instead of tracebacks
