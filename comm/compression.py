@@ -52,12 +52,6 @@ class WireStats:
         return WireStats(self.sent + other.sent, self.received + other.received, self.dense + other.dense)
 
 
-def _quantized_buffers(n: int, chunk_bytes: int, chunk: int) -> list:
-    """Scratch of a quantized all-reduce among n ranks: send, recv, accumulator, gathered."""
-    return [torch.empty(n * chunk_bytes, dtype=torch.uint8), torch.empty(n * chunk_bytes, dtype=torch.uint8),
-            torch.empty(chunk, dtype=torch.float32), torch.empty(n * chunk_bytes, dtype=torch.uint8)]
-
-
 def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
     """This rank's slice of ``flat`` across ``local`` host ranks, and the padded copy of ``flat``
     (empty when its size divides) for an all-reduce exact on the host."""
@@ -324,12 +318,17 @@ class _BlockQuantizer(Compressor):
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
         if _exact_on_hosts(comm):
             return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
+        if comm.num_hosts == comm.world_size > 1:
+            return self._compressed_pipelined(comm, flat, op_code, key, seed, async_op)
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
 
-        bufs = self._take_scratch(key, lambda: _quantized_buffers(n, cb, chunk),
-                                  lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
+        def make() -> list:  # send, recv, accumulator, gathered
+            return [torch.empty(n * cb, dtype=torch.uint8), torch.empty(n * cb, dtype=torch.uint8),
+                    torch.empty(chunk, dtype=torch.float32), torch.empty(n * cb, dtype=torch.uint8)]
+
+        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
         send, recv, acc, gathered = bufs
         residual = self._residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
@@ -358,30 +357,36 @@ class _BlockQuantizer(Compressor):
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, quantized between hosts: the host reduce-scatters the tensor (local
         rank i keeps slice i), slice i is quantized once (its own error-feedback residual) and
-        all-reduced with the ranks of local index i on the other hosts, and the host all-gathers
-        the slices. One unit of work on the communicator (in issue order, async or not)."""
+        all-reduced with the ranks of local index i on the other hosts, pipelined in pieces, and
+        the host all-gathers the slices. One unit of work on the communicator (in issue order,
+        async or not)."""
         local, hosts, numel = comm.local_world_size, comm.num_hosts, flat.numel()
         per = -(-numel // local)
         chunk = self.chunk_elems(per, hosts)
-        cb = self.wire_bytes(chunk)
-
-        def make() -> list:
-            padded, mine = _slice_buffers(flat, local)
-            return _quantized_buffers(hosts, cb, chunk) + [mine, padded]
-
-        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == hosts * cb and b[2].numel() == chunk
-                                  and b[4].numel() == per and b[4].dtype == flat.dtype)
-        send, recv, acc, gathered, mine, padded = bufs
+        padded, mine = self._take_scratch(key, lambda: list(_slice_buffers(flat, local)),
+                                          lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         work = comm._c.host_quantized_all_reduce(
-            flat, self._residual_for(key, per), padded, mine, send, recv, acc, gathered, self.bits, self.block,
-            chunk, op_code == _AVG, self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
+            flat, self._residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == _AVG,
+            self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
-            self._scratch[key] = bufs
+            self._scratch[key] = [padded, mine]
 
-        es = flat.element_size()
+        es, cb = flat.element_size(), self.wire_bytes(chunk)
         moved = 2 * (hosts - 1) * cb + 2 * (local - 1) * per * es  # between hosts + exact on the host
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+
+    def _compressed_pipelined(self, comm, flat, op_code, key, seed, async_op):
+        """Every rank on a host of its own: the quantized all-reduce between hosts pipelined in
+        pieces (quantize, send, reduce, re-quantize, send back, decode overlapped), with the bits
+        of the one-call layout. One unit of work on the communicator."""
+        n, numel = comm.world_size, flat.numel()
+        chunk = self.chunk_elems(numel, n)
+        work = comm._c.pipelined_quantized_all_reduce(
+            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == _AVG, self.stochastic,
+            seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
+        moved = 2 * (n - 1) * self.wire_bytes(chunk)
+        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
 
 
 class Int8Quantizer(_BlockQuantizer):

@@ -8,6 +8,7 @@
 #include "../core/compression/quantize.h"
 #include "../core/compression/between_hosts.h"
 #include "../core/compression/quantized_all_reduce.h"
+#include "../core/compression/quantized_direct.h"
 #include "../core/compression/top_k.h"
 #include "binding_util.h"
 
@@ -261,42 +262,65 @@ py::object submit_host_compressed(Communicator& c, CheckedSlice& cs, std::functi
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{cs.keep[0]}));
 }
 
+// The pipelined quantized all-reduce's settings (quantized_between_hosts), checked.
+PipelinedQuantizeArgs checked_pipelined(int bits, int64_t block, int64_t chunk, size_t count, size_t members,
+                                        bool average, int divisor, bool stochastic, uint64_t seed,
+                                        uint64_t requant_seed) {
+  PipelinedQuantizeArgs a;
+  a.fmt = checked_format(bits, block);
+  if (chunk < block || chunk % block != 0 || static_cast<size_t>(chunk) * members < count)
+    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(block) + ") covering " +
+                          std::to_string(count) + " elements over " + std::to_string(members) + " ranks, got " +
+                          std::to_string(chunk));
+  (void)checked_payload_bytes(a.fmt, static_cast<size_t>(chunk), members);  // sizes fit
+  a.chunk = static_cast<size_t>(chunk);
+  a.count = count;
+  a.average = average;
+  a.divisor = divisor;
+  a.stochastic = stochastic;
+  a.seed = seed;
+  a.requant_seed = requant_seed;
+  return a;
+}
+
 py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
-                                             py::handle mine, py::handle send, py::handle recv, py::handle accumulator,
-                                             py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
+                                             py::handle mine, int bits, int64_t block, int64_t chunk, bool average,
                                              bool stochastic, uint64_t seed, uint64_t quantize_seed, bool async,
                                              uint32_t tag) {
-  const QuantFormat fmt = checked_format(bits, block);
   CheckedSlice cs = checked_slice(c, tensor, padded, mine);
   const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
-  if (chunk < 0 || chunk % block != 0 || static_cast<size_t>(chunk) * hosts < cs.s.slice)
-    throw py::value_error("chunk must be a multiple of block (" + std::to_string(block) + ") covering the slice (" +
-                          std::to_string(cs.s.slice) + " elements over " + std::to_string(hosts) + " hosts), got " +
-                          std::to_string(chunk));
-  const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), hosts) / hosts;
-  SliceQuantizeArgs a;
+  PipelinedQuantizeArgs a = checked_pipelined(bits, block, chunk, cs.s.slice, hosts, average, c.world_size(),
+                                              stochastic, quantize_seed, seed);
   a.residual = checked_slice_floats(residual, "residual", cs.s.slice, cs.keep, true);
-  at::Tensor s = checked_contiguous(send, "send", {at::kByte});
-  at::Tensor rv = checked_contiguous(recv, "recv", {at::kByte});
-  at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
-  at::Tensor acc = checked_contiguous(accumulator, "accumulator", {at::kFloat});
-  check_chunk_buffers({{&s, "send"}, {&rv, "recv"}, {&g, "gathered"}}, acc, "hosts", hosts, cb, chunk);
-  cs.keep.insert(cs.keep.end(), {s, rv, g, acc});
-  a.cross.fmt = fmt;
-  a.cross.chunk = static_cast<size_t>(chunk);
-  a.cross.average = average;
-  a.cross.divisor = c.world_size();
-  a.cross.stochastic = stochastic;
-  a.cross.seed = seed;
-  a.cross.tag = tag;
-  a.cross.scope = Scope::kCross;
-  a.cross.send = s.data_ptr<uint8_t>();
-  a.cross.recv = rv.data_ptr<uint8_t>();
-  a.cross.acc = acc.data_ptr<float>();
-  a.cross.gathered = g.data_ptr<uint8_t>();
-  a.send_out = s.data_ptr<uint8_t>();
-  a.quantize_seed = quantize_seed;
-  return submit_host_compressed(c, cs, [&c, a](const HostSlice& hs) { quantized_between_hosts(c, hs, a); }, async);
+  a.dtype = cs.s.dtype;
+  a.in = a.out = cs.s.mine;
+  return submit_host_compressed(
+      c, cs, [&c, a, tag](const HostSlice&) { quantized_between_hosts(c, Scope::kCross, tag, a); }, async);
+}
+
+// Every host has one rank: the whole quantized all-reduce between hosts, pipelined.
+py::object pipelined_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, int bits,
+                                                  int64_t block, int64_t chunk, bool average, bool stochastic,
+                                                  uint64_t seed, uint64_t requant_seed, bool async, uint32_t tag) {
+  if (c.topology().num_hosts() != c.world_size() || c.world_size() < 2)
+    throw py::value_error("pipelined_quantized_all_reduce needs every rank on a host of its own");
+  at::Tensor data = checked_contiguous(tensor, "tensor", kFloatTypes);
+  const size_t numel = static_cast<size_t>(data.numel());
+  PipelinedQuantizeArgs a = checked_pipelined(bits, block, chunk, numel, static_cast<size_t>(c.world_size()), average,
+                                              c.world_size(), stochastic, seed, requant_seed);
+  std::vector<at::Tensor> keep{data};
+  a.residual = checked_slice_floats(residual, "residual", numel, keep, true);
+  a.dtype = to_dtype(data.scalar_type(), "tensor");
+  a.in = a.out = data.data_ptr();
+  auto held = std::make_shared<std::vector<at::Tensor>>(keep);
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = c.submit_task([&c, a, tag] { quantized_between_hosts(c, Scope::kAll, tag, a); }, async ? held : nullptr,
+                      async);
+  }
+  if (!async) return py::none();
+  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{data}));
 }
 
 py::object host_top_k_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,
@@ -375,10 +399,13 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
                    py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("async_op"),
                    py::arg("tag") = 0);
   communicator.def("host_quantized_all_reduce", &host_quantized_all_reduce_tensors, py::arg("tensor"),
-                   py::arg("residual"), py::arg("padded"), py::arg("mine"), py::arg("send"), py::arg("recv"),
-                   py::arg("accumulator"), py::arg("gathered"), py::arg("bits"), py::arg("block"), py::arg("chunk"),
-                   py::arg("average"), py::arg("stochastic"), py::arg("seed"), py::arg("quantize_seed"),
-                   py::arg("async_op"), py::arg("tag") = 0);
+                   py::arg("residual"), py::arg("padded"), py::arg("mine"), py::arg("bits"), py::arg("block"),
+                   py::arg("chunk"), py::arg("average"), py::arg("stochastic"), py::arg("seed"),
+                   py::arg("quantize_seed"), py::arg("async_op"), py::arg("tag") = 0);
+  communicator.def("pipelined_quantized_all_reduce", &pipelined_quantized_all_reduce_tensors, py::arg("tensor"),
+                   py::arg("residual"), py::arg("bits"), py::arg("block"), py::arg("chunk"), py::arg("average"),
+                   py::arg("stochastic"), py::arg("seed"), py::arg("requant_seed"), py::arg("async_op"),
+                   py::arg("tag") = 0);
   communicator.def("host_top_k_all_reduce", &host_top_k_all_reduce_tensors, py::arg("tensor"), py::arg("residual"),
                    py::arg("padded"), py::arg("mine"), py::arg("values"), py::arg("indices"), py::arg("send"),
                    py::arg("gathered"), py::arg("accumulator"), py::arg("k"), py::arg("sparse"), py::arg("average"),

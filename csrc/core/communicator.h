@@ -13,6 +13,7 @@
 #include "dtype.h"
 #include "errors.h"
 #include "fork_guard.h"
+#include "algorithms/direct.h"
 #include "progress_engine.h"
 #include "scratch.h"
 #include "topology.h"
@@ -100,6 +101,13 @@ class Communicator {
   std::shared_ptr<Work> submit_task(std::function<void()> body, std::shared_ptr<void> keepalive, bool async);
   // Runs one collective now, on the calling thread: only from inside a submit_task body.
   void run_collective(Request& r);
+  // Runs `body` as one collective among ranks that are all on different hosts: the ranks of
+  // `scope` (kCross, or kAll when every host has one rank), numbered and described like any
+  // collective (`kind`, `count`, `tag`: every transfer carries the descriptor), a failure
+  // poisoning the communicator. For algorithms over the TCP transport that the communicator
+  // does not know (a pipelined quantized all-reduce). Only from inside a submit_task body.
+  void run_between_hosts(Scope scope, CollKind kind, size_t count, uint32_t tag,
+                         const std::function<void(const PeerGroup&)>& body);
 
   // An all-to-all with split sizes: a collective start (CollKind::kExchange of `dtype`, which
   // every rank must reach in the same place of its sequence as any collective) and then the

@@ -5,6 +5,7 @@
 // and copied everywhere else.
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "algorithms/direct.h"
@@ -236,6 +237,39 @@ void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, con
   host_step(CollKind::kAllToAll, DType::kUInt8, ReduceOp::kSum, chunk, 0, packed_in, packed_out);
   for (size_t i = 0; i < mine.size(); ++i)
     if (chunk > 0) std::memcpy(dst + static_cast<size_t>(mine[i]) * chunk, packed_out + i * chunk, chunk);
+}
+
+void Communicator::run_between_hosts(Scope scope, CollKind kind, size_t count, uint32_t tag,
+                                     const std::function<void(const PeerGroup&)>& body) {
+  check_not_poisoned();
+  std::vector<int> members;
+  if (scope == Scope::kCross) {
+    members = topo_.counterparts(topo_.local_rank());
+  } else {
+    for (int r = 0; r < world_; ++r) members.push_back(r);
+  }
+  for (int r : members)
+    if (r != rank_ && topo_.host_of[static_cast<size_t>(r)] == topo_.host)
+      throw std::invalid_argument("run_between_hosts: ranks of the scope share a host");
+  CollectiveDesc d;
+  d.seq = ++seq_;
+  d.count = count;
+  d.kind = static_cast<uint8_t>(kind);
+  d.dtype = static_cast<uint8_t>(DType::kUInt8);
+  d.root = tag;
+  try {
+    if (tcp_) tcp_->set_current(&d);
+    struct Clear {
+      TcpTransport* t;
+      ~Clear() {
+        if (t) t->set_current(nullptr);
+      }
+    } clear{tcp_.get()};
+    body(cross_group(tcp_.get(), &scratch_, members, rank_, d));
+  } catch (const CommError& e) {
+    poison(e);
+    throw;
+  }
 }
 
 int Communicator::scope_size(Scope s) const {

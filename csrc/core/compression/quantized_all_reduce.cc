@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "quantized_direct.h"
+
 namespace braid {
 
 void quantized_all_reduce(Communicator& c, const QuantizedAllReduceArgs& a) {
@@ -73,12 +75,16 @@ void host_compressed_all_reduce(Communicator& c, const HostSlice& s, const std::
   if (whole != s.data) std::memcpy(s.data, whole, s.numel * es);
 }
 
-void quantized_between_hosts(Communicator& c, const HostSlice& s, const SliceQuantizeArgs& a) {
-  const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross));
-  quantize(a.cross.fmt, s.dtype, s.mine, a.residual, s.slice, a.cross.chunk, hosts, a.cross.stochastic, a.quantize_seed,
-           0, a.send_out);
-  quantized_all_reduce(c, a.cross);
-  dequantize(a.cross.fmt, a.cross.gathered, s.slice, a.cross.chunk, s.dtype, s.mine);
+size_t quantized_piece(const Communicator& c, const QuantFormat& fmt) {
+  const size_t elems = c.tunables().cross_piece_bytes / sizeof(float);
+  return std::max(fmt.block, elems / fmt.block * fmt.block);
+}
+
+void quantized_between_hosts(Communicator& c, Scope scope, uint32_t tag, const PipelinedQuantizeArgs& a) {
+  PipelinedQuantizeArgs p = a;
+  p.piece = quantized_piece(c, p.fmt);
+  c.run_between_hosts(scope, CollKind::kAllReduce, p.count, tag,
+                      [&](const PeerGroup& g) { pipelined_quantized_all_reduce(g, p); });
 }
 
 }  // namespace braid

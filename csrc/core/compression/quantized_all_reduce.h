@@ -9,6 +9,7 @@
 
 #include "../communicator.h"
 #include "quantize.h"
+#include "quantized_direct.h"
 
 namespace braid {
 
@@ -46,14 +47,13 @@ struct HostSlice {
 };
 void host_compressed_all_reduce(Communicator& c, const HostSlice& s, const std::function<void()>& between_hosts);
 
-// The quantized all-reduce of a slice between hosts (the `between_hosts` of the quantizers):
-// quantize once, the quantized all-reduce above among the counterparts, dequantize.
-struct SliceQuantizeArgs {
-  QuantizedAllReduceArgs cross;  // scope kCross; chunk = the slice's chunks, one per host
-  float* residual = nullptr;     // slice floats, or null without error feedback
-  uint8_t* send_out = nullptr;   // cross.send, writable: the slice is quantized into it
-  uint64_t quantize_seed = 0;
-};
-void quantized_between_hosts(Communicator& c, const HostSlice& s, const SliceQuantizeArgs& a);
+// The quantized all-reduce between hosts (of a slice among the counterparts, the quantizers'
+// `between_hosts`; or of the tensor when every host has one rank): quantize once, the quantized
+// all-reduce, dequantize, as pipelined_quantized_all_reduce in pieces of BRAID_CROSS_PIECE_BYTES
+// (the bits of quantize + quantized_all_reduce + dequantize). `a.piece` is filled in here.
+void quantized_between_hosts(Communicator& c, Scope scope, uint32_t tag, const PipelinedQuantizeArgs& a);
+// Elements of a piece of a quantized all-reduce between hosts: BRAID_CROSS_PIECE_BYTES of
+// float32, whole blocks.
+size_t quantized_piece(const Communicator& c, const QuantFormat& fmt);
 
 }  // namespace braid
