@@ -43,6 +43,19 @@ namespace {
 // Scratch slots: 0 is the direct algorithms' reduction staging (PeerGroup::scratch).
 constexpr size_t kSlotPart = 1, kSlotWhole = 2, kSlotFull = 3;
 
+// The collective a TCP transport's errors name, for the scope of one call.
+struct NamedCollective {
+  TcpTransport* tcp;
+  NamedCollective(TcpTransport* t, const CollectiveDesc& d) : tcp(t) {
+    if (tcp) tcp->set_current(&d);
+  }
+  ~NamedCollective() {
+    if (tcp) tcp->set_current(nullptr);
+  }
+  NamedCollective(const NamedCollective&) = delete;
+  NamedCollective& operator=(const NamedCollective&) = delete;
+};
+
 PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vector<int>& members, int rank,
                       const CollectiveDesc& d) {
   PeerGroup g;
@@ -258,13 +271,7 @@ void Communicator::run_between_hosts(Scope scope, CollKind kind, size_t count, u
   d.dtype = static_cast<uint8_t>(DType::kUInt8);
   d.root = tag;
   try {
-    if (tcp_) tcp_->set_current(&d);
-    struct Clear {
-      TcpTransport* t;
-      ~Clear() {
-        if (t) t->set_current(nullptr);
-      }
-    } clear{tcp_.get()};
+    NamedCollective named(tcp_.get(), d);
     body(cross_group(tcp_.get(), &scratch_, members, rank_, d));
   } catch (const CommError& e) {
     poison(e);
@@ -291,13 +298,7 @@ void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
     return;
   }
   // kCross: this rank's counterparts (just itself on one host).
-  if (tcp_) tcp_->set_current(&d);
-  struct Clear {
-    TcpTransport* t;
-    ~Clear() {
-      if (t) t->set_current(nullptr);
-    }
-  } clear{tcp_.get()};
+  NamedCollective named(tcp_.get(), d);
   PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
   const int n = g.size();
   switch (r.kind) {
@@ -339,11 +340,7 @@ void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
 }
 
 void Communicator::execute_cross_host(Request& r, const CollectiveDesc& d) {
-  tcp_->set_current(&d);
-  struct Clear {
-    TcpTransport* t;
-    ~Clear() { t->set_current(nullptr); }
-  } clear{tcp_.get()};
+  NamedCollective named(tcp_.get(), d);
   const size_t es = dtype_size(r.dtype);
   switch (r.kind) {
     case CollKind::kAllReduce:

@@ -9,11 +9,11 @@
 //     t = 0, the one received at step t - 1 after), receive chunk (me - t) into the output.
 #include <algorithm>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "../reduce.h"
 #include "direct.h"
+#include "transfers.h"
 
 namespace braid {
 
@@ -45,19 +45,8 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
   auto got_at = [&](int s) { return scratch + static_cast<size_t>(s) * max_chunk * as; };
   auto partial_at = [&](int s) { return scratch + region + static_cast<size_t>(s) * max_chunk * as; };
 
-  std::vector<std::unique_ptr<P2POp>> ops;
-  auto add = [&](int peer, bool send, void* data, size_t bytes) -> P2POp* {
-    auto op = std::make_unique<P2POp>();
-    op->peer = g.members[static_cast<size_t>(peer)];
-    op->send = send;
-    op->data = static_cast<char*>(data);
-    op->bytes = bytes;
-    op->dtype = DType::kUInt8;
-    op->channel = Channel::kCollective;
-    op->desc = g.desc;
-    ops.push_back(std::move(op));
-    return ops.back().get();
-  };
+  Transfers t(g);
+  auto add = [&](int member, bool send, void* data, size_t bytes) { return &t.add(member, send, data, bytes); };
   // Every receive is posted up front, in the order the left neighbour sends.
   struct Piece {
     int step;  // 0 .. 2n-3: reduce-scatter steps, then all-gather steps
@@ -85,27 +74,11 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
       add(right, true, partial_at(0) + a * as, (b - a) * as);
     }
   }
-  // Advance every transfer in lane order; handle the received pieces strictly in order, so that
-  // the sends they cause join the right lane in the order the neighbour posted its receives.
+  // Handle the received pieces strictly in order, so that the sends they cause join the lane to
+  // the right in the order the neighbour posted its receives; move the transfers in between.
   size_t handled = 0;
-  std::vector<P2POp*> heads;
   for (;;) {
-    bool moved = false;
-    heads.clear();
-    for (int lane = 0; lane < 2; ++lane) {  // receives from the left, sends to the right
-      for (auto& op : ops) {
-        if (op->send != (lane == 1) || op->done) continue;
-        const size_t before = op->off;
-        if (g.transport->advance(*op)) {
-          moved = true;
-          continue;
-        }
-        moved = moved || op->off != before;
-        heads.push_back(op.get());
-        break;  // only the head of a lane moves
-      }
-    }
-    for (; handled < incoming.size() && incoming[handled].recv->done; ++handled, moved = true) {
+    for (; handled < incoming.size() && incoming[handled].recv->done; ++handled) {
       const Piece& p = incoming[handled];
       if (p.step < steps) {
         const int c = me - p.step - 1;
@@ -123,10 +96,7 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
         add(right, true, dst + (chunk_lo(c) + p.a) * es, (p.b - p.a) * es);
       }
     }
-    bool all_done = handled == incoming.size();
-    for (const auto& op : ops) all_done = all_done && op->done;
-    if (all_done) return;
-    if (!moved && !heads.empty()) g.transport->wait(heads.data(), static_cast<int>(heads.size()), [] { return false; });
+    if (!t.step() && handled == incoming.size()) return;
   }
 }
 
