@@ -9,6 +9,7 @@ nccl-tests columns plus link use: the bytes that left the host's uplink during t
 kernel's counter of the host's interface), over the batch's time, over the link rate. Needs root
 and iproute2; elsewhere it says why and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def parse_layouts(text: str) -> list[int]:
-    """"2x1,2x2" -> ranks per host for 2 hosts."""
+    """ "2x1,2x2" -> ranks per host for 2 hosts."""
     out = []
     for part in text.split(","):
         hosts, _, per = part.partition("x")
@@ -75,6 +76,7 @@ def parse_links(text: str) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 # Inside a simulated host: one rank.
 
+
 def _tx_bytes() -> int:
     with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
         return int(f.read())
@@ -93,8 +95,9 @@ def rank_main(settings: dict) -> int:
     rank, world, per_host = settings["rank"], settings["world"], settings["per_host"]
     timeout = timedelta(seconds=settings["timeout"])
     store = dist.TCPStore(settings["master"], STORE_PORT, world, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo/", store), rank=rank, world_size=world,
-                            timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gloo/", store), rank=rank, world_size=world, timeout=timeout
+    )
     c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=settings["timeout"])
     reports_link = c.local_rank == 0
     impls = list(IMPLS) + list(settings["compressors"])
@@ -103,10 +106,12 @@ def rank_main(settings: dict) -> int:
         count = nbytes // 4
         x = torch.full((count,), float(rank + 1))
         expected = world * (world + 1) / 2
-        compressors = {name: getattr(comm, COMPRESSORS[name][0])(**COMPRESSORS[name][1])
-                       for name in settings["compressors"]}
+        compressors = {
+            name: getattr(comm, COMPRESSORS[name][0])(**COMPRESSORS[name][1])
+            for name in settings["compressors"]
+        }
 
-        def call(impl: str, t: torch.Tensor) -> None:
+        def call(impl: str, t: torch.Tensor, compressors=compressors, nbytes=nbytes) -> None:
             if impl == "braid":
                 c.all_reduce(t)
             elif impl == "gloo":
@@ -146,15 +151,29 @@ def rank_main(settings: dict) -> int:
                 total = max(g[0].item() for g in gathered)
                 link = max(g[1].item() for g in gathered)  # the busiest host's uplink
                 if impl not in best or total < best[impl]["total"]:
-                    best[impl] = {"total": total, "link_bytes": link, "wrong": int(sum(g[2].item() for g in gathered))}
+                    best[impl] = {
+                        "total": total,
+                        "link_bytes": link,
+                        "wrong": int(sum(g[2].item() for g in gathered)),
+                    }
         for impl in impls:
             b = best[impl]
             sec = b["total"] / iters[impl]
             algbw = nbytes / sec / 1e9
-            record = {"impl": impl, "bytes": nbytes, "count": count, "hosts": 2, "per_host": per_host,
-                      "link_mbit": settings["link_mbit"], "time_us": sec * 1e6, "algbw": algbw,
-                      "busbw": algbw * 2 * (world - 1) / world, "wrong": b["wrong"] if impl in IMPLS else None,
-                      "link_bytes_per_call": b["link_bytes"] / iters[impl], "iters": iters[impl]}
+            record = {
+                "impl": impl,
+                "bytes": nbytes,
+                "count": count,
+                "hosts": 2,
+                "per_host": per_host,
+                "link_mbit": settings["link_mbit"],
+                "time_us": sec * 1e6,
+                "algbw": algbw,
+                "busbw": algbw * 2 * (world - 1) / world,
+                "wrong": b["wrong"] if impl in IMPLS else None,
+                "link_bytes_per_call": b["link_bytes"] / iters[impl],
+                "iters": iters[impl],
+            }
             rate = settings["link_mbit"] * 1e6 / 8
             record["link_use"] = (b["link_bytes"] / b["total"] / rate) if rate else None
             records.append(record)
@@ -204,11 +223,13 @@ print(total / (time.perf_counter() - t0))
 
 def tcp_floor(hosts: SimulatedHosts, streams: int, total: int) -> float:
     """Bytes per second that ``streams`` plain TCP connections carry from host 1 to host 0."""
-    server = hosts.popen(0, [sys.executable, "-c", _FLOOR_SERVER, str(streams), str(total)],
-                         stdout=subprocess.PIPE, text=True)
+    server = hosts.popen(
+        0, [sys.executable, "-c", _FLOOR_SERVER, str(streams), str(total)], stdout=subprocess.PIPE, text=True
+    )
     server.stdout.readline()
-    out = hosts.run(1, [sys.executable, "-c", _FLOOR_CLIENT, hosts.addresses[0], str(streams), str(total)],
-                    timeout=300)
+    out = hosts.run(
+        1, [sys.executable, "-c", _FLOOR_CLIENT, hosts.addresses[0], str(streams), str(total)], timeout=300
+    )
     server.wait(timeout=60)
     return float(out.stdout.strip())
 
@@ -216,23 +237,39 @@ def tcp_floor(hosts: SimulatedHosts, streams: int, total: int) -> float:
 # ----------------------------------------------------------------------------------------------
 # The launcher.
 
+
 def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
     world = 2 * per_host
     procs = []
     for rank in range(world):
-        settings = {"rank": rank, "world": world, "per_host": per_host, "master": hosts.addresses[0],
-                    "sizes": args.sizes, "max_iters": args.iters, "rounds": args.rounds, "link_mbit": link,
-                    "compressors": args.compressors, "timeout": args.timeout}
-        procs.append(hosts.popen(rank // per_host, [sys.executable, "-m", "braid.bench.multihost", "--rank-main",
-                                                    json.dumps(settings)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        settings = {
+            "rank": rank,
+            "world": world,
+            "per_host": per_host,
+            "master": hosts.addresses[0],
+            "sizes": args.sizes,
+            "max_iters": args.iters,
+            "rounds": args.rounds,
+            "link_mbit": link,
+            "compressors": args.compressors,
+            "timeout": args.timeout,
+        }
+        procs.append(
+            hosts.popen(
+                rank // per_host,
+                [sys.executable, "-m", "braid.bench.multihost", "--rank-main", json.dumps(settings)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     records = None
     deadline = time.monotonic() + args.deadline
     for line in procs[0].stdout:
         if line.startswith("PROGRESS "):
-            print(f"  {line[len('PROGRESS '):].strip()}", flush=True)
+            print(f"  {line[len('PROGRESS ') :].strip()}", flush=True)
         elif line.startswith("RECORDS "):
-            records = json.loads(line[len("RECORDS "):])
+            records = json.loads(line[len("RECORDS ") :])
         if time.monotonic() > deadline:
             break
     for rank, p in enumerate(procs):
@@ -262,12 +299,37 @@ def run_ddp(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]
 def _ddp_rows(hosts: SimulatedHosts, per_host: int, link: int, args, world: int, out: str) -> list[dict]:
     procs = []
     for rank in range(world):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
-               "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(STORE_PORT + 2)}
-        argv = [sys.executable, "-m", "braid.bench", "ddp", "--modes", args.ddp_modes, "--steps", str(args.ddp_steps),
-                "--warmup", "3", "--shapes", args.ddp_shapes, "--timeout", str(args.timeout), "--json", out]
-        procs.append(hosts.popen(rank // per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True))
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank % per_host),
+            "LOCAL_WORLD_SIZE": str(per_host),
+            "MASTER_ADDR": hosts.addresses[0],
+            "MASTER_PORT": str(STORE_PORT + 2),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "braid.bench",
+            "ddp",
+            "--modes",
+            args.ddp_modes,
+            "--steps",
+            str(args.ddp_steps),
+            "--warmup",
+            "3",
+            "--shapes",
+            args.ddp_shapes,
+            "--timeout",
+            str(args.timeout),
+            "--json",
+            out,
+        ]
+        procs.append(
+            hosts.popen(
+                rank // per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     for rank, p in enumerate(procs):
         try:
             stdout, err = p.communicate(timeout=args.deadline)
@@ -298,25 +360,35 @@ def table(records: Sequence[dict], floor: dict) -> str:
     for r in records:
         if r["impl"] not in impls:
             impls.append(r["impl"])
-    head = (f"{'link':>9} {'layout':>6} {'size':>7} " + " ".join(f"{i + ' us':>12}" for i in impls)
-            + f" {'braid busbw':>11} {'braid link':>10} {'gloo link':>9} " + " ".join(f"{'gloo/' + i:>11}" for i in impls if i != "gloo")
-            + f" {'#wrong':>6}")
+    head = (
+        f"{'link':>9} {'layout':>6} {'size':>7} "
+        + " ".join(f"{i + ' us':>12}" for i in impls)
+        + f" {'braid busbw':>11} {'braid link':>10} {'gloo link':>9} "
+        + " ".join(f"{'gloo/' + i:>11}" for i in impls if i != "gloo")
+        + f" {'#wrong':>6}"
+    )
     lines = [head]
     for (link, per, nbytes), row in sorted(by.items()):
-        def use(impl):
+
+        def use(impl, row=row):
             v = row.get(impl, {}).get("link_use")
             return "-" if v is None else f"{100 * v:.0f}%"
+
         gloo = row["gloo"]["time_us"]
-        lines.append(f"{link_name(link):>9} {'2x' + str(per):>6} {human_bytes(nbytes):>7} "
-                     + " ".join(f"{row[i]['time_us']:>12.1f}" for i in impls)
-                     + f" {row['braid']['busbw']:>11.3f} {use('braid'):>10} {use('gloo'):>9} "
-                     + " ".join(f"{gloo / row[i]['time_us']:>10.2f}x" for i in impls if i != "gloo")
-                     + f" {row['braid']['wrong'] + row['gloo']['wrong']:>6}")
+        lines.append(
+            f"{link_name(link):>9} {'2x' + str(per):>6} {human_bytes(nbytes):>7} "
+            + " ".join(f"{row[i]['time_us']:>12.1f}" for i in impls)
+            + f" {row['braid']['busbw']:>11.3f} {use('braid'):>10} {use('gloo'):>9} "
+            + " ".join(f"{gloo / row[i]['time_us']:>10.2f}x" for i in impls if i != "gloo")
+            + f" {row['braid']['wrong'] + row['gloo']['wrong']:>6}"
+        )
     if floor:
         lines.append("")
         lines.append("plain TCP between the two hosts (the floor braid's link use is measured against):")
         for link, (one, four) in sorted(floor.items()):
-            lines.append(f"  {link_name(link):>9}: 1 stream {one / 1e9:.3f} GB/s, 4 streams {four / 1e9:.3f} GB/s")
+            lines.append(
+                f"  {link_name(link):>9}: 1 stream {one / 1e9:.3f} GB/s, 4 streams {four / 1e9:.3f} GB/s"
+            )
     return "\n".join(lines)
 
 
@@ -329,8 +401,13 @@ def plot(path: str, records: Sequence[dict]) -> None:
         rows = [r for r in records if (r["link_mbit"], r["per_host"]) == (link, per)]
         for impl in dict.fromkeys(r["impl"] for r in rows):
             mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["bytes"])
-            ax.plot([r["bytes"] for r in mine], [r["time_us"] / 1e3 for r in mine], marker="o", markersize=4,
-                    label=impl)
+            ax.plot(
+                [r["bytes"] for r in mine],
+                [r["time_us"] / 1e3 for r in mine],
+                marker="o",
+                markersize=4,
+                label=impl,
+            )
         sizes = sorted({r["bytes"] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -350,35 +427,60 @@ def ddp_table(rows: Sequence[dict]) -> str:
     for r in rows:
         base = gloo.get((r["link_mbit"], r["batch"], r["seq"]))
         vs = f"{r['step_s'] / base:.2f}x" if base else "-"
-        lines.append(f"{link_name(r['link_mbit']):>9} {str(r['batch']) + 'x' + str(r['seq']):>7} {r['mode']:<8} "
-                     f"{r['step_s'] * 1e3:>9.0f} {vs:>8} {r['loss']:>9.4f}")
+        lines.append(
+            f"{link_name(r['link_mbit']):>9} {str(r['batch']) + 'x' + str(r['seq']):>7} {r['mode']:<8} "
+            f"{r['step_s'] * 1e3:>9.0f} {vs:>8} {r['loss']:>9.4f}"
+        )
     return "DDP step of the ~25M-parameter LM (median of the slowest rank):\n" + "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench multihost") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--links", type=parse_links, default=[1000, 10000, 0],
-                        help="link rates in Mbit/s, 0 for unshaped (default 1000,10000,0)")
+    parser.add_argument(
+        "--links",
+        type=parse_links,
+        default=[1000, 10000, 0],
+        help="link rates in Mbit/s, 0 for unshaped (default 1000,10000,0)",
+    )
     parser.add_argument("--layouts", type=parse_layouts, default=[1, 2], help="2xL layouts (default 2x1,2x2)")
-    parser.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
-                        help="all_reduce sizes in bytes (default 4K,64K,1M,16M,64M)")
-    parser.add_argument("--compressors", default="int8,int4,topk1%",
-                        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=list(DEFAULT_SIZES),
+        help="all_reduce sizes in bytes (default 4K,64K,1M,16M,64M)",
+    )
+    parser.add_argument(
+        "--compressors",
+        default="int8,int4,topk1%",
+        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)",
+    )
     parser.add_argument("--iters", type=int, default=50, help="most iterations of a timed batch (default 50)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best counts (default 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds; the best counts (default 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="the short run of `make bench`")
-    parser.add_argument("--timeout", type=float, default=120.0, help="braid's and gloo's deadline per wait (s)")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="braid's and gloo's deadline per wait (s)"
+    )
     parser.add_argument("--deadline", type=float, default=1800.0, help="deadline of one configuration (s)")
-    parser.add_argument("--ddp-links", type=parse_links, default=[1000],
-                        help="links on which the DDP step is measured too, 2 hosts x 1 rank (default 1000; "
-                             "empty for none)")
+    parser.add_argument(
+        "--ddp-links",
+        type=parse_links,
+        default=[1000],
+        help="links on which the DDP step is measured too, 2 hosts x 1 rank (default 1000; empty for none)",
+    )
     parser.add_argument("--ddp-modes", default=DDP_MODES, help=f"modes of the DDP step (default {DDP_MODES})")
     parser.add_argument("--ddp-steps", type=int, default=5, help="timed DDP steps per mode (default 5)")
-    parser.add_argument("--ddp-shapes", default="1x32,4x128",
-                        help="batch x sequence per rank of the DDP step, one table each (default 1x32,4x128: "
-                             "what communication costs a step depends on the compute it can hide behind)")
+    parser.add_argument(
+        "--ddp-shapes",
+        default="1x32,4x128",
+        help="batch x sequence per rank of the DDP step, one table each (default 1x32,4x128: "
+        "what communication costs a step depends on the compute it can hide behind)",
+    )
     parser.add_argument("--json", type=output_path(), help="write the records as JSON to this path")
-    parser.add_argument("--plot", type=output_path(".png"), help="write a PNG of time against size to this path")
+    parser.add_argument(
+        "--plot", type=output_path(".png"), help="write a PNG of time against size to this path"
+    )
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
@@ -390,7 +492,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     if args.iters < 2 or args.rounds < 1:
         parser.error("--iters must be >= 2 and --rounds >= 1")
     if args.quick:
-        args.sizes, args.links, args.layouts, args.iters, args.ddp_steps = list(QUICK_SIZES), [1000, 0], [1, 2], 10, 3
+        args.sizes, args.links, args.layouts, args.iters, args.ddp_steps = (
+            list(QUICK_SIZES),
+            [1000, 0],
+            [1, 2],
+            10,
+            3,
+        )
     reason = unavailable_reason(rate=True)
     if reason is not None:
         print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
@@ -415,9 +523,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print()
         print(ddp_table(ddp_rows))
     if args.json:
-        write_json(args.json, {"benchmark": "multihost", "machine": machine_info(), "records": records,
-                               "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()},
-                               "ddp": ddp_rows})
+        write_json(
+            args.json,
+            {
+                "benchmark": "multihost",
+                "machine": machine_info(),
+                "records": records,
+                "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()},
+                "ddp": ddp_rows,
+            },
+        )
     if args.plot and records:
         plot(args.plot, records)
     wrong = sum((r["wrong"] or 0) for r in records)

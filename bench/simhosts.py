@@ -1,4 +1,4 @@
-"""Simulated hosts on one machine (network namespaces on a bridge), for braid's multi-host tests and benchmark.
+"""Simulated hosts on one machine (network namespaces on a bridge) for braid's multi-host tests and bench.
 
     reason = unavailable_reason()                    # None: this machine can make them (root, iproute2, ...)
     with SimulatedHosts(3, rate_mbit=1000) as hosts:

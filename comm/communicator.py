@@ -602,7 +602,8 @@ def _env(name: str, slurm: Optional[str] = None) -> str:
 
 def first_slurm_host(nodelist: str) -> str:
     """The first host name of a SLURM node list: "node[03-05,07],gpu1" -> "node03"."""
-    head = nodelist.split(",", 1)[0] if "[" not in nodelist.split(",", 1)[0] else nodelist[:nodelist.index("]") + 1]
+    first = nodelist.split(",", 1)[0]
+    head = first if "[" not in first else nodelist[:nodelist.index("]") + 1]
     if "[" not in head:
         return head
     prefix, ranges = head.split("[", 1)

@@ -383,7 +383,8 @@ class _BlockQuantizer(Compressor):
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         work = comm._c.pipelined_quantized_all_reduce(
-            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == _AVG, self.stochastic,
+            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == _AVG,
+            self.stochastic,
             seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
         moved = 2 * (n - 1) * self.wire_bytes(chunk)
         return work, None, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
@@ -520,8 +521,9 @@ class TopK(Compressor):
         sparse = self.sparse(per, hosts, es)
         padded, mine = _slice_buffers(flat, local)
         work = comm._c.host_top_k_all_reduce(
-            flat, self._residual_for(key, per), padded, mine, torch.empty(k), torch.empty(k, dtype=torch.int32),
-            torch.empty(8 * k, dtype=torch.uint8), torch.empty(hosts * 8 * k, dtype=torch.uint8), torch.empty(per),
+            flat, self._residual_for(key, per), padded, mine, torch.empty(k),
+            torch.empty(k, dtype=torch.int32), torch.empty(8 * k, dtype=torch.uint8),
+            torch.empty(hosts * 8 * k, dtype=torch.uint8), torch.empty(per),
             k, sparse, op_code == _AVG, async_op, self._call_tag(op_code, flat))
         between = (hosts - 1) * 8 * k if sparse else dense_wire_bytes(per * 4, hosts)
         moved = between + 2 * (local - 1) * per * es
@@ -579,7 +581,7 @@ class Cast(Compressor):
         per = -(-numel // local)
         padded, mine = _slice_buffers(flat, local)
         sent = torch.empty(per, dtype=self.dtype)
-        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), padded, mine, sent, torch.empty(per),
-                                            op_code == _AVG, async_op)
+        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), padded, mine, sent,
+                                            torch.empty(per), op_code == _AVG, async_op)
         moved = dense_wire_bytes(per * sent.element_size(), hosts) + 2 * (local - 1) * per * es
         return work, None, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))

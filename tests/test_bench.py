@@ -109,7 +109,8 @@ def test_multihost_benchmark_runs(tmp_path):
 
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "braid.bench", "multihost", "--links", "0", "--layouts", "2x1", "--sizes", "4K,1M",
+        [sys.executable, "-m", "braid.bench", "multihost", "--links", "0", "--layouts", "2x1",
+         "--sizes", "4K,1M",
          "--compressors", "int8", "--iters", "3", "--rounds", "1", "--ddp-links", "", "--json", str(out),
          "--plot", str(png)],
         capture_output=True, text=True, timeout=200)
@@ -119,7 +120,8 @@ def test_multihost_benchmark_runs(tmp_path):
         return
     doc = json.loads(out.read_text())
     assert sorted((r["impl"], r["bytes"]) for r in doc["records"]) == [
-        ("braid", 4096), ("braid", 1 << 20), ("gloo", 4096), ("gloo", 1 << 20), ("int8", 4096), ("int8", 1 << 20)]
+        ("braid", 4096), ("braid", 1 << 20), ("gloo", 4096), ("gloo", 1 << 20),
+        ("int8", 4096), ("int8", 1 << 20)]
     assert all(r["wrong"] == 0 for r in doc["records"] if r["impl"] in ("braid", "gloo"))
     assert doc["tcp_floor"]["0"]["1"] > 0 and png.stat().st_size > 0
     assert "plain TCP between the two hosts" in proc.stdout

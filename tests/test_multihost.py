@@ -11,6 +11,7 @@ The promised order of an all_reduce across hosts: each host's ranks in rank orde
 partial result, rounded to the dtype), then the hosts in host order, with avg's division once,
 by the number of all ranks.
 """
+
 import os
 
 import pytest
@@ -21,12 +22,22 @@ from helpers import DTYPES, CaseLog, assert_ranks_agree, make_input, ops_for, re
 from helpers.ranks import make_comm, run_ranks
 
 TINY_TCP = {"slot_bytes": 1024, "oneshot_max_bytes": 256, "nslots": 2}
-TINY_ENV = {"BRAID_SOCKET_CHUNK_BYTES": "4096", "BRAID_CROSS_PIECE_BYTES": "1024",
-            "BRAID_CROSS_ONESHOT_MAX_BYTES": "256", "BRAID_NSOCKS": "3"}
+TINY_ENV = {
+    "BRAID_SOCKET_CHUNK_BYTES": "4096",
+    "BRAID_CROSS_PIECE_BYTES": "1024",
+    "BRAID_CROSS_ONESHOT_MAX_BYTES": "256",
+    "BRAID_NSOCKS": "3",
+}
 # Layouts: host id of every rank. Two hosts of 1, 2 and 3 ranks, ranks of a host not consecutive,
 # and three uneven hosts (2 + 1 + 1).
-LAYOUTS = {"2x1": [0, 1], "2x2": [0, 0, 1, 1], "2x3": [0, 0, 0, 1, 1, 1], "2x2-interleaved": [0, 1, 0, 1],
-           "2+1+1": [0, 0, 1, 2], "3x1": [0, 1, 2]}
+LAYOUTS = {
+    "2x1": [0, 1],
+    "2x2": [0, 0, 1, 1],
+    "2x3": [0, 0, 0, 1, 1, 1],
+    "2x2-interleaved": [0, 1, 0, 1],
+    "2+1+1": [0, 0, 1, 2],
+    "3x1": [0, 1, 2],
+}
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
 
@@ -60,18 +71,24 @@ def cross_host_reference(inputs, op, layout):
 # ----------------------------------------------------------------------------------------------
 # Rank functions.
 
+
 def all_reduce_across_hosts(rank, n, store_path, layout, seed):
     log = CaseLog()
     with hosts_comm(rank, n, store_path, layout) as c:
-        log.expect("topology", (c.num_hosts, c.local_world_size) ==
-                   (len(hosts_of(layout)), layout.count(layout[rank])), f"{c.num_hosts} {c.local_world_size}")
+        log.expect(
+            "topology",
+            (c.num_hosts, c.local_world_size) == (len(hosts_of(layout)), layout.count(layout[rank])),
+            f"{c.num_hosts} {c.local_world_size}",
+        )
         for dtype in DTYPES:
             for count in COUNTS:
                 inputs = [make_input(seed, r, count, dtype) for r in range(n)]
                 # One rank on each of three hosts takes the ring between hosts past the small sizes.
                 ring = c.all_reduce_algorithm(count * inputs[0].element_size()) == "ring"
                 for op in ops_for(dtype):
-                    expected = (ring_cross_host_reference if ring else cross_host_reference)(inputs, op, layout)
+                    expected = (ring_cross_host_reference if ring else cross_host_reference)(
+                        inputs, op, layout
+                    )
                     t = inputs[rank].clone()
                     c.all_reduce(t, op=op)
                     log.check(f"{dtype} count {count} {op}", t, expected)
@@ -109,8 +126,9 @@ def ring_cross_host_reference(inputs, op, layout):
         per = -(-count // local)
         padded = [torch.cat([x, torch.zeros(per * local - count, dtype=x.dtype)]) for x in inputs]
         partials = [reduce_reference([padded[r] for r in ranks], host_op, 1) for ranks in hosts]
-        return torch.cat([ring_reference([p[i * per:(i + 1) * per] for p in partials], op, n)
-                          for i in range(local)])[:count]
+        return torch.cat(
+            [ring_reference([p[i * per : (i + 1) * per] for p in partials], op, n) for i in range(local)]
+        )[:count]
     partials = [reduce_reference([inputs[r] for r in ranks], host_op, 1) for ranks in hosts]
     return ring_reference(partials, op, n)
 
@@ -138,10 +156,17 @@ def forced_algorithms(rank, n, store_path, layout, seed):
     uniform = len({layout.count(h) for h in layout}) == 1 and layout.count(layout[0]) > 1
     for algo in ("oneshot", "hierarchical", "leaders", "auto"):
         with hosts_comm(rank, n, store_path, layout, algo=algo) as c:
-            want = {"oneshot": "oneshot", "leaders": "leaders",
-                    "hierarchical": "hierarchical" if uniform else "leaders"}.get(algo)
+            want = {
+                "oneshot": "oneshot",
+                "leaders": "leaders",
+                "hierarchical": "hierarchical" if uniform else "leaders",
+            }.get(algo)
             if want is not None:
-                log.expect(f"{algo} reported", c.all_reduce_algorithm(1 << 20) == want, c.all_reduce_algorithm(1 << 20))
+                log.expect(
+                    f"{algo} reported",
+                    c.all_reduce_algorithm(1 << 20) == want,
+                    c.all_reduce_algorithm(1 << 20),
+                )
             for dtype in (torch.float32, torch.bfloat16, torch.int64):
                 for count in (0, 1, 5, 1021, 5003):
                     inputs = [make_input(seed, r, count, dtype) for r in range(n)]
@@ -155,8 +180,9 @@ def forced_algorithms(rank, n, store_path, layout, seed):
 def algo_disagreement(rank, n, store_path, layout):
     from helpers import outcome
 
-    with hosts_comm(rank, n, store_path, layout, algo="leaders" if rank == n - 1 else "hierarchical",
-                    timeout=30.0) as c:
+    with hosts_comm(
+        rank, n, store_path, layout, algo="leaders" if rank == n - 1 else "hierarchical", timeout=30.0
+    ) as c:
         return outcome(c.all_reduce, torch.ones(10000))
 
 
@@ -178,15 +204,19 @@ def data_movement_across_hosts(rank, n, store_path, layout, seed):
                 chunks = [make_input(seed + 1, r, n * count, dtype) for r in range(n)]
                 out = torch.full((n * count,), 7, dtype=dtype)
                 c.all_to_all(out, chunks[rank])
-                expected = torch.cat([chunks[r][rank * count:(rank + 1) * count] for r in range(n)])
+                expected = torch.cat([chunks[r][rank * count : (rank + 1) * count] for r in range(n)])
                 log.check(f"all_to_all {dtype} {count}", out, expected, rank_specific=True)
                 for op in ("sum", "max", "avg"):
                     inp = [make_input(seed + 2, r, n * count, dtype) for r in range(n)]
                     mine = slice(rank * count, (rank + 1) * count)
                     out = torch.full((count,), 7, dtype=dtype)
                     c.reduce_scatter(out, inp[rank].clone(), op=op)
-                    log.check(f"reduce_scatter {dtype} {count} {op}", out,
-                              cross_host_reference(inp, op, layout)[mine], rank_specific=True)
+                    log.check(
+                        f"reduce_scatter {dtype} {count} {op}",
+                        out,
+                        cross_host_reference(inp, op, layout)[mine],
+                        rank_specific=True,
+                    )
         # Uneven all_to_all: rank i sends (i + j) % 3 + 1 rows to rank j.
         sizes_in = [(rank + j) % 3 + 1 for j in range(n)]
         sizes_out = [(j + rank) % 3 + 1 for j in range(n)]
@@ -234,8 +264,11 @@ def compressed_across_hosts(rank, n, store_path, layout, seed):
     included). The warm-up steps are exact all-reduces, in the cross-host order."""
     log = CaseLog()
     with hosts_comm(rank, n, store_path, layout) as across, make_comm(rank, n, store_path) as one_host:
-        for make in (lambda: comm.Int8Quantizer(block=64, stochastic=False), lambda: comm.Int4Quantizer(block=32),
-                     lambda: comm.TopK(ratio=0.05)):
+        for make in (
+            lambda: comm.Int8Quantizer(block=64, stochastic=False),
+            lambda: comm.Int4Quantizer(block=32),
+            lambda: comm.TopK(ratio=0.05),
+        ):
             a, b = make(), make()
             for step in range(5):
                 inputs = [make_input(seed + step, r, 3001, torch.float32) for r in range(n)]
@@ -243,7 +276,11 @@ def compressed_across_hosts(rank, n, store_path, layout, seed):
                 across.all_reduce(t1, op="avg", compression=a)
                 one_host.all_reduce(t2, op="avg", compression=b)
                 if step < a.warmup_steps:
-                    log.check(f"{type(a).__name__} warm-up step {step}", t1, cross_host_reference(inputs, "avg", layout))
+                    log.check(
+                        f"{type(a).__name__} warm-up step {step}",
+                        t1,
+                        cross_host_reference(inputs, "avg", layout),
+                    )
                 else:
                     log.check(f"{type(a).__name__} step {step}", t1, t2)
     return log.summary()
@@ -269,6 +306,7 @@ def silent_host(rank, n, store_path, layout):
 
 # ----------------------------------------------------------------------------------------------
 # Tests.
+
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_all_reduce_across_hosts(name):
@@ -302,8 +340,9 @@ def test_data_movement_across_hosts(name):
     assert_ranks_agree(run_ranks(data_movement_across_hosts, len(layout), layout, 5), min_cases=50)
 
 
-@pytest.mark.parametrize("fn", ["_run_collectives", "_run_point_to_point", "_run_ddp_fsdp_dtensor",
-                                "_run_work_api_and_callbacks"])
+@pytest.mark.parametrize(
+    "fn", ["_run_collectives", "_run_point_to_point", "_run_ddp_fsdp_dtensor", "_run_work_api_and_callbacks"]
+)
 @pytest.mark.parametrize("name", ["2x1", "2+1+1"])
 def test_torch_distributed_backend_across_hosts(name, fn):
     layout = LAYOUTS[name]
@@ -329,32 +368,46 @@ def _expected_between_hosts(q, inputs, residuals, op, layout, call, dtype):
     out, new_res = torch.empty(per * local, dtype=dtype), list(residuals)
     for i in range(local):
         owners = [ranks[i] for ranks in hosts]
-        slices = [host_sum[h][i * per:(i + 1) * per] for h in range(nhosts)]
+        slices = [host_sum[h][i * per : (i + 1) * per] for h in range(nhosts)]
         owned = [residuals[r] if residuals[r] is not None else torch.zeros(per) for r in owners]
         if isinstance(q, comm.TopK):
-            out[i * per:(i + 1) * per], res = _expected_top_k(q, slices, owned, op, nhosts, dtype, divisor=n)
+            out[i * per : (i + 1) * per], res = _expected_top_k(
+                q, slices, owned, op, nhosts, dtype, divisor=n
+            )
         elif isinstance(q, comm.Cast):
-            out[i * per:(i + 1) * per], res = _expected_cast(q, slices, owned, op, nhosts, dtype, divisor=n)
+            out[i * per : (i + 1) * per], res = _expected_cast(q, slices, owned, op, nhosts, dtype, divisor=n)
         else:
             chunk = q.chunk_elems(per, nhosts)
             cb = _C.quantized_bytes(chunk, q.bits, q.block)
             payloads, res = [], []
             for h, r in enumerate(owners):
-                p, rr = ref.quantize(slices[h], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk,
-                                     nhosts)
+                p, rr = ref.quantize(
+                    slices[h], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk, nhosts
+                )
                 payloads.append(p)
                 res.append(rr)
             gathered = []
             for j in range(nhosts):
                 acc = torch.zeros(chunk)
                 for h in range(nhosts):
-                    acc = acc + ref.dequantize(payloads[h][j * cb:(j + 1) * cb], chunk, q.bits, q.block, torch.float32)
+                    acc = acc + ref.dequantize(
+                        payloads[h][j * cb : (j + 1) * cb], chunk, q.bits, q.block, torch.float32
+                    )
                 if op == "avg":
                     acc = acc / torch.full_like(acc, n)
-                p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, owners[j], call), 1),
-                                    index_base=j * chunk)
+                p, _ = ref.quantize(
+                    acc,
+                    None,
+                    q.bits,
+                    q.block,
+                    q.stochastic,
+                    _mix64(_seed(q, owners[j], call), 1),
+                    index_base=j * chunk,
+                )
                 gathered.append(p)
-            out[i * per:(i + 1) * per] = ref.dequantize(torch.cat(gathered), per, q.bits, q.block, dtype, chunk)
+            out[i * per : (i + 1) * per] = ref.dequantize(
+                torch.cat(gathered), per, q.bits, q.block, dtype, chunk
+            )
         for h, r in enumerate(owners):
             new_res[r] = res[h]
     return out[:numel], new_res
@@ -399,17 +452,26 @@ def compressed_between_hosts(rank, n, store_path, layout, seed, names):
                                 log.check(f"{what} call {call}", t, cross_host_reference(inputs, op, layout))
                                 continue
                             base = residuals if q.error_feedback else [None] * n
-                            expected, new_res = _expected_between_hosts(q, inputs, base, op, layout, call, dtype)
+                            expected, new_res = _expected_between_hosts(
+                                q, inputs, base, op, layout, call, dtype
+                            )
                             log.check(f"{what} call {call}", t, expected)
                             if q.error_feedback:
                                 residuals = new_res
-                                log.check(f"{what} call {call} residual", q.residual(KEY), residuals[rank],
-                                          rank_specific=True)
+                                log.check(
+                                    f"{what} call {call} residual",
+                                    q.residual(KEY),
+                                    residuals[rank],
+                                    rank_specific=True,
+                                )
     return log.summary()
 
 
-@pytest.mark.parametrize("names", [("int8", "int4", "int8-nearest-no-ef"), ("topk", "topk-dense"),
-                                   ("cast-bf16", "cast-f16-no-ef")], ids=["quantized", "topk", "cast"])
+@pytest.mark.parametrize(
+    "names",
+    [("int8", "int4", "int8-nearest-no-ef"), ("topk", "topk-dense"), ("cast-bf16", "cast-f16-no-ef")],
+    ids=["quantized", "topk", "cast"],
+)
 @pytest.mark.parametrize("name", ["2x2", "2x3"])
 def test_compression_is_exact_on_hosts_and_compressed_between(name, names):
     layout = LAYOUTS[name]
@@ -429,7 +491,9 @@ def test_tensor_parallel_across_hosts_matches_dense(sequence_parallel):
     layout = LAYOUTS["2x2"]
     checked = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "_run_block", sequence_parallel)
     assert checked == [16] * len(layout)
-    losses = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "_run_training", sequence_parallel, 3)
+    losses = run_ranks(
+        module_across_hosts, len(layout), layout, "test_tp", "_run_training", sequence_parallel, 3
+    )
     assert all(run == losses[0] for run in losses)
 
 
@@ -548,6 +612,7 @@ def tcp_endpoint(rank, n, store_path, layout):
 def nothing_outlives_close(rank, n, store_path, layout):
     """File descriptors (sockets, listener, eventfd) and threads (progress, accept) before a
     communicator across hosts and after its close()."""
+
     def fds():
         return sorted(os.listdir("/proc/self/fd"))
 
@@ -607,7 +672,11 @@ def pipeline_across_hosts(rank, n, store_path, layout, schedule_name):
         braid_grads, braid_losses = train(None)
         gloo_grads, gloo_losses = train(gloo)
     close = torch.allclose(braid_grads, gloo_grads, rtol=1e-6, atol=1e-6)
-    return {"grads_close": close, "losses": (braid_losses, gloo_losses), "nonzero": bool(braid_grads.abs().sum() > 0)}
+    return {
+        "grads_close": close,
+        "losses": (braid_losses, gloo_losses),
+        "nonzero": bool(braid_grads.abs().sum() > 0),
+    }
 
 
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])

@@ -5,6 +5,7 @@ test_multihost's; here they run as processes started inside the namespaces, shar
 the common file system. Skipped, with the reason, where namespaces cannot be made (not root, no
 iproute2); test_multihost covers the same paths over loopback everywhere.
 """
+
 import json
 import os
 import sys
@@ -36,11 +37,20 @@ def start_ranks(hosts, layout, fn, store_path, *args, env=None):
     """One process per rank, on the host ``layout`` names; returns the Popen objects."""
     procs = []
     for rank, h in enumerate(layout):
-        code = _RANK_MAIN.format(tests=TESTS_DIR, fn=fn, rank=rank, n=len(layout), store=store_path, args=list(args))
-        procs.append(hosts.popen(h, [sys.executable, "-c", code], cwd=TESTS_DIR,
-                                 env={"BRAID_TEST_REAL_HOSTS": "1", **(env or {})},
-                                 stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").PIPE,
-                                 text=True))
+        code = _RANK_MAIN.format(
+            tests=TESTS_DIR, fn=fn, rank=rank, n=len(layout), store=store_path, args=list(args)
+        )
+        procs.append(
+            hosts.popen(
+                h,
+                [sys.executable, "-c", code],
+                cwd=TESTS_DIR,
+                env={"BRAID_TEST_REAL_HOSTS": "1", **(env or {})},
+                stdout=__import__("subprocess").PIPE,
+                stderr=__import__("subprocess").PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -57,7 +67,7 @@ def results_of(procs, timeout_s=RANK_TIMEOUT_S):
             raise AssertionError(f"rank {rank} did not finish within {timeout_s} s") from None
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
         assert p.returncode == 0 and lines, f"rank {rank} exited {p.returncode}:\n{stderr[-3000:]}"
-        out.append(json.loads(lines[-1][len("RESULT "):]))
+        out.append(json.loads(lines[-1][len("RESULT ") :]))
     return out
 
 
@@ -75,13 +85,19 @@ def test_collectives_between_namespaces(layout):
     all-reduces between hosts that share nothing but a network."""
     with SimulatedHosts(max(layout) + 1) as hosts:
         store = new_store_path()
-        assert_agree(results_of(start_ranks(hosts, layout, "all_reduce_across_hosts", store, layout, 21)), 100)
+        assert_agree(
+            results_of(start_ranks(hosts, layout, "all_reduce_across_hosts", store, layout, 21)), 100
+        )
         store = new_store_path()
-        assert_agree(results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 22)), 50)
+        assert_agree(
+            results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 22)), 50
+        )
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(unavailable_reason(ipv6=True) is not None, reason=f"no IPv6 hosts: {unavailable_reason(ipv6=True)}")
+@pytest.mark.skipif(
+    unavailable_reason(ipv6=True) is not None, reason=f"no IPv6 hosts: {unavailable_reason(ipv6=True)}"
+)
 def test_collectives_between_namespaces_over_ipv6():
     """BRAID_SOCKET_IFNAME and BRAID_SOCKET_FAMILY=AF_INET6: the ranks listen on their interface's
     IPv6 address and the same collectives are exact."""
@@ -89,8 +105,10 @@ def test_collectives_between_namespaces_over_ipv6():
     env = {"BRAID_SOCKET_IFNAME": "eth", "BRAID_SOCKET_FAMILY": "AF_INET6"}
     with SimulatedHosts(2, ipv6=True) as hosts:
         store = new_store_path()
-        assert_agree(results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 23,
-                                            env=env)), 50)
+        assert_agree(
+            results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 23, env=env)),
+            50,
+        )
         store = new_store_path()
         endpoints = results_of(start_ranks(hosts, layout, "tcp_endpoint", store, layout, env=env))
         assert all(e.startswith("[fd00:") for e in endpoints), endpoints
@@ -103,7 +121,9 @@ def test_ddp_fsdp2_dtensor_between_namespaces():
     layout = [0, 1]
     with SimulatedHosts(2) as hosts:
         store = new_store_path()
-        results = results_of(start_ranks(hosts, layout, "backend_across_hosts", store, layout, "_run_ddp_fsdp_dtensor"))
+        results = results_of(
+            start_ranks(hosts, layout, "backend_across_hosts", store, layout, "_run_ddp_fsdp_dtensor")
+        )
         assert all(r is not False for r in results), results
 
 
