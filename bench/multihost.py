@@ -104,7 +104,12 @@ def rank_main(settings: dict) -> int:
     records = []
     for nbytes in settings["sizes"]:
         count = nbytes // 4
-        x = torch.full((count,), float(rank + 1))
+        # Exact all-reduces sum rank + 1 (the result is known, #wrong is checked); compressors get
+        # gradient-like values (seeded normal): constant values would be a degenerate input for
+        # top-k's selection (every magnitude tied).
+        inputs = {impl: torch.full((count,), float(rank + 1)) for impl in IMPLS}
+        noise = torch.randn(count, generator=torch.Generator().manual_seed(rank))
+        inputs.update({impl: noise for impl in settings["compressors"]})
         expected = world * (world + 1) / 2
         compressors = {
             name: getattr(comm, COMPRESSORS[name][0])(**COMPRESSORS[name][1])
@@ -122,7 +127,7 @@ def rank_main(settings: dict) -> int:
         # Warm-up (compressors: past their exact steps) and the iteration count of a batch.
         iters = {}
         for impl in impls:
-            t = x.clone()
+            t = inputs[impl].clone()
             for _ in range(3):
                 call(impl, t)
             c.barrier()
@@ -134,6 +139,7 @@ def rank_main(settings: dict) -> int:
         best = {}
         for _ in range(settings["rounds"]):
             for impl in impls:
+                x = inputs[impl]
                 t = x.clone()
                 wrong = 0
                 c.barrier()
