@@ -519,15 +519,23 @@ class TopK(Compressor):
         per = -(-numel // local)
         k = self.k(per)
         sparse = self.sparse(per, hosts, es)
-        padded, mine = _slice_buffers(flat, local)
-        work = comm._c.host_top_k_all_reduce(
-            flat, self._residual_for(key, per), padded, mine, torch.empty(k),
-            torch.empty(k, dtype=torch.int32), torch.empty(8 * k, dtype=torch.uint8),
-            torch.empty(hosts * 8 * k, dtype=torch.uint8), torch.empty(per),
-            k, sparse, op_code == _AVG, async_op, self._call_tag(op_code, flat))
+
+        def make() -> list:  # padded, slice, values, indices, send, gathered, accumulator
+            return [*_slice_buffers(flat, local), torch.empty(k), torch.empty(k, dtype=torch.int32),
+                    torch.empty(8 * k, dtype=torch.uint8), torch.empty(hosts * 8 * k, dtype=torch.uint8),
+                    torch.empty(per)]
+
+        bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
+                                  and b[2].numel() == k)
+        work = comm._c.host_top_k_all_reduce(flat, self._residual_for(key, per), *bufs, k, sparse,
+                                             op_code == _AVG, async_op, self._call_tag(op_code, flat))
+
+        def finish() -> None:
+            self._scratch[key] = bufs
+
         between = (hosts - 1) * 8 * k if sparse else dense_wire_bytes(per * 4, hosts)
         moved = between + 2 * (local - 1) * per * es
-        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
 
 
 class Cast(Compressor):
@@ -579,9 +587,17 @@ class Cast(Compressor):
         of the same local index on the other hosts, and the host all-gathers the slices."""
         local, hosts, numel, es = comm.local_world_size, comm.num_hosts, flat.numel(), flat.element_size()
         per = -(-numel // local)
-        padded, mine = _slice_buffers(flat, local)
-        sent = torch.empty(per, dtype=self.dtype)
-        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), padded, mine, sent,
-                                            torch.empty(per), op_code == _AVG, async_op)
+
+        def make() -> list:  # padded, slice, sent, accumulator
+            return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype), torch.empty(per)]
+
+        bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
+        sent = bufs[2]
+        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == _AVG,
+                                            async_op)
+
+        def finish() -> None:
+            self._scratch[key] = bufs
+
         moved = dense_wire_bytes(per * sent.element_size(), hosts) + 2 * (local - 1) * per * es
-        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
