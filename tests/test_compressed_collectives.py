@@ -174,15 +174,20 @@ def _seed(q, rank, call):
     return _mix64(q.seed, rank, _key_hash(KEY), call)
 
 
-def _expected_quantized(q, inputs, residuals, op, n, call, dtype):
-    """The quantized all-reduce in torch; returns (result, new residuals of every rank)."""
+def _expected_quantized(q, inputs, residuals, op, n, call, dtype, divisor=None, ranks=None):
+    """The quantized all-reduce in torch; returns (result, new residuals of every rank).
+    ``ranks``: the communicator ranks of the n members (their seeds; across hosts a slice's
+    members are the ranks of one local index); ``divisor``: what avg divides by when it is not
+    the n members (across hosts: every rank)."""
     numel = inputs[0].numel()
+    divisor = divisor or n
+    ranks = ranks or list(range(n))
     chunk = q.chunk_elems(numel, n)
     cb = _C.quantized_bytes(chunk, q.bits, q.block)
     payloads, new_res = [], []
     for r in range(n):
         p, res = ref.quantize(
-            inputs[r], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk, n
+            inputs[r], residuals[r], q.bits, q.block, q.stochastic, _seed(q, ranks[r], call), chunk, n
         )
         payloads.append(p)
         new_res.append(res)
@@ -194,10 +199,9 @@ def _expected_quantized(q, inputs, residuals, op, n, call, dtype):
                 payloads[r][j * cb : (j + 1) * cb], chunk, q.bits, q.block, torch.float32
             )
         if op == "avg":
-            acc = acc / torch.full_like(acc, n)
-        p, _ = ref.quantize(
-            acc, None, q.bits, q.block, q.stochastic, _mix64(_seed(q, j, call), 1), index_base=j * chunk
-        )
+            acc = acc / torch.full_like(acc, divisor)
+        seed = _mix64(_seed(q, ranks[j], call), 1)  # the owner's re-quantization
+        p, _ = ref.quantize(acc, None, q.bits, q.block, q.stochastic, seed, index_base=j * chunk)
         gathered.append(p)
     return ref.dequantize(torch.cat(gathered), numel, q.bits, q.block, dtype, chunk), new_res
 

@@ -355,10 +355,7 @@ def _expected_between_hosts(q, inputs, residuals, op, layout, call, dtype):
     the dtype, zero padded to a multiple of the local ranks), slice i of every host compressed by
     the rank of local index i (its own seed and residual) and all-reduced among those ranks as the
     flat compressed all-reduce does, avg divided by all ranks. Returns (result, residuals)."""
-    from braid.comm import _C
-    from braid.comm.compression import _mix64
-    from helpers import compression_reference as ref
-    from test_compressed_collectives import _expected_cast, _expected_top_k, _seed
+    from test_compressed_collectives import _expected_cast, _expected_quantized, _expected_top_k
 
     hosts = hosts_of(layout)
     n, local, nhosts, numel = len(layout), len(hosts[0]), len(hosts), inputs[0].numel()
@@ -377,36 +374,8 @@ def _expected_between_hosts(q, inputs, residuals, op, layout, call, dtype):
         elif isinstance(q, comm.Cast):
             out[i * per : (i + 1) * per], res = _expected_cast(q, slices, owned, op, nhosts, dtype, divisor=n)
         else:
-            chunk = q.chunk_elems(per, nhosts)
-            cb = _C.quantized_bytes(chunk, q.bits, q.block)
-            payloads, res = [], []
-            for h, r in enumerate(owners):
-                p, rr = ref.quantize(
-                    slices[h], residuals[r], q.bits, q.block, q.stochastic, _seed(q, r, call), chunk, nhosts
-                )
-                payloads.append(p)
-                res.append(rr)
-            gathered = []
-            for j in range(nhosts):
-                acc = torch.zeros(chunk)
-                for h in range(nhosts):
-                    acc = acc + ref.dequantize(
-                        payloads[h][j * cb : (j + 1) * cb], chunk, q.bits, q.block, torch.float32
-                    )
-                if op == "avg":
-                    acc = acc / torch.full_like(acc, n)
-                p, _ = ref.quantize(
-                    acc,
-                    None,
-                    q.bits,
-                    q.block,
-                    q.stochastic,
-                    _mix64(_seed(q, owners[j], call), 1),
-                    index_base=j * chunk,
-                )
-                gathered.append(p)
-            out[i * per : (i + 1) * per] = ref.dequantize(
-                torch.cat(gathered), per, q.bits, q.block, dtype, chunk
+            out[i * per : (i + 1) * per], res = _expected_quantized(
+                q, slices, [residuals[r] for r in owners], op, nhosts, call, dtype, divisor=n, ranks=owners
             )
         for h, r in enumerate(owners):
             new_res[r] = res[h]

@@ -14,6 +14,18 @@
 
 namespace braid {
 
+CollectiveDesc describe_request(const Request& r, uint64_t seq) {
+  CollectiveDesc d;
+  d.seq = seq;
+  d.count = r.count;
+  d.kind = static_cast<uint8_t>(r.kind);
+  d.dtype = static_cast<uint8_t>(r.dtype);
+  d.op = static_cast<uint8_t>(r.op);
+  const bool tagged = r.kind == CollKind::kAllGather || r.kind == CollKind::kAllToAll;
+  d.root = tagged ? r.tag : static_cast<uint32_t>(r.root);
+  return d;
+}
+
 Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s, std::vector<int> host_ids)
     : rank_(rank), world_(world_size), tun_(tunables), owner_pid_(static_cast<int>(::getpid())) {
   if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
@@ -437,16 +449,9 @@ void Communicator::execute_local(Request& r) {
 void Communicator::execute(Request& r) {
   check_not_poisoned();
   const bool p2p = r.kind == CollKind::kSend || r.kind == CollKind::kRecv;
-  CollectiveDesc d;
   // Point-to-point involves two ranks: it must not advance the collective sequence, which every
   // rank keeps in step.
-  d.seq = p2p ? seq_ : ++seq_;
-  d.count = r.count;
-  d.kind = static_cast<uint32_t>(r.kind);
-  d.dtype = static_cast<uint32_t>(r.dtype);
-  d.op = static_cast<uint32_t>(r.op);
-  const bool tagged = r.kind == CollKind::kAllGather || r.kind == CollKind::kAllToAll;
-  d.root = tagged ? r.tag : static_cast<uint32_t>(r.root);
+  CollectiveDesc d = describe_request(r, p2p ? seq_ : ++seq_);
   try {
     if (world_ == 1) {
       execute_local(r);

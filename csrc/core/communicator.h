@@ -59,6 +59,10 @@ struct Request {
   std::shared_ptr<void> keepalive;
 };
 
+// What ranks compare before moving the data of `r`, the `seq`-th collective of its sequence: the
+// kind, dtype, count, op, and the root (a tag for all_gather and all_to_all).
+CollectiveDesc describe_request(const Request& r, uint64_t seq);
+
 class Communicator {
  public:
   // `host_ids[r]` is equal for ranks that share a host (empty: all on this host).

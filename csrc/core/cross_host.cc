@@ -29,13 +29,7 @@ void Communicator::host_step(CollKind kind, DType dt, ReduceOp op, size_t count,
   r.root = root;
   r.in = in;
   r.out = out;
-  CollectiveDesc d;
-  d.seq = ++host_seq_;
-  d.count = count;
-  d.kind = static_cast<uint8_t>(kind);
-  d.dtype = static_cast<uint8_t>(dt);
-  d.op = static_cast<uint8_t>(op);
-  d.root = static_cast<uint32_t>(root);
+  CollectiveDesc d = describe_request(r, ++host_seq_);
   run_on_host(r, d);
 }
 
@@ -264,12 +258,13 @@ void Communicator::run_between_hosts(Scope scope, CollKind kind, size_t count, u
   for (int r : members)
     if (r != rank_ && topo_.host_of[static_cast<size_t>(r)] == topo_.host)
       throw std::invalid_argument("run_between_hosts: ranks of the scope share a host");
-  CollectiveDesc d;
-  d.seq = ++seq_;
-  d.count = count;
-  d.kind = static_cast<uint8_t>(kind);
-  d.dtype = static_cast<uint8_t>(DType::kUInt8);
-  d.root = tag;
+  Request described;  // what the descriptor says: kind, bytes, the caller's tag
+  described.kind = kind;
+  described.dtype = DType::kUInt8;
+  described.count = count;
+  described.tag = tag;
+  described.root = static_cast<int>(tag);
+  const CollectiveDesc d = describe_request(described, ++seq_);
   try {
     NamedCollective named(tcp_.get(), d);
     body(cross_group(tcp_.get(), &scratch_, members, rank_, d));

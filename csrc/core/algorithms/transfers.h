@@ -9,9 +9,11 @@
 
 namespace braid {
 
+// A collective's transfers over its PeerGroup (collective channel, the group's descriptor),
+// owned here and moved by the transport's TransferSet.
 class Transfers {
  public:
-  explicit Transfers(const PeerGroup& g) : g_(g), lanes_(2 * g.members.size()) {}
+  explicit Transfers(const PeerGroup& g) : g_(g), set_(g.transport) {}
 
   P2POp& add(int member, bool send, void* data, size_t bytes) {
     auto op = std::make_unique<P2POp>();
@@ -22,55 +24,18 @@ class Transfers {
     op->dtype = DType::kUInt8;
     op->channel = Channel::kCollective;
     op->desc = g_.desc;
-    lanes_[2 * static_cast<size_t>(member) + (send ? 1 : 0)].push_back(op.get());
+    set_.add(op.get());
     ops_.push_back(std::move(op));
-    ++left_;
     return *ops_.back();
   }
 
-  // Advances the head of every lane (one peer, one direction: transfers match in issue order);
-  // waits when none could move, unless `may_wait` is false (the caller has other work between).
-  // Returns false once every transfer is done.
-  bool step(bool may_wait = true) {
-    if (left_ == 0) return false;
-    bool moved = false;
-    heads_.clear();
-    for (Lane& lane : lanes_) {
-      while (lane.next < lane.ops.size()) {
-        P2POp& op = *lane.ops[lane.next];
-        const size_t before = op.off;
-        if (g_.transport->advance(op)) {
-          ++lane.next;
-          --left_;
-          moved = true;
-          continue;
-        }
-        moved = moved || op.off != before;
-        heads_.push_back(&op);
-        break;
-      }
-    }
-    if (may_wait && left_ > 0 && !moved)
-      g_.transport->wait(heads_.data(), static_cast<int>(heads_.size()), [] { return false; });
-    return left_ > 0 || moved;
-  }
-
-  void run() {
-    while (step()) {
-    }
-  }
+  bool step(bool may_wait = true) { return set_.step(may_wait); }
+  void run() { set_.run(); }
 
  private:
-  struct Lane {
-    std::vector<P2POp*> ops;
-    size_t next = 0;  // the head: every op before it is done
-    void push_back(P2POp* op) { ops.push_back(op); }
-  };
   const PeerGroup& g_;
+  TransferSet set_;
   std::vector<std::unique_ptr<P2POp>> ops_;
-  std::vector<Lane> lanes_;  // 2 * member + (send ? 1 : 0)
-  std::vector<P2POp*> heads_;
-  size_t left_ = 0;
 };
 
 }  // namespace braid

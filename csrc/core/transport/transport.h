@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "../dtype.h"
 
@@ -50,6 +51,38 @@ class Transport {
 
   // Runs `ops` to completion together: every op is advanced as its peer allows, in lane order.
   void run(P2POp* const* ops, int nops);
+};
+
+// Transfers moved together over one transport, more added while the others run: each lane
+// (peer, direction, channel) advances from its head, in issue order. The ops are not owned.
+// `t` may be null while no op is added (a group of one).
+class TransferSet {
+ public:
+  explicit TransferSet(Transport* t) : t_(t) {}
+  void add(P2POp* op);
+  // Advances the head of every lane; waits when none could move, unless `may_wait` is false
+  // (the caller has other work in between). Returns false once every transfer is done.
+  bool step(bool may_wait = true);
+  void run() {
+    while (step()) {
+    }
+  }
+
+ private:
+  struct Lane {
+    int peer;
+    bool send;
+    Channel channel;
+    std::vector<P2POp*> ops;
+    size_t next = 0;  // the head: every op before it is done
+  };
+  // Moves `lane` from its head as far as it goes (`moved` set when anything did).
+  void advance_lane(Lane& lane, bool& moved);
+
+  Transport* t_;
+  std::vector<Lane> lanes_;
+  std::vector<P2POp*> heads_;
+  size_t left_ = 0;
 };
 
 }  // namespace braid

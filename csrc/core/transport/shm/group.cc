@@ -482,28 +482,6 @@ void ShmGroup::wait_p2p(P2POp* const* ops, int nops, const std::function<bool()>
   wait_until(peers, npeers, awaited, ready, &doing);
 }
 
-void ShmGroup::send(int dst, const void* data, size_t bytes, DType dtype) {
-  P2POp op;
-  op.peer = dst;
-  op.send = true;
-  op.data = const_cast<char*>(static_cast<const char*>(data));  // read only
-  op.bytes = bytes;
-  op.dtype = dtype;
-  P2POp* ops[] = {&op};
-  while (!advance(op)) wait_p2p(ops, 1, [] { return false; });
-}
-
-void ShmGroup::recv(int src, void* data, size_t bytes, DType dtype) {
-  P2POp op;
-  op.peer = src;
-  op.send = false;
-  op.data = static_cast<char*>(data);
-  op.bytes = bytes;
-  op.dtype = dtype;
-  P2POp* ops[] = {&op};
-  while (!advance(op)) wait_p2p(ops, 1, [] { return false; });
-}
-
 char* ShmGroup::oneshot(int rank, uint64_t seq) const {
   return bases_[rank] + layout_.oneshot_offset() + (seq & 1) * round_up(layout_.oneshot_bytes, 4096);
 }

@@ -93,11 +93,9 @@ class ShmGroup : public Transport {
   bool streaming(size_t bytes) const { return bytes >= stream_min_bytes_; }
   bool skewed_rounds() const { return skewed_rounds_; }
 
-  // Point-to-point, in issue order per (sender, receiver) pair. A receive must name the size and
-  // dtype of the matching send; a difference raises a mismatch on the receiver.
-  void send(int dst, const void* data, size_t bytes, DType dtype);
-  void recv(int src, void* data, size_t bytes, DType dtype);
-  // The same transfers a chunk at a time, so that several advance together: advance() moves
+  // Point-to-point, in issue order per (sender, receiver, channel), a chunk at a time so that
+  // several advance together (a receive must name the size and dtype of the matching send; a
+  // difference raises a mismatch on the receiver): advance() moves
   // every chunk it can without waiting and returns whether `op` is finished; wait_p2p() waits
   // until one of `ops` can move a chunk or `interrupted()` is true (deadline, liveness and abort
   // as every wait). Only the first unfinished op of each (direction, peer) may be advanced.
