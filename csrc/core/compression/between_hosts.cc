@@ -18,6 +18,20 @@ void store_slice(DType dtype, const float* acc, void* out, size_t n, bool averag
   reduce_n(dtype, average ? ReduceOp::kAvg : ReduceOp::kSum, &src, 1, out, false, nullptr, n, divisor, true);
 }
 
+// In place, among this rank's counterparts on the other hosts; avg divides by `divisor`.
+void all_reduce_between_hosts(Communicator& c, DType dtype, void* data, size_t n, bool average, int divisor) {
+  Request r;
+  r.kind = CollKind::kAllReduce;
+  r.dtype = dtype;
+  r.op = average ? ReduceOp::kAvg : ReduceOp::kSum;
+  r.count = n;
+  r.scope = Scope::kCross;
+  r.divisor = divisor;
+  r.in = data;
+  r.out = data;
+  c.run_collective(r);
+}
+
 // `in` of dtype into float32 `out`.
 void load_slice(DType dtype, const void* in, float* out, size_t n) {
   const Operand src{in, false};
@@ -40,16 +54,7 @@ void top_k_between_hosts(Communicator& c, const HostSlice& s, const SliceTopKArg
   if (!a.sparse) {  // the dense all-reduce is smaller than k values and indices per host
     load_slice(src_dtype, src, a.acc, per);
     if (a.residual != nullptr) std::fill(a.residual, a.residual + per, 0.0f);  // everything is sent
-    Request dense;
-    dense.kind = CollKind::kAllReduce;
-    dense.dtype = DType::kFloat32;
-    dense.op = a.average ? ReduceOp::kAvg : ReduceOp::kSum;
-    dense.count = per;
-    dense.scope = Scope::kCross;
-    dense.divisor = a.divisor;
-    dense.in = a.acc;
-    dense.out = a.acc;
-    c.run_collective(dense);
+    all_reduce_between_hosts(c, DType::kFloat32, a.acc, per, a.average, a.divisor);
     store_slice(s.dtype, a.acc, s.mine, per, false, 1);
     return;
   }
@@ -93,16 +98,7 @@ void top_k_between_hosts(Communicator& c, const HostSlice& s, const SliceTopKArg
 void cast_between_hosts(Communicator& c, const HostSlice& s, const SliceCastArgs& a) {
   const size_t per = s.slice;
   cast_with_feedback(s.dtype, s.mine, a.residual, a.wire, a.sent, per);
-  Request reduce;
-  reduce.kind = CollKind::kAllReduce;
-  reduce.dtype = a.wire;
-  reduce.op = a.average ? ReduceOp::kAvg : ReduceOp::kSum;
-  reduce.count = per;
-  reduce.scope = Scope::kCross;
-  reduce.divisor = a.divisor;
-  reduce.in = a.sent;
-  reduce.out = a.sent;
-  c.run_collective(reduce);
+  all_reduce_between_hosts(c, a.wire, a.sent, per, a.average, a.divisor);
   if (s.dtype == a.wire) {
     std::memcpy(s.mine, a.sent, per * dtype_size(a.wire));
     return;
