@@ -392,35 +392,62 @@ def close_in_callback(rank, n, store_path):
     """close() in a future's callback (on the progress thread, which close() would have to join)
     raises CommError; abort() there fails the communicator and leaves closing to the caller; a
     communicator whose last reference dies in a callback is closed on another thread. None of them
-    may end the process ("terminate called")."""
-    import gc
+    may end the process ("terminate called").
 
+    A callback attached to a future that is already complete runs at once on the caller's thread,
+    so rank 0 attaches its callback before rank 1 enters the barrier (told through the store): the
+    barrier cannot complete before that, and the callback runs on rank 0's progress thread."""
+    import gc
+    import threading
+
+    store = open_store(store_path)
     seen = {}
+
+    def in_callback(fn):
+        def run(_):
+            result = outcome(fn)
+            result["thread"] = "main" if threading.current_thread() is threading.main_thread() else "other"
+            return result
+        return run
+
     c1 = make_comm(rank, n, store_path)
-    fut = c1.barrier(async_op=True).get_future().then(lambda _: outcome(c1.close))
-    seen["close"] = fut.wait()
+    if rank == 0:
+        fut = c1.barrier(async_op=True).get_future().then(in_callback(c1.close))
+        store.set("close attached", "1")
+        seen["close"] = fut.wait()
+    else:
+        store.wait(["close attached"], timedelta(seconds=60))
+        c1.barrier()
     c1.close()
     c2 = make_comm(rank, n, store_path)
-    fut = c2.barrier(async_op=True).get_future().then(lambda _: outcome(c2.abort))
-    seen["abort"] = fut.wait()
-    seen["after abort"] = outcome(c2.barrier)
+    if rank == 0:
+        fut = c2.barrier(async_op=True).get_future().then(in_callback(c2.abort))
+        store.set("abort attached", "1")
+        seen["abort"] = fut.wait()
+        seen["after abort"] = outcome(c2.barrier)
+    else:
+        store.wait(["abort attached"], timedelta(seconds=60))
+        c2.barrier()
     c2.close()
     seen["closed"] = c2.closed
     box = [make_comm(rank, n, store_path)]
     fut = box[0].barrier(async_op=True).get_future()
-    done = fut.then(lambda _: box.clear())  # drops the last reference on the progress thread
+    done = fut.then(lambda _: box.clear())  # drops the last reference (on whichever thread runs it)
     done.wait()
     gc.collect()
     time.sleep(0.5)  # the finalizer's closing thread
-    return seen
+    return rank, seen
 
 
 def test_close_and_abort_from_a_callback_do_not_end_the_process():
-    for seen in run_ranks(close_in_callback, 2):
+    for rank, seen in run_ranks(close_in_callback, 2):
+        assert seen["closed"], seen
+        if rank != 0:
+            continue
+        assert seen["close"]["thread"] == "other" and seen["abort"]["thread"] == "other", seen
         assert seen["close"]["type"] == "CommError" and "progress thread" in seen["close"]["message"], seen
         assert seen["abort"]["type"] is None, seen
         assert seen["after abort"]["type"] == "CommClosed", seen
-        assert seen["closed"], seen
 
 
 def late_peer_with_huge_timeouts(rank, n, store_path):
