@@ -29,25 +29,22 @@ struct Tunables {
   Algo algo = Algo::kAuto;
   // BRAID_ONESHOT_MAX_BYTES: largest message (bytes a rank publishes) sent one-shot. One-shot
   // makes every rank read n copies of the message, two-shot about two but with three
-  // synchronizations per round. Measured on a 2-core EPYC VM (fp32 all_reduce, README): at 2
-  // ranks one-shot wins up to 1 MiB (64 us against 101 us at 1 MiB) and loses at 4 MiB; at 3 and
-  // 4 ranks it wins up to 32 KiB and loses from 64-256 KiB. Default (-1): 1 MiB for 2 ranks,
-  // 32 KiB otherwise.
+  // synchronizations per round. At 2 ranks one-shot wins up to 1 MiB and loses at 4 MiB; at 3
+  // and 4 ranks it wins up to 32 KiB (measured: docs/results/2026-11-21-epyc-avx512-2vcpu.md,
+  // "Algorithm crossovers"). Default (-1): 1 MiB for 2 ranks, 32 KiB otherwise.
   int64_t oneshot_max_bytes = -1;
   // BRAID_SLOT_BYTES: capacity of one pipeline slot. Small enough that the slots of all ranks
   // stay in the last-level cache while data flows through them, large enough to amortize the
-  // synchronizations of a round. Measured on the 2-core VM, two-shot fp32 all_reduce at 2 ranks
-  // (GB/s algbw, 4 / 16 / 64 MB): 256 KiB 13.5 / 11.7 / 9.7, 512 KiB 18.2 / 14.1 / 9.7,
-  // 1 MiB 19.2 / 13.8 / 8.4; at 4 ranks 512 KiB is as good as any.
+  // synchronizations of a round (measured against 256 KiB and 1 MiB:
+  // docs/results/2026-11-21-epyc-avx512-2vcpu.md, "Pipeline slot size").
   size_t slot_bytes = 512 * 1024;
   // BRAID_STREAM_MIN_BYTES: reduce_scatter, all_gather and broadcast outputs at least this large
   // (bytes per rank) are written with non-temporal stores: they would not stay in cache, and the
   // stores skip the read-for-ownership. What matters is whether the outputs of all local ranks
   // together fit the shared last-level cache, so the default (-1) is half the L3 divided by the
-  // number of local ranks: 8 MiB for 2 ranks and 4 MiB for 4 on a 32 MiB L3. Measured on the
-  // 2-core VM: at 2 ranks all_gather busbw 4.4 -> 8.2 GB/s and broadcast 9.4 -> 21.9 GB/s at
-  // 256 MB, slightly slower at 4 MB (4 MB per rank still fits); at 4 ranks streaming from 4 MiB
-  // made the 4 MB all_gather 1.5-2x faster (README).
+  // number of local ranks: 8 MiB for 2 ranks and 4 MiB for 4 on a 32 MiB L3 (measured at 2 ranks:
+  // docs/results/2026-11-21-epyc-avx512-2vcpu.md, "Streaming stores at 2 ranks"; at 4 ranks:
+  // docs/results/2026-11-23-epyc-avx2-2vcpu.md, "Streaming threshold at 4 ranks").
   int64_t stream_min_bytes = -1;
   // BRAID_NSLOTS: pipeline depth (slots in flight per rank). At least 2: the ring writes slot
   // p while its right neighbour still reads slot p - 1.
@@ -57,21 +54,22 @@ struct Tunables {
   // core to the ranks that compute.
   double spin_us = -1.0;  // -1: decided from the number of ranks and cores
   // BRAID_SKEW_ROUNDS: 1 runs the two-shot all-reduce's stages skewed across rounds (each rank
-  // reduces round i while publishing round i + 1), 0 in lockstep. Measured at 2 ranks (fp32,
-  // 4 / 64 MB): skewed 7% / 10% faster; at 4 ranks on 2 cores lockstep is up to 15% faster at
-  // 4 MB. Default (-1): skewed when every local rank has a core of its own.
+  // reduces round i while publishing round i + 1), 0 in lockstep. Skewed is faster at 2 ranks,
+  // lockstep with more ranks than cores (measured: docs/results/2026-11-21-epyc-avx512-2vcpu.md,
+  // "Skewed pipelines"). Default (-1): skewed when every local rank has a core of its own.
   int skew_rounds = -1;
   double yield_us = 50.0;
 
   // Across hosts (TCP).
   // BRAID_NSOCKS: sockets per peer pair (and channel) that a message is striped across. More help
   // where one TCP flow cannot fill the link (long fat links, NICs that spread flows over queues).
-  // Measured between two simulated hosts on the 2-core VM (all_reduce 2x1, fp32, braid/gloo,
-  // docs/results/2026-11-25-epyc-2vcpu.md): 1 Gbit 16/64 MB: 1 socket 1.01x/1.00x, 2 0.97x/0.99x,
-  // 4 0.96x/1.00x; unshaped: 1 socket 1.71x/1.44x, 4 1.47x/1.22x; 10 Gbit 64 MB: 1 socket 1.18x,
-  // 2 1.16x. One socket is as fast or faster here, as in NCCL's default for plain NICs.
+  // Between two simulated hosts one socket was as fast as 2 or 4 on every link, within the noise
+  // (measured: docs/results/2026-11-25-epyc-2vcpu.md, "Sockets per peer"), as in NCCL's default
+  // for plain NICs.
   int nsocks = 1;
-  // BRAID_SOCKET_CHUNK_BYTES: the striping unit; each chunk carries a 72-byte header.
+  // BRAID_SOCKET_CHUNK_BYTES: the striping unit; each chunk carries a 72-byte header. This and
+  // BRAID_CROSS_PIECE_BYTES were the best pair tried (measured: docs/results/2026-11-25-epyc-2vcpu.md,
+  // "Piece and chunk sizes").
   size_t socket_chunk_bytes = 512 * 1024;
   // BRAID_CROSS_ONESHOT_MAX_BYTES: all_reduce messages up to this size cross hosts in one round
   // trip (every host leader sends its host's sum to every other) instead of a reduce-scatter to

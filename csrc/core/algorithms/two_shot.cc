@@ -15,7 +15,8 @@
 //    of the first and last iterations still post), so every wait is for work the peers finished
 //    an iteration earlier and a rank that runs a little behind does not stall the others at each
 //    stage. Faster when every rank has a core of its own; with more ranks than cores the
-//    lockstep schedule is (README: algorithm tunables).
+//    lockstep schedule is (measured: docs/results/2026-11-21-epyc-avx512-2vcpu.md,
+//    "Skewed pipelines").
 #include <algorithm>
 
 #include "../reduce.h"
