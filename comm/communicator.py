@@ -106,6 +106,13 @@ def host_identity() -> str:
     return f"{socket.gethostname()}|{boot}|{shm}"
 
 
+def host_numbers(identities: Sequence[str]) -> list:
+    """Host numbers of the ranks whose host_identity() values are ``identities`` (in rank order):
+    equal numbers for equal identities, numbered in order of first appearance."""
+    ids: dict = {}
+    return [ids.setdefault(h, len(ids)) for h in identities]
+
+
 class Work:
     """Handle of an async collective: ``wait()``, ``is_completed()``, ``get_future()``."""
 
@@ -328,9 +335,7 @@ class Communicator:
         for equal identities (host_identity())."""
         if self._world_size == 1:
             return [0]
-        hosts = self._gather("host", host_identity(), "join the communicator")
-        ids: dict = {}
-        return [ids.setdefault(h, len(ids)) for h in hosts]
+        return host_numbers(self._gather("host", host_identity(), "join the communicator"))
 
     def _bootstrap(self) -> None:
         if self._world_size == 1:

@@ -8,6 +8,10 @@ input, per key) and a warm-up of exact reductions. A compressor's state is expli
     q = comm.Int8Quantizer()
     c.all_reduce(grad, op="avg", compression=q, key="layer1")
     c.last_wire_bytes            # WireStats(sent=..., received=..., dense=...)
+
+The same compressors run over any torch process group (gloo, NCCL, braid's c10d backend) and on
+CUDA tensors: ``q.all_reduce(group, grad)`` quantizes on the tensor's device and lets the group
+carry the packed bytes (comm/group_carrier.py).
 """
 
 from __future__ import annotations
@@ -16,20 +20,20 @@ import math
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Union
+from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
-from . import _C
-from .communicator import Work
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from . import _C, group_carrier
+from .communicator import Communicator, Work
+from .device_kernels import CpuKernels, kernels_for
+from .group_carrier import GroupCarrier, GroupWork, HostGroups
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK64 = (1 << 64) - 1
 _SUM, _AVG = 0, 1  # op codes of the core (csrc/core/dtype.h)
 _INT32_MAX = 2**31 - 1
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,22 @@ def _exact_on_hosts(comm: "Communicator") -> bool:
     """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
     only between hosts: ranks on several hosts, the same number on each, more than one."""
     return comm.num_hosts > 1 and comm.local_world_size > 1 and comm._c.uniform_hosts
+
+
+def _copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The result into the caller's tensor, when the call worked on a contiguous copy of it."""
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+
+
+def _send_everything(flat: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """What a top-k call sends when the dense all-reduce is cheaper: input + residual (already
+    summed into the residual, which then keeps nothing), or the input without error feedback."""
+    if residual is None:
+        return flat
+    dense = residual.clone()
+    residual.zero_()
+    return dense
 
 
 def dense_wire_bytes(nbytes: int, world_size: int) -> int:
@@ -152,6 +172,7 @@ class Compressor:
         self._calls: dict[Hashable, int] = {}
         self._scratch: dict[Hashable, list] = {}  # reusable buffers, not state
         self.wire_total = WireStats(0, 0, 0)
+        self.last_wire_bytes: Optional[WireStats] = None  # of the last call, whatever carried it
 
     # -- state -----------------------------------------------------------------------------
     def _config(self) -> dict:
@@ -190,13 +211,15 @@ class Compressor:
         """The error-feedback residual of ``key`` (None before its first compressed call)."""
         return self._residuals.get(key)
 
-    def _residual_for(self, key: Hashable, numel: int) -> Optional[torch.Tensor]:
+    def _residual_for(self, key: Hashable, numel: int, device: torch.device = _CPU) -> Optional[torch.Tensor]:
         if not self.error_feedback:
             return None
         r = self._residuals.get(key)
         if r is None or r.numel() != numel:  # new key, or the bucket changed shape
-            r = torch.zeros(numel, dtype=torch.float32)
+            r = torch.zeros(numel, dtype=torch.float32, device=device)
             self._residuals[key] = r
+        elif r.device != device:  # loaded from a checkpoint mapped to another device
+            r = self._residuals[key] = r.to(device)
         return r
 
     def _take_scratch(self, key: Hashable, make: Callable[[], list], fits: Callable[[list], bool]) -> list:
@@ -208,17 +231,24 @@ class Compressor:
     # -- the all-reduce --------------------------------------------------------------------
     def all_reduce(
         self,
-        comm: "Communicator",
+        comm: Union[Communicator, "torch.distributed.ProcessGroup", HostGroups, None],
         tensor: torch.Tensor,
         op: str = "avg",
         *,
         key: Hashable = "default",
         async_op: bool = False,
         step: Optional[int] = None,
-    ) -> Optional[CompressedWork]:
+    ) -> Optional[Union[CompressedWork, GroupWork]]:
         """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg"). ``step``
         overrides the per-key call count that the warm-up compares with (the DDP hook passes its
-        iteration). Sets ``comm.last_wire_bytes``. Async calls return a :class:`CompressedWork`."""
+        iteration). Sets ``last_wire_bytes`` here (and on a braid communicator).
+
+        ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors), a torch
+        ProcessGroup (None: the default group; CPU or CUDA tensors, quantized on their device and
+        summed in rank order in float32, the group moving the bytes), or a
+        :class:`~braid.comm.group_carrier.HostGroups` (exact inside a host, compressed across
+        hosts). Async calls return a :class:`CompressedWork` (braid) or a
+        :class:`~braid.comm.group_carrier.GroupWork` (process groups)."""
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
         if not isinstance(tensor, torch.Tensor):
@@ -227,16 +257,25 @@ class Compressor:
             raise TypeError(
                 f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}"
             )
-        if tensor.device.type != "cpu":
-            raise ValueError(f"tensor must be a CPU tensor, got a tensor on {tensor.device}")
+        carrier = None
+        if isinstance(comm, Communicator):
+            if tensor.device.type != "cpu":
+                raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
+                                 f"got a tensor on {tensor.device} (reduce CUDA tensors over a torch "
+                                 "process group)")
+        else:
+            carrier = group_carrier.carrier_of(comm, "comm")
+            kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
         self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
         if step is None:
             step = calls
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        n = comm.world_size
         code = _AVG if op == "avg" else _SUM
+        if carrier is not None:
+            return self._all_reduce_on_group(carrier, tensor, flat, code, key, calls, step, async_op)
+        n = comm.world_size
         if step < self.warmup_steps or n == 1:
             work = comm._c.all_reduce(flat, code, async_op)
             stats = WireStats(
@@ -248,18 +287,83 @@ class Compressor:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
             work, finish, stats = self._compressed(comm, flat, code, key, seed, async_op)
         comm.last_wire_bytes = stats
-        self.wire_total = self.wire_total + stats
+        self._count(stats)
 
         def done() -> None:
             if finish is not None:
                 finish()
-            if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-                tensor.copy_(flat.view(tensor.shape))
+            _copy_back(flat, tensor)
 
         if not async_op:
             done()
             return None
         return CompressedWork(work, done, tensor)
+
+    def _count(self, stats: WireStats) -> None:
+        self.last_wire_bytes = stats
+        self.wire_total = self.wire_total + stats
+
+    def _all_reduce_on_group(self, carrier, tensor, flat, op_code, key, calls, step, async_op):
+        """The all-reduce over a process group carrier: the warm-up's exact reduction or the
+        compressed one, as one job (comm/group_carrier.py's issue: in order on CPU, on the
+        current stream on CUDA)."""
+        n, nbytes = carrier.size, flat.numel() * flat.element_size()
+        if step < self.warmup_steps or n == 1 or flat.numel() == 0:
+            dense = dense_wire_bytes(nbytes, n)
+            stats = WireStats(dense, dense, dense)
+
+            def run() -> None:
+                carrier.reduce_exact(flat, op_code == _AVG, n)
+        else:
+            seed = _mix64(self.seed, carrier.rank, _key_hash(key), calls)
+            if isinstance(carrier, HostGroups):
+                stats, run = self._on_hosts(carrier, flat, op_code, key, seed)
+            else:
+                stats, run = self._on_group(carrier, flat, op_code, key, seed, n)
+        self._count(stats)
+
+        def job() -> None:
+            run()
+            _copy_back(flat, tensor)
+
+        work = GroupWork(group_carrier.issue(job, [tensor], tensor.device))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _on_group(
+        self, c: GroupCarrier, flat: torch.Tensor, op_code: int, key: Hashable, seed: int, divisor: int
+    ) -> tuple:
+        """The compressed all-reduce of the 1-D ``flat`` over ``c`` (avg divides by ``divisor``):
+        returns (WireStats, the function that runs it). Kernels of flat's device."""
+        raise NotImplementedError
+
+    def _on_hosts(self, hosts: HostGroups, flat: torch.Tensor, op_code: int, key: Hashable, seed: int
+                  ) -> tuple:
+        """Exact inside the host, compressed across hosts: the host reduce-scatters ``flat`` (sum
+        in local rank order, rounded once to its dtype), this rank's slice is compressed once (its
+        own residual) and all-reduced among the ranks of its local index on every host (avg
+        divides by every rank), and the host all-gathers the slices."""
+        local, numel, es = hosts.intra.size, flat.numel(), flat.element_size()
+        per = -(-numel // local)
+        mine = torch.empty(per, dtype=flat.dtype, device=flat.device)
+        average = op_code == _AVG
+        if hosts.inter.size == 1:  # one host: nothing is compressed
+            across = WireStats(0, 0, 0)
+
+            def run_across() -> None:
+                hosts.inter.reduce_exact(mine, average, hosts.size)
+        else:
+            across, run_across = self._on_group(hosts.inter, mine, op_code, key, seed, hosts.size)
+
+        def run() -> None:
+            mine.copy_(hosts.intra.sum_slices(flat, per))
+            run_across()
+            hosts.intra.gather_slices(mine, flat)
+
+        sent = across.sent + 2 * (local - 1) * per * es
+        return WireStats(sent, sent, dense_wire_bytes(numel * es, hosts.size)), run
 
     def _check_numel(self, numel: int) -> None:
         """Raises ValueError for a tensor size this compressor cannot carry (none by default)."""
@@ -323,12 +427,7 @@ class _BlockQuantizer(Compressor):
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
-
-        def make() -> list:  # send, recv, accumulator, gathered
-            return [torch.empty(n * cb, dtype=torch.uint8), torch.empty(n * cb, dtype=torch.uint8),
-                    torch.empty(chunk, dtype=torch.float32), torch.empty(n * cb, dtype=torch.uint8)]
-
-        bufs = self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk)
+        bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
         send, recv, acc, gathered = bufs
         residual = self._residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
@@ -353,6 +452,49 @@ class _BlockQuantizer(Compressor):
 
         moved = 2 * (n - 1) * cb  # all-to-all, then all-gather, of one chunk per peer
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+
+    def _chunk_buffers(self, key: Hashable, n: int, chunk: int, cb: int, device: torch.device) -> list:
+        """send, recv, accumulator, gathered of a quantized all-reduce among ``n`` ranks: kept per
+        key between calls (fresh memory would cost its page faults every call)."""
+
+        def make() -> list:
+            return [torch.empty(n * cb, dtype=torch.uint8, device=device),
+                    torch.empty(n * cb, dtype=torch.uint8, device=device),
+                    torch.empty(chunk, dtype=torch.float32, device=device),
+                    torch.empty(n * cb, dtype=torch.uint8, device=device)]
+
+        return self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk
+                                  and b[0].device == device)
+
+    def _on_group(self, c, flat, op_code, key, seed, divisor):
+        """Quantize once on flat's device, all-to-all of the chunks, every chunk decoded and summed
+        once in rank order in float32 by its owner, re-quantized once, all-gathered, decoded: the
+        steps (and bits) of the communicator's quantized all-reduce (quantized_all_reduce.cc)."""
+        n, numel = c.size, flat.numel()
+        chunk = self.chunk_elems(numel, n)
+        cb = self.wire_bytes(chunk)
+        kern = kernels_for(flat.device)
+
+        def run() -> None:
+            bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
+            send, recv, acc, gathered = bufs
+            residual = self._residual_for(key, numel, flat.device)
+            kern.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
+            c.all_to_all(recv, send)
+            acc.zero_()
+            for r in range(n):
+                kern.dequantize_accumulate(recv[r * cb : (r + 1) * cb], self.bits, self.block, acc)
+            if op_code == _AVG:
+                acc.div_(divisor)
+            mine = send[:cb]  # free again once the all-to-all is done
+            kern.quantize(acc, None, self.bits, self.block, self.stochastic, _mix64(seed, 1), c.rank * chunk,
+                          chunk, 1, out=mine)
+            c.all_gather(gathered, mine)
+            kern.dequantize(gathered, self.bits, self.block, flat, chunk)
+            self._scratch[key] = bufs
+
+        moved = 2 * (n - 1) * cb
+        return WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n)), run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, quantized between hosts: the host reduce-scatters the tensor (local
@@ -468,9 +610,7 @@ class TopK(Compressor):
         if residual is not None:
             _C.error_feedback(flat, residual, None)  # residual = input + residual
         if not self.sparse(numel, n, es):
-            dense = residual.clone() if residual is not None else flat
-            if residual is not None:
-                residual.zero_()  # everything is sent
+            dense = _send_everything(flat, residual)
             work = comm._c.all_reduce(dense, op_code, async_op)
 
             def finish_dense() -> None:
@@ -480,35 +620,74 @@ class TopK(Compressor):
             moved = dense_wire_bytes(dense.numel() * dense.element_size(), n)
             return work, finish_dense, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
         k = self.k(numel)
-        values, indices, _ = _C.top_k(residual if residual is not None else flat, k)
-        if residual is not None:
-            # The sent entries leave the residual: x - x = 0. An inf or NaN would leave NaN there:
-            # non-finite values rank above every number, so when one was sent, every non-finite
-            # entry of the residual is reset to 0 (the others' fate in the other compressors).
-            _C.scatter_add(residual, indices, values.neg())
-            if not bool(torch.isfinite(values).all()):
-                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        send = torch.empty(8 * k, dtype=torch.uint8)
-        send[: 4 * k].view(torch.float32).copy_(values)
-        send[4 * k :].view(torch.int32).copy_(indices)
+        send = self._select(CpuKernels, flat, residual, k)
         gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
         work = comm._c.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
-            if flat.dtype == torch.float32:  # summed in place: no dense temporary
-                acc = flat.zero_()
-            else:
-                acc = torch.zeros(numel, dtype=torch.float32)
-            for r in range(n):  # rank order: every rank sums the same pairs in the same order
-                part = gathered[r * 8 * k : (r + 1) * 8 * k]
-                _C.scatter_add(acc, part[4 * k :].view(torch.int32), part[: 4 * k].view(torch.float32))
-            if op_code == _AVG:
-                acc.div_(n)
-            if acc is not flat:
-                flat.copy_(acc)
+            self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == _AVG, n)
 
         moved = (n - 1) * 8 * k
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
+
+    @staticmethod
+    def _select(kern, flat: torch.Tensor, residual: Optional[torch.Tensor], k: int) -> torch.Tensor:
+        """The ``k`` largest magnitudes of ``residual`` (input + residual already) or of ``flat``
+        (no error feedback), packed as 8 k bytes: float32 values, then int32 indices."""
+        values, indices = kern.top_k(residual if residual is not None else flat, k)
+        if residual is not None:
+            # The sent entries leave the residual: x - x = 0. An inf or NaN would leave NaN there:
+            # non-finite values rank above every number, so when one was sent, every non-finite
+            # entry of the residual is reset to 0 (the others' fate in the other compressors).
+            kern.scatter_add(residual, indices, values.neg())
+            if not bool(torch.isfinite(values).all()):
+                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        send = torch.empty(8 * k, dtype=torch.uint8, device=flat.device)
+        send[: 4 * k].view(torch.float32).copy_(values)
+        send[4 * k :].view(torch.int32).copy_(indices)
+        return send
+
+    @staticmethod
+    def _sum_gathered(kern, gathered: torch.Tensor, n: int, k: int, flat: torch.Tensor, average: bool,
+                      divisor: int) -> None:
+        """flat = the sum of every rank's (values, indices) in ``gathered``, in rank order."""
+        if flat.dtype == torch.float32:  # summed in place: no dense temporary
+            acc = flat.zero_()
+        else:
+            acc = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+        for r in range(n):  # rank order: every rank sums the same pairs in the same order
+            part = gathered[r * 8 * k : (r + 1) * 8 * k]
+            kern.scatter_add(acc, part[4 * k :].view(torch.int32), part[: 4 * k].view(torch.float32))
+        if average:
+            acc.div_(divisor)
+        if acc is not flat:
+            flat.copy_(acc)
+
+    def _on_group(self, c, flat, op_code, key, seed, divisor):
+        """Top-k of flat + residual on its device, (values, indices) all-gathered and summed in
+        rank order; the exact all-reduce of flat + residual where that sends fewer bytes."""
+        n, numel, es = c.size, flat.numel(), flat.element_size()
+        k, sparse = self.k(numel), self.sparse(numel, n, es)
+        kern = kernels_for(flat.device)
+        average = op_code == _AVG
+
+        def run() -> None:
+            residual = self._residual_for(key, numel, flat.device)
+            if residual is not None:
+                kern.error_feedback(flat, residual, None)  # residual = input + residual
+            if not sparse:
+                dense = _send_everything(flat, residual)
+                c.reduce_exact(dense, average, divisor)
+                if dense is not flat:
+                    flat.copy_(dense)
+                return
+            send = self._select(kern, flat, residual, k)
+            gathered = torch.empty(n * 8 * k, dtype=torch.uint8, device=flat.device)
+            c.all_gather(gathered, send)
+            self._sum_gathered(kern, gathered, n, k, flat, average, divisor)
+
+        moved = (n - 1) * 8 * k if sparse else dense_wire_bytes(numel * (4 if self.error_feedback else es), n)
+        return WireStats(moved, moved, dense_wire_bytes(numel * es, n)), run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, top-k between hosts: the host reduce-scatters the tensor, this
@@ -566,9 +745,7 @@ class Cast(Compressor):
             return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel = comm.world_size, flat.numel()
         residual = self._residual_for(key, numel)
-        bufs = self._take_scratch(
-            key, lambda: [torch.empty(numel, dtype=self.dtype)], lambda b: b[0].numel() == numel
-        )
+        bufs = self._sent_buffer(key, numel, flat.device)
         sent = bufs[0]
         # One pass: sent = round(input + residual), residual = what the rounding dropped.
         _C.cast(flat, residual, sent)
@@ -580,6 +757,28 @@ class Cast(Compressor):
 
         moved = dense_wire_bytes(numel * sent.element_size(), n)
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+
+    def _sent_buffer(self, key: Hashable, numel: int, device: torch.device) -> list:
+        """[the 16-bit copy that travels], kept per key between calls."""
+        return self._take_scratch(key, lambda: [torch.empty(numel, dtype=self.dtype, device=device)],
+                                  lambda b: b[0].numel() == numel and b[0].device == device)
+
+    def _on_group(self, c, flat, op_code, key, seed, divisor):
+        """flat + residual rounded once to ``dtype`` on its device, all-reduced exactly in rank
+        order (16-bit values on the wire, float32 sums, one rounding)."""
+        numel = flat.numel()
+        kern = kernels_for(flat.device)
+
+        def run() -> None:
+            bufs = self._sent_buffer(key, numel, flat.device)
+            sent = bufs[0]
+            kern.cast(flat, self._residual_for(key, numel, flat.device), sent)
+            c.reduce_exact(sent, op_code == _AVG, divisor)
+            flat.copy_(sent)
+            self._scratch[key] = bufs
+
+        moved = dense_wire_bytes(numel * torch.finfo(self.dtype).bits // 8, c.size)
+        return WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), c.size)), run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, cast between hosts: the host reduce-scatters the tensor, this
@@ -601,3 +800,17 @@ class Cast(Compressor):
 
         moved = dense_wire_bytes(per * sent.element_size(), hosts) + 2 * (local - 1) * per * es
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+
+
+COMPRESSOR_NAMES = ("int8", "int4", "topk", "bf16", "fp16")
+
+
+def compressor(name: str) -> Compressor:
+    """A compressor with its defaults by name: "int8", "int4", "topk" (1%), "bf16" or "fp16"
+    (casts); ValueError naming ``compression`` for another name."""
+    makers = {"int8": Int8Quantizer, "int4": Int4Quantizer, "topk": TopK,
+              "bf16": lambda: Cast(torch.bfloat16), "fp16": lambda: Cast(torch.float16)}
+    if name not in makers:
+        raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSOR_NAMES))}, a braid.comm "
+                         f"compressor or None, got {name!r}")
+    return makers[name]()

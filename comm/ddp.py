@@ -1,22 +1,30 @@
 """DDP communication hook: gradient buckets reduced by braid, exactly or compressed, while
 backward keeps running.
 
-    state, hook = braid.comm.ddp.comm_hook(c, compression=comm.Int8Quantizer())
+    state, hook = braid.comm.ddp.comm_hook(c, compression=comm.Int8Quantizer())       # braid
+    state, hook = braid.comm.ddp.comm_hook(None, compression=comm.Int8Quantizer())    # default group
+    state, hook = braid.comm.ddp.comm_hook(None, comm.Int8Quantizer(), hierarchical=True)
     model.register_comm_hook(state, hook)
 
-The hook issues an async braid all-reduce per bucket and returns the torch future that braid's
-progress thread completes; the averaged (decompressed) gradients land in place in
-``bucket.buffer()``, so ``gradient_as_bucket_view=True`` works as is.
+Over a braid communicator the hook issues an async braid all-reduce per bucket and returns the
+torch future that braid's progress thread completes. Over a torch process group (NCCL, gloo,
+braid's c10d backend) braid compresses on the bucket's device and the group carries the bytes:
+CPU buckets on braid's issue thread (in bucket order), CUDA buckets on the current stream, with a
+``Future(devices=[bucket device])`` completed on it (comm/group_carrier.py). Either way the
+averaged (decompressed) gradients land in place in ``bucket.buffer()``, so
+``gradient_as_bucket_view=True`` works as is.
 """
 
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from . import group_carrier
 from .communicator import Communicator
-from .compression import FLOAT_DTYPES, Compressor
+from .compression import FLOAT_DTYPES, Compressor, compressor
+from .group_carrier import HostGroups
 
 # Buckets smaller than this go uncompressed: their all-reduce costs its latency, not its bytes,
 # and compression would add two kernel passes and a second collective for nothing.
@@ -37,12 +45,18 @@ def _min_bytes_from_env() -> int:
     return int(digits) << shift
 
 
+Carrier = Union[Communicator, dist.ProcessGroup, HostGroups, None]
+
+
 class CommHookState:
-    """State of the braid DDP hook: the communicator, the compressor (with its residuals) and the
+    """State of the braid DDP hook: what carries the buckets (a braid communicator, a torch process
+    group, None for the default group, or HostGroups), the compressor (with its residuals) and the
     number of synchronized steps seen.
 
-    Pickling and ``state_dict()`` keep the compressor state and the step but not the
-    communicator: after loading, set ``state.communicator`` before the next backward.
+    Pickling and ``state_dict()`` keep the compressor state and the step but not the communicator
+    or group (live connections): after loading, set ``state.process_group`` (or its older name
+    ``state.communicator``) before the next backward. A state on the default group (None) needs
+    nothing: it finds the default group again.
 
     The compressor's warm-up counts the steps this state has run since it was built or loaded
     (``steps_here``), not the restored ``step``: a DDP built to resume from a checkpoint lays out
@@ -52,14 +66,33 @@ class CommHookState:
     were saved.
     """
 
-    def __init__(
-        self, communicator: Optional[Communicator], compression: Optional[Compressor], min_compress_bytes: int
-    ):
-        self.communicator = communicator
+    def __init__(self, process_group: Carrier, compression: Optional[Compressor], min_compress_bytes: int):
+        self.process_group = process_group
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
         self.step = 0
         self.steps_here = 0
+
+    @property
+    def process_group(self) -> Carrier:
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, value: Carrier) -> None:
+        self._process_group = value
+        self._detached = False
+        self._carrier = value if isinstance(value, Communicator) else None  # group carriers: at first use
+
+    communicator = process_group  # the name of braid-only releases
+
+    def carrier(self) -> Any:
+        """The braid communicator, or the group carrier, that moves the buckets."""
+        if self._detached:
+            raise RuntimeError("the braid comm hook state has no communicator or process group (set "
+                               "state.process_group, or state.communicator, after loading a checkpoint)")
+        if self._carrier is None:
+            self._carrier = group_carrier.carrier_of(self._process_group, "process_group")
+        return self._carrier
 
     def state_dict(self) -> dict:
         return {
@@ -82,10 +115,12 @@ class CommHookState:
             "compression": self.compression,
             "min_compress_bytes": self.min_compress_bytes,
             "step": self.step,
+            "default_group": self._process_group is None,
         }
 
     def __setstate__(self, state: dict) -> None:
-        self.communicator = None
+        self.process_group = None
+        self._detached = not state.get("default_group", False)
         self.compression = state["compression"]
         self.min_compress_bytes = state["min_compress_bytes"]
         self.step = state["step"]
@@ -102,12 +137,7 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
     """Averages ``bucket.buffer()`` over the ranks in place with braid; compressed when the state
     has a compressor, the bucket holds floats, is at least ``min_compress_bytes`` and the warm-up
     is over. Returns a future of the bucket's tensor."""
-    c = state.communicator
-    if c is None:
-        raise RuntimeError(
-            "the braid comm hook state has no communicator (set state.communicator after "
-            "loading a checkpoint)"
-        )
+    c = state.carrier()
     buf = bucket.buffer()
     steps_here = state.steps_here
     if bucket.is_last():
@@ -115,32 +145,55 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
         state.steps_here += 1
     comp = state.compression
     small = buf.numel() * buf.element_size() < state.min_compress_bytes
-    if comp is None or small or buf.dtype not in FLOAT_DTYPES:
-        work = c.all_reduce(buf, op="avg", async_op=True)
-    else:
+    if comp is not None and not small and buf.dtype in FLOAT_DTYPES:
         work = comp.all_reduce(c, buf, "avg", key=bucket.index(), async_op=True, step=steps_here)
-    return work.get_future().then(_bucket_tensor)
+        fut = work.get_future()
+    elif isinstance(c, Communicator):
+        fut = c.all_reduce(buf, op="avg", async_op=True).get_future()
+    else:  # the group's own all-reduce, issued in order with the compressed buckets
+        fut = group_carrier.issue(lambda: c.all_reduce(buf, True), [buf], buf.device)
+    return fut.then(_bucket_tensor)
 
 
 def comm_hook(
-    communicator: Communicator,
-    compression: Optional[Compressor] = None,
+    process_group: Carrier = None,
+    compression: Union[Compressor, str, None] = None,
     *,
     min_compress_bytes: Optional[int] = None,
+    hierarchical: bool = False,
 ) -> Tuple[CommHookState, Callable[..., Any]]:
     """Returns ``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
     Args:
-        communicator: the braid communicator of the DDP ranks (same ranks, same order).
+        process_group: what carries the buckets, over the DDP ranks (same ranks, same order): a
+            braid ``Communicator`` (CPU), a torch ``ProcessGroup`` (NCCL for CUDA models, gloo or
+            braid's c10d backend on CPU; braid compresses on the bucket's device and the group
+            moves the bytes), ``None`` for the default group, or a ``HostGroups``.
         compression: None for the exact average, or a compressor (``Int8Quantizer()``,
             ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``); its warm-up counts
             DDP steps, so the first ``warmup_steps`` steps (and the bucket rebuild after step 1)
             are exact, and so are the first ones after loading a checkpoint into the state.
         min_compress_bytes: buckets smaller than this are reduced exactly (default
             ``BRAID_COMPRESS_MIN_BYTES`` or 64 KiB).
+        hierarchical: over a process group, exact inside each host and compressed only across
+            hosts (the group split by host identity with ``group_carrier.host_groups``: a collective
+            call, every rank of the group makes it). A braid communicator does this by itself.
     """
-    if not isinstance(communicator, Communicator):
-        raise TypeError(f"communicator must be a braid.comm.Communicator, got {type(communicator).__name__}")
+    if not isinstance(hierarchical, bool):
+        raise TypeError(f"hierarchical must be a bool, got {hierarchical!r}")
+    if not isinstance(process_group, (Communicator, dist.ProcessGroup, HostGroups, int, type(None))):
+        raise TypeError("process_group must be a braid.comm.Communicator, a torch.distributed.ProcessGroup, "
+                        f"a HostGroups or None (the default group), got {type(process_group).__name__}")
+    if isinstance(process_group, Communicator):
+        if hierarchical:
+            raise ValueError("hierarchical=True applies to torch process groups: a braid Communicator whose "
+                             "ranks span hosts is already exact on each host and compressed between hosts")
+    elif not isinstance(process_group, HostGroups):
+        group_carrier.checked_group(process_group, "process_group")  # a member; a default group exists
+        if hierarchical:
+            process_group = group_carrier.host_groups(process_group)
+    if isinstance(compression, str):
+        compression = compressor(compression)
     if compression is not None and not isinstance(compression, Compressor):
         raise TypeError(
             f"compression must be a braid.comm compressor or None, got {type(compression).__name__}"
@@ -153,4 +206,4 @@ def comm_hook(
         or min_compress_bytes < 0
     ):
         raise ValueError(f"min_compress_bytes must be an int >= 0, got {min_compress_bytes!r}")
-    return CommHookState(communicator, compression, min_compress_bytes), braid_hook
+    return CommHookState(process_group, compression, min_compress_bytes), braid_hook

@@ -43,19 +43,23 @@ def _batch(rank: int, step: int, micro: int):
     return x, _teacher(x) + 0.05 * torch.randn(32, 1, generator=g)
 
 
-def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compiled=False):
+def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compiled=False, device="cpu"):
+    """Trains with gloo DDP (mode "gloo") or the braid hook over ``c`` (a braid communicator, or a
+    process group: None for the default one) without or with compression; returns parameters
+    (on the CPU), held-out loss and the hook state."""
     from braid import comm
     from braid.comm import ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model()
+    model = _model().to(device)
     # bucket_cap_mb 0.004: ~1000 floats per bucket, so the 3.1K parameters span several buckets.
     # Compiled: torch.compile's DDP graph splitter wants no bucket smaller than DDP's first (1 MiB).
     m = DDP(model, bucket_cap_mb=1 if compiled else 0.004, gradient_as_bucket_view=bucket_view,
             static_graph=static_graph)
     state = None
     if mode != "gloo":
-        compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank), "topk": comm.TopK(0.05)}[mode]
+        compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank),
+                       "int4": comm.Int4Quantizer(seed=rank), "topk": comm.TopK(0.05)}[mode]
         state, hook = ddp.comm_hook(c, compression, min_compress_bytes=0)
         m.register_comm_hook(state, hook)
     # aot_eager: dynamo and AOT autograd as in training with torch.compile, without the minutes
@@ -65,7 +69,7 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compi
     for step in range(steps):
         opt.zero_grad()
         for micro in range(accumulate):
-            x, y = _batch(rank, step, micro)
+            x, y = (t.to(device) for t in _batch(rank, step, micro))
             if micro < accumulate - 1:
                 with m.no_sync():  # local accumulation: the hook must not run
                     ((fwd(x) - y) ** 2).mean().backward()
@@ -74,8 +78,8 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compi
         opt.step()
     xe = torch.randn(512, IN, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
-        loss = ((model(xe) - _teacher(xe)) ** 2).mean().item()
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        loss = ((model(xe.to(device)).cpu() - _teacher(xe)) ** 2).mean().item()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return params, loss, state
 
 
@@ -152,12 +156,14 @@ def test_small_buckets_go_uncompressed():
     assert run_ranks(hook_without_compression_for_small_buckets, 2) == [(0, 4), (0, 4)]
 
 
-def resume_from_checkpoint(rank, n, store_path, compressor):
+def resume_from_checkpoint(rank, n, store_path, compressor, carrier="braid"):
     """A run restarted from a checkpoint (new model, DDP, optimizer and hook state, loaded) ends
     bit for bit where a run without the restart ends, when that run also goes exact for the
     warm-up steps after the checkpoint (``steps_here`` reset, what loading does): the resumed
     DDP's first step lays out its buckets in another order, and compressing it with the saved
-    residuals (keyed by bucket index) once put them on the wrong parameters."""
+    residuals (keyed by bucket index) once put them on the wrong parameters. ``carrier``: the
+    hook over a braid communicator, or over the gloo default group."""
+    import contextlib
     import io
 
     from braid import comm
@@ -190,7 +196,7 @@ def resume_from_checkpoint(rank, n, store_path, compressor):
         return sent, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     with process_group(rank, n, store_path):
-        with make_comm(rank, n, store_path) as c:
+        with make_comm(rank, n, store_path) if carrier == "braid" else contextlib.nullcontext() as c:
             model, m, state, opt = build(c)
             for i in range(4):
                 step(m, opt, i)
@@ -239,12 +245,16 @@ def test_bad_compress_min_bytes_named(monkeypatch, raw):
 
 
 def test_comm_hook_arguments_validated():
-    from braid.comm import Int8Quantizer, ddp
+    from braid.comm import Communicator, Int8Quantizer, ddp
+    from torch.distributed import HashStore
 
-    with pytest.raises(TypeError, match="communicator"):
+    with pytest.raises(TypeError, match="process_group must be a braid.comm.Communicator"):
         ddp.comm_hook(object())
-    state = ddp.CommHookState(None, Int8Quantizer(), 0)
-    restored = pickle.loads(pickle.dumps(state))
+    with Communicator(HashStore(), 0, 1) as c:
+        state = ddp.CommHookState(c, Int8Quantizer(), 0)
+        restored = pickle.loads(pickle.dumps(state))
     assert restored.communicator is None and restored.compression is not None
-    with pytest.raises(RuntimeError, match="communicator"):
+    with pytest.raises(RuntimeError, match="set state.process_group, or state.communicator"):
         ddp.braid_hook(restored, None)
+    # On the default group (None) a restored state finds the group again: nothing to set.
+    assert pickle.loads(pickle.dumps(ddp.CommHookState(None, Int8Quantizer(), 0)))._detached is False

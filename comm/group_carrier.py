@@ -1,0 +1,296 @@
+"""torch process groups (gloo, NCCL, braid's c10d backend) as carriers of braid's compressed bytes.
+
+braid compresses on the tensor's device; a :class:`GroupCarrier` moves the packed bytes with the
+group's all-to-all and all-gather, and sums what arrives in rank order, in float32, so results
+are bitwise identical on every rank whatever the backend. :class:`HostGroups` splits a group by
+host (exact inside a host, compressed across hosts).
+
+Ordering: a group's collectives must be issued in the same order on every rank. CPU work runs on
+one issue thread per process, in submission order (the caller goes on: a DDP backward keeps
+computing while buckets travel); CUDA work is issued at once on the caller's current stream,
+stream-ordered, and its future (``Future(devices=[device])``) completes on that stream.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from datetime import timedelta
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .communicator import _seconds, host_identity, host_numbers
+
+# torch 2.13 renamed all_gather_into_tensor; both spellings take (output, input, group).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessGroup:
+    """``group`` as a ProcessGroup this rank belongs to (None: the default group), or an error
+    naming ``arg``."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"{arg} is None (the default process group), but torch.distributed is not "
+                             "initialized: call torch.distributed.init_process_group first, or pass a group")
+        return dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{arg}: this rank (global rank {dist.get_rank()}) is not a member of the group "
+                         "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here): only "
+                         "the group's ranks may reduce over it")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+class GroupCarrier:
+    """One process group as the carrier of packed bytes: equal-split all-to-all and all-gather, and
+    the fixed-order reductions built on them. Calls block on CPU tensors and are stream-ordered on
+    CUDA ones (as the group's synchronous collectives are). Tensors on a device the group has no
+    backend for (CUDA tensors over a CPU-only group) travel through host memory."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self._device_types = {d.type for d in getattr(group, "_device_types", ())}
+
+    def _move(self, collective: Callable, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self._device_types and inp.device.type not in self._device_types:
+            staged = torch.empty(out.shape, dtype=out.dtype)
+            collective(staged, inp.cpu(), group=self.group)
+            out.copy_(staged)
+        else:
+            collective(out, inp, group=self.group)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``inp`` in ``size`` equal pieces, piece j to rank j; ``out`` piece j from rank j."""
+        self._move(dist.all_to_all_single, out, inp)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` = every rank's ``inp``, in rank order."""
+        self._move(_all_gather_single, out, inp)
+
+    def all_reduce(self, tensor: torch.Tensor, average: bool) -> None:
+        """The group's own all-reduce (sum; avg divides after), for buckets that travel as they are."""
+        if self._device_types and tensor.device.type not in self._device_types:
+            staged = tensor.cpu()
+            dist.all_reduce(staged, group=self.group)
+            tensor.copy_(staged)
+        else:
+            dist.all_reduce(tensor, group=self.group)
+        if average and self.size > 1:
+            if tensor.is_floating_point():
+                tensor.div_(self.size)
+            else:
+                tensor.div_(self.size, rounding_mode="trunc")
+
+    def sum_slices(self, x: torch.Tensor, per: int) -> torch.Tensor:
+        """Reduce-scatter in a fixed order: slice ``rank`` (``per`` elements) of the 1-D ``x``,
+        zero padded to ``size * per``, summed over the ranks in rank order, in float32."""
+        n, numel = self.size, x.numel()
+        padded = x
+        if n * per != numel:
+            padded = torch.zeros(n * per, dtype=x.dtype, device=x.device)
+            padded[:numel] = x
+        if n == 1:
+            return padded.to(torch.float32, copy=True)
+        recv = torch.empty_like(padded)
+        self.all_to_all(recv, padded)
+        parts = recv.view(n, per)
+        acc = parts[0].to(torch.float32, copy=True)
+        for r in range(1, n):  # rank order: every rank sums its slice's pieces alike
+            acc.add_(parts[r])
+        return acc
+
+    def gather_slices(self, mine: torch.Tensor, x: torch.Tensor) -> None:
+        """The 1-D ``x`` = every rank's slice ``mine`` in rank order, cut to ``x``'s size."""
+        if self.size == 1:
+            x.copy_(mine[: x.numel()])
+            return
+        out = torch.empty(self.size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        self.all_gather(out, mine)
+        x.copy_(out[: x.numel()])
+
+    def reduce_exact(self, x: torch.Tensor, average: bool, divisor: int) -> None:
+        """Exact all-reduce of the 1-D ``x`` in place, in braid's order: each slice summed in rank
+        order in float32, divided by ``divisor`` when ``average``, rounded once to x's dtype."""
+        acc = self.sum_slices(x, -(-x.numel() // self.size))
+        if average:
+            acc.div_(divisor)
+        self.gather_slices(acc.to(x.dtype), x)
+
+    def __repr__(self) -> str:
+        return f"<braid GroupCarrier rank {self.rank} of {self.size}>"
+
+
+class HostGroups:
+    """A process group split by host, for compressed all-reduces that are exact inside a host and
+    compressed only across hosts (ZeRO++ qgZ's idea): the host reduce-scatters the tensor exactly
+    (``intra``: this rank's host), local rank i compresses slice i and all-reduces it with the
+    ranks of local index i on the other hosts (``inter``), and the host all-gathers the slices.
+
+    Build it with :func:`host_groups` (from the ranks' host identity), or from groups of your own:
+    every host must hold the same number of ranks, so ``intra.size() * inter.size()`` must equal
+    ``group.size()``, and both must hold this rank and ranks of ``group`` only.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], intra: dist.ProcessGroup,
+                 inter: dist.ProcessGroup):
+        group = checked_group(group, "group")
+        intra, inter = checked_group(intra, "intra"), checked_group(inter, "inter")
+        if intra.size() * inter.size() != group.size():
+            raise ValueError(f"intra and inter: intra.size() * inter.size() must equal group.size() "
+                             f"({group.size()}), got {intra.size()} * {inter.size()}: every host must hold "
+                             "the same number of ranks")
+        if dist.is_initialized():
+            members = set(dist.get_process_group_ranks(group))
+            for name, g in (("intra", intra), ("inter", inter)):
+                outside = sorted(set(dist.get_process_group_ranks(g)) - members)
+                if outside:
+                    raise ValueError(f"{name} holds ranks {outside}, which are not in group")
+            shared = set(dist.get_process_group_ranks(intra)) & set(dist.get_process_group_ranks(inter))
+            if len(shared) != 1:
+                raise ValueError(f"intra and inter must share exactly one rank (this one), they share "
+                                 f"{sorted(shared)}")
+        self.group, self.intra, self.inter = GroupCarrier(group), GroupCarrier(intra), GroupCarrier(inter)
+        self.rank, self.size = self.group.rank, self.group.size
+
+    def reduce_exact(self, x: torch.Tensor, average: bool, divisor: int) -> None:
+        """The exact all-reduce (warm-up steps) over the whole group, in rank order."""
+        self.group.reduce_exact(x, average, divisor)
+
+    def all_reduce(self, tensor: torch.Tensor, average: bool) -> None:
+        self.group.all_reduce(tensor, average)
+
+    def __repr__(self) -> str:
+        return (f"<braid HostGroups rank {self.rank} of {self.size}: {self.inter.size} hosts x "
+                f"{self.intra.size} ranks>")
+
+
+def host_groups(group: Optional[dist.ProcessGroup] = None) -> HostGroups:
+    """Splits ``group`` (None: the default group) by host identity, as braid's communicator tells
+    hosts apart (same machine and /dev/shm, or ``BRAID_HOST_ID``). Collective: every rank of the
+    group calls it, once per group; for the default group, every rank of the job.
+
+    Raises ValueError when hosts hold different numbers of ranks."""
+    g = checked_group(group, "group")
+    idents: list = [None] * g.size()
+    dist.all_gather_object(idents, host_identity(), group=g)
+    ids = host_numbers(idents)
+    ranks = dist.get_process_group_ranks(g)
+    hosts = [[ranks[r] for r in range(len(ids)) if ids[r] == h] for h in range(max(ids) + 1)]
+    sizes = [len(h) for h in hosts]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"group: hierarchical compression needs the same number of ranks on every host, got "
+                         f"hosts of {sizes} ranks (set BRAID_HOST_ID to group ranks differently, or compress "
+                         "without hierarchical)")
+    intra_lists = hosts
+    inter_lists = [[h[i] for h in hosts] for i in range(sizes[0])]
+    if g.size() == dist.get_world_size():
+        # Every rank of the job is here: groups made together, numbered as torch numbers them.
+        intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
+        inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
+    else:  # only the group's ranks call: each makes the two groups it belongs to
+        me = dist.get_rank()
+        intra = dist.new_group(next(r for r in intra_lists if me in r), use_local_synchronization=True)
+        inter = dist.new_group(next(r for r in inter_lists if me in r), use_local_synchronization=True)
+    return HostGroups(g, intra, inter)
+
+
+Carrier = Union[GroupCarrier, HostGroups]
+
+
+def carrier_of(group, arg: str = "process_group") -> Carrier:
+    """The carrier of ``group``: a ProcessGroup, None (the default group), or a HostGroups."""
+    if isinstance(group, (GroupCarrier, HostGroups)):
+        return group
+    return GroupCarrier(checked_group(group, arg))
+
+
+class _IssueThread:
+    """Runs the CPU work of every carrier of this process one job at a time, in submission order.
+
+    Every rank submits in program order, so every group sees its collectives in the same order on
+    every rank; two threads issuing on one group could interleave them differently per rank. A job
+    submitted from this thread (a future's callback that reduces again) runs at once, in place,
+    instead of waiting behind itself."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid: Optional[int] = None
+        self._queue: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, job: Callable[[], None], result: list) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        if threading.current_thread() is self._thread:
+            _run(job, result, fut)
+            return fut
+        with self._lock:
+            if self._pid != os.getpid():  # first use, or a forked child (threads do not survive fork)
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._queue,), daemon=True,
+                                                name="braid-group-issue")
+                self._thread.start()
+                self._pid = os.getpid()
+            self._queue.put((job, result, fut))
+        return fut
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while True:
+            _run(*jobs.get())
+
+
+def _run(job: Callable[[], None], result: list, fut: torch.futures.Future) -> None:
+    try:
+        job()
+    except Exception as e:  # noqa: BLE001 - the caller's wait() or the future raises it
+        fut.set_exception(e)
+        return
+    fut.set_result(result)
+
+
+_ISSUE = _IssueThread()
+
+
+def issue(job: Callable[[], None], result: list, device: torch.device) -> torch.futures.Future:
+    """Runs ``job`` (kernels and a carrier's collectives) for tensors on ``device``; returns a
+    future of ``result``. CPU: on the issue thread, in submission order. CUDA: now, on the current
+    stream; the future is a ``Future(devices=[device])`` completed on that stream."""
+    if device.type == "cuda":
+        fut = torch.futures.Future(devices=[device])
+        job()
+        fut.set_result(result)
+        return fut
+    return _ISSUE.submit(job, result)
+
+
+class GroupWork:
+    """Handle of an async all-reduce over a process group: ``wait()``, ``is_completed()``,
+    ``get_future()`` (a future of ``[tensor]``, as braid's and torch's works give)."""
+
+    def __init__(self, fut: torch.futures.Future):
+        self._fut = fut
+        self._done = threading.Event()
+        fut.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Blocks until done (CUDA: makes the current stream wait) and raises the call's error. With
+        ``timeout`` (seconds or a timedelta) returns False if it is still running then; 0 polls."""
+        if timeout is not None and not self._done.wait(_seconds(timeout, zero_ok=True)):
+            return False
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def __repr__(self) -> str:
+        return f"<braid.comm.GroupWork all_reduce {'done' if self._fut.done() else 'running'}>"
