@@ -182,6 +182,25 @@ def _splits(sizes, name: str) -> Optional[list]:
     return [operator.index(v) for v in values]
 
 
+class P2POp:
+    """One transfer of :meth:`Communicator.batch_isend_irecv`: ``op`` is "send" (``tensor`` to rank
+    ``peer``) or "recv" (into ``tensor`` from rank ``peer``)."""
+
+    __slots__ = ("op", "tensor", "peer")
+
+    def __init__(self, op: str, tensor: torch.Tensor, peer: int):
+        if op not in ("send", "recv"):
+            raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self.op = op
+        self.tensor = tensor
+        self.peer = _index(peer, "peer")
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
+
+
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
 
@@ -486,6 +505,40 @@ class Communicator:
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has called barrier()."""
         return _wrap(self._c.barrier(_async_flag(async_op)), "barrier")
+
+    # -- point-to-point ----------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Optional[Work]:
+        """Sends ``tensor`` to rank ``dst``, whose matching :meth:`recv` takes a tensor of the same
+        dtype and number of elements (any shape).
+
+        Transfers between two ranks are matched in the order each side issues them, per direction;
+        there are no tags. A send completes once its data is handed over (ranks on one host buffer
+        up to 4 MiB per pair), so a blocking send of a larger message waits for the receive: post
+        exchanges with :meth:`batch_isend_irecv` or ``async_op=True``. Point-to-point runs in issue
+        order with the collectives: a collective issued after a pending receive waits for it.
+        """
+        return _wrap(self._c.send(tensor, _index(dst, "dst"), _async_flag(async_op)), f"send to rank {dst}")
+
+    def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
+        """Receives into ``tensor`` what rank ``src`` sends (see :meth:`send`). A sender of another
+        dtype or size raises ``CollectiveMismatch`` here."""
+        return _wrap(self._c.recv(tensor, _index(src, "src"), _async_flag(async_op)), f"recv from rank {src}")
+
+    def batch_isend_irecv(self, ops: Sequence["P2POp"]) -> list:
+        """Posts every transfer of ``ops`` (:class:`P2POp`) at once and returns one :class:`Work`
+        per op, in order. The transfers advance together, so a ring exchange (send to the next
+        rank, receive from the previous) of any size cannot wait on its own send. Every op is
+        checked before any is posted."""
+        if isinstance(ops, P2POp) or not isinstance(ops, Sequence):
+            raise TypeError(f"ops must be a sequence of braid.comm.P2POp, got {type(ops).__name__}")
+        spec = []
+        for i, op in enumerate(ops):
+            if not isinstance(op, P2POp):
+                raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
+            spec.append((op.op == "send", op.tensor, op.peer))
+        works = self._c.p2p_batch(spec)
+        return [Work(w, f"send to rank {op.peer}" if op.op == "send" else f"recv from rank {op.peer}")
+                for w, op in zip(works, ops)]
 
     def close(self) -> None:
         """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs

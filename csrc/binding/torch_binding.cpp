@@ -198,6 +198,67 @@ py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
+// Point-to-point: one transfer of `tensor` to (send) or from rank `peer`. Transfers between two
+// ranks are matched in issue order per direction (no tags); the receiver checks that dtype and
+// element count agree with the sender's. `arg` and `peer_arg` name the arguments in errors.
+struct P2PTransfer {
+  Request req;
+  Staged staged;  // recv: the output, staged; send: the input and its contiguous copy
+};
+
+P2PTransfer make_p2p(const Communicator& c, bool send, py::handle tensor, int peer, const std::string& arg,
+                     const std::string& peer_arg) {
+  at::Tensor t = as_tensor(tensor, arg.c_str());
+  if (peer < 0 || peer >= c.world_size() || peer == c.rank())
+    throw py::value_error(peer_arg + " must be another rank in [0, " + std::to_string(c.world_size()) +
+                          "), not this rank (" + std::to_string(c.rank()) + "), got " + std::to_string(peer));
+  P2PTransfer p;
+  p.req.kind = send ? CollKind::kSend : CollKind::kRecv;
+  p.req.dtype = to_dtype(t.scalar_type(), arg.c_str());
+  p.req.count = static_cast<size_t>(t.numel());
+  p.req.root = peer;
+  if (send) {
+    p.staged = Staged{t, t.contiguous()};
+    p.req.in = p.staged.buffer.data_ptr();
+  } else {
+    p.staged = stage(t, arg.c_str());
+    p.req.out = p.staged.buffer.data_ptr();
+  }
+  return p;
+}
+
+// A send keeps its contiguous input alive and copies nothing back; a receive copies a staged
+// result into the caller's tensor.
+py::object submit_p2p(Communicator& c, P2PTransfer p, bool async) {
+  if (p.req.kind == CollKind::kSend) return dispatch(c, std::move(p.req), async, nullptr, &p.staged.buffer);
+  return dispatch(c, std::move(p.req), async, &p.staged, nullptr);
+}
+
+py::object send_tensor(Communicator& c, py::handle tensor, int dst, bool async) {
+  return submit_p2p(c, make_p2p(c, true, tensor, dst, "tensor", "dst"), async);
+}
+
+py::object recv_tensor(Communicator& c, py::handle tensor, int src, bool async) {
+  return submit_p2p(c, make_p2p(c, false, tensor, src, "tensor", "src"), async);
+}
+
+// Several transfers posted together, each async (the progress thread advances all of them at once,
+// so a ring exchange of large messages cannot block on its own send). Every one is checked before
+// any is posted. `ops`: (is_send, tensor, peer) tuples; returns one work per transfer.
+std::vector<py::object> p2p_batch(Communicator& c, const std::vector<std::tuple<bool, py::object, int>>& ops) {
+  std::vector<P2PTransfer> transfers;
+  transfers.reserve(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const auto& [is_send, tensor, peer] = ops[i];
+    const std::string where = "ops[" + std::to_string(i) + "]";
+    transfers.push_back(make_p2p(c, is_send, tensor, peer, where + ".tensor", where + ".peer"));
+  }
+  std::vector<py::object> works;
+  works.reserve(transfers.size());
+  for (auto& p : transfers) works.push_back(submit_p2p(c, std::move(p), true));
+  return works;
+}
+
 py::object barrier(Communicator& c, bool async) {
   Request r;
   r.kind = CollKind::kBarrier;
@@ -350,6 +411,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_split_sizes"), py::arg("async_op"))
       .def("broadcast", &broadcast, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
       .def("barrier", &barrier, py::arg("async_op"))
+      .def("send", &send_tensor, py::arg("tensor"), py::arg("dst"), py::arg("async_op"))
+      .def("recv", &recv_tensor, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
+      .def("p2p_batch", &p2p_batch, py::arg("ops"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>());
 

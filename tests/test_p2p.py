@@ -1,0 +1,137 @@
+"""Point-to-point on the braid Communicator: send, recv and batch_isend_irecv.
+
+Payloads are integer-valued, generated from (sender, receiver, index), so every received tensor is
+compared exactly with what its sender must have sent. One spawn per world size runs every case;
+rank 0 makes the bad calls, and the exchanges that follow prove a rejected call posted nothing.
+"""
+import pytest
+import torch
+from braid import comm
+from helpers.ranks import make_comm, run_ranks
+
+
+def _payload(src, dst, index, numel, dtype=torch.float32):
+    """What rank ``src`` sends to ``dst`` as its ``index``-th message."""
+    base = 1000 * src + 100 * dst + 10 * index
+    return (torch.arange(numel, dtype=torch.int64) % 997 + base).to(dtype)
+
+
+def _bad_calls(c):
+    n, r = c.world_size, c.rank
+    t = torch.ones(3)
+    other = (r + 1) % n
+    return [
+        (lambda: c.send(t, r), ValueError, r"dst must be another rank in \[0, \d\), not this rank"),
+        (lambda: c.send(t, n), ValueError, "dst must be another rank"),
+        (lambda: c.recv(t, -1), ValueError, "src must be another rank"),
+        (lambda: c.send(t, 1.0), TypeError, "dst must be an int"),
+        (lambda: c.recv(t, True), TypeError, "src must be an int"),
+        (lambda: c.send([1.0], other), TypeError, "tensor must be a torch.Tensor"),
+        (lambda: c.send(torch.ones(3, dtype=torch.complex64), other), TypeError,
+         "tensor has unsupported dtype"),
+        (lambda: c.recv(torch.ones(3, device="meta"), other), ValueError, "tensor must be a CPU tensor"),
+        (lambda: c.recv(torch.zeros(1).expand(4), other), ValueError,
+         "tensor has elements that share memory"),
+        (lambda: c.send(t, other, async_op="yes"), TypeError, "async_op must be a bool"),
+        (lambda: c.batch_isend_irecv(comm.P2POp("send", t, other)), TypeError, "ops must be a sequence"),
+        (lambda: c.batch_isend_irecv([("send", t, other)]), TypeError,
+         r"ops\[0\] must be a braid.comm.P2POp"),
+        (lambda: comm.P2POp("isend", t, other), ValueError, "op must be 'send' or 'recv'"),
+        (lambda: comm.P2POp("send", [1.0], other), TypeError, "tensor must be a torch.Tensor"),
+        (lambda: comm.P2POp("send", t, 0.5), TypeError, "peer must be an int"),
+        # The second op is bad: the first must not have been posted either.
+        (lambda: c.batch_isend_irecv([comm.P2POp("send", t, other), comm.P2POp("recv", t, r)]),
+         ValueError, r"ops\[1\].peer must be another rank"),
+        (lambda: c.batch_isend_irecv([comm.P2POp("send", t, other),
+                                      comm.P2POp("recv", torch.ones(2, dtype=torch.bool), other)]),
+         TypeError, r"ops\[1\].tensor has unsupported dtype"),
+    ]
+
+
+def _run_point_to_point(rank, world_size, store_path):
+    n = world_size
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    with make_comm(rank, world_size, store_path) as c:
+        if rank == 0:
+            for call, error, message in _bad_calls(c):
+                with pytest.raises(error, match=message):
+                    call()
+
+        # Ring exchanges through batch_isend_irecv, from empty to past the 4 MiB each pair buffers
+        # (every send must wait for the receive posted after it), in the dtypes braid moves.
+        for index, (numel, dtype) in enumerate([(0, torch.float32), (1, torch.float64), (1000, torch.int32),
+                                                (3 << 18, torch.bfloat16), (3 << 20, torch.float32),
+                                                (17, torch.uint8), (5, torch.int64), (9, torch.float16)]):
+            got = torch.full((numel,), 7, dtype=dtype)
+            works = c.batch_isend_irecv([comm.P2POp("send", _payload(rank, nxt, index, numel, dtype), nxt),
+                                         comm.P2POp("recv", got, prv)])
+            assert len(works) == 2 and all(isinstance(w, comm.Work) for w in works)
+            for w in works:
+                w.wait()
+                assert w.is_completed() and w.is_success()
+            assert torch.equal(got, _payload(prv, rank, index, numel, dtype)), (numel, dtype)
+
+        # Async send/recv: several messages in flight to each neighbour, matched in issue order;
+        # received in other shapes than sent (only dtype and element count must agree), one into a
+        # non-contiguous view, completed through the future.
+        outs = [_payload(rank, nxt, 10 + i, 12) for i in range(3)]
+        send_works = [c.send(t.view(3, 4), nxt, async_op=True) for t in outs]
+        holder = torch.zeros(4, 6)
+        targets = [torch.zeros(12), holder[:, ::2], torch.zeros(2, 6)]  # the second is a strided view
+        recv_works = [c.recv(t, prv, async_op=True) for t in targets]
+        value = recv_works[1].get_future().wait()
+        assert value[0] is targets[1] or torch.equal(value[0], targets[1])
+        for w in send_works + recv_works:
+            w.wait()
+        for i, t in enumerate(targets):
+            assert torch.equal(t.reshape(-1), _payload(prv, rank, 10 + i, 12)), i
+        assert torch.equal(holder[:, 1::2], torch.zeros(4, 3))  # the view's neighbours untouched
+        assert "recv from rank" in repr(recv_works[0]) and "done" in repr(recv_works[0])
+
+        # Blocking send and recv between ranks 0 and 1 in opposite orders (small: buffered).
+        if rank < 2 and n > 1:
+            other = 1 - rank
+            target = torch.zeros(5, dtype=torch.int64)
+            mine = _payload(rank, other, 20, 5, torch.int64)
+            if rank == 0:
+                assert c.send(mine, other) is None
+                assert c.recv(target, other) is None
+            else:
+                c.recv(target, other)
+                c.send(mine, other)
+            assert torch.equal(target, _payload(other, rank, 20, 5, torch.int64))
+
+        # A collective after point-to-point traffic still lines up (point-to-point does not use
+        # up collective sequence numbers).
+        t = torch.full((3,), float(rank))
+        c.all_reduce(t)
+        assert t.tolist() == [float(sum(range(n)))] * 3
+
+        # A receive of another size than the send fails on the receiver, naming both sizes.
+        if rank < 2:
+            other = 1 - rank
+            if rank == 0:
+                c.send(torch.ones(10), other)
+            else:
+                with pytest.raises(comm.CollectiveMismatch, match="expected 48 bytes of float32 from rank 0, "
+                                                                   "which sent 40 bytes"):
+                    c.recv(torch.zeros(12), other)
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_point_to_point(world_size):
+    """Exact data around the ring, async and blocking, issue order, argument errors, mismatch."""
+    assert run_ranks(_run_point_to_point, world_size) == [True] * world_size
+
+
+def test_one_rank_has_no_peer():
+    """A one-rank communicator has no peer: every point-to-point call is refused before anything runs."""
+    from helpers.ranks import new_store_path
+
+    with make_comm(0, 1, new_store_path()) as c:
+        for call in (lambda: c.send(torch.ones(2), 0), lambda: c.recv(torch.ones(2), 0),
+                     lambda: c.batch_isend_irecv([comm.P2POp("send", torch.ones(2), 0)])):
+            with pytest.raises(ValueError, match="must be another rank in \\[0, 1\\), not this rank"):
+                call()
+        assert c.batch_isend_irecv([]) == []
