@@ -10,14 +10,14 @@ BUILD_DIR ?= build/cmake
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_CHECK_DIR ?= build/cuda-check
 
-.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean
+.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
 $(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install "$(TORCH_SPEC)" numpy triton==3.9.0 pytest pytest-benchmark pytest-timeout ninja matplotlib
+	$(PIP) install "$(TORCH_SPEC)" numpy triton==3.9.0 pytest pytest-benchmark pytest-timeout expecttest ninja matplotlib
 	touch $@
 
 deps: $(VENV)/.deps
@@ -58,6 +58,11 @@ cuda-binding-check:
 
 test-py:
 	$(PY) -m pytest tests -q
+
+# PyTorch's distributed test suite (collective, point-to-point, DDP and object tests) on braid and
+# gloo side by side at 2 and 3 ranks; CI runs a share of it (tests/test_conformance.py).
+conformance: install
+	$(PY) tests/conformance/run.py --world-sizes 2 3
 
 test-cpp:
 	@if command -v cmake >/dev/null 2>&1; then \

@@ -4,15 +4,16 @@ Importing ``braid.comm`` registers the backend name ``"braid"`` for CPU tensors.
 gets is a C++ ``c10d::Backend`` subclass (``torch.distributed._Backend`` from Python, so
 DeviceMesh and DTensor accept it) that owns a braid :class:`~braid.comm.Communicator` built from
 the store, rank, size and timeout torch hands over; every sub-group (``dist.new_group``) gets its
-own. Ops braid does not implement (``recv`` from any source) raise "Backend braid does not
-support <op>"; variants it cannot serve (bitwise ops or PREMUL_SUM on the wrong dtype,
+own. Variants it cannot serve (bitwise ops or PREMUL_SUM on the wrong dtype,
 unsupported dtypes) raise naming what is missing. ``PREMUL_SUM(f)`` (what FSDP2 sends for a
 gradient divide factor other than the world size) multiplies a copy of each rank's input by ``f``
 and sums it.
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -22,14 +23,37 @@ from .communicator import Communicator
 BACKEND_NAME = "braid"
 
 
+def _device_backends() -> Optional[dict]:
+    """The device -> backend map of the group torch is creating, from the frame of the torch
+    function that calls the factory (``_new_process_group_helper``'s ``backend_config``); None
+    where it cannot be found (another torch, another caller)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_new_process_group_helper":
+            config = frame.f_locals.get("backend_config")
+            getter = getattr(config, "get_device_backend_map", None)
+            return dict(getter()) if getter is not None else None
+        frame = frame.f_back
+    return None
+
+
 def _create_backend(options, backend_options=None):
     """torch.distributed's factory hook (extended API): ``options`` carries store, group rank,
-    group size and timeout."""
+    group size and timeout.
+
+    A group that runs on braid alone gets a whole process group that names itself "braid"
+    (torch would call it "custom", which DDP's logging reports); a group that pairs braid with
+    another backend (``"cpu:braid,cuda:nccl"``) gets braid's backend for CPU tensors only, since
+    torch uses a process group returned here for every device."""
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=300)
     # torch gives every group (and device) its own prefixed store, so a fixed prefix is unique.
     c = Communicator(options.store, options.group_rank, options.group_size, timeout=timeout,
                      prefix="braid-backend/")
-    return _C.Backend(c._release_core())
+    backend = _C.Backend(c._release_core())
+    devices = _device_backends()
+    if devices and all(str(b) == BACKEND_NAME for b in devices.values()):
+        return _C.ProcessGroup(options.store, backend)
+    return backend
 
 
 def register() -> None:

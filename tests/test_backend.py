@@ -449,6 +449,52 @@ def test_ddp_fsdp2_and_dtensor_train_as_on_gloo(world_size):
         assert all(r[name] == results[0][name] for r in results), name
 
 
+def _run_coalesced_sparse_and_name(rank, world_size, store_path):
+    """all_gather_coalesced in torch's layout (one list per rank, one tensor per input, shapes
+    odd, an empty one among them); a sparse all_reduce (hybrid, uneven nonzeros,
+    duplicate indices) equal to the dense sum; the group names itself braid where torch asks it
+    (DDP's logging) and in torch.distributed, and a sub-group does too."""
+    n = world_size
+    with braid_default_group(rank, world_size, store_path):
+        inputs = [torch.full((3,), float(rank)), torch.arange(10.0).view(2, 5) + rank, torch.empty(0),
+                  torch.tensor([rank + 0.5])]
+        outputs = [[torch.empty_like(t) for t in inputs] for _ in range(n)]
+        outputs[n - 1][1] = torch.empty(5, 2).t()  # not contiguous: written through a copy
+        dist.all_gather_coalesced(outputs, inputs)
+        for r in range(n):
+            assert torch.equal(outputs[r][0], torch.full((3,), float(r)))
+            assert torch.equal(outputs[r][1], torch.arange(10.0).view(2, 5) + r)
+            assert outputs[r][2].numel() == 0
+            assert outputs[r][3].item() == r + 0.5
+        with pytest.raises(ValueError, match="one per rank"):
+            dist.all_gather_coalesced([[torch.empty(3)]], [torch.ones(3)])
+
+        def sparse(r):
+            g = torch.Generator().manual_seed(r)
+            nnz = 2 + 3 * r  # uneven, with duplicates
+            idx = torch.randint(0, 4, (2, nnz), generator=g)
+            values = torch.randint(-9, 9, (nnz, 3), generator=g).double()
+            return torch.sparse_coo_tensor(idx, values, (4, 4, 3))
+        mine = sparse(rank)
+        dist.all_reduce(mine)
+        expect = sum(sparse(r).to_dense() for r in range(n))
+        assert mine.is_sparse and torch.equal(mine.to_dense(), expect)
+        with pytest.raises(ValueError, match="can only be summed"):
+            dist.all_reduce(sparse(rank), op=dist.ReduceOp.MAX)
+
+        assert dist.group.WORLD._get_backend_name() == "braid"
+        sub = dist.new_group(list(range(n)), backend="braid")
+        assert dist.get_backend(sub) == "braid" and sub._get_backend_name() == "braid"
+        model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        assert model._get_ddp_logging_data()["backend_name"] == "braid"
+    return True
+
+
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_coalesced_gather_sparse_all_reduce_and_group_name(world_size):
+    assert run_ranks(_run_coalesced_sparse_and_name, world_size) == [True] * world_size
+
+
 def _run_unsupported(rank, world_size, store_path):
     with braid_default_group(rank, world_size, store_path):
         with pytest.raises(TypeError, match="unsupported dtype"):

@@ -3,6 +3,7 @@
 // (ValueError/TypeError in Python), transport errors braid's own CommError classes.
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <memory>
@@ -198,6 +199,7 @@ class BraidBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && tensors[0].is_sparse()) return sparse_allreduce(tensors[0], opts.reduceOp);
     return allreduce_list(tensors, opts.reduceOp, opts.asyncOp, "allreduce");
   }
 
@@ -256,16 +258,49 @@ class BraidBackend final : public c10d::Backend {
     return run(std::move(b), opts.asyncOp);
   }
 
+  // torch's layout: outputs[r][j] receives input j of rank r. The inputs travel as one buffer of
+  // their bytes (one all-gather whatever their dtypes), each rank's block holding its inputs in
+  // order.
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) override {
-    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "braid allgather_coalesced: ", outputs.size(),
-                      " output lists for ", inputs.size(), " inputs");
-    Batch b;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      add_all_gather_list(b, outputs[i], inputs[i], "allgather_coalesced");
-      b.outputs.insert(b.outputs.end(), outputs[i].begin(), outputs[i].end());
+    TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "braid allgather_coalesced: output_tensor_lists has ",
+                      outputs.size(), " lists, expected one per rank (", size_, ")");
+    std::vector<at::Tensor> bytes;
+    std::vector<int64_t> sizes;
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      check_tensor(inputs[j], "allgather_coalesced", "input_tensor_list");
+      bytes.push_back(inputs[j].contiguous().reshape({-1}).view(at::kByte));
+      sizes.push_back(bytes.back().numel());
     }
+    for (int r = 0; r < size_; ++r) {
+      check_count(outputs[r], inputs.size(), "allgather_coalesced", "output_tensor_lists[rank]");
+      for (size_t j = 0; j < inputs.size(); ++j) {
+        check_output(outputs[r][j], "allgather_coalesced", "output_tensor_lists[rank][i]");
+        TORCH_CHECK_VALUE(outputs[r][j].numel() == inputs[j].numel() &&
+                              outputs[r][j].scalar_type() == inputs[j].scalar_type(),
+                          "braid allgather_coalesced: output_tensor_lists[", r, "][", j,
+                          "] must have the numel and dtype of input_tensor_list[", j, "]");
+      }
+    }
+    const int64_t block = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+    at::Tensor in = bytes.empty() ? at::empty({0}, at::kByte) : at::cat(bytes);
+    at::Tensor whole = at::empty({size_ * block}, in.options());
+    Batch b;
+    add_all_gather(b, whole, in, "allgather_coalesced");
+    b.finish.push_back([outputs, whole, sizes, block] {
+      for (size_t r = 0; r < outputs.size(); ++r) {
+        int64_t off = static_cast<int64_t>(r) * block;
+        for (size_t j = 0; j < sizes.size(); ++j) {
+          const at::Tensor& o = outputs[r][j];
+          at::Tensor dst = o.is_contiguous() ? o : at::empty_like(o, at::MemoryFormat::Contiguous);
+          dst.reshape({-1}).view(at::kByte).copy_(whole.narrow(0, off, sizes[j]));
+          if (!dst.is_same(o)) o.copy_(dst);
+          off += sizes[j];
+        }
+      }
+    });
+    for (const auto& list : outputs) b.outputs.insert(b.outputs.end(), list.begin(), list.end());
     return run(std::move(b), opts.asyncOp);
   }
 
@@ -486,6 +521,49 @@ class BraidBackend final : public c10d::Backend {
     return pending_work(std::move(w), std::move(outputs));
   }
 
+  // A sparse COO tensor summed over the ranks: every rank gathers every rank's indices and values
+  // (padded to the largest count, with the counts gathered first), and the same coalesce on every
+  // rank sums them into the tensor, so the result is the same everywhere. Runs before it returns.
+  c10::intrusive_ptr<c10d::Work> sparse_allreduce(at::Tensor& tensor, const c10d::ReduceOp& op) {
+    const char* what = "allreduce (sparse)";
+    TORCH_CHECK_VALUE(op.op_ == c10d::ReduceOp::SUM, "braid ", what, ": a sparse tensor can only be summed (SUM)");
+    TORCH_CHECK_VALUE(tensor.device().is_cpu(), "braid ", what, ": tensor must be a CPU tensor, got one on ",
+                      tensor.device());
+    auto gather = [&](const at::Tensor& t) {
+      at::Tensor in = t.contiguous().reshape({-1});
+      at::Tensor out = at::empty({size_ * in.numel()}, in.options());
+      Batch b;
+      add_all_gather(b, out, in, what);
+      run(std::move(b), false);
+      return out;
+    };
+    at::Tensor mine = tensor.coalesce();
+    at::Tensor indices = mine._indices(), values = mine._values();
+    const int64_t nnz = mine._nnz();
+    at::Tensor counts = gather(at::full({1}, nnz, at::kLong));
+    const int64_t most = counts.max().item<int64_t>();
+    std::vector<int64_t> value_shape = values.sizes().vec();
+    value_shape[0] = most;
+    at::Tensor idx = at::zeros({indices.size(0), most}, indices.options());
+    at::Tensor val = at::zeros(value_shape, values.options());
+    idx.narrow(1, 0, nnz).copy_(indices);
+    val.narrow(0, 0, nnz).copy_(values);
+    // Rank r's padded block, transposed back to (sparse dims, count) and trimmed to its count.
+    at::Tensor all_idx = gather(idx.t()).view({size_, most, indices.size(0)});
+    value_shape.insert(value_shape.begin(), size_);
+    at::Tensor all_val = gather(val).view(value_shape);
+    std::vector<at::Tensor> idx_parts, val_parts;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t n = counts[r].item<int64_t>();
+      idx_parts.push_back(all_idx[r].narrow(0, 0, n).t());
+      val_parts.push_back(all_val[r].narrow(0, 0, n));
+    }
+    at::Tensor sum = at::sparse_coo_tensor(at::cat(idx_parts, 1), at::cat(val_parts, 0), tensor.sizes(),
+                                           tensor.options()).coalesce();
+    tensor.copy_(sum);
+    return completed({tensor});
+  }
+
   c10::intrusive_ptr<c10d::Work> allreduce_list(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, bool async,
                                                 const char* what) {
     TORCH_CHECK_VALUE(!tensors.empty(), "braid ", what, ": no tensors given");
@@ -589,6 +667,21 @@ class BraidBackend final : public c10d::Backend {
   std::shared_ptr<Communicator> comm_;
 };
 
+// The process group of a group that runs on braid alone. torch names a plugin's group "custom"
+// (c10d::ProcessGroup::getBackendName gives the name of its BackendType, and a plugin's is
+// CUSTOM), and code that asks the group rather than torch.distributed (DDP's logging, for one)
+// would report that; a group torch receives from the backend factory is used as it is, so this
+// one reports "braid", with the braid backend serving CPU tensors.
+class BraidProcessGroup final : public c10d::ProcessGroup {
+ public:
+  BraidProcessGroup(const c10::intrusive_ptr<c10d::Store>& store, c10::intrusive_ptr<BraidBackend> backend)
+      : c10d::ProcessGroup(store, backend->getRank(), backend->getSize()) {
+    setBackend(c10::DeviceType::CPU, BackendType::CUSTOM, c10::intrusive_ptr<c10d::Backend>(std::move(backend)));
+    setDefaultBackend(BackendType::CUSTOM);
+  }
+  const std::string getBackendName() const override { return "braid"; }
+};
+
 }  // namespace
 
 void register_backend(py::module_& m) {
@@ -597,6 +690,11 @@ void register_backend(py::module_& m) {
   py::class_<BraidBackend, c10d::Backend, c10::intrusive_ptr<BraidBackend>>(m, "Backend")
       .def(py::init([](std::shared_ptr<Communicator> comm) { return c10::make_intrusive<BraidBackend>(std::move(comm)); }),
            py::arg("communicator"));
+  py::class_<BraidProcessGroup, c10d::ProcessGroup, c10::intrusive_ptr<BraidProcessGroup>>(m, "ProcessGroup")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const c10::intrusive_ptr<BraidBackend>& backend) {
+             return c10::make_intrusive<BraidProcessGroup>(store, backend);
+           }),
+           py::arg("store"), py::arg("backend"));
 }
 
 }  // namespace braid

@@ -367,7 +367,7 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();
       std::ostringstream s;
-      s << rank_name(rank_) << " timed out after " << secs << " s"
+      s << rank_name(rank_) << " timed out: no progress within the timeout of " << secs << " s"
         << what_doing(" in ", doing) << " waiting for "
         << missing_ranks(peers, npeers, awaited) << ", which did not arrive";
       throw CommError(ErrorKind::kTimeout, s.str());

@@ -459,7 +459,8 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
         if (missing.find(who) == std::string::npos) missing += (missing.empty() ? "" : ", ") + who;
       }
       std::ostringstream s;
-      s << "rank " << rank_ << " timed out after " << std::chrono::duration<double>(cfg_.timeout).count() << " s"
+      s << "rank " << rank_ << " timed out: no progress within the timeout of "
+        << std::chrono::duration<double>(cfg_.timeout).count() << " s"
         << (current_ != nullptr ? " in " + current_->describe() : std::string()) << " waiting for " << waiting
         << ": nothing heard from " << missing;
       throw CommError(ErrorKind::kTimeout, s.str());
