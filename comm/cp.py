@@ -198,13 +198,20 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _use_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The Triton kernels on GPUs that take the inputs; torch's math everywhere else."""
-    if not q.is_cuda:
-        return False
-    from braid.kernels import attention
+def _block_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """How blocks are computed: "kernels" (braid's Triton kernels, on GPUs that take the inputs),
+    "cpu_flash" (torch's fused CPU attention, which returns the LSE and takes GQA), or "math"
+    (torch matmuls: whatever neither takes, e.g. float64 on a GPU)."""
+    if q.is_cuda:
+        from braid.kernels import attention
 
-    return attention._kernel_unsupported(q, k, v, enable_gqa=True) is None
+        return "kernels" if attention._kernel_unsupported(q, k, v, enable_gqa=True) is None else "math"
+    if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
+        return "cpu_flash"
+    return "math"
+
+
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -223,16 +230,9 @@ def _scores(qg: torch.Tensor, k: torch.Tensor, q_len: int, causal: bool, scale: 
     return scores
 
 
-def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: the output (accumulation dtype) and the natural-log LSE."""
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     acc = _accumulation_dtype(q.dtype)
-    if _use_kernels(q, k, v):
-        from braid.kernels.attention import _dot_precision
-        from braid.kernels.attention_forward import LN2, attention_forward
-
-        o, lse2 = attention_forward(q, k, v, causal, scale, _dot_precision(q))
-        return o.to(acc), lse2 * LN2
     b, h, s, d = q.shape
     qg = _grouped(q.to(acc), k.shape[1])
     scores = _scores(qg, k.to(acc), s, causal, scale)
@@ -241,30 +241,58 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out.view(b, h, s, d), lse.view(b, h, s)
 
 
-def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of one block from the whole attention's output ``out``, LSE and
-    delta = rowsum(dO * out): with the final LSE the block's probabilities are its share of the
-    final softmax, so the block gradients add up to the full ones."""
-    if _use_kernels(q, k, v):
-        from braid.kernels.attention import _dot_precision
-        from braid.kernels.attention_forward import LOG2E
-        from braid.kernels.attention_backward import attention_backward
-
-        lse2 = (lse * LOG2E).float().contiguous()
-        return attention_backward(do, q, k, v, out, lse2, None, causal, scale, _dot_precision(q))
+def _math_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = _accumulation_dtype(q.dtype)
     b, h, s, d = q.shape
     kv_heads = k.shape[1]
     qg, dog = _grouped(q.to(acc), kv_heads), _grouped(do.to(acc), kv_heads)
+    delta = (dog * _grouped(out.to(acc), kv_heads)).sum(-1, keepdim=True)
     k, v = k.to(acc), v.to(acc)
-    p = torch.exp(_scores(qg, k, s, causal, scale) - _grouped(lse, kv_heads).unsqueeze(-1))
+    p = torch.exp(_scores(qg, k, s, causal, scale) - _grouped(lse.to(acc), kv_heads).unsqueeze(-1))
     dv = p.transpose(-2, -1) @ dog  # the rows of a group sum into their shared K/V
-    ds = p * (dog @ v.transpose(-2, -1) - _grouped(delta, kv_heads).unsqueeze(-1))
+    ds = p * (dog @ v.transpose(-2, -1) - delta)
     dq = (ds @ k) * scale
     dk = (ds.transpose(-2, -1) @ qg) * scale
     return dq.view(b, h, s, d), dk, dv
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: the output and the natural-log LSE, in the accumulation dtype."""
+    acc = _accumulation_dtype(q.dtype)
+    path = _block_path(q, k, v)
+    if path == "kernels":
+        from braid.kernels.attention import _dot_precision
+        from braid.kernels.attention_forward import LN2, attention_forward
+
+        o, lse2 = attention_forward(q, k, v, causal, scale, _dot_precision(q))
+        return o.to(acc), lse2 * LN2
+    if path == "cpu_flash":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return o.to(acc), lse.to(acc)
+    return _math_forward(q, k, v, causal, scale)
+
+
+def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of one block from the whole attention's output ``out`` and LSE: with the final
+    LSE the block's probabilities are its share of the final softmax, and rowsum(dO * out) is the
+    whole row's, so the block gradients add up to the full ones."""
+    path = _block_path(q, k, v)
+    if path == "kernels":
+        from braid.kernels.attention import _dot_precision
+        from braid.kernels.attention_backward import attention_backward
+        from braid.kernels.attention_forward import LOG2E
+
+        lse2 = (lse * LOG2E).float().contiguous()
+        return attention_backward(do, q, k, v, out, lse2, None, causal, scale, _dot_precision(q))
+    if path == "cpu_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    return _math_backward(do, q, k, v, out, lse, causal, scale)
 
 
 # -- forward and backward around the ring --------------------------------------------------------
@@ -301,7 +329,6 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, balanced: bo
 def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, scale: float, balanced: bool):
     n, s = ring.world_size, q.shape[2]
     acc = _accumulation_dtype(q.dtype)
-    delta = (do.to(acc) * out.to(acc)).sum(-1)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = [torch.stack([k, v]), None]
     grads = None  # the dK/dV accumulator of the block held now, once it arrived from the previous rank
@@ -313,9 +340,9 @@ def _ring_backward(do, q, k, v, out, lse, ring: _Ring, causal: bool, scale: floa
             pending = ring.exchange(kv[0], kv[1])
         mine = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         for rows, keys, masked in _pieces(ring.rank, (ring.rank - step) % n, s, causal, balanced):
-            bq, bk, bv = _block_backward(do[:, :, rows], q[:, :, rows], kv[0][0][:, :, keys],
-                                         kv[0][1][:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                         delta[:, :, rows], masked, scale)
+            block_k, block_v = kv[0][0][:, :, keys], kv[0][1][:, :, keys]
+            bq, bk, bv = _block_backward(do[:, :, rows], q[:, :, rows], block_k, block_v, out[:, :, rows],
+                                         lse[:, :, rows], masked, scale)
             dq[:, :, rows] += bq
             mine[0][:, :, keys] += bk
             mine[1][:, :, keys] += bv
@@ -397,8 +424,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, communicat
 
     Returns:
         This rank's rows (B, Hq, S_local, D) of softmax(q k^T * scale [mask]) v over the whole
-        sequence, in q's dtype and the shards' layout. Blocks are computed in float32 at least
-        (the Triton kernels on GPUs that take them, torch's math elsewhere).
+        sequence, in q's dtype and the shards' layout. Blocks are computed by braid's Triton
+        kernels on GPUs that take them, by torch's fused CPU attention on the CPU, by torch
+        matmuls otherwise; partial results are merged in float32 at least.
     """
     ring = _Ring(communicator, "ring_attention")
     if not isinstance(causal, bool):

@@ -13,7 +13,10 @@ leave margin and still catch a wrong block, mask or merge (errors of 1e-2 and mo
 """
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -250,6 +253,44 @@ def test_one_rank_and_bad_arguments():
         for call, error, message in bad:
             with pytest.raises(error, match=message):
                 call()
+
+
+def test_math_blocks():
+    """The matmul blocks (the path for inputs neither the Triton kernels nor torch's CPU attention
+    take, e.g. float64 on a GPU), alone: output, LSE and the gradients from the final output and
+    LSE, with GQA and causal masks, against autograd through the float64 reference."""
+    q, k, v, do = _inputs(2, 6, 2, 7, 9, torch.float64)
+    for causal in (False, True):
+        out, lse = cp._math_forward(q, k, v, causal, 0.4)
+        want = _reference(q, k, v, do, causal, scale=0.4)
+        group = q.shape[1] // k.shape[1]
+        scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1)) * 0.4
+        if causal:
+            scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(out, want[0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-12, rtol=1e-12)
+        for g, w in zip(cp._math_backward(do, q, k, v, out, lse, causal, 0.4), want[1:]):
+            torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tcp", (False, True))
+def test_benchmark_runs(tmp_path, tcp):
+    """``python -m braid.bench cp`` on tiny lengths, over shared memory and over TCP: a record per
+    length with every implementation timed and the ring's result checked against one rank's."""
+    out = tmp_path / "cp.json"
+    argv = ["--seqs", "64", "128", "--rounds", "1", "--warmup", "1", "--json", str(out)]
+    argv += ["--tcp"] if tcp else []
+    proc = subprocess.run([sys.executable, "-m", "braid.bench", "cp", *argv], capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "cp" and doc["config"]["tcp"] is tcp and doc["config"]["world_size"] == 2
+    assert [r["seq"] for r in doc["records"]] == [64, 128]
+    for r in doc["records"]:
+        assert all(r[f"{impl}_ms"] > 0 for impl in ("ring", "compute", "comm", "single", "sdpa")), r
+        assert r["err"] < 1e-4 and 0 <= r["hidden"] <= 1, r
+    assert "hidden" in proc.stdout
 
 
 def _run_on_gpu(rank, world_size, store_path):
