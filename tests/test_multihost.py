@@ -19,7 +19,7 @@ import torch
 from braid import comm
 from braid.bench.launch import scoped_environ as environment  # a pooled worker keeps its environment
 from helpers import DTYPES, CaseLog, assert_ranks_agree, make_input, ops_for, reduce_reference
-from helpers.ranks import make_comm, run_ranks
+from helpers.ranks import make_comm, process_group, run_ranks
 
 TINY_TCP = {"slot_bytes": 1024, "oneshot_max_bytes": 256, "nslots": 2}
 TINY_ENV = {
@@ -655,3 +655,47 @@ def test_pipelining_schedule_across_hosts_equals_gloo(schedule):
         assert result["grads_close"] and result["nonzero"], (r, result)
         braid_losses, gloo_losses = result["losses"]
         assert braid_losses == pytest.approx(gloo_losses, rel=1e-6), (r, result)
+
+
+def recv_from_any_source(rank, n, store_path, layout):
+    """recv from any source (torch's ``src=None``) on the braid backend: rank 0 takes every
+    message sent to it, from peers on its own host (shared memory) and on others (TCP), and
+    reports each sender; a peer's messages arrive in its send order; a receive from any source
+    issued before one from a named peer takes that peer's first message, the named one its second."""
+    import torch.distributed as dist
+
+    env = {"BRAID_HOST_ID": f"host{layout[rank]}"} if layout else {}
+    got = []
+    with environment(env), process_group(rank, n, store_path, backend="braid"):
+        if rank == 0:
+            for _ in range(2 * (n - 1)):
+                t = torch.empty(3)
+                sender = dist.recv(t)
+                got.append((sender, t.tolist()))
+            dist.barrier()
+            first, second = torch.empty(2), torch.empty(2)
+            w_any = dist.irecv(first)  # issued first: takes rank n-1's first message
+            w_named = dist.irecv(second, src=n - 1)
+            w_any.wait()
+            w_named.wait()
+            got.append((w_any._source_rank(), first.tolist(), second.tolist()))
+        else:
+            for k in range(2):
+                dist.send(torch.full((3,), 10.0 * rank + k), dst=0)
+            dist.barrier()
+            if rank == n - 1:
+                dist.send(torch.tensor([1.0, 1.0]), dst=0)
+                dist.send(torch.tensor([2.0, 2.0]), dst=0)
+        dist.barrier()
+    return got
+
+
+@pytest.mark.parametrize("layout", [None, (0, 0, 1, 2)], ids=["one-host", "2+1+1"])
+def test_recv_from_any_source(layout):
+    n = 4
+    got = run_ranks(recv_from_any_source, n, layout)[0]
+    by_sender = {}
+    for sender, values in got[:-1]:
+        by_sender.setdefault(sender, []).append(values[0])
+    assert by_sender == {r: [10.0 * r, 10.0 * r + 1] for r in range(1, n)}, got
+    assert got[-1] == (n - 1, [1.0, 1.0], [2.0, 2.0]), got

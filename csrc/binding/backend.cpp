@@ -137,8 +137,15 @@ Request make_moving(CollKind kind, const at::Tensor& t, size_t count, const void
 class BraidWork final : public c10d::Work {
  public:
   BraidWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::shared_ptr<braid::Work> work,
-            std::vector<at::Tensor> outputs)
-      : fut_(std::move(fut)), work_(std::move(work)), outputs_(std::move(outputs)) {}
+            std::vector<at::Tensor> outputs, std::shared_ptr<int> source = nullptr)
+      : fut_(std::move(fut)), work_(std::move(work)), outputs_(std::move(outputs)), source_(std::move(source)) {}
+
+  // A receive from any source: the sender's rank, once it completed.
+  int sourceRank() const override {
+    TORCH_CHECK(source_ != nullptr, "braid: sourceRank() is only known for a receive from any source");
+    TORCH_CHECK(fut_->completed() && !fut_->hasError(), "braid: sourceRank() is known once the receive completed");
+    return *source_;
+  }
 
   bool isCompleted() override { return fut_->completed(); }
   bool isSuccess() const override { return fut_->completed() && !fut_->hasError(); }
@@ -159,12 +166,14 @@ class BraidWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> fut_;
   std::shared_ptr<braid::Work> work_;  // null for a call that completed before returning
   std::vector<at::Tensor> outputs_;
+  std::shared_ptr<int> source_;
 };
 
-c10::intrusive_ptr<c10d::Work> pending_work(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) {
+c10::intrusive_ptr<c10d::Work> pending_work(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs,
+                                            std::shared_ptr<int> source = nullptr) {
   auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   complete_with(*w, fut, outputs);
-  return c10::make_intrusive<BraidWork>(std::move(fut), std::move(w), std::move(outputs));
+  return c10::make_intrusive<BraidWork>(std::move(fut), std::move(w), std::move(outputs), std::move(source));
 }
 
 class BraidBackend final : public c10d::Backend {
@@ -488,6 +497,23 @@ class BraidBackend final : public c10d::Backend {
     b.copy_back(t);
     b.outputs = tensors;
     return run(std::move(b), true);
+  }
+
+  // The first message from any peer (in the order Communicator's kAnySource defines); the Work's
+  // sourceRank() names the sender. Tags are not compared, as for recv.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int /*tag*/) override {
+    check_count(tensors, 1, "recv", "tensors");
+    check_output(tensors[0], "recv", "tensor");
+    TORCH_CHECK_VALUE(size_ > 1, "braid recv: a receive from any source needs a peer; this group has one rank");
+    Buffer t = contiguous(tensors[0]);
+    auto source = std::make_shared<int>(-1);
+    Request r = make_moving(CollKind::kRecv, t.data, t.data.numel(), nullptr, t.data.data_ptr());
+    r.root = kAnySource;
+    r.source = source;
+    auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{t.data});
+    r.keepalive = keep;
+    if (!t.data.is_same(t.user)) r.epilogue = [t] { t.user.copy_(t.data); };
+    return pending_work(comm_->submit(std::move(r), true), tensors, std::move(source));
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {

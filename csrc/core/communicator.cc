@@ -331,18 +331,51 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
       active.push_back(std::move(a));
     }
   };
-  // Transfers in one direction with one peer go in issue order: only the first may move.
+  // Transfers in one direction with one peer go in issue order: only the first may move. A
+  // receive from any source has no peer until a message is there for it, and receives issued
+  // after it wait until it has one (a message goes to the first receive that can take it).
   auto lane_head = [&](size_t i) {
-    for (size_t j = 0; j < i; ++j)
+    if (active[i].op.peer == kAnySource) return false;
+    for (size_t j = 0; j < i; ++j) {
       if (active[j].op.peer == active[i].op.peer && active[j].op.send == active[i].op.send) return false;
+      if (active[j].op.peer == kAnySource && !active[i].op.send) return false;
+    }
     return true;
+  };
+  // The peers the first unmatched receive from any source (index `i`) may take a message from:
+  // those without an earlier receive of this rank still to match.
+  auto any_source_peers = [&](size_t i) {
+    std::vector<int> peers;
+    for (int p = 0; p < world_; ++p) {
+      bool free = p != rank_;
+      for (size_t j = 0; j < i && free; ++j) free = active[j].op.send || active[j].op.peer != p;
+      if (free) peers.push_back(p);
+    }
+    return peers;
+  };
+  auto first_unmatched = [&]() -> size_t {
+    for (size_t i = 0; i < active.size(); ++i)
+      if (active[i].op.peer == kAnySource) return i;
+    return active.size();
+  };
+  // Gives receives from any source their peers, in issue order, while messages are there.
+  auto match_any = [&] {
+    bool matched = false;
+    for (size_t i = first_unmatched(); i < active.size(); i = first_unmatched()) {
+      const int p = p2p_first_incoming(any_source_peers(i));
+      if (p < 0) break;
+      active[i].op.peer = p;
+      if (active[i].req->source) *active[i].req->source = p;
+      matched = true;
+    }
+    return matched;
   };
   try {
     check_not_poisoned();
     uint64_t seen = engine_->enqueued();
     admit();
     while (!active.empty()) {
-      bool moved = false;
+      bool moved = match_any();
       for (size_t i = 0; i < active.size();) {
         if (!lane_head(i)) {
           ++i;
@@ -378,7 +411,10 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         std::atomic<bool>& flag;
         ~Clear() { flag.store(false, std::memory_order_seq_cst); }
       } clear{p2p_waiting_};
-      p2p_wait(heads.data(), static_cast<int>(heads.size()), [&] { return engine_->enqueued() != seen; });
+      const size_t any = first_unmatched();
+      const std::vector<int> candidates = any < active.size() ? any_source_peers(any) : std::vector<int>{};
+      p2p_wait_any(candidates, heads.data(), static_cast<int>(heads.size()),
+                   [&] { return engine_->enqueued() != seen; });
     }
   } catch (const CommError& e) {
     poison(e);
@@ -456,6 +492,15 @@ void Communicator::execute(Request& r) {
     if (world_ == 1) {
       execute_local(r);
     } else if (r.kind == CollKind::kSend || r.kind == CollKind::kRecv) {
+      if (r.kind == CollKind::kRecv && r.root == kAnySource) {
+        std::vector<int> peers;
+        for (int p = 0; p < world_; ++p)
+          if (p != rank_) peers.push_back(p);
+        int from;
+        while ((from = p2p_first_incoming(peers)) < 0) p2p_wait_any(peers, nullptr, 0, [] { return false; });
+        r.root = from;
+        if (r.source) *r.source = from;
+      }
       const size_t bytes = r.count * dtype_size(r.dtype);
       if (r.kind == CollKind::kSend)
         p2p_blocking(r.root, true, const_cast<void*>(r.in), bytes, r.dtype);
@@ -557,6 +602,35 @@ void Communicator::p2p_wait(P2POp* const* ops, int nops, const std::function<boo
   };
   tcp_->wait(remote.data(), static_cast<int>(remote.size()), [&] { return local_ready() || interrupted(); },
              std::chrono::milliseconds(1));
+}
+
+bool Communicator::p2p_incoming(int peer) {
+  if (topo_.host_of[static_cast<size_t>(peer)] != topo_.host) return tcp_->incoming(peer, Channel::kUser);
+  P2POp op;
+  op.peer = topo_.local_index[static_cast<size_t>(peer)];
+  op.send = false;
+  return group_->ready(op);
+}
+
+int Communicator::p2p_first_incoming(const std::vector<int>& peers) {
+  for (int step = 1; step < world_; ++step) {
+    const int p = (rank_ + step) % world_;
+    if (std::find(peers.begin(), peers.end(), p) != peers.end() && p2p_incoming(p)) return p;
+  }
+  return -1;
+}
+
+void Communicator::p2p_wait_any(const std::vector<int>& peers, P2POp* const* ops, int nops,
+                                const std::function<bool()>& interrupted) {
+  // A receive not yet started from each peer: the transports wait for its message to begin.
+  std::vector<P2POp> probes(peers.size());
+  std::vector<P2POp*> all(ops, ops + nops);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    probes[i].peer = peers[i];
+    probes[i].send = false;
+    all.push_back(&probes[i]);
+  }
+  p2p_wait(all.data(), static_cast<int>(all.size()), interrupted);
 }
 
 void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype) {

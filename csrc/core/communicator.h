@@ -40,8 +40,9 @@ struct Request {
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
                      // all_gather: input elements; all_to_all: elements per chunk
-  int root = 0;      // broadcast: source; send/recv: the peer; all_reduce: the destination of a
-                     // reduce built on it (compared between ranks, else unused)
+  int root = 0;      // broadcast: source; send/recv: the peer (recv: kAnySource for whichever
+                     // peer's message comes first); all_reduce: the destination of a reduce
+                     // built on it (compared between ranks, else unused)
   // all_gather / all_to_all: what the bytes mean to the caller (a compressed all-reduce's hash of
   // its compressor, settings, op and element count; a gather's destination + 1), compared between
   // ranks like the rest of the descriptor (in the root field, which these kinds do not use); 0
@@ -53,11 +54,18 @@ struct Request {
   int divisor = 0;
   const void* in = nullptr;
   void* out = nullptr;
+  // A recv from kAnySource writes the sender's rank here (when set) before it completes.
+  std::shared_ptr<int> source;
   // Runs on the executing thread after the data moved (e.g. copies a staged result back).
   std::function<void()> epilogue;
   // Whatever must outlive the call (tensors of an async call); released at completion.
   std::shared_ptr<void> keepalive;
 };
+
+// A recv's root that matches the first message from any peer (as MPI_ANY_SOURCE): among the
+// peers whose user channel has a message waiting, and whose earlier receives from this rank are
+// all matched, the lowest rank after this one in ring order.
+constexpr int kAnySource = -1;
 
 // What ranks compare before moving the data of `r`, the `seq`-th collective of its sequence: the
 // kind, dtype, count, op, and the root (a tag for all_gather and all_to_all).
@@ -164,6 +172,12 @@ class Communicator {
   bool p2p_advance(P2POp& op);
   void p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
   void p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype);
+  // Whether a message from `peer` waits on the user channel (a receive from any source).
+  bool p2p_incoming(int peer);
+  // Waits until a message from one of `peers` waits, or one of `ops` can move, or `interrupted`.
+  void p2p_wait_any(const std::vector<int>& peers, P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
+  // The first of `peers` (in ring order after this rank) with a message waiting, else -1.
+  int p2p_first_incoming(const std::vector<int>& peers);
   // Runs the point-to-point works the engine hands over together (ProgressEngine::P2PRunner).
   void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
   // Records the first communication error and tells the peers.

@@ -396,6 +396,16 @@ bool TcpTransport::pump_recv(Peer& p, int peer, Lane& lane, P2POp& op) {
   return all;
 }
 
+bool TcpTransport::incoming(int peer, Channel channel) {
+  check_abort();
+  Peer& p = peers_[static_cast<size_t>(peer)];
+  if (p.shut) return false;
+  const Lane& lane = p.lanes[0][static_cast<int>(channel)];
+  if (lane.active) return true;
+  struct pollfd fd = {p.socks[static_cast<size_t>(first_socket(lane, channel))].get(), POLLIN, 0};
+  return ::poll(&fd, 1, 0) > 0 && fd.revents != 0;
+}
+
 bool TcpTransport::advance(P2POp& op) {
   if (op.done) return true;
   check_abort();
@@ -426,7 +436,11 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
   for (int i = 0; i < nops; ++i) {
     Peer& p = peers_[static_cast<size_t>(ops[i]->peer)];
     Lane& lane = p.lanes[ops[i]->send ? 1 : 0][static_cast<int>(ops[i]->channel)];
-    if (!lane.active) return;  // not started: let the caller advance it
+    if (!lane.active && ops[i]->send) return;  // not started: let the caller advance it
+    if (!lane.active) {  // a receive not started (one from any source): its message's first socket
+      fds.push_back({p.socks[static_cast<size_t>(first_socket(lane, ops[i]->channel))].get(), POLLIN, 0});
+      continue;
+    }
     for (const Stripe& s : lane.stripes)
       if (!s.finished)
         fds.push_back({p.socks[static_cast<size_t>(s.sock)].get(), static_cast<short>(ops[i]->send ? POLLOUT : POLLIN), 0});

@@ -43,6 +43,10 @@ class TcpTransport : public Transport {
                const std::vector<std::string>& labels);
 
   bool advance(P2POp& op) override;
+  // Whether a message from `peer` on `channel` has begun to arrive (or its connection has news,
+  // e.g. EOF, which receiving it reports), for a receive from any source. wait() on a receive
+  // not yet started waits for the same.
+  bool incoming(int peer, Channel channel);
   void wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted) override {
     wait(ops, nops, interrupted, std::chrono::milliseconds(50));
   }
@@ -93,6 +97,10 @@ class TcpTransport : public Transport {
   void check_abort();
   std::string doing(const P2POp& op) const;
   int sock_index(Channel c, int i) const { return static_cast<int>(c) * cfg_.sockets + i; }
+  // The socket the next message of `lane` begins on (chunk 0 of message m goes on socket m % k).
+  int first_socket(const Lane& lane, Channel c) const {
+    return sock_index(c, static_cast<int>(lane.msg % static_cast<uint64_t>(cfg_.sockets)));
+  }
 
   int rank_;
   int world_;
