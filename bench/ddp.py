@@ -1,9 +1,18 @@
 """DDP benchmark: step time of a small transformer language model on CPU ranks, with torch's
-gloo DDP, braid's exact hook and each compressed hook, and the exposed communication time.
+gloo DDP, torch's fp16 hook, braid's exact hook and each compressed hook (over the braid
+communicator, over the gloo group, over a group of braid's c10d backend), and the exposed
+communication time.
 
     python -m braid.bench ddp                       # 2 ranks, ~25M parameters
     python -m braid.bench ddp --steps 6 --modes gloo,braid,int8 --json results/ddp.json
     python -m braid.bench ddp --modes compute,gloo,braid --shapes 4x128,1x128,1x32
+    python -m braid.bench ddp --modes gloo,fp16,exact@gloo,int8@gloo,int8@braidpg
+
+A mode ``KIND@CARRIER`` is braid's hook with compressor KIND (exact, bf16, int8, int4, topk) over
+the process group CARRIER (``gloo``: the run's gloo group; ``braidpg``: a group of braid's c10d
+backend): braid compresses, the group moves the bytes. Plain KIND runs the hook over a braid
+communicator. The summary line compares the int8 hook over gloo with the exact exchange (wire
+bytes) and with torch's fp16 hook (step time).
 
 ``--shapes`` runs one table per (batch x sequence length) per rank, with the same model: how much
 of a step communication takes, and so what an exact hook can save, depends on the tokens each
@@ -30,18 +39,39 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from braid import comm
+
 from . import launch, report, turns
 
-MODES = ("compute", "gloo", "braid", "bf16", "int8", "int4", "topk")
+HOOKS = {  # braid hook kinds: the compressor and its description
+    "exact": (None, "exact"),
+    "bf16": (lambda: comm.Cast(torch.bfloat16), "Cast(bfloat16)"),
+    "int8": (lambda: comm.Int8Quantizer(), "Int8Quantizer()"),
+    "int4": (lambda: comm.Int4Quantizer(), "Int4Quantizer()"),
+    "topk": (lambda: comm.TopK(0.01), "TopK(0.01)"),
+}
+CARRIERS = {"gloo": "over the gloo group", "braidpg": "over a braid c10d group"}
+MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
+         *(f"{kind}@{carrier}" for carrier in CARRIERS for kind in HOOKS))
+# What runs without --modes: every kind over braid and over gloo, and int8 over braid's c10d group.
+DEFAULT_MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
+                 *(f"{kind}@gloo" for kind in HOOKS), "int8@braidpg")
 DESCRIPTIONS = {
     "compute": "no DDP, no communication (the floor)",
     "gloo": "torch DDP, gloo all-reduce",
-    "braid": "DDP + braid exact hook",
-    "bf16": "DDP + braid hook, Cast(bfloat16)",
-    "int8": "DDP + braid hook, Int8Quantizer()",
-    "int4": "DDP + braid hook, Int4Quantizer()",
-    "topk": "DDP + braid hook, TopK(0.01)",
+    "fp16": "torch DDP + torch's fp16_compress_hook (gloo)",
+    "braid": "DDP + braid exact hook over a braid communicator",
+    **{kind: f"DDP + braid hook over a braid communicator, {what}" for kind, (_, what) in HOOKS.items()
+       if kind != "exact"},
+    **{f"{kind}@{carrier}": f"DDP + braid hook {where}, {what}" for kind, (_, what) in HOOKS.items()
+       for carrier, where in CARRIERS.items()},
 }
+
+
+def _hook_of(mode: str) -> tuple:
+    """(compressor kind, carrier name or "" for a braid communicator) of a braid hook mode."""
+    kind, _, carrier = mode.partition("@")
+    return ("exact" if kind == "braid" else kind), carrier
 
 
 class TinyLM(torch.nn.Module):
@@ -72,7 +102,11 @@ def _run_rank(rank: int, world: int, store_port: int | None, args: argparse.Name
     with turns.rank_session(rank, world, store_port, args) as c:
         total = len(args.shapes) * (args.warmup + args.steps) * len(args.modes)
         progress = report.Progress(total, enabled=rank == 0)
-        per_shape = [_run_shape(rank, args, c, batch, seq, progress) for batch, seq in args.shapes]
+        # Every rank makes the braid c10d group (a collective), when a mode uses it.
+        uses_braid_pg = any(m.endswith("@braidpg") for m in args.modes)
+        braid_pg = dist.new_group(backend="braid") if uses_braid_pg else None
+        carriers = {"": c, "gloo": dist.group.WORLD, "braidpg": braid_pg}
+        per_shape = [_run_shape(rank, args, carriers, batch, seq, progress) for batch, seq in args.shapes]
         progress.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, per_shape)
@@ -80,12 +114,13 @@ def _run_rank(rank: int, world: int, store_port: int | None, args: argparse.Name
 
 
 def _run_shape(
-    rank: int, args: argparse.Namespace, c, batch: int, seq: int, progress: report.Progress
+    rank: int, args: argparse.Namespace, carriers: dict, batch: int, seq: int, progress: report.Progress
 ) -> dict:
     """Trains every mode for the warm-up and timed steps on (batch, seq) token batches; returns
-    each mode's step times, last loss, wire ratio and parameter count on this rank."""
-    from braid import comm
+    each mode's step times, last loss, wire ratio and parameter count on this rank. ``carriers``:
+    what a braid hook runs over, by carrier name ("" the braid communicator)."""
     from braid.comm import ddp
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     max_seq = max(s for _, s in args.shapes)  # one model for every shape
@@ -97,15 +132,13 @@ def _run_shape(
         compressor = None
         if mode != "compute":
             net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
-            if mode != "gloo":
-                compressor = {
-                    "braid": None,
-                    "bf16": comm.Cast(torch.bfloat16),
-                    "int8": comm.Int8Quantizer(),
-                    "int4": comm.Int4Quantizer(),
-                    "topk": comm.TopK(0.01),
-                }[mode]
-                state, hook = ddp.comm_hook(c, compressor)
+            if mode == "fp16":
+                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif mode != "gloo":
+                kind, carrier = _hook_of(mode)
+                make = HOOKS[kind][0]
+                compressor = None if make is None else make()
+                state, hook = ddp.comm_hook(carriers[carrier], compressor)
                 net.register_comm_hook(state, hook)
         runs[mode] = {
             "model": model,
@@ -169,25 +202,41 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
             }
         )
     base = {r["mode"]: r["step_s"] for r in rows}
-    lines = [f"{'mode':<9}{'step':>10}{'exposed comm':>14}{'vs gloo':>9}{'wire ratio':>12}  what"]
+    lines = [f"{'mode':<13}{'step':>10}{'exposed comm':>14}{'vs gloo':>9}{'wire ratio':>12}  what"]
     for r in rows:
         exposed = r["step_s"] - base["compute"] if "compute" in base and r["mode"] != "compute" else None
         r["exposed_s"] = exposed
         vs = f"{r['step_s'] / base['gloo']:.2f}x" if "gloo" in base else "-"
         lines.append(
-            f"{r['mode']:<9}{r['step_s'] * 1e3:>8.0f}ms"
+            f"{r['mode']:<13}{r['step_s'] * 1e3:>8.0f}ms"
             f"{'-' if exposed is None else f'{exposed * 1e3:.0f}ms':>14}{vs:>9}"
             f"{'-' if not r['wire_ratio'] else format(r['wire_ratio'], '.2f') + 'x':>12}  "
             f"{DESCRIPTIONS[r['mode']]}"
         )
+    summary = _int8_over_gloo(base, {r["mode"]: r["wire_ratio"] for r in rows})
+    if summary:
+        lines.append(summary)
     return "\n".join(lines), rows
+
+
+def _int8_over_gloo(step_s: dict, wire_ratio: dict) -> str:
+    """The process-group carrier's targets, where the run has the modes: the int8 hook over gloo
+    sends >= 3.9x fewer bytes than the exact exchange and steps no slower than torch's fp16 hook."""
+    if "int8@gloo" not in step_s or not wire_ratio.get("int8@gloo"):
+        return ""
+    text = f"int8@gloo: wire bytes {wire_ratio['int8@gloo']:.2f}x fewer than exact (target >= 3.9x)"
+    if "fp16" in step_s:
+        text += (f"; step {step_s['int8@gloo'] / step_s['fp16']:.2f}x torch's fp16 hook's "
+                 "(target <= 1.00x)")
+    return text
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument(
-        "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)} (default: all)"
+        "--modes", default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, from {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})"
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")

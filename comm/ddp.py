@@ -169,15 +169,17 @@ def comm_hook(
             braid ``Communicator`` (CPU), a torch ``ProcessGroup`` (NCCL for CUDA models, gloo or
             braid's c10d backend on CPU; braid compresses on the bucket's device and the group
             moves the bytes), ``None`` for the default group, or a ``HostGroups``.
-        compression: None for the exact average, or a compressor (``Int8Quantizer()``,
-            ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``); its warm-up counts
+        compression: None for the exact average, a compressor (``Int8Quantizer()``,
+            ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``) or the name of one with
+            its defaults ("int8", "int4", "topk", "bf16", "fp16"); its warm-up counts
             DDP steps, so the first ``warmup_steps`` steps (and the bucket rebuild after step 1)
             are exact, and so are the first ones after loading a checkpoint into the state.
         min_compress_bytes: buckets smaller than this are reduced exactly (default
             ``BRAID_COMPRESS_MIN_BYTES`` or 64 KiB).
         hierarchical: over a process group, exact inside each host and compressed only across
-            hosts (the group split by host identity with ``group_carrier.host_groups``: a collective
-            call, every rank of the group makes it). A braid communicator does this by itself.
+            hosts: the group is split by host identity with ``group_carrier.host_groups``, which
+            every rank of the job calls (as ``new_group``); for a subgroup, build the HostGroups
+            with it on every rank and pass that instead. A braid communicator does this by itself.
     """
     if not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be a bool, got {hierarchical!r}")

@@ -117,6 +117,8 @@ class GroupCarrier:
     def reduce_exact(self, x: torch.Tensor, average: bool, divisor: int) -> None:
         """Exact all-reduce of the 1-D ``x`` in place, in braid's order: each slice summed in rank
         order in float32, divided by ``divisor`` when ``average``, rounded once to x's dtype."""
+        if x.numel() == 0:
+            return
         acc = self.sum_slices(x, -(-x.numel() // self.size))
         if average:
             acc.div_(divisor)
@@ -170,34 +172,39 @@ class HostGroups:
                 f"{self.intra.size} ranks>")
 
 
-def host_groups(group: Optional[dist.ProcessGroup] = None) -> HostGroups:
+def host_groups(group: Optional[dist.ProcessGroup] = None) -> Optional[HostGroups]:
     """Splits ``group`` (None: the default group) by host identity, as braid's communicator tells
-    hosts apart (same machine and /dev/shm, or ``BRAID_HOST_ID``). Collective: every rank of the
-    group calls it, once per group; for the default group, every rank of the job.
+    hosts apart (same machine and /dev/shm, or ``BRAID_HOST_ID``).
 
-    Raises ValueError when hosts hold different numbers of ranks."""
-    g = checked_group(group, "group")
-    idents: list = [None] * g.size()
-    dist.all_gather_object(idents, host_identity(), group=g)
-    ids = host_numbers(idents)
-    ranks = dist.get_process_group_ranks(g)
-    hosts = [[ranks[r] for r in range(len(ids)) if ids[r] == h] for h in range(max(ids) + 1)]
+    Collective over the whole job, as ``torch.distributed.new_group`` is: every rank calls it, in
+    the same order as its other group creations; a rank outside ``group`` passes what new_group
+    returned to it (``GroupMember.NON_GROUP_MEMBER``) and gets None. Raises ValueError (on every
+    rank) when the group's hosts hold different numbers of ranks."""
+    member = not (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER)
+    g = checked_group(group, "group") if member else None
+    entries: list = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, (host_identity(), dist.get_process_group_ranks(g) if member else None))
+    ranks = next((e[1] for e in entries if e[1] is not None), None)
+    if ranks is None:
+        raise ValueError("group: no rank of the job passed a process group it belongs to")
+    ids = host_numbers([entries[r][0] for r in ranks])
+    hosts = [[ranks[i] for i in range(len(ranks)) if ids[i] == h] for h in range(max(ids) + 1)]
     sizes = [len(h) for h in hosts]
     if len(set(sizes)) != 1:
         raise ValueError(f"group: hierarchical compression needs the same number of ranks on every host, got "
                          f"hosts of {sizes} ranks (set BRAID_HOST_ID to group ranks differently, or compress "
                          "without hierarchical)")
-    intra_lists = hosts
-    inter_lists = [[h[i] for h in hosts] for i in range(sizes[0])]
-    if g.size() == dist.get_world_size():
-        # Every rank of the job is here: groups made together, numbered as torch numbers them.
-        intra, _ = dist.new_subgroups_by_enumeration(intra_lists)
-        inter, _ = dist.new_subgroups_by_enumeration(inter_lists)
-    else:  # only the group's ranks call: each makes the two groups it belongs to
-        me = dist.get_rank()
-        intra = dist.new_group(next(r for r in intra_lists if me in r), use_local_synchronization=True)
-        inter = dist.new_group(next(r for r in inter_lists if me in r), use_local_synchronization=True)
-    return HostGroups(g, intra, inter)
+    # Every rank of the job makes every group, in the same order (new_group's contract); each
+    # keeps the two it belongs to.
+    me, intra, inter = dist.get_rank(), None, None
+    for members in hosts:
+        made = dist.new_group(members)
+        intra = made if me in members else intra
+    for i in range(sizes[0]):
+        members = [h[i] for h in hosts]
+        made = dist.new_group(members)
+        inter = made if me in members else inter
+    return HostGroups(g, intra, inter) if member else None
 
 
 Carrier = Union[GroupCarrier, HostGroups]

@@ -213,7 +213,10 @@ def test_resumed_hook_over_gloo_continues_the_run(compressor):
 
 
 def bad_group_arguments(rank, n, store_path):
-    """What each bad argument raises, from inside a 3-rank job on simulated hosts of 2 + 1 ranks."""
+    """What each bad argument raises, from inside a 3-rank job on simulated hosts of 2 + 1 ranks;
+    and a subgroup (ranks 0 and 1, one host) split by host (every rank of the job takes part, rank
+    2 with the non-member value new_group gave it), whose compressed all-reduce is then exact,
+    and one of no elements."""
     seen = {}
     with environment({"BRAID_HOST_ID": f"host{[0, 0, 1][rank]}"}), process_group(rank, n, store_path):
         only_first = dist.new_group([0])
@@ -225,6 +228,15 @@ def bad_group_arguments(rank, n, store_path):
         if rank != 2:
             # A group of 2 cannot split 3 ranks by host: intra * inter must be the group's size.
             seen["wrong size"] = outcome(HostGroups, None, pair, pair)
+        hosts = host_groups(pair)
+        seen["non-member gets None"] = hosts is None
+        if rank != 2:
+            inputs = [make_input(9, r, 1000, torch.float32) for r in range(2)]
+            for _ in range(3):  # past the warm-up: compressed across hosts, of which there is one
+                t = inputs[rank].clone()
+                q.all_reduce(hosts, t, key="subgroup")
+            seen["one host: exact"] = bool(torch.equal(t, reduce_reference(inputs, "avg", 2)))
+            q.all_reduce(hosts, torch.empty(0), key="empty")
         seen["uneven hosts"] = outcome(host_groups)
         seen["meta tensor"] = outcome(q.all_reduce, None, torch.empty(4, device="meta"))
         seen["hierarchical communicator"] = outcome(lambda: ddp.comm_hook(make_comm(rank, n, store_path),
@@ -250,6 +262,8 @@ def test_bad_arguments_over_groups_are_named():
         "op": ("ValueError", "op 'sum' or 'avg'"),
     }
     for rank, seen in enumerate(results):
+        assert seen.pop("one host: exact", rank == 2), rank
+        assert seen.pop("non-member gets None") == (rank == 2), rank
         for what, got in seen.items():
             kind, words = expect[what]
             assert got["type"] == kind and words in got["message"], (rank, what, got)
