@@ -6,7 +6,7 @@
 
 Launch. Without RANK and WORLD_SIZE in the environment this process hosts a TCPStore on a free
 loopback port and starts the ranks: under ``mpirun --oversubscribe --bind-to none -np N`` when
-Open MPI is measured (mpi4py imports and mpirun exists; mpi_peer.py is the ranks' entry point),
+Open MPI is measured (mpi4py imports and mpirun exists; mpi_rank.py is the ranks' entry point),
 else spawned and watched here (when one fails, the others get a few seconds to report their
 side, then are stopped, and the run fails). The whole run has a deadline (--deadline). Every rank
 joins a gloo process group and a braid communicator over that store, under mpirun also
@@ -239,7 +239,7 @@ def _mpi_unavailable(dtype: str) -> str | None:
 
 
 def _run_under_mpirun(config: Config, world_size: int) -> int:
-    """Hosts the store and starts the ranks under mpirun (mpi_peer.main); waits for them until the
+    """Hosts the store and starts the ranks under mpirun (mpi_rank.main); waits for them until the
     deadline. mpirun runs in a session of its own, so that on the deadline it goes down with its
     ranks, and through ``setpriv --pdeathsig`` it gets SIGTERM (which it passes to its ranks) if
     this process dies first, however it dies."""
@@ -247,7 +247,7 @@ def _run_under_mpirun(config: Config, world_size: int) -> int:
                           timeout=timedelta(seconds=config.timeout))
     store.set(MPIRUN_CONFIG_KEY, config.to_json())  # for the ranks this process starts
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-           "-np", str(world_size), sys.executable, "-m", "braid.bench.mpi_peer", str(store.port)]
+           "-np", str(world_size), sys.executable, "-m", "braid.bench.mpi_rank", str(store.port)]
     if shutil.which("setpriv"):
         cmd = ["setpriv", "--pdeathsig", "TERM", *cmd]
     sys.stdout.flush()

@@ -3,7 +3,7 @@
 When mpi4py and mpirun are available, the collectives benchmark starts its ranks under
 
     mpirun --allow-run-as-root --oversubscribe --bind-to none -np N \\
-        python -m braid.bench.mpi_peer PORT
+        python -m braid.bench.mpi_rank PORT
 
 (PORT: the launching process's TCPStore on the loopback, which also holds the run's settings),
 so that Open MPI runs in the same processes as braid, gloo and DeepSpeed and its timed batches
@@ -14,8 +14,6 @@ float16 or bfloat16 datatype: those dtypes leave Open MPI out.
 """
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -70,37 +68,3 @@ def library_version() -> str:
     from mpi4py import MPI
 
     return MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """A rank of the collectives benchmark started by mpirun (see the module docstring)."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) != 1 or not args[0].isdigit():
-        sys.stderr.write("usage: python -m braid.bench.mpi_peer STORE_PORT (started by the collectives "
-                         "benchmark under mpirun)\n")
-        return 2
-    # Imported here: collectives.py imports this module, and mpi4py initializes MPI on import.
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    from . import collectives, launch
-
-    port = int(args[0])
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    config = collectives.Config.from_json(store.get(collectives.MPIRUN_CONFIG_KEY))
-    world = MPI.COMM_WORLD
-    rank, world_size = world.Get_rank(), world.Get_size()
-    # Placement and DeepSpeed's peer read these, as under torchrun.
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", str(rank)))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", str(world_size)))
-    status = launch.run_rank_reporting(collectives.run_rank, rank, world_size, port, config)
-    if status not in (0, launch.EXIT_FINDINGS):
-        # The others may wait in an MPI collective, which has no deadline: end the whole job.
-        world.Abort(status)
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,6 +14,25 @@ from .errors import CollectiveMismatch, CommClosed, CommError, CommTimeout, Peer
 
 _backend.register()  # dist.init_process_group("braid") from here on
 
+# The parts a user reaches as attributes after `from braid import comm` (comm.ddp.comm_hook, ...),
+# imported on first use: importing braid.comm stays quick, and none of them imports back here
+# at import time.
+_PARTS = ("ddp", "fsdp", "tp", "cp")
+
+
+def __getattr__(name):
+    if name in _PARTS:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PARTS))
+
 __all__ = ["Communicator", "P2POp", "Work", "init", "CommError", "CommTimeout", "PeerError",
            "CollectiveMismatch", "CommClosed", "Compressor", "Int8Quantizer", "Int4Quantizer", "TopK",
            "Cast", "WireStats", "CompressedWork"]
