@@ -16,6 +16,7 @@ BENCHMARKS = {
     "compression": "compression kernels: GB/s against memcpy, wire ratio, relative error",
     "ddp": "DDP step time of a ~25M-parameter transformer: gloo vs braid hooks (exact, compressed)",
     "multihost": "all_reduce across simulated hosts on shaped links: braid (exact, compressed) vs gloo",
+    "pipeline": "torch.distributed.pipelining schedules at 2 and 4 stages: braid backend vs gloo, bubble",
     "cp": "ring (context-parallel) attention at 2 ranks vs one rank, communication hidden behind compute",
 }
 
