@@ -20,14 +20,19 @@ on the CPU. Implementations, taking turns in the same processes (bench/turns.py)
   rank (its CPU flash kernel, which skips masked tiles): torch's own single-rank time.
 
 A step is a forward and a backward of a weighted sum of the output. Reported: step time per
-implementation, ``speedup`` = single / ring (and sdpa / ring), and ``hidden`` = (compute + comm -
-ring) / comm, the fraction of the transfers' time that the ring hides behind compute (1: all of
-it; 0: none; clipped to [0, 1]). ``err``: the ring's output and dq, gathered, against the
-single-rank result.
+implementation, ``speedup`` = single / ring (and sdpa / ring), ``exposed``: the time per step the
+ring's rank spends waiting for its transfers after computing (measured around each wait; it
+includes waiting for a peer that computes later, so load imbalance counts as exposed), and
+``hidden`` = 1 - exposed / comm, the share of the transfers' time hidden behind compute (1: all
+of it; clipped to [0, 1]). The waits are timed directly because the transfers take a few percent
+of a step here, less than the step's run-to-run noise on a loaded machine, so a difference of
+step times (ring - compute) could not resolve them. ``err``: the ring's output and dq, gathered,
+against the single-rank result.
 
 --json writes {"benchmark": "cp", "date", "machine", "config", "records": [{"seq", "batch",
 "heads", "head_dim", "causal", "world_size", "ring_ms", "compute_ms", "comm_ms", "single_ms",
-"sdpa_ms", "speedup_vs_single", "speedup_vs_sdpa", "hidden", "err"}]}; "config" has "tcp".
+"sdpa_ms", "exposed_ms", "speedup_vs_single", "speedup_vs_sdpa", "hidden", "err"}]}; "config" has
+"tcp".
 """
 from __future__ import annotations
 
@@ -80,6 +85,27 @@ class _NoTransfer(cp._Ring):
         return _Done()
 
 
+class _WaitTimed:
+    def __init__(self, exchange, ring: "_TimedRing"):
+        self._exchange, self._ring = exchange, ring
+
+    def wait(self) -> None:
+        begin = time.perf_counter()
+        self._exchange.wait()
+        self._ring.waited += time.perf_counter() - begin
+
+
+class _TimedRing(cp._Ring):
+    """The ring of a braid communicator that adds up the time spent waiting for its transfers."""
+
+    def __init__(self, communicator):
+        super().__init__(communicator, "bench")
+        self.waited = 0.0
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _WaitTimed:
+        return _WaitTimed(super().exchange(send, recv), self)
+
+
 def _step(q, k, v, weights, attention) -> None:
     for t in (q, k, v):
         t.grad = None
@@ -109,7 +135,7 @@ def _bench_seq(seq: int, config: Config, c, rank: int, world_size: int, progress
     local = [cp.shard(t, c, balanced=causal).requires_grad_() for t in (q, k, v)]
     local_weights = cp.shard(weights, c, balanced=causal)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    ring, alone, one = cp._Ring(c, "bench"), _NoTransfer(rank, world_size), _NoTransfer(0, 1)
+    ring, alone, one = _TimedRing(c), _NoTransfer(rank, world_size), _NoTransfer(0, 1)
     apply = cp._RingAttention.apply
     kv = torch.stack([local[1].detach(), local[2].detach()])
     buffers = [torch.empty_like(kv), torch.zeros(kv.shape), torch.empty(kv.shape)]
@@ -140,14 +166,18 @@ def _bench_seq(seq: int, config: Config, c, rank: int, world_size: int, progress
     for step in steps.values():
         for _ in range(run.warmup):
             step()
+    ring.waited = 0.0
     t = turns.time_in_turns(steps, run, progress, nbytes)
     ms = {impl: round(t[impl] * 1e3, 3) if impl in t else None for impl in IMPLS}
-    hidden = None
-    if all(i in t for i in ("ring", "compute", "comm")) and t["comm"] > 0:
-        hidden = round(min(1.0, max(0.0, (t["compute"] + t["comm"] - t["ring"]) / t["comm"])), 3)
+    exposed = hidden = None
+    if "ring" in t:
+        exposed = turns.max_over_ranks([ring.waited / (run.rounds * run.steps)])[0]
+        if "comm" in t and t["comm"] > 0:
+            hidden = round(min(1.0, max(0.0, 1.0 - exposed / t["comm"])), 3)
+        exposed = round(exposed * 1e3, 3)
     return {"seq": seq, "batch": config.batch, "heads": config.heads, "head_dim": config.head_dim,
             "causal": causal, "world_size": world_size,
-            **{f"{impl}_ms": ms[impl] for impl in IMPLS},
+            **{f"{impl}_ms": ms[impl] for impl in IMPLS}, "exposed_ms": exposed,
             "speedup_vs_single": _ratio(t, "single", "ring"), "speedup_vs_sdpa": _ratio(t, "sdpa", "ring"),
             "hidden": hidden, "err": None if err is None else float(f"{err:.3g}")}
 
@@ -175,12 +205,13 @@ def _fmt(value, spec: str) -> str:
 
 def _table(records: list[dict]) -> str:
     lines = ["#   seq  ring (ms)  compute (ms)  comm (ms)  single (ms)  sdpa (ms)  vs single  vs sdpa"
-             "  hidden      err"]
+             "  exposed (ms)  hidden      err"]
     for r in records:
         lines.append(f"  {r['seq']:>5}  {_fmt(r['ring_ms'], '9.2f')}  {_fmt(r['compute_ms'], '12.2f')}"
                      f"  {_fmt(r['comm_ms'], '9.2f')}  {_fmt(r['single_ms'], '11.2f')}"
                      f"  {_fmt(r['sdpa_ms'], '9.2f')}  {_fmt(r['speedup_vs_single'], '9.2f')}"
-                     f"  {_fmt(r['speedup_vs_sdpa'], '7.2f')}  {_fmt(r['hidden'], '6.2f')}"
+                     f"  {_fmt(r['speedup_vs_sdpa'], '7.2f')}  {_fmt(r['exposed_ms'], '12.3f')}"
+                     f"  {_fmt(r['hidden'], '6.2f')}"
                      f"  {_fmt(r['err'], '7.2g')}")
     return "\n".join(lines)
 
