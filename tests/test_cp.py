@@ -13,6 +13,7 @@ leave margin and still catch a wrong block, mask or merge (errors of 1e-2 and mo
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -271,6 +272,35 @@ def test_math_blocks():
         torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-12, rtol=1e-12)
         for g, w in zip(cp._math_backward(do, q, k, v, out, lse, causal, 0.4), want[1:]):
             torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_kernel_blocks(monkeypatch):
+    """The blocks through braid's Triton kernels (what GPUs run; here in Triton's interpreter on
+    the CPU, float32, tiny shapes): two blocks of keys, one whole and one under the causal mask,
+    merged through their LSE, and each block's gradients from the merged output and LSE, against
+    float64 attention over both blocks. Tolerance 1e-5: float32 blocks, measured worst 7e-7."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(cp, "_block_path", lambda q, k, v: "kernels")
+    q, k, v, do = (t.to(device) for t in _inputs(1, 4, 2, 16, 16, torch.float32))
+    k2, v2, _, _ = (t.to(device) for t in _inputs(1, 2, 2, 16, 16, torch.float32, seed=1))
+    out, lse = cp._block_forward(q, k2, v2, False, 0.25)
+    own_out, own_lse = cp._block_forward(q, k, v, True, 0.25)
+    cp._merge(out, lse, own_out, own_lse)
+    out = out.to(q.dtype)
+    grads = [cp._block_backward(do, q, k2, v2, out, lse, False, 0.25),
+             cp._block_backward(do, q, k, v, out, lse, True, 0.25)]
+    leaves = [t.double().requires_grad_() for t in (q, torch.cat([k2, k], 2), torch.cat([v2, v], 2))]
+    visible = torch.ones(16, 32, dtype=torch.bool, device=device)
+    visible[:, 16:] = visible[:, 16:].tril()
+    want = F.scaled_dot_product_attention(leaves[0], leaves[1].repeat_interleave(2, 1),
+                                          leaves[2].repeat_interleave(2, 1), attn_mask=visible, scale=0.25)
+    want.backward(do.double())
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close((grads[0][0] + grads[1][0]).double(), leaves[0].grad, **tol)
+    for i in (1, 2):
+        torch.testing.assert_close(torch.cat([grads[0][i], grads[1][i]], 2).double(), leaves[i].grad, **tol)
 
 
 @pytest.mark.timeout(240)
