@@ -9,21 +9,38 @@ NPROC ?= 2
 BUILD_DIR ?= build/cmake
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_CHECK_DIR ?= build/cuda-check
+CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 
 .PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
-$(VENV)/.deps: Makefile
+# torch once (a changed TORCH_SPEC reinstalls it), the tools of requirements-dev.txt when that
+# file changes.
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install "$(TORCH_SPEC)" numpy triton==3.9.0 pytest pytest-benchmark pytest-timeout expecttest ninja matplotlib
+	$(PIP) install "$(TORCH_SPEC)"
+	echo "$(TORCH_SPEC)" > $@
+$(VENV)/.deps: $(VENV)/.torch requirements-dev.txt
+	@[ "$$(cat $(VENV)/.torch)" = "$(TORCH_SPEC)" ] || { $(PIP) install "$(TORCH_SPEC)" && echo "$(TORCH_SPEC)" > $(VENV)/.torch; }
+	$(PIP) install -r requirements-dev.txt
 	touch $@
 
 deps: $(VENV)/.deps
 
-install: deps
-	$(PIP) install --no-build-isolation --no-deps -e .
+# The package is installed editable once; the extension is then built in place with a build
+# tree that persists (build/ext), so a second `make` compiles only the sources that changed and
+# does nothing when none did.
+CXX_SOURCES := $(shell find csrc -name '*.cc' -o -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name 'flags.txt')
+$(VENV)/.editable: $(VENV)/.deps setup.py
+	BRAID_NO_EXTENSION=1 $(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+$(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
+	$(PY) setup.py -q build_ext --inplace --build-temp build/ext
+	touch $@
+
+install: $(VENV)/.built
 
 test: install cuda-check test-cpp test-py
 
@@ -51,7 +68,7 @@ cuda-binding-check:
 	  torch_inc=$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; print(' '.join('-isystem ' + p for p in include_paths() + [sysconfig.get_paths()['include']]))") && \
 	  for f in $(CUDA_BINDING_SOURCES); do \
 	    echo "c++ -fsyntax-only -DBRAID_WITH_CUDA $$f"; \
-	    $(CXX) -std=c++17 -fsyntax-only -Wall -Wno-unused-parameter -fvisibility=hidden -DBRAID_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+	    $(CXX) $(CXX_FLAGS) -fsyntax-only -DBRAID_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
 	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc $$f || exit 1; \
 	  done; \
 	else echo "nvcc or $(PY) not found: the CUDA binding not type-checked"; fi

@@ -1,7 +1,8 @@
 """Build braid: the torch-free C++ core plus its torch binding as braid.comm._C.
 
 CUDA sources (csrc/cuda/*.cu) join the build only when torch has CUDA and nvcc is found.
-Knobs: BRAID_FORCE_CPU=1 (skip CUDA), MAX_JOBS (parallel compile jobs, read by ninja),
+Knobs: BRAID_FORCE_CPU=1 (skip CUDA), BRAID_NO_EXTENSION=1 (the Python package only), MAX_JOBS
+(parallel compile jobs, read by ninja),
 TORCH_CUDA_ARCH_LIST (defaults to 9.0 when no GPU is visible), BRAID_MARCH (-march value for
 the CPU kernels, default "native"; set it to "" for a portable build).
 """
@@ -21,6 +22,12 @@ def sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
+def compile_flags():
+    """The C++ flags every build of braid uses (csrc/flags.txt says why)."""
+    with open(os.path.join(ROOT, "csrc", "flags.txt")) as f:
+        return [line.strip() for line in f if line.strip().startswith("-")]
+
+
 def want_cuda():
     if os.environ.get("BRAID_FORCE_CPU", "0") not in ("", "0"):
         return False
@@ -30,13 +37,7 @@ def want_cuda():
 
 def extension():
     march = os.environ.get("BRAID_MARCH", "native")
-    # -ffp-contract=off: no fused multiply-adds behind the source's back, so the compression
-    # kernels round exactly as their pure-torch references (and as every other rank's build).
-    # -fno-trapping-math: floating-point exceptions are never enabled here, so the compiler may
-    # evaluate both arms of a select (the float16 conversions need that to vectorize); no result
-    # changes.
-    cxx = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden",
-           "-ffp-contract=off", "-fno-trapping-math"]
+    cxx = ["-O3", *compile_flags()]
     if march:
         cxx.append(f"-march={march}")
     core = sources("csrc/core/**/*.cc")
@@ -61,7 +62,9 @@ setup(
     python_requires=">=3.9",
     package_dir={"braid.comm": "comm", "braid.kernels": "kernels", "braid.bench": "bench"},
     packages=["braid.comm", "braid.comm.tp", "braid.comm.fsdp", "braid.kernels", "braid.bench"],
-    ext_modules=[extension()],
+    # BRAID_NO_EXTENSION=1: the package alone (the Makefile installs it editable once, then builds
+    # the extension in place with a persistent build tree, so rebuilds are incremental).
+    ext_modules=[] if os.environ.get("BRAID_NO_EXTENSION", "0") not in ("", "0") else [extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     entry_points={"console_scripts": ["braid-bench=braid.bench.__main__:main"]},
     zip_safe=False,

@@ -495,6 +495,29 @@ def test_coalesced_gather_sparse_all_reduce_and_group_name(world_size):
     assert run_ranks(_run_coalesced_sparse_and_name, world_size) == [True] * world_size
 
 
+def _run_monitored_barrier(rank, world_size, store_path):
+    """The process group's monitored_barrier: passes when every rank comes; when rank 2 stays
+    away, rank 0 raises naming it (every missing rank with wait_all_ranks) within the timeout,
+    and rank 1, whose answer never comes, says so."""
+    with process_group(rank, world_size, store_path, backend="braid"):
+        pg = dist.group.WORLD
+        pg.monitored_barrier(timedelta(seconds=30))
+        late = dist.new_group(backend="braid")
+        if rank == 0:
+            expected = "Rank 0 timed out in monitoredBarrier after 500 ms. Ranks 2 failed"
+            with pytest.raises(RuntimeError, match=expected):
+                late.monitored_barrier(timedelta(milliseconds=500), wait_all_ranks=True)
+        elif rank == 1:
+            with pytest.raises(RuntimeError, match="Rank 1 successfully reached monitoredBarrier"):
+                late.monitored_barrier(timedelta(milliseconds=1500))
+        dist.barrier()  # the default group is untouched
+    return True
+
+
+def test_monitored_barrier():
+    assert run_ranks(_run_monitored_barrier, 3) == [True] * 3
+
+
 def _run_unsupported(rank, world_size, store_path):
     with braid_default_group(rank, world_size, store_path):
         with pytest.raises(TypeError, match="unsupported dtype"):

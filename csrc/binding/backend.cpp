@@ -522,6 +522,59 @@ class BraidBackend final : public c10d::Backend {
     return run(std::move(b), opts.asyncOp);
   }
 
+  // torch's monitored barrier: every rank reports to rank 0 with a point-to-point message (matched
+  // in issue order with the user's own, as every braid transfer) and waits for its answer; rank 0
+  // waits for all of them for `opts.timeout` in total and names the ranks that did not arrive
+  // (the first of them, or all with `wait_all_ranks`). A rank that never arrives leaves its
+  // receive posted: the communicator then fails at its own timeout, as a group whose rank is
+  // gone must.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + opts.timeout;
+    const auto left = [&] {
+      return std::max(std::chrono::nanoseconds(1), std::chrono::nanoseconds(deadline - Clock::now()));
+    };
+    const std::string ms = std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout).count());
+    auto token = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{at::zeros({1}, at::kByte)});
+    auto transfer = [&](CollKind kind, int peer) {
+      Request r = make(kind, DType::kUInt8, 1, (*token)[0].data_ptr(), (*token)[0].data_ptr());
+      r.root = peer;
+      r.keepalive = token;
+      return comm_->submit(std::move(r), true);
+    };
+    if (rank_ != 0) {
+      transfer(CollKind::kSend, 0);
+      auto answer = transfer(CollKind::kRecv, 0);
+      bool answered = false;
+      std::string why = "no answer";
+      try {
+        answered = answer->wait(left(), true);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      TORCH_CHECK(answered, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while ",
+                  "waiting for send/recv from rank 0 within ", ms, " ms (", why,
+                  "). Please check rank 0 logs for faulty rank.");
+      return;
+    }
+    std::vector<std::shared_ptr<Work>> arrivals;
+    for (int r = 1; r < size_; ++r) arrivals.push_back(transfer(CollKind::kRecv, r));
+    std::vector<int> missing;
+    for (int r = 1; r < size_; ++r) {
+      auto& w = arrivals[static_cast<size_t>(r - 1)];
+      if (w->wait(left(), true)) continue;  // a failure (a peer gone) raises its own error
+      missing.push_back(r);
+      if (!wait_all_ranks) break;
+    }
+    if (!missing.empty()) {
+      std::string ranks;
+      for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      TORCH_CHECK(false, "Rank 0 timed out in monitoredBarrier after ", ms, " ms. Ranks ", ranks,
+                  " failed to pass monitoredBarrier in ", ms, " ms");
+    }
+    for (int r = 1; r < size_; ++r) transfer(CollKind::kSend, r);
+  }
+
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->seq(); }
 

@@ -51,7 +51,6 @@ QUICK = " or ".join([
 # message, and only then count as torch's limit rather than braid's failure.
 TORCH_LIMITS = {
     "test_monitored_barrier_gloo": "monitored_barrier is only implemented for GLOO backend",
-    "test_monitored_barrier_gloo_rank_0_timeout": "monitored_barrier is only implemented for GLOO backend",
     "test_monitored_barrier_gloo_subgroup": "monitored_barrier is only implemented for GLOO backend",
 }
 TORCH_LIMITS_WHY = ("torch.distributed.monitored_barrier: `if get_backend(group) != Backend.GLOO: raise "
