@@ -146,6 +146,8 @@ void Tunables::resolve(int local_world_size) {
   if (skew_rounds < 0) skew_rounds = oversubscribed ? 0 : 1;
 }
 
+size_t env_bytes(const char* name, size_t dflt) { return env_size(name, dflt); }
+
 void Tunables::validate() const {
   if (slot_bytes < 1024 || slot_bytes > (size_t(1) << 30))
     throw std::invalid_argument("slot_bytes (BRAID_SLOT_BYTES) must be between 1 KiB and 1 GiB");

@@ -86,4 +86,9 @@ struct Tunables {
   void validate() const;  // throws std::invalid_argument naming the knob
 };
 
+// The byte count in environment variable `name` (digits, optional K/M/G suffix), `dflt` when it is
+// unset; throws std::invalid_argument naming it when malformed. For knobs declared elsewhere
+// (StagingOptions in staging.h).
+size_t env_bytes(const char* name, size_t dflt);
+
 }  // namespace braid
