@@ -21,8 +21,9 @@ on the CPU. Implementations, taking turns in the same processes (bench/turns.py)
 
 A step is a forward and a backward of a weighted sum of the output. Reported: step time per
 implementation, ``speedup`` = single / ring (and sdpa / ring), ``exposed``: the time per step the
-ring's rank spends waiting for its transfers after computing (measured around each wait; it
-includes waiting for a peer that computes later, so load imbalance counts as exposed), and
+ring waits for its transfers after computing, timed around each wait and taken, per step, on the
+rank that waited least (the rank that computed last: the one that finished first also waits for
+its peer's compute, which is load imbalance, not communication), and
 ``hidden`` = 1 - exposed / comm, the share of the transfers' time hidden behind compute (1: all
 of it; clipped to [0, 1]). The waits are timed directly because the transfers take a few percent
 of a step here, less than the step's run-to-run noise on a loaded machine, so a difference of
@@ -96,11 +97,18 @@ class _WaitTimed:
 
 
 class _TimedRing(cp._Ring):
-    """The ring of a braid communicator that adds up the time spent waiting for its transfers."""
+    """The ring of a braid communicator that adds up the time spent waiting for its transfers,
+    and keeps it per step."""
 
     def __init__(self, communicator):
         super().__init__(communicator, "bench")
         self.waited = 0.0
+        self.per_step: list[float] = []
+
+    def step(self, fn) -> None:
+        before = self.waited
+        fn()
+        self.per_step.append(self.waited - before)
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _WaitTimed:
         return _WaitTimed(super().exchange(send, recv), self)
@@ -140,8 +148,8 @@ def _bench_seq(seq: int, config: Config, c, rank: int, world_size: int, progress
     kv = torch.stack([local[1].detach(), local[2].detach()])
     buffers = [torch.empty_like(kv), torch.zeros(kv.shape), torch.empty(kv.shape)]
     steps = {
-        "ring": functools.partial(_step, *local, local_weights,
-                                  lambda a, b, d: apply(a, b, d, ring, causal, scale, causal)),
+        "ring": functools.partial(ring.step, functools.partial(
+            _step, *local, local_weights, lambda a, b, d: apply(a, b, d, ring, causal, scale, causal))),
         "compute": functools.partial(_step, *local, local_weights,
                                      lambda a, b, d: apply(a, b, d, alone, causal, scale, causal)),
         "comm": functools.partial(_transfers, ring, kv, buffers),
@@ -166,12 +174,13 @@ def _bench_seq(seq: int, config: Config, c, rank: int, world_size: int, progress
     for step in steps.values():
         for _ in range(run.warmup):
             step()
-    ring.waited = 0.0
+    ring.per_step.clear()
     t = turns.time_in_turns(steps, run, progress, nbytes)
     ms = {impl: round(t[impl] * 1e3, 3) if impl in t else None for impl in IMPLS}
     exposed = hidden = None
-    if "ring" in t:
-        exposed = turns.max_over_ranks([ring.waited / (run.rounds * run.steps)])[0]
+    if "ring" in t:  # per step the least any rank waited (the minimum as minus the maximum of negatives)
+        least = turns.max_over_ranks([-w for w in ring.per_step])
+        exposed = -sum(least) / len(least)
         if "comm" in t and t["comm"] > 0:
             hidden = round(min(1.0, max(0.0, 1.0 - exposed / t["comm"])), 3)
         exposed = round(exposed * 1e3, 3)
