@@ -1,4 +1,5 @@
-"""The braid communicator: bootstrap through a torch.distributed Store, collectives on CPU tensors."""
+"""The braid communicator: bootstrap through a torch.distributed Store, collectives on CPU tensors and,
+in builds with CUDA, on CUDA tensors staged through pinned host memory."""
 from __future__ import annotations
 
 import itertools
@@ -205,6 +206,32 @@ def _wrap(w, what: str):
     return None if w is None else Work(w, what)
 
 
+# Builds with CUDA (torch with CUDA and nvcc at build time) carry the staging pipeline's binding.
+_CUDA_BUILD = hasattr(_C, "CudaStager")
+
+
+def _off_cpu(*tensors) -> bool:
+    """Whether any argument is a tensor that is not on the CPU (such calls take the staged path)."""
+    return any(isinstance(t, torch.Tensor) and not t.is_cpu for t in tensors)
+
+
+def _device(device) -> torch.device:
+    """The constructor's ``device``: None or "cpu" the CPU, "cuda" or "cuda:<index>" a GPU (builds
+    with CUDA only); anything else a ValueError naming the argument."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    if d.type == "cuda" and not _CUDA_BUILD:
+        raise ValueError(f"device={device!r} needs braid built with CUDA; this build takes CPU tensors only "
+                         "(it was built where torch had no CUDA or nvcc was not found)")
+    return d
+
+
 def _close_soon(c) -> None:
     """The finalizer's close: at once, or, when the last reference went away inside a future's
     callback on the communicator's own progress thread (which close() would have to join), on a
@@ -218,20 +245,27 @@ def _close_soon(c) -> None:
 
 
 class Communicator:
-    """A group of ranks running braid collectives on CPU tensors.
+    """A group of ranks running braid collectives on CPU tensors and (builds with CUDA) CUDA tensors.
 
     Args:
         store: a ``torch.distributed.Store`` shared by all ranks (TCPStore, FileStore, ...).
         rank, world_size: this process's rank and the number of ranks.
         timeout: deadline of every wait (``timedelta`` or seconds). Reaching it raises
             ``CommTimeout`` naming the ranks that did not arrive.
-        device: where the tensors live; only ``"cpu"`` (or None) until the CUDA path exists.
+        device: ``"cpu"`` or None, or a CUDA device (``"cuda"``, ``"cuda:1"``): its staging
+            buffers and copy streams are set up now rather than at the first call on one of its
+            tensors. Either way every call takes CPU tensors, and CUDA tensors where braid was built
+            with CUDA: those travel through pinned host memory in chunks, stream-ordered (the
+            call is ordered after the caller's current stream; ``wait()`` and blocking calls
+            make that stream wait for the result).
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
         algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us,
             skew_rounds: tunables of the shared-memory transport; nsocks, socket_chunk_bytes,
-            cross_oneshot_max_bytes, cross_piece_bytes: of the TCP transport between hosts.
-            ``None`` takes the ``BRAID_*`` environment variable or the built-in default (README).
+            cross_oneshot_max_bytes, cross_piece_bytes: of the TCP transport between hosts;
+            staging_chunk_bytes, staging_slots: of the pipeline for CUDA tensors (bytes per chunk
+            part, chunks in flight; every rank must use the same). ``None`` takes the ``BRAID_*``
+            environment variable or the built-in default (README).
 
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
     published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface
@@ -253,7 +287,9 @@ class Communicator:
                  nsocks: Optional[int] = None,
                  socket_chunk_bytes: Optional[int] = None,
                  cross_oneshot_max_bytes: Optional[int] = None,
-                 cross_piece_bytes: Optional[int] = None):
+                 cross_piece_bytes: Optional[int] = None,
+                 staging_chunk_bytes: Optional[int] = None,
+                 staging_slots: Optional[int] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         world_size, rank = _index(world_size, "world_size"), _index(rank, "rank")
@@ -261,8 +297,7 @@ class Communicator:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"device must be 'cpu' (the CUDA path is not built yet), got {device!r}")
+        device = _device(device)
         self._timeout_s = _seconds(timeout)
         tun = _C.Tunables.from_env()
         if algo is not None:
@@ -286,6 +321,13 @@ class Communicator:
             if kind is int:  # saturate at the C++ field's range: the constructor then names the bounds
                 value = min(value, 2**31 - 1 if name in ("nslots", "nsocks") else 2**63 - 1)
             setattr(tun, name, value)
+        for name, value in (("staging_chunk_bytes", staging_chunk_bytes), ("staging_slots", staging_slots)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        self._staging = (staging_chunk_bytes, staging_slots)
+        self._stagers: dict = {}
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):
                 raise TypeError(f"skew_rounds must be a bool, got {type(skew_rounds).__name__}")
@@ -304,6 +346,8 @@ class Communicator:
             raise
         self._finalizer = weakref.finalize(self, _close_soon, self._c)
         try:
+            if device.type == "cuda":
+                self._stager(device, "device")
             self._bootstrap()
         except BaseException as e:
             self._finalizer()
@@ -429,6 +473,33 @@ class Communicator:
         leaders), "hierarchical" or "leaders"."""
         return self._c.all_reduce_algo(nbytes)
 
+    # -- CUDA tensors --------------------------------------------------------------------------
+    def _stager(self, device: torch.device, arg: str):
+        """The staging pipeline (pinned buffers, two copy streams) of CUDA ``device``, set up at its
+        first use; a ValueError naming ``arg`` for a device braid cannot stage from."""
+        if not _CUDA_BUILD:
+            raise ValueError(f"{arg} is on {device}, but this braid build takes CPU tensors only (it was "
+                             "built where torch had no CUDA or nvcc was not found): reinstall braid on a "
+                             "machine with both, or move the tensor to the CPU")
+        if device.type != "cuda":
+            raise ValueError(f"{arg} must be a CPU or CUDA tensor, got a tensor on {device}")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        stager = self._stagers.get(index)
+        if stager is None:
+            chunk_bytes, slots = self._staging
+            env_chunk, env_slots = _C.staging_options_from_env()
+            stager = _C.CudaStager(index, env_chunk if chunk_bytes is None else chunk_bytes,
+                                   env_slots if slots is None else slots)
+            self._stagers[index] = stager
+        return stager
+
+    def _stager_of(self, output: torch.Tensor, input: torch.Tensor):
+        """The stager of the device of an out-of-place call (the output's, else the input's); the
+        binding then requires the other tensor on the same device."""
+        if isinstance(output, torch.Tensor) and not output.is_cpu:
+            return self._stager(output.device, "output")
+        return self._stager(input.device, "input")
+
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False, *,
                    compression: Optional["Compressor"] = None,
@@ -447,6 +518,10 @@ class Communicator:
             code = _OP_CODES.get(op) if op.__class__ is str else None
             if async_op.__class__ is not bool:
                 async_op = _async_flag(async_op)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
+                stager = self._stager(tensor.device, "tensor")
+                w = self._c.cuda_all_reduce(stager, tensor, _op_code(op) if code is None else code, async_op)
+                return None if w is None else Work(w, "all_reduce")
             w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w, "all_reduce")
         from .compression import Compressor
@@ -467,11 +542,18 @@ class Communicator:
                        async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (world_size * output.numel() elements) across ranks; rank r receives
         the reduced r-th slice in ``output``."""
+        if _off_cpu(output, input):
+            stager = self._stager_of(output, input)
+            w = self._c.cuda_reduce_scatter(stager, output, input, _op_code(op), _async_flag(async_op))
+            return _wrap(w, "reduce_scatter")
         w = self._c.reduce_scatter(output, input, _op_code(op), _async_flag(async_op))
         return _wrap(w, "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
+        if _off_cpu(output, input):
+            stager = self._stager_of(output, input)
+            return _wrap(self._c.cuda_all_gather(stager, output, input, _async_flag(async_op)), "all_gather")
         return _wrap(self._c.all_gather(output, input, _async_flag(async_op)), "all_gather")
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
@@ -488,6 +570,12 @@ class Communicator:
         and every rank must pass split sizes if one does. These travel point to point, each pair
         as its sizes need, instead of as one collective.
         """
+        if _off_cpu(output, input):
+            stager = self._stager_of(output, input)
+            if output_split_sizes is not None or input_split_sizes is not None:
+                raise ValueError("all_to_all with split sizes takes CPU tensors only; on CUDA tensors "
+                                 "use equal splits (output_split_sizes and input_split_sizes None)")
+            return _wrap(self._c.cuda_all_to_all(stager, output, input, _async_flag(async_op)), "all_to_all")
         if output_split_sizes is None and input_split_sizes is None:
             return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
         w = self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
@@ -500,6 +588,9 @@ class Communicator:
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
+        if _off_cpu(tensor):
+            stager = self._stager(tensor.device, "tensor")
+            return _wrap(self._c.cuda_broadcast(stager, tensor, src, _async_flag(async_op)), "broadcast")
         return _wrap(self._c.broadcast(tensor, src, _async_flag(async_op)), "broadcast")
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:

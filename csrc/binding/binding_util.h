@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <chrono>
 #include <cstring>
@@ -90,6 +91,57 @@ inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
   if (!t.device().is_cpu())
     throw py::value_error(std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
   return t;
+}
+
+struct Staged {
+  at::Tensor user;     // what the caller passed
+  at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)
+  bool copy_back() const { return !buffer.is_same(user); }
+};
+
+// Outputs are written through a contiguous buffer; one whose elements share memory (expand())
+// cannot hold distinct results.
+inline Staged stage(const at::Tensor& t, const char* arg) {
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
+    throw py::value_error(std::string(arg) + " has elements that share memory (e.g. from expand()); "
+                          "pass a tensor with distinct elements");
+  return Staged{t, t.is_contiguous() ? t : t.contiguous()};
+}
+
+// reduce_scatter and all_gather pair a "whole" tensor (world_size * n elements) with a "part" (n).
+inline void check_whole_and_part(const at::Tensor& out, const at::Tensor& in, const at::Tensor& whole,
+                                 const char* whole_name, const at::Tensor& part, const char* part_name, int64_t world_size) {
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                         " and " + c10::toString(in.scalar_type()));
+  if (whole.numel() != world_size * part.numel())
+    throw py::value_error(std::string(whole_name) + ".numel() must be world_size * " + part_name + ".numel() (" +
+                          std::to_string(world_size) + " * " + std::to_string(part.numel()) + "), got " +
+                          std::to_string(whole.numel()));
+}
+
+// The buffers may overlap only NCCL-style in place: `part` exactly the rank's slice of `whole`.
+inline void check_aliasing(const at::Tensor& whole, const char* whole_name, const at::Tensor& part,
+                           const char* part_name, int rank) {
+  const bool in_place = whole.numel() > 0 && part.numel() > 0 &&
+                        part.data_ptr() == static_cast<char*>(whole.data_ptr()) + rank * part.nbytes();
+  if (!in_place && overlaps(whole, part))
+    throw py::value_error("output overlaps input; the only overlap allowed is " + std::string(part_name) + " being " +
+                          whole_name + "'s own slice (rank * " + part_name + ".numel())");
+}
+
+// all_to_all with equal splits: same dtype and size, a multiple of world_size, never in place.
+inline void check_all_to_all(const at::Tensor& out, const at::Tensor& in, int world_size) {
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                         " and " + c10::toString(in.scalar_type()));
+  if (out.numel() != in.numel())
+    throw py::value_error("output.numel() must equal input.numel(), got " + std::to_string(out.numel()) + " and " +
+                          std::to_string(in.numel()));
+  if (in.numel() % world_size != 0)
+    throw py::value_error("input.numel() must be a multiple of world_size (" + std::to_string(world_size) +
+                          "), got " + std::to_string(in.numel()));
+  if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
 }
 
 // Python-facing handle of an async collective.
@@ -291,6 +343,8 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
 #ifdef BRAID_WITH_CUDA
 // Python bindings of the CUDA compression kernels (cuda_compression_binding.cpp, CUDA builds only).
 void bind_cuda_compression(py::module_& m);
+// Python bindings of the communicator's collectives on CUDA tensors (cuda_comm_binding.cpp).
+void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator);
 #endif
 
 }  // namespace braid

@@ -1,7 +1,6 @@
 // The only file that includes torch: argument checks at the boundary, tensors to raw pointers,
 // futures for async work, and core errors mapped to braid.comm's Python exception classes.
 #include <torch/extension.h>
-#include <ATen/MemoryOverlap.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -22,21 +21,6 @@ namespace py = pybind11;
 
 namespace braid {
 namespace {
-
-struct Staged {
-  at::Tensor user;     // what the caller passed
-  at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)
-  bool copy_back() const { return !buffer.is_same(user); }
-};
-
-// Outputs are written through a contiguous buffer; one whose elements share memory (expand())
-// cannot hold distinct results.
-Staged stage(const at::Tensor& t, const char* arg) {
-  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
-    throw py::value_error(std::string(arg) + " has elements that share memory (e.g. from expand()); "
-                          "pass a tensor with distinct elements");
-  return Staged{t, t.is_contiguous() ? t : t.contiguous()};
-}
 
 // Sends a request to the core; returns a PyWork for async calls, None otherwise. `staged` is the
 // output (or nothing, for barrier); `input` the staged input of out-of-place collectives. The
@@ -79,28 +63,6 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
-// reduce_scatter and all_gather pair a "whole" tensor (world_size * n elements) with a "part" (n).
-void check_whole_and_part(const at::Tensor& out, const at::Tensor& in, const at::Tensor& whole, const char* whole_name,
-                          const at::Tensor& part, const char* part_name, int64_t world_size) {
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  if (whole.numel() != world_size * part.numel())
-    throw py::value_error(std::string(whole_name) + ".numel() must be world_size * " + part_name + ".numel() (" +
-                          std::to_string(world_size) + " * " + std::to_string(part.numel()) + "), got " +
-                          std::to_string(whole.numel()));
-}
-
-// The buffers may overlap only NCCL-style in place: `part` exactly the rank's slice of `whole`.
-void check_aliasing(const at::Tensor& whole, const char* whole_name, const at::Tensor& part, const char* part_name,
-                    int rank) {
-  const bool in_place = whole.numel() > 0 && part.numel() > 0 &&
-                        part.data_ptr() == static_cast<char*>(whole.data_ptr()) + rank * part.nbytes();
-  if (!in_place && overlaps(whole, part))
-    throw py::value_error("output overlaps input; the only overlap allowed is " + std::string(part_name) + " being " +
-                          whole_name + "'s own slice (rank * " + part_name + ".numel())");
-}
-
 py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
@@ -138,16 +100,7 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
 py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool async) {
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  if (out.numel() != in.numel())
-    throw py::value_error("output.numel() must equal input.numel(), got " + std::to_string(out.numel()) + " and " +
-                          std::to_string(in.numel()));
-  if (in.numel() % c.world_size() != 0)
-    throw py::value_error("input.numel() must be a multiple of world_size (" + std::to_string(c.world_size()) +
-                          "), got " + std::to_string(in.numel()));
-  if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
+  check_all_to_all(out, in, c.world_size());
   Request r;
   r.kind = CollKind::kAllToAll;
   r.dtype = to_dtype(out.scalar_type(), "output");
@@ -422,6 +375,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_compression(m, communicator);
 #ifdef BRAID_WITH_CUDA
   bind_cuda_compression(m);
+  bind_cuda_comm(m, communicator);
   m.attr("has_cuda_kernels") = true;
 #else
   m.attr("has_cuda_kernels") = false;
