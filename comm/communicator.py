@@ -3,23 +3,23 @@ in builds with CUDA, on CUDA tensors staged through pinned host memory."""
 from __future__ import annotations
 
 import itertools
-import numbers
 import operator
 import os
 import socket
 import time
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
-
-if TYPE_CHECKING:
-    from .compression import CompressedWork, Compressor, WireStats
+from .hosts import host_identity, host_numbers
+from .wire import CompressionHost, WireStats
+from .work import Work, seconds
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
@@ -66,94 +66,6 @@ def _index(value: object, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
-
-
-# Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the C++ core does.
-_MAX_TIMEOUT_S = 1e9
-
-
-def _seconds(timeout: Union[timedelta, float, int], name: str = "timeout", zero_ok: bool = False) -> float:
-    """Seconds of a timedelta or a real number, positive (or 0 with ``zero_ok``), at most
-    _MAX_TIMEOUT_S."""
-    if isinstance(timeout, timedelta):
-        secs = timeout.total_seconds()
-    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
-        secs = float(timeout)
-    else:
-        raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta, got {timeout!r}")
-    if not (secs > 0 or (zero_ok and secs == 0)):
-        raise ValueError(f"{name} must be {'0 or more' if zero_ok else 'positive'}, got {timeout!r}")
-    return min(secs, _MAX_TIMEOUT_S)
-
-
-def host_identity() -> str:
-    """What makes two processes able to share memory: same machine boot and same /dev/shm.
-
-    ``BRAID_HOST_ID`` overrides it (as ``NCCL_HOSTID``): ranks with different values talk over TCP
-    even on one machine; ranks with equal values must really share a machine."""
-    forced = os.environ.get("BRAID_HOST_ID")
-    if forced:
-        return f"env|{forced}"
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    try:
-        st = os.stat("/dev/shm")
-        shm = f"{st.st_dev}:{st.st_ino}"
-    except OSError:
-        shm = "?"
-    return f"{socket.gethostname()}|{boot}|{shm}"
-
-
-def host_numbers(identities: Sequence[str]) -> list:
-    """Host numbers of the ranks whose host_identity() values are ``identities`` (in rank order):
-    equal numbers for equal identities, numbered in order of first appearance."""
-    ids: dict = {}
-    return [ids.setdefault(h, len(ids)) for h in identities]
-
-
-class Work:
-    """Handle of an async collective: ``wait()``, ``is_completed()``, ``get_future()``."""
-
-    __slots__ = ("_w", "_what")
-
-    def __init__(self, w, what: str):
-        self._w = w
-        self._what = what
-
-    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
-        """Blocks until the collective is done; raises its error. With ``timeout`` (seconds or a
-        timedelta) returns False if it is still running then; a timeout of 0 only polls (True
-        when done, the error raised when it failed)."""
-        secs = None if timeout is None else _seconds(timeout, zero_ok=True)
-        if secs == 0:
-            return self._w.is_completed() and self._w.wait(None)
-        return self._w.wait(secs)
-
-    def is_completed(self) -> bool:
-        return self._w.is_completed()
-
-    def is_success(self) -> bool:
-        return self._w.is_success()
-
-    def get_future(self) -> torch.futures.Future:
-        """A ``torch.futures.Future`` completed by braid's progress thread with the list of output
-        tensors (as ``torch.distributed``'s Work), or with the error."""
-        return self._w.get_future()
-
-    def describe(self) -> str:
-        """The collective and its state: "all_reduce running", "broadcast done",
-        "all_reduce failed: PeerError: ..."."""
-        if not self._w.is_completed():
-            return f"{self._what} running"
-        if self._w.is_success():
-            return f"{self._what} done"
-        return f"{self._what} failed: {self._w.exception_message()}"
-
-    def __repr__(self) -> str:
-        return f"<braid.comm.Work {self.describe()}>"
 
 
 def _async_flag(async_op) -> bool:
@@ -244,7 +156,7 @@ def _close_soon(c) -> None:
         c.close()
 
 
-class Communicator:
+class Communicator(CompressionHost):
     """A group of ranks running braid collectives on CPU tensors and (builds with CUDA) CUDA tensors.
 
     Args:
@@ -298,7 +210,7 @@ class Communicator:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         device = _device(device)
-        self._timeout_s = _seconds(timeout)
+        self._timeout_s = seconds(timeout)
         tun = _C.Tunables.from_env()
         if algo is not None:
             if algo not in _ALGOS:
@@ -336,7 +248,7 @@ class Communicator:
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._store = store
-        self.last_wire_bytes: Optional["WireStats"] = None
+        self.last_wire_bytes: Optional[WireStats] = None
         tun.validate()  # before waiting for the peers: bad settings fail at once
         try:
             host_ids = self._host_ids()
@@ -502,15 +414,17 @@ class Communicator:
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False, *,
-                   compression: Optional["Compressor"] = None,
-                   key: Hashable = "default") -> Optional[Union[Work, "CompressedWork"]]:
+                   compression: Optional[Compressor] = None, key: Hashable = "default",
+                   step: Optional[int] = None) -> Optional[Union[Work, CompressedWork]]:
         """Reduces ``tensor`` across ranks in place. Results are bitwise identical on every rank.
 
         With ``compression`` (an ``Int8Quantizer``, ``Int4Quantizer``, ``TopK`` or ``Cast``) the
-        tensor travels compressed; ``op`` must then be "sum" or "avg", and ``key`` names the
-        tensor's error-feedback residual (use one key per tensor that is reduced repeatedly).
-        Compressed calls set ``last_wire_bytes`` (a ``WireStats``: bytes sent and received by
-        this rank, and what the uncompressed all-reduce would send); plain calls set it to None.
+        tensor travels compressed; ``op`` must then be "sum" or "avg", ``key`` names the
+        tensor's error-feedback residual (use one key per tensor that is reduced repeatedly), and
+        ``step``, when given, replaces the key's call count in the compressor's warm-up (the DDP
+        hook passes its iteration). Compressed calls set ``last_wire_bytes`` (a ``WireStats``:
+        bytes sent and received by this rank, and what the uncompressed all-reduce would send);
+        plain calls set it to None.
         """
         if compression is None:
             self.last_wire_bytes = None
@@ -524,8 +438,6 @@ class Communicator:
                 return None if w is None else Work(w, "all_reduce")
             w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w, "all_reduce")
-        from .compression import Compressor
-
         if not isinstance(compression, Compressor):
             is_class = isinstance(compression, type)
             hint = " (a class: pass an instance, e.g. Int8Quantizer())" if is_class else ""
@@ -534,8 +446,8 @@ class Communicator:
         code = _op_code(op)
         if code not in (0, 1):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
-        work = compression.all_reduce(self, tensor, "avg" if code == 1 else "sum", key=key,
-                                      async_op=_async_flag(async_op))
+        work, self.last_wire_bytes = compression.all_reduce_on(self._c, tensor, code, key=key,
+                                                               async_op=_async_flag(async_op), step=step)
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
@@ -698,7 +610,7 @@ def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
         tcp = _env_stores.get(where)
         if tcp is None:
             tcp = dist.TCPStore(where[0], where[1], world_size, is_master=(rank == 0 and not use_agent),
-                                timeout=timedelta(seconds=_seconds(timeout)))
+                                timeout=timedelta(seconds=seconds(timeout)))
             _env_stores[where] = tcp
         # torchrun's agent store outlives a restart of the workers: each attempt its own keys
         # (torch's own rendezvous does the same), or a restarted rank would read the last

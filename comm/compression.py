@@ -18,42 +18,22 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
 from . import _C, group_carrier
-from .communicator import Communicator, Work
 from .device_kernels import CpuKernels, kernels_for
 from .group_carrier import GroupCarrier, GroupWork, HostGroups
+from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
+from .work import Work
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK64 = (1 << 64) - 1
 _SUM, _AVG = 0, 1  # op codes of the core (csrc/core/dtype.h)
 _INT32_MAX = 2**31 - 1
 _CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class WireStats:
-    """Bytes one rank sends and receives for one call, counted as a point-to-point transport
-    moves them (an all-gather or all-to-all sends world_size - 1 pieces, a dense all-reduce
-    2 (n - 1) / n of the message); ``dense`` is what the uncompressed all-reduce of the same
-    tensor would send. The shared-memory transport moves the same payloads through memory."""
-
-    sent: int
-    received: int
-    dense: int
-
-    @property
-    def ratio(self) -> float:
-        """dense / sent: how many times fewer bytes travel than without compression."""
-        return self.dense / self.sent if self.sent else 1.0
-
-    def __add__(self, other: "WireStats") -> "WireStats":
-        return WireStats(self.sent + other.sent, self.received + other.received, self.dense + other.dense)
 
 
 def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
@@ -64,10 +44,18 @@ def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
     return padded, torch.empty(per, dtype=flat.dtype)
 
 
-def _exact_on_hosts(comm: "Communicator") -> bool:
+def _exact_on_hosts(comm: BraidCollectives) -> bool:
     """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
     only between hosts: ranks on several hosts, the same number on each, more than one."""
-    return comm.num_hosts > 1 and comm.local_world_size > 1 and comm._c.uniform_hosts
+    return comm.num_hosts > 1 and comm.local_world_size > 1 and comm.uniform_hosts
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    """A tensor a compressor can carry: a float32, bfloat16 or float16 torch.Tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}")
 
 
 def _copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -84,11 +72,6 @@ def _send_everything(flat: torch.Tensor, residual: Optional[torch.Tensor]) -> to
     dense = residual.clone()
     residual.zero_()
     return dense
-
-
-def dense_wire_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes a rank sends in an uncompressed all-reduce of ``nbytes`` (reduce-scatter + all-gather)."""
-    return 2 * (world_size - 1) * nbytes // world_size
 
 
 def _mix64(*parts: int) -> int:
@@ -231,7 +214,7 @@ class Compressor:
     # -- the all-reduce --------------------------------------------------------------------
     def all_reduce(
         self,
-        comm: Union[Communicator, "torch.distributed.ProcessGroup", HostGroups, None],
+        comm: Union[CompressionHost, "torch.distributed.ProcessGroup", HostGroups, None],
         tensor: torch.Tensor,
         op: str = "avg",
         *,
@@ -243,50 +226,50 @@ class Compressor:
         overrides the per-key call count that the warm-up compares with (the DDP hook passes its
         iteration). Sets ``last_wire_bytes`` here (and on a braid communicator).
 
-        ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors), a torch
-        ProcessGroup (None: the default group; CPU or CUDA tensors, quantized on their device and
-        summed in rank order in float32, the group moving the bytes), or a
-        :class:`~braid.comm.group_carrier.HostGroups` (exact inside a host, compressed across
-        hosts). Async calls return a :class:`CompressedWork` (braid) or a
-        :class:`~braid.comm.group_carrier.GroupWork` (process groups)."""
+        ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors; the
+        communicator runs the call, see :meth:`all_reduce_on`), a torch ProcessGroup (None: the
+        default group; CPU or CUDA tensors, quantized on their device and summed in rank order in
+        float32, the group moving the bytes), or a :class:`~braid.comm.group_carrier.HostGroups`
+        (exact inside a host, compressed across hosts). Async calls return a
+        :class:`CompressedWork` (braid) or a :class:`~braid.comm.group_carrier.GroupWork`
+        (process groups)."""
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}"
-            )
-        carrier = None
-        if isinstance(comm, Communicator):
-            if tensor.device.type != "cpu":
-                raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
-                                 f"got a tensor on {tensor.device} (reduce CUDA tensors over a torch "
-                                 "process group)")
-        else:
-            carrier = group_carrier.carrier_of(comm, "comm")
-            kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
+        if isinstance(comm, CompressionHost):
+            return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
+        _check_tensor(tensor)
+        carrier = group_carrier.carrier_of(comm, "comm")
+        kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
         self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
-        calls = self._calls.get(key, 0)
-        self._calls[key] = calls + 1
-        if step is None:
-            step = calls
+        calls, step = self._next_call(key, step)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         code = _AVG if op == "avg" else _SUM
-        if carrier is not None:
-            return self._all_reduce_on_group(carrier, tensor, flat, code, key, calls, step, async_op)
+        return self._all_reduce_on_group(carrier, tensor, flat, code, key, calls, step, async_op)
+
+    def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op_code: int, *,
+                      key: Hashable = "default", async_op: bool = False,
+                      step: Optional[int] = None) -> tuple[Optional[CompressedWork], WireStats]:
+        """The compressed all-reduce of the CPU ``tensor`` in place over a braid communicator's
+        collectives ``comm`` (``op_code`` the code of "sum" or "avg"; ``key`` and ``step`` as in
+        :meth:`all_reduce`). Returns its work (None unless ``async_op``) and its wire statistics,
+        which the communicator records."""
+        _check_tensor(tensor)
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
+                             f"got a tensor on {tensor.device} (reduce CUDA tensors over a torch "
+                             "process group)")
+        self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
+        calls, step = self._next_call(key, step)
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         n = comm.world_size
         if step < self.warmup_steps or n == 1:
-            work = comm._c.all_reduce(flat, code, async_op)
-            stats = WireStats(
-                *(2 * [dense_wire_bytes(flat.numel() * flat.element_size(), n)]),
-                dense_wire_bytes(flat.numel() * flat.element_size(), n),
-            )
+            work = comm.all_reduce(flat, op_code, async_op)
+            dense = dense_wire_bytes(flat.numel() * flat.element_size(), n)
+            stats = WireStats(dense, dense, dense)
             finish = None
         else:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
-            work, finish, stats = self._compressed(comm, flat, code, key, seed, async_op)
-        comm.last_wire_bytes = stats
+            work, finish, stats = self._compressed(comm, flat, op_code, key, seed, async_op)
         self._count(stats)
 
         def done() -> None:
@@ -296,8 +279,14 @@ class Compressor:
 
         if not async_op:
             done()
-            return None
-        return CompressedWork(work, done, tensor)
+            return None, stats
+        return CompressedWork(work, done, tensor), stats
+
+    def _next_call(self, key: Hashable, step: Optional[int]) -> tuple:
+        """Counts a call of ``key``: (its number among the key's calls, the warm-up's step)."""
+        calls = self._calls.get(key, 0)
+        self._calls[key] = calls + 1
+        return calls, calls if step is None else step
 
     def _count(self, stats: WireStats) -> None:
         self.last_wire_bytes = stats
@@ -380,9 +369,8 @@ class Compressor:
         what = zlib.crc32(repr((type(self).__name__, wire, str(flat.dtype))).encode())
         return (_mix64(what, op_code, flat.numel()) & 0xFFFFFFFF) or 1
 
-    def _compressed(
-        self, comm: "Communicator", flat: torch.Tensor, op_code: int, key: Hashable, seed: int, async_op: bool
-    ) -> tuple:
+    def _compressed(self, comm: BraidCollectives, flat: torch.Tensor, op_code: int, key: Hashable, seed: int,
+                    async_op: bool) -> tuple:
         """Issues the compressed collective; returns (work or None, finish, WireStats)."""
         raise NotImplementedError
 
@@ -431,7 +419,7 @@ class _BlockQuantizer(Compressor):
         send, recv, acc, gathered = bufs
         residual = self._residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
-        work = comm._c.quantized_all_reduce(
+        work = comm.quantized_all_reduce(
             send,
             recv,
             acc,
@@ -507,7 +495,7 @@ class _BlockQuantizer(Compressor):
         chunk = self.chunk_elems(per, hosts)
         padded, mine = self._take_scratch(key, lambda: list(_slice_buffers(flat, local)),
                                           lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
-        work = comm._c.host_quantized_all_reduce(
+        work = comm.host_quantized_all_reduce(
             flat, self._residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == _AVG,
             self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
 
@@ -524,7 +512,7 @@ class _BlockQuantizer(Compressor):
         of the one-call layout. One unit of work on the communicator."""
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
-        work = comm._c.pipelined_quantized_all_reduce(
+        work = comm.pipelined_quantized_all_reduce(
             flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == _AVG,
             self.stochastic,
             seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
@@ -611,7 +599,7 @@ class TopK(Compressor):
             _C.error_feedback(flat, residual, None)  # residual = input + residual
         if not self.sparse(numel, n, es):
             dense = _send_everything(flat, residual)
-            work = comm._c.all_reduce(dense, op_code, async_op)
+            work = comm.all_reduce(dense, op_code, async_op)
 
             def finish_dense() -> None:
                 if dense is not flat:
@@ -622,7 +610,7 @@ class TopK(Compressor):
         k = self.k(numel)
         send = self._select(CpuKernels, flat, residual, k)
         gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
-        work = comm._c.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
+        work = comm.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
             self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == _AVG, n)
@@ -706,7 +694,7 @@ class TopK(Compressor):
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
                                   and b[2].numel() == k)
-        work = comm._c.host_top_k_all_reduce(flat, self._residual_for(key, per), *bufs, k, sparse,
+        work = comm.host_top_k_all_reduce(flat, self._residual_for(key, per), *bufs, k, sparse,
                                              op_code == _AVG, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
@@ -749,7 +737,7 @@ class Cast(Compressor):
         sent = bufs[0]
         # One pass: sent = round(input + residual), residual = what the rounding dropped.
         _C.cast(flat, residual, sent)
-        work = comm._c.all_reduce(sent, op_code, async_op)
+        work = comm.all_reduce(sent, op_code, async_op)
 
         def finish() -> None:
             flat.copy_(sent)
@@ -792,7 +780,7 @@ class Cast(Compressor):
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         sent = bufs[2]
-        work = comm._c.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == _AVG,
+        work = comm.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == _AVG,
                                             async_op)
 
         def finish() -> None:

@@ -22,7 +22,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .communicator import _seconds, host_identity, host_numbers
+from .hosts import host_identity, host_numbers
+from .work import seconds
 
 # torch 2.13 renamed all_gather_into_tensor; both spellings take (output, input, group).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -288,7 +289,7 @@ class GroupWork:
     def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
         """Blocks until done (CUDA: makes the current stream wait) and raises the call's error. With
         ``timeout`` (seconds or a timedelta) returns False if it is still running then; 0 polls."""
-        if timeout is not None and not self._done.wait(_seconds(timeout, zero_ok=True)):
+        if timeout is not None and not self._done.wait(seconds(timeout, zero_ok=True)):
             return False
         self._fut.wait()
         return True

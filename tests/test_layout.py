@@ -1,0 +1,102 @@
+"""The package's shape: its parts reachable from ``braid.comm``, and no import cycles.
+
+Two modules import each other when either names the other in an import statement anywhere (at
+its top level or deferred into a function, which only hides the knot); the check covers braid's
+own modules (braid.comm, braid.kernels, braid.bench and their subpackages), read from the source
+with ``ast``. A package's ``__init__`` making its parts attributes on first use (``comm.ddp``) is
+the package reaching down, not a cycle: attribute-driven imports are not import statements."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench"}
+
+
+def _modules() -> dict:
+    """{module name: path} for every braid module."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict) -> set:
+    """The braid modules `name` imports, at its top level or inside its functions (relative
+    imports resolved; imports only for type checkers left out)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    found = set()
+
+    def body(nodes):
+        for node in nodes:
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                continue
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    found.add(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    prefix = base[: len(base) - (node.level - 1)]
+                    target = ".".join(prefix + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    # `from . import x` imports the module x where x is one (the compiled _C
+                    # included), else it takes a name from `target`, which is imported.
+                    if f"{target}.{alias.name}" in modules:
+                        found.add(f"{target}.{alias.name}")
+                    elif alias.name != "_C":
+                        found.add(target)
+            elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                body(node.body)
+            elif hasattr(node, "body") and isinstance(node.body, list):
+                body(node.body)
+                body(getattr(node, "orelse", []) or [])
+                for handler in getattr(node, "handlers", []) or []:
+                    body(handler.body)
+                body(getattr(node, "finalbody", []) or [])
+
+    body(tree.body)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_cycles() -> list:
+    """Every cycle of module-level imports among braid's modules, each as a list of names."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles, state, stack = [], {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():
+    code = ("from braid import comm\n"
+            "assert callable(comm.ddp.comm_hook) and comm.fsdp and comm.tp\n"
+            "assert callable(comm.cp.ring_attention)\n"
+            "try:\n    comm.no_such_part\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
