@@ -233,7 +233,7 @@ at::Tensor reduce_tensors(const std::vector<at::Tensor>& inputs, int op, int wor
   }
   at::Tensor out = at::empty_like(cs[0]);
   reduce_n(to_dtype(out.scalar_type(), "inputs"), to_op(op, to_dtype(out.scalar_type(), "inputs"), "inputs"), srcs.data(), static_cast<int>(srcs.size()),
-           out.data_ptr(), false, nullptr, static_cast<size_t>(out.numel()), world_size, true);
+           ReduceDst::result(out.data_ptr(), world_size), static_cast<size_t>(out.numel()));
   return out;
 }
 

@@ -71,8 +71,10 @@ template <class T, class Acc> void store_block(const Acc* __restrict tmp, T* __r
 constexpr size_t kBlock = 512;
 
 template <class T, class Op>
-void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* dst2, size_t count,
-                  int divisor, bool stream) {
+void reduce_typed(const Operand* srcs, int nsrc, const ReduceDst& to, size_t count, int divisor) {
+  void* const dst = to.ptr;
+  void* const dst2 = to.copy;
+  const bool dst_acc = to.acc, stream = to.stream;
   using Acc = typename Traits<T>::Acc;
   alignas(64) Acc tmp[kBlock];
   alignas(64) T staged[kBlock];  // the block in element type, for streaming stores
@@ -134,25 +136,24 @@ void reduce_typed(const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* 
 }
 
 template <class T>
-void reduce_op(ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc, void* dst2,
-               size_t count, int divisor, bool stream) {
+void reduce_op(ReduceOp op, const Operand* srcs, int nsrc, const ReduceDst& to, size_t count, int divisor) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return reduce_typed<T, SumOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+      return reduce_typed<T, SumOp>(srcs, nsrc, to, count, divisor);
     case ReduceOp::kProd:
-      return reduce_typed<T, ProdOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+      return reduce_typed<T, ProdOp>(srcs, nsrc, to, count, divisor);
     case ReduceOp::kMax:
-      return reduce_typed<T, MaxOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+      return reduce_typed<T, MaxOp>(srcs, nsrc, to, count, divisor);
     case ReduceOp::kMin:
-      return reduce_typed<T, MinOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+      return reduce_typed<T, MinOp>(srcs, nsrc, to, count, divisor);
     case ReduceOp::kBand:
     case ReduceOp::kBor:
     case ReduceOp::kBxor:
       if constexpr (std::is_integral_v<T>) {
-        if (op == ReduceOp::kBand) return reduce_typed<T, BandOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-        if (op == ReduceOp::kBor) return reduce_typed<T, BorOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-        return reduce_typed<T, BxorOp>(srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+        if (op == ReduceOp::kBand) return reduce_typed<T, BandOp>(srcs, nsrc, to, count, divisor);
+        if (op == ReduceOp::kBor) return reduce_typed<T, BorOp>(srcs, nsrc, to, count, divisor);
+        return reduce_typed<T, BxorOp>(srcs, nsrc, to, count, divisor);
       } else {
         throw std::invalid_argument(std::string("bitwise reduce op ") + reduce_op_name(op) +
                                     " needs an integer dtype");
@@ -162,23 +163,22 @@ void reduce_op(ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_a
 
 }  // namespace
 
-void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, void* dst, bool dst_acc,
-              void* dst2, size_t count, int world_size, bool finalize, bool stream) {
-  const int divisor = (finalize && op == ReduceOp::kAvg) ? world_size : 0;
+void reduce_n(DType dtype, ReduceOp op, const Operand* srcs, int nsrc, const ReduceDst& to, size_t count) {
+  const int divisor = (to.finalize && op == ReduceOp::kAvg) ? to.world_size : 0;
   struct Fence {
     bool on;
     ~Fence() {
       if (on) streaming_fence();
     }
-  } fence{stream};
+  } fence{to.stream};
   switch (dtype) {
-    case DType::kFloat32: return reduce_op<float>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kFloat64: return reduce_op<double>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kFloat16: return reduce_op<F16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kBFloat16: return reduce_op<BF16>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kInt32: return reduce_op<int32_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kInt64: return reduce_op<int64_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
-    case DType::kUInt8: return reduce_op<uint8_t>(op, srcs, nsrc, dst, dst_acc, dst2, count, divisor, stream);
+    case DType::kFloat32: return reduce_op<float>(op, srcs, nsrc, to, count, divisor);
+    case DType::kFloat64: return reduce_op<double>(op, srcs, nsrc, to, count, divisor);
+    case DType::kFloat16: return reduce_op<F16>(op, srcs, nsrc, to, count, divisor);
+    case DType::kBFloat16: return reduce_op<BF16>(op, srcs, nsrc, to, count, divisor);
+    case DType::kInt32: return reduce_op<int32_t>(op, srcs, nsrc, to, count, divisor);
+    case DType::kInt64: return reduce_op<int64_t>(op, srcs, nsrc, to, count, divisor);
+    case DType::kUInt8: return reduce_op<uint8_t>(op, srcs, nsrc, to, count, divisor);
   }
 }
 

@@ -104,7 +104,7 @@ void check_reduce(DType dt, ReduceOp op, int nsrc, size_t count, Variant variant
                             " variant " + std::to_string(static_cast<int>(variant));
   if (acc_out) {
     std::vector<Acc> got(count + 1);
-    braid::reduce_n(dt, op, srcs.data(), nsrc, got.data(), true, nullptr, count, kWorld, false);
+    braid::reduce_n(dt, op, srcs.data(), nsrc, braid::ReduceDst::partial(got.data()), count);
     // The accumulator of a half type is float32, of the others the element type itself.
     const DType acc_dt = std::is_same_v<Acc, float> ? DType::kFloat32 : dt;
     const std::string diff = compare(acc_dt, got.data(), want_acc.data(), count);
@@ -117,8 +117,12 @@ void check_reduce(DType dt, ReduceOp op, int nsrc, size_t count, Variant variant
   std::vector<T> got(count + 1), got2(count + 1);
   void* dst = got.data();
   if (variant == Variant::kInPlace && nsrc > 1) dst = elems[nsrc - 1].data();
-  braid::reduce_n(dt, op, srcs.data(), nsrc, dst, false, variant == Variant::kDst2 ? got2.data() : nullptr, count,
-                  kWorld, finalize);
+  braid::ReduceDst to;
+  to.ptr = dst;
+  to.copy = variant == Variant::kDst2 ? got2.data() : nullptr;
+  to.finalize = finalize;
+  to.world_size = kWorld;
+  braid::reduce_n(dt, op, srcs.data(), nsrc, to, count);
   const std::string diff = compare(dt, dst, want.data(), count);
   CHECK_MSG(diff.empty(), where + ": " + diff);
   if (variant == Variant::kDst2) {
@@ -143,7 +147,11 @@ Buffer reduce_scalars(DType dt, ReduceOp op, const std::vector<double>& values, 
   std::vector<Operand> srcs;
   for (auto& b : ins) srcs.push_back({b.data(), false});
   Buffer out(dt, 1);
-  braid::reduce_n(dt, op, srcs.data(), static_cast<int>(srcs.size()), out.data(), false, nullptr, 1, world, finalize);
+  braid::ReduceDst to;
+  to.ptr = out.data();
+  to.finalize = finalize;
+  to.world_size = world;
+  braid::reduce_n(dt, op, srcs.data(), static_cast<int>(srcs.size()), to, 1);
   return out;
 }
 
@@ -260,7 +268,7 @@ BRAID_TEST(bfloat16_nan_becomes_0x7FC0) {
   std::vector<uint16_t> a = {0xFFC1, 0x7F80, 0x3F80}, b = {0x3F80, 0xFF80, 0x7FA0};  // -NaN, inf/-inf, sNaN
   const Operand srcs[2] = {{a.data(), false}, {b.data(), false}};
   std::vector<uint16_t> out(3);
-  braid::reduce_n(DType::kBFloat16, ReduceOp::kSum, srcs, 2, out.data(), false, nullptr, 3, 2, true);
+  braid::reduce_n(DType::kBFloat16, ReduceOp::kSum, srcs, 2, braid::ReduceDst::result(out.data(), 2), 3);
   for (uint16_t v : out) CHECK_EQ(v, 0x7FC0);
 }
 
@@ -276,7 +284,7 @@ BRAID_TEST(avg_of_one_operand_in_place_divides_by_world_size) {
         std::vector<typename R::T> want(count + 1);
         for (size_t i = 0; i < count; ++i) want[i] = R::store(R::load(data[i]) / static_cast<Acc>(3));
         const Operand self{data.data(), false};
-        braid::reduce_n(dt, ReduceOp::kAvg, &self, 1, data.data(), false, nullptr, count, 3, true);
+        braid::reduce_n(dt, ReduceOp::kAvg, &self, 1, braid::ReduceDst::result(data.data(), 3), count);
         const std::string diff = compare(dt, data.data(), want.data(), count);
         CHECK_MSG(diff.empty(), std::string(braid::dtype_name(dt)) + " count " + std::to_string(count) + ": " + diff);
       });
@@ -289,12 +297,12 @@ BRAID_TEST(integer_sum_wraps_on_overflow) {
   const int32_t b32[2] = {1, -1};
   const Operand s32[2] = {{a32, false}, {b32, false}};
   int32_t o32[2];
-  braid::reduce_n(DType::kInt32, ReduceOp::kSum, s32, 2, o32, false, nullptr, 2, 2, true);
+  braid::reduce_n(DType::kInt32, ReduceOp::kSum, s32, 2, braid::ReduceDst::result(o32, 2), 2);
   CHECK_EQ(o32[0], std::numeric_limits<int32_t>::min());
   CHECK_EQ(o32[1], std::numeric_limits<int32_t>::max());
   const int64_t a64[1] = {std::numeric_limits<int64_t>::max()}, b64[1] = {1};
   const Operand s64[2] = {{a64, false}, {b64, false}};
   int64_t o64[1];
-  braid::reduce_n(DType::kInt64, ReduceOp::kSum, s64, 2, o64, false, nullptr, 1, 2, true);
+  braid::reduce_n(DType::kInt64, ReduceOp::kSum, s64, 2, braid::ReduceDst::result(o64, 2), 1);
   CHECK_EQ(o64[0], std::numeric_limits<int64_t>::min());
 }

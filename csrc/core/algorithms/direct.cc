@@ -65,7 +65,7 @@ class OwnerReduce {
             false};
       // dst may alias this member's own input range: reduce_n reads each block before writing
       // it, and no transfer reads that range (the others' parts only).
-      reduce_n(dt_, op_, srcs.data(), n, dst_ + a * es_, false, nullptr, b - a, divisor_, true);
+      reduce_n(dt_, op_, srcs.data(), n, ReduceDst::result(dst_ + a * es_, divisor_), b - a);
       reduced(a, b);
     }
   }

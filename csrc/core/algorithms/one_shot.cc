@@ -14,8 +14,7 @@ void oneshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
   // Own input is read from private memory: same values as the published copy, no cross-core trip.
   Operand srcs[kMaxLocalRanks];
   for (int r = 0; r < g.world_size(); ++r) srcs[r] = {r == g.rank() ? in : g.oneshot(r, d.seq), false};
-  reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, g.world_size(), out, false, nullptr, d.count,
-           g.world_size(), true);
+  reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, g.world_size(), ReduceDst::result(out, g.world_size()), d.count);
 }
 
 void oneshot_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out) {
@@ -30,8 +29,7 @@ void oneshot_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in
   Operand srcs[kMaxLocalRanks];
   for (size_t r = 0; r < n; ++r)
     srcs[r] = {r == me ? static_cast<const char*>(in) + me * part : g.oneshot(static_cast<int>(r), d.seq) + me * part, false};
-  reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, g.world_size(), out, false, nullptr, d.count,
-           g.world_size(), true);
+  reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, g.world_size(), ReduceDst::result(out, g.world_size()), d.count);
 }
 
 void oneshot_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out) {

@@ -26,7 +26,7 @@ void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* 
       [&](size_t off, size_t len, int k) {
         for (int r = 0; r < n; ++r)
           srcs[r] = {r == me ? src + (me * m + off) * es : g.slot(r, k) + me * chunk * es, false};
-        reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, dst + off * es, false, nullptr, len, n, true, stream);
+        reduce_n(dt, static_cast<ReduceOp>(d.op), srcs, n, ReduceDst::result(dst + off * es, n).streamed(stream), len);
       });
 }
 

@@ -46,14 +46,14 @@ void ring_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void*
       char* to_right = g.slot(me, static_cast<int>(p % nslots));
       if (j == 0) {
         const Operand s{src + chunk_begin(me) * es, false};
-        reduce_n(dt, op, &s, 1, to_right, true, nullptr, chunk_len(me), n, false);
+        reduce_n(dt, op, &s, 1, ReduceDst::partial(to_right), chunk_len(me));
       } else if (j < n) {
         const int c = ((me - j) % n + n) % n;
         const Operand s[2] = {{from_left, true}, {src + chunk_begin(c) * es, false}};
         if (j < n - 1) {
-          reduce_n(dt, op, s, 2, to_right, true, nullptr, chunk_len(c), n, false);
+          reduce_n(dt, op, s, 2, ReduceDst::partial(to_right), chunk_len(c));
         } else {
-          reduce_n(dt, op, s, 2, dst + chunk_begin(c) * es, false, to_right, chunk_len(c), n, true);
+          reduce_n(dt, op, s, 2, ReduceDst::result(dst + chunk_begin(c) * es, n).with_copy(to_right), chunk_len(c));
         }
       } else {
         const int c = ((me - (j - n)) % n + n) % n;

@@ -25,7 +25,7 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
   char* dst = static_cast<char*>(out);
   if (n == 1) {
     const Operand s{src, false};
-    reduce_n(dt, op, &s, 1, dst, false, nullptr, count, divisor, true);
+    reduce_n(dt, op, &s, 1, ReduceDst::result(dst, divisor), count);
     return;
   }
   auto chunk_lo = [&](int c) { return count * static_cast<size_t>((c % n + n) % n) / static_cast<size_t>(n); };
@@ -68,7 +68,7 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
   {
     const size_t len = chunk_len(me);
     const Operand own{src + chunk_lo(me) * es, false};
-    reduce_n(dt, ReduceOp::kSum, &own, 1, partial_at(0), true, nullptr, len, 1, false);
+    reduce_n(dt, ReduceOp::kSum, &own, 1, ReduceDst::partial(partial_at(0)), len);
     for (size_t k = 0; k < pieces(len); ++k) {
       const size_t a = std::min(len, k * piece), b = std::min(len, (k + 1) * piece);
       add(right, true, partial_at(0) + a * as, (b - a) * as);
@@ -84,11 +84,11 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
         const int c = me - p.step - 1;
         const Operand s2[2] = {{got_at(p.step) + p.a * as, true}, {src + (chunk_lo(c) + p.a) * es, false}};
         if (p.step < steps - 1) {  // add my input, pass the partial on
-          reduce_n(dt, op, s2, 2, partial_at(p.step + 1) + p.a * as, true, nullptr, p.b - p.a, divisor, false);
+          reduce_n(dt, op, s2, 2, ReduceDst::partial(partial_at(p.step + 1) + p.a * as), p.b - p.a);
           add(right, true, partial_at(p.step + 1) + p.a * as, (p.b - p.a) * as);
         } else {  // complete: into the output, and around the ring again
           char* final_piece = dst + (chunk_lo(c) + p.a) * es;
-          reduce_n(dt, op, s2, 2, final_piece, false, nullptr, p.b - p.a, divisor, true);
+          reduce_n(dt, op, s2, 2, ReduceDst::result(final_piece, divisor), p.b - p.a);
           add(right, true, final_piece, (p.b - p.a) * es);
         }
       } else if (p.step < 2 * steps - 1) {  // forward what the all-gather brought

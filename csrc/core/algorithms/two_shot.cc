@@ -82,8 +82,8 @@ void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
     g.wait_all(step_of(kA, i));
     for (int q = 0; q < n; ++q)
       srcs[q] = {q == me ? src + (r.off + r.begin(me)) * es : g.slot(q, k) + me * chunk * es, false};
-    reduce_n(dt, op, srcs, n, dst + (r.off + r.begin(me)) * es, false, g.slot(me, k) + out_piece, r.len(me),
-             n, true);
+    const ReduceDst to = ReduceDst::result(dst + (r.off + r.begin(me)) * es, n).with_copy(g.slot(me, k) + out_piece);
+    reduce_n(dt, op, srcs, n, to, r.len(me));
   };
   auto gather = [&](size_t i) {  // G
     const Round r = round_at(i);

@@ -15,7 +15,7 @@ namespace {
 // float32 `acc` into `out` of dtype (divided by `divisor` when averaging).
 void store_slice(DType dtype, const float* acc, void* out, size_t n, bool average, int divisor) {
   const Operand src{acc, true};
-  reduce_n(dtype, average ? ReduceOp::kAvg : ReduceOp::kSum, &src, 1, out, false, nullptr, n, divisor, true);
+  reduce_n(dtype, average ? ReduceOp::kAvg : ReduceOp::kSum, &src, 1, ReduceDst::result(out, divisor), n);
 }
 
 // In place, among this rank's counterparts on the other hosts; avg divides by `divisor`.
@@ -38,7 +38,7 @@ void load_slice(DType dtype, const void* in, float* out, size_t n) {
   if (dtype == DType::kFloat32)
     std::memcpy(out, in, n * sizeof(float));
   else
-    reduce_n(dtype, ReduceOp::kSum, &src, 1, out, true, nullptr, n, 1, false);
+    reduce_n(dtype, ReduceOp::kSum, &src, 1, ReduceDst::partial(out), n);
 }
 }  // namespace
 
