@@ -114,6 +114,20 @@ class P2POp:
         return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
 
 
+# What the parts built on a communicator (TP layers, the sharded wrapper, FSDP2's comms) call on it.
+COMMUNICATOR_METHODS = ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def check_communicator(communicator: object, where: Optional[str] = None) -> None:
+    """Raises a TypeError naming the argument (prefixed with ``where``, the caller's name) unless
+    ``communicator`` has what a braid Communicator offers the parts built on it (any object with
+    the same methods passes: a stand-in in tests, a wrapper of one's own)."""
+    if not all(hasattr(communicator, attr) for attr in COMMUNICATOR_METHODS):
+        prefix = f"{where}: " if where else ""
+        raise TypeError(f"{prefix}communicator must be a braid.comm.Communicator, "
+                        f"got {type(communicator).__name__}")
+
+
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
 

@@ -264,10 +264,10 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     acc = _accumulation_dtype(q.dtype)
     path = _block_path(q, k, v)
     if path == "kernels":
-        from braid.kernels.attention import _dot_precision
+        from braid.kernels.attention import dot_precision
         from braid.kernels.attention_forward import LN2, attention_forward
 
-        o, lse2 = attention_forward(q, k, v, causal, scale, _dot_precision(q))
+        o, lse2 = attention_forward(q, k, v, causal, scale, dot_precision(q))
         return o.to(acc), lse2 * LN2
     if path == "cpu_flash":
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -283,12 +283,12 @@ def _block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     whole row's, so the block gradients add up to the full ones."""
     path = _block_path(q, k, v)
     if path == "kernels":
-        from braid.kernels.attention import _dot_precision
+        from braid.kernels.attention import dot_precision
         from braid.kernels.attention_backward import attention_backward
         from braid.kernels.attention_forward import LOG2E
 
         lse2 = (lse * LOG2E).float().contiguous()
-        return attention_backward(do, q, k, v, out, lse2, None, causal, scale, _dot_precision(q))
+        return attention_backward(do, q, k, v, out, lse2, None, causal, scale, dot_precision(q))
     if path == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)

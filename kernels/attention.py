@@ -126,7 +126,9 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
-def _dot_precision(q: torch.Tensor) -> str:
+def dot_precision(q: torch.Tensor) -> str:
+    """The precision of the Triton kernels' float32 dot products for ``q``: "tf32" where torch
+    allows TF32 matmuls on CUDA, else "ieee"."""
     if q.dtype == torch.float32 and q.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"  # float32 in full precision; ignored for the half types
@@ -143,7 +145,7 @@ class _FlashAttention(torch.autograd.Function):
         # Gradients of unused outputs arrive as None instead of zero tensors: an unused LSE then
         # costs nothing in the backward.
         ctx.set_materialize_grads(False)
-        precision = _dot_precision(q)
+        precision = dot_precision(q)
         o, lse2 = attention_forward(q, k, v, causal, scale, precision)
         ctx.save_for_backward(q, k, v, o, lse2)
         ctx.causal, ctx.scale, ctx.precision = causal, scale, precision

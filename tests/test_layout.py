@@ -1,4 +1,5 @@
-"""The package's shape: its parts reachable from ``braid.comm``, and no import cycles.
+"""The package's shape: its parts reachable from ``braid.comm``, no import cycles, and no private
+names taken from another module.
 
 Two modules import each other when either names the other in an import statement anywhere (at
 its top level or deferred into a function, which only hides the knot); the check covers braid's
@@ -26,34 +27,28 @@ def _modules() -> dict:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict) -> set:
-    """The braid modules `name` imports, at its top level or inside its functions (relative
-    imports resolved; imports only for type checkers left out)."""
+def _import_statements(name: str, path: Path, modules: dict) -> list:
+    """(line, module, name or None) for every import statement of module ``name``, at its top level
+    or inside its functions (relative imports resolved; imports only for type checkers left out):
+    ``import a.b`` gives (line, "a.b", None), ``from a import x`` (line, "a", "x")."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     base = name.split(".") if is_package else name.split(".")[:-1]
-    found = set()
+    found = []
 
     def body(nodes):
         for node in nodes:
             if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
                 continue
             if isinstance(node, ast.Import):
-                for alias in node.names:
-                    found.add(alias.name)
+                found.extend((node.lineno, alias.name, None) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
                     prefix = base[: len(base) - (node.level - 1)]
                     target = ".".join(prefix + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                for alias in node.names:
-                    # `from . import x` imports the module x where x is one (the compiled _C
-                    # included), else it takes a name from `target`, which is imported.
-                    if f"{target}.{alias.name}" in modules:
-                        found.add(f"{target}.{alias.name}")
-                    elif alias.name != "_C":
-                        found.add(target)
+                found.extend((node.lineno, target, alias.name) for alias in node.names)
             elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 body(node.body)
             elif hasattr(node, "body") and isinstance(node.body, list):
@@ -64,6 +59,19 @@ def _imports(name: str, path: Path, modules: dict) -> set:
                 body(getattr(node, "finalbody", []) or [])
 
     body(tree.body)
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict) -> set:
+    """The braid modules `name` imports (see _import_statements)."""
+    found = set()
+    for _, target, imported in _import_statements(name, path, modules):
+        # `from . import x` imports the module x where x is one (the compiled _C included), else
+        # it takes a name from `target`, which is imported.
+        if imported is not None and f"{target}.{imported}" in modules:
+            found.add(f"{target}.{imported}")
+        elif imported != "_C":
+            found.add(target)
     return {m for m in found if m in modules and m != name}
 
 
@@ -90,8 +98,26 @@ def import_cycles() -> list:
     return cycles
 
 
+def private_imports() -> list:
+    """Every import of an underscore name from another braid module ("module:line takes
+    other._name"); the compiled extension ``_C`` is the package's, so it is not counted. Modules
+    share what they share through public names."""
+    modules = _modules()
+    found = []
+    for name, path in sorted(modules.items()):
+        for line, target, imported in _import_statements(name, path, modules):
+            if (target in modules and target != name and imported is not None
+                    and imported.startswith("_") and imported != "_C"):
+                found.append(f"{name}:{line} takes {target}.{imported}")
+    return found
+
+
 def test_no_import_cycles():
     assert import_cycles() == []
+
+
+def test_no_private_names_cross_modules():
+    assert private_imports() == []
 
 
 def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():

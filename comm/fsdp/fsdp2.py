@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-# dtypes braid's collectives accept (csrc/core/dtype.h); anything else travels as raw bytes.
-_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+from ..communicator import check_communicator
+from ..vocabulary import WIRE_DTYPES
+
 # Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
 # gather only copies, so float16 carries any 2-byte pattern unchanged.
 _CARRIERS = ((8, torch.int64), (4, torch.int32), (2, torch.float16))
@@ -97,10 +98,7 @@ class _BraidComm:
     """What both collectives share: the communicator and plain CPU buffers."""
 
     def __init__(self, communicator: Any):
-        for attr in ("rank", "world_size", "all_gather", "reduce_scatter"):
-            if not hasattr(communicator, attr):
-                raise TypeError("communicator must be a braid.comm.Communicator, got "
-                                f"{type(communicator).__name__}")
+        check_communicator(communicator)
         self.communicator = communicator
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -118,7 +116,7 @@ class BraidAllGather(_BraidComm, AllGather):
         _check_cpu(output_tensor, "output_tensor", "BraidAllGather")
         _check_cpu(input_tensor, "input_tensor", "BraidAllGather")
         out, inp, after = output_tensor, input_tensor, None
-        if out.dtype not in _WIRE_DTYPES:
+        if out.dtype not in WIRE_DTYPES:
             out, inp, after = self._as_wire(output_tensor, input_tensor)
         work = c.all_gather(out, inp, async_op=async_op)
         if not async_op:

@@ -56,7 +56,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .fsdp2 import _WIRE_DTYPES
+from ..communicator import check_communicator
+from ..vocabulary import WIRE_DTYPES
 
 _MB = 1 << 20
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
@@ -101,13 +102,6 @@ class _Unit:
     buckets: list = field(default_factory=list)
     gathered: bool = True         # full buffers hold the current parameters
     in_flight: bool = False
-
-
-def _check_communicator(communicator: Any) -> None:
-    for attr in ("rank", "world_size", "all_gather", "reduce_scatter", "broadcast"):
-        if not hasattr(communicator, attr):
-            raise TypeError("communicator must be a braid.comm.Communicator, got "
-                            f"{type(communicator).__name__}")
 
 
 def _resolve_units(module: nn.Module, units: Optional[Iterable[Union[str, nn.Module]]]) -> list:
@@ -186,7 +180,7 @@ _REDUCE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` (flat, contiguous) as braid's collectives move it: as itself where braid has its
     dtype, else as its bytes (frozen bool, int8, complex, ... parameters)."""
-    return t if t.dtype in _WIRE_DTYPES else t.view(torch.uint8)
+    return t if t.dtype in WIRE_DTYPES else t.view(torch.uint8)
 
 
 def _free(b: "_Bucket") -> None:
@@ -217,7 +211,7 @@ class ShardedModule(nn.Module):
                  reshard_after_forward: bool = True, prefetch: int = 1,
                  units: Optional[Sequence[Union[str, nn.Module]]] = None):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
-        _check_communicator(communicator)
+        check_communicator(communicator)
         super().__init__()
         self.module = module
         self.communicator = communicator
@@ -286,7 +280,7 @@ class ShardedModule(nn.Module):
         # The ParameterList makes the shards the wrapper's parameters (and moves with state_dict()).
         self.shards = nn.ParameterList(shards)
         for buf in module.buffers():
-            if buf.dtype in _WIRE_DTYPES:
+            if buf.dtype in WIRE_DTYPES:
                 c.broadcast(buf.data, 0)
             else:  # bool, int8, ...: through int64
                 wide = buf.data.to(torch.int64)

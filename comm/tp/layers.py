@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
+from ..communicator import check_communicator
 from .regions import (all_gather, all_reduce, gather_from_region, reduce_from_region, reduce_scatter,
                       reduce_scatter_to_sequence_region, scatter_to_region, split)
 
@@ -30,13 +31,6 @@ def _shard_size(size: int, world_size: int, name: str, layer: str) -> int:
         raise ValueError(f"{layer}: {name}={size} does not divide evenly by the world size "
                          f"{world_size}")
     return size // world_size
-
-
-def _check_communicator(communicator: Any, layer: str) -> None:
-    for attr in ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast"):
-        if not hasattr(communicator, attr):
-            raise TypeError(f"{layer}: communicator must be a braid.comm.Communicator, "
-                            f"got {type(communicator).__name__}")
 
 
 def _dense_source(tensor: torch.Tensor, communicator: Any, src: Optional[int]) -> torch.Tensor:
@@ -141,7 +135,7 @@ class _ParallelLinear(nn.Module):
                  device: Optional[torch.device], dtype: Optional[torch.dtype]):
         super().__init__()
         name = type(self).__name__
-        _check_communicator(communicator, name)
+        check_communicator(communicator, name)
         world = communicator.world_size
         self.in_features = in_features
         self.out_features = out_features
@@ -324,7 +318,7 @@ class VocabParallelEmbedding(nn.Module):
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         name = type(self).__name__
-        _check_communicator(communicator, name)
+        check_communicator(communicator, name)
         per_rank = _shard_size(num_embeddings, communicator.world_size, "num_embeddings", name)
         _shard_size(embedding_dim, 1, "embedding_dim", name)
         if padding_idx is not None:

@@ -8,7 +8,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _check_communicator
+from ..communicator import check_communicator
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .regions import all_reduce
 
 Style = Union[str, tuple]
@@ -31,7 +32,7 @@ def mark_sequence_parallel(module: nn.Module, communicator: Any, *, src: Optiona
     sees its part of the sequence, so the gradient of every parameter is summed over the ranks
     (through a hook on each parameter). With ``src`` the parameters are first broadcast from that
     rank. Returns ``module``; marking it twice is a no-op."""
-    _check_communicator(communicator, "mark_sequence_parallel")
+    check_communicator(communicator, "mark_sequence_parallel")
     if getattr(module, "_braid_sequence_parallel", None) is not None:
         return module
     params = [p for p in module.parameters() if p.requires_grad]
@@ -72,7 +73,7 @@ def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style],
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of submodule names to styles, "
                         f"got {type(plan).__name__}")
-    _check_communicator(communicator, "parallelize")
+    check_communicator(communicator, "parallelize")
     names = [name for name, _ in module.named_modules() if name]
     for pattern, style in plan.items():
         kind, options = _parse_style(pattern, style)
