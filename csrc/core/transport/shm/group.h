@@ -1,6 +1,7 @@
 // The ranks of one host joined through one shared-memory segment per rank: progress counters,
-// collective descriptors, data slots, and the waiting machinery (spin, yield, futex, deadline,
-// peer liveness, abort propagation).
+// collective descriptors, data slots (group.cc), the waiting machinery (wait.h, wait.cc: spin,
+// yield, futex, deadline, peer liveness, abort propagation) and point-to-point mailboxes
+// (mailbox.h, mailbox.cc).
 #pragma once
 
 #include <sys/types.h>
@@ -17,8 +18,9 @@
 #include "../../collective.h"
 #include "../../dtype.h"
 #include "../../errors.h"
-#include "segment.h"
 #include "../transport.h"
+#include "mailbox.h"
+#include "segment.h"
 
 namespace braid {
 
@@ -40,12 +42,6 @@ struct ShmLayout {
   size_t mailbox_offset(int lane, uint64_t chunk) const;  // lane: channel * world_size + dst
   size_t total_bytes() const;
 };
-
-// Point-to-point: each sender owns, in its segment, a FIFO of kMailboxDepth chunks of
-// kMailboxChunkBytes per destination and channel. Sends are eager up to that much data in flight (pages are
-// touched only when used), then wait for the receiver to take chunks.
-constexpr int kMailboxDepth = 4;
-constexpr size_t kMailboxChunkBytes = size_t{1} << 20;
 
 struct WaitPolicy {
   std::chrono::nanoseconds spin{std::chrono::microseconds(20)};   // busy-poll before yielding
@@ -123,7 +119,10 @@ class ShmGroup : public Transport {
 
  private:
   SegmentHeader* header(int rank) const { return headers_[rank]; }
+
+  // Waiting (wait.cc; the templates in wait.h).
   bool reached(const int* peers, int npeers, uint64_t step) const;
+  void wait_slow(const int* peers, int npeers, uint64_t step);
   // Waits until `awaited(r)` is false for every r in `peers` (spin, yield, futex with deadline,
   // liveness); `doing` names the operation in errors (the current collective when null).
   template <class Awaited>
@@ -133,26 +132,30 @@ class ShmGroup : public Transport {
   template <class Awaited, class Reached>
   void wait_until(const int* peers, int npeers, const Awaited& awaited, const Reached& reached,
                   const std::string* doing);
-  bool p2p_ready(const P2POp& op) const;
-  void wait_slow(const int* peers, int npeers, uint64_t step);
   template <class Awaited>
   bool missing_peer_shares_cpu(const int* peers, int npeers, const Awaited& awaited) const;
+  template <class Awaited>
+  void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
   void check_abort();
   // check_abort for the arrival at collective `seq`: ignores failures that peers published from
   // later collectives.
   void check_abort_at(uint64_t seq);
   [[noreturn]] void raise_abort();
-  template <class Awaited>
-  void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
+  void wake_all() noexcept;
+  // Stores `value` in a counter that peers wait on, ringing the doorbell if one of them sleeps.
+  void publish(std::atomic<uint64_t>& counter, uint64_t value);
+
+  // Names for error messages (wait.cc).
   std::string rank_label(int r) const;  // "rank 3 (pid 4121 on host-a)"
   std::string rank_name(int r) const;   // "rank 3"
-  size_t lane(const P2POp& op) const;   // index of op's (channel, peer) in sent_/taken_
   // `word` + what this rank is doing (`doing`, or the current collective) for error messages.
   std::string what_doing(const char* word, const std::string* doing) const;
   template <class Awaited>
   std::string missing_ranks(const int* peers, int npeers, const Awaited& awaited) const;
-  void wake_all() noexcept;
-  void publish(std::atomic<uint64_t>& counter, uint64_t value);
+
+  // Mailboxes (mailbox.cc).
+  bool p2p_ready(const P2POp& op) const;
+  size_t lane(const P2POp& op) const;   // index of op's (channel, peer) in sent_/taken_
 
   int rank_;
   int world_;
