@@ -18,44 +18,14 @@ from . import _C
 from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
 from .hosts import host_identity, host_numbers
+from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
 from .work import Work, seconds
 
-Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
-
-# Codes of csrc/core/dtype.h (ReduceOp); the bitwise ones take integer tensors only.
-_OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
-_DIST_OPS = {
-    dist.ReduceOp.SUM: 0,
-    dist.ReduceOp.AVG: 1,
-    dist.ReduceOp.MAX: 2,
-    dist.ReduceOp.MIN: 3,
-    dist.ReduceOp.PRODUCT: 4,
-    dist.ReduceOp.BAND: 5,
-    dist.ReduceOp.BOR: 6,
-    dist.ReduceOp.BXOR: 7,
-}
 _ALGOS = ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")
 # How often a bootstrap wait looks for a peer's published failure.
 _BOOTSTRAP_POLL_S = 0.1
 _instances = itertools.count()
-
-
-def _op_code(op: Op) -> int:
-    if isinstance(op, str):
-        code = _OP_CODES.get(op)  # the common spelling first: this runs on every call
-        if code is None:
-            code = _OP_CODES.get(op.lower())
-    elif isinstance(op, dist.ReduceOp.RedOpType):
-        code = _DIST_OPS.get(op)
-    elif isinstance(op, dist.ReduceOp):  # what torch's Backend API passes (ReduceOp(RedOpType))
-        code = _DIST_OPS.get(op.op)
-    else:
-        code = None
-    if code is None:
-        raise ValueError(f"op must be one of {', '.join(repr(k) for k in _OP_CODES)} or the matching "
-                         f"torch.distributed.ReduceOp, got {op!r}")
-    return code
 
 
 def _index(value: object, name: str) -> int:
@@ -443,24 +413,21 @@ class Communicator(CompressionHost):
         if compression is None:
             self.last_wire_bytes = None
             # The common spelling without a call: this line is on the latency of every small call.
-            code = _OP_CODES.get(op) if op.__class__ is str else None
+            code = REDUCE_OPS.get(op) if op.__class__ is str else None
             if async_op.__class__ is not bool:
                 async_op = _async_flag(async_op)
             if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
                 stager = self._stager(tensor.device, "tensor")
-                w = self._c.cuda_all_reduce(stager, tensor, _op_code(op) if code is None else code, async_op)
+                w = self._c.cuda_all_reduce(stager, tensor, op_code(op) if code is None else code, async_op)
                 return None if w is None else Work(w, "all_reduce")
-            w = self._c.all_reduce(tensor, _op_code(op) if code is None else code, async_op)
+            w = self._c.all_reduce(tensor, op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w, "all_reduce")
         if not isinstance(compression, Compressor):
             is_class = isinstance(compression, type)
             hint = " (a class: pass an instance, e.g. Int8Quantizer())" if is_class else ""
             raise TypeError("compression must be a braid.comm compressor (Int8Quantizer(), Int4Quantizer(), "
                             f"TopK(ratio), Cast(dtype)) or None, got {compression!r}{hint}")
-        code = _op_code(op)
-        if code not in (0, 1):
-            raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
-        work, self.last_wire_bytes = compression.all_reduce_on(self._c, tensor, code, key=key,
+        work, self.last_wire_bytes = compression.all_reduce_on(self._c, tensor, op, key=key,
                                                                async_op=_async_flag(async_op), step=step)
         return work
 
@@ -470,9 +437,9 @@ class Communicator(CompressionHost):
         the reduced r-th slice in ``output``."""
         if _off_cpu(output, input):
             stager = self._stager_of(output, input)
-            w = self._c.cuda_reduce_scatter(stager, output, input, _op_code(op), _async_flag(async_op))
+            w = self._c.cuda_reduce_scatter(stager, output, input, op_code(op), _async_flag(async_op))
             return _wrap(w, "reduce_scatter")
-        w = self._c.reduce_scatter(output, input, _op_code(op), _async_flag(async_op))
+        w = self._c.reduce_scatter(output, input, op_code(op), _async_flag(async_op))
         return _wrap(w, "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:

@@ -26,12 +26,12 @@ import torch
 from . import _C, group_carrier
 from .device_kernels import CpuKernels, kernels_for
 from .group_carrier import GroupCarrier, GroupWork, HostGroups
+from .vocabulary import AVG, Op, compressed_op_code
 from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
 from .work import Work
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK64 = (1 << 64) - 1
-_SUM, _AVG = 0, 1  # op codes of the core (csrc/core/dtype.h)
 _INT32_MAX = 2**31 - 1
 _CPU = torch.device("cpu")
 
@@ -216,15 +216,16 @@ class Compressor:
         self,
         comm: Union[CompressionHost, "torch.distributed.ProcessGroup", HostGroups, None],
         tensor: torch.Tensor,
-        op: str = "avg",
+        op: Op = "avg",
         *,
         key: Hashable = "default",
         async_op: bool = False,
         step: Optional[int] = None,
     ) -> Optional[Union[CompressedWork, GroupWork]]:
-        """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg"). ``step``
-        overrides the per-key call count that the warm-up compares with (the DDP hook passes its
-        iteration). Sets ``last_wire_bytes`` here (and on a braid communicator).
+        """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg", or torch's
+        ReduceOp.SUM / AVG). ``step`` overrides the per-key call count that the warm-up compares
+        with (the DDP hook passes its iteration). Sets ``last_wire_bytes`` here (and on a braid
+        communicator).
 
         ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors; the
         communicator runs the call, see :meth:`all_reduce_on`), a torch ProcessGroup (None: the
@@ -233,26 +234,24 @@ class Compressor:
         (exact inside a host, compressed across hosts). Async calls return a
         :class:`CompressedWork` (braid) or a :class:`~braid.comm.group_carrier.GroupWork`
         (process groups)."""
-        if op not in ("sum", "avg"):
-            raise ValueError(f"compressed all_reduce supports op 'sum' or 'avg', got {op!r}")
         if isinstance(comm, CompressionHost):
             return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
+        code = compressed_op_code(op)
         _check_tensor(tensor)
         carrier = group_carrier.carrier_of(comm, "comm")
         kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
         self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
         calls, step = self._next_call(key, step)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        code = _AVG if op == "avg" else _SUM
         return self._all_reduce_on_group(carrier, tensor, flat, code, key, calls, step, async_op)
 
-    def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op_code: int, *,
+    def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op: Op = "avg", *,
                       key: Hashable = "default", async_op: bool = False,
                       step: Optional[int] = None) -> tuple[Optional[CompressedWork], WireStats]:
         """The compressed all-reduce of the CPU ``tensor`` in place over a braid communicator's
-        collectives ``comm`` (``op_code`` the code of "sum" or "avg"; ``key`` and ``step`` as in
-        :meth:`all_reduce`). Returns its work (None unless ``async_op``) and its wire statistics,
-        which the communicator records."""
+        collectives ``comm`` (``op``, ``key`` and ``step`` as in :meth:`all_reduce`). Returns its
+        work (None unless ``async_op``) and its wire statistics, which the communicator records."""
+        op_code = compressed_op_code(op)
         _check_tensor(tensor)
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
@@ -302,7 +301,7 @@ class Compressor:
             stats = WireStats(dense, dense, dense)
 
             def run() -> None:
-                carrier.reduce_exact(flat, op_code == _AVG, n)
+                carrier.reduce_exact(flat, op_code == AVG, n)
         else:
             seed = _mix64(self.seed, carrier.rank, _key_hash(key), calls)
             if isinstance(carrier, HostGroups):
@@ -337,7 +336,7 @@ class Compressor:
         local, numel, es = hosts.intra.size, flat.numel(), flat.element_size()
         per = -(-numel // local)
         mine = torch.empty(per, dtype=flat.dtype, device=flat.device)
-        average = op_code == _AVG
+        average = op_code == AVG
         if hosts.inter.size == 1:  # one host: nothing is compressed
             across = WireStats(0, 0, 0)
 
@@ -427,7 +426,7 @@ class _BlockQuantizer(Compressor):
             self.bits,
             self.block,
             chunk,
-            op_code == _AVG,
+            op_code == AVG,
             self.stochastic,
             _mix64(seed, 1),
             async_op,
@@ -472,7 +471,7 @@ class _BlockQuantizer(Compressor):
             acc.zero_()
             for r in range(n):
                 kern.dequantize_accumulate(recv[r * cb : (r + 1) * cb], self.bits, self.block, acc)
-            if op_code == _AVG:
+            if op_code == AVG:
                 acc.div_(divisor)
             mine = send[:cb]  # free again once the all-to-all is done
             kern.quantize(acc, None, self.bits, self.block, self.stochastic, _mix64(seed, 1), c.rank * chunk,
@@ -496,7 +495,7 @@ class _BlockQuantizer(Compressor):
         padded, mine = self._take_scratch(key, lambda: list(_slice_buffers(flat, local)),
                                           lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         work = comm.host_quantized_all_reduce(
-            flat, self._residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == _AVG,
+            flat, self._residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == AVG,
             self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
@@ -513,7 +512,7 @@ class _BlockQuantizer(Compressor):
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         work = comm.pipelined_quantized_all_reduce(
-            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == _AVG,
+            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == AVG,
             self.stochastic,
             seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
         moved = 2 * (n - 1) * self.wire_bytes(chunk)
@@ -613,7 +612,7 @@ class TopK(Compressor):
         work = comm.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
-            self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == _AVG, n)
+            self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == AVG, n)
 
         moved = (n - 1) * 8 * k
         return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
@@ -657,7 +656,7 @@ class TopK(Compressor):
         n, numel, es = c.size, flat.numel(), flat.element_size()
         k, sparse = self.k(numel), self.sparse(numel, n, es)
         kern = kernels_for(flat.device)
-        average = op_code == _AVG
+        average = op_code == AVG
 
         def run() -> None:
             residual = self._residual_for(key, numel, flat.device)
@@ -695,7 +694,7 @@ class TopK(Compressor):
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
                                   and b[2].numel() == k)
         work = comm.host_top_k_all_reduce(flat, self._residual_for(key, per), *bufs, k, sparse,
-                                             op_code == _AVG, async_op, self._call_tag(op_code, flat))
+                                             op_code == AVG, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
             self._scratch[key] = bufs
@@ -761,7 +760,7 @@ class Cast(Compressor):
             bufs = self._sent_buffer(key, numel, flat.device)
             sent = bufs[0]
             kern.cast(flat, self._residual_for(key, numel, flat.device), sent)
-            c.reduce_exact(sent, op_code == _AVG, divisor)
+            c.reduce_exact(sent, op_code == AVG, divisor)
             flat.copy_(sent)
             self._scratch[key] = bufs
 
@@ -780,7 +779,7 @@ class Cast(Compressor):
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         sent = bufs[2]
-        work = comm.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == _AVG,
+        work = comm.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == AVG,
                                             async_op)
 
         def finish() -> None:
