@@ -1,0 +1,291 @@
+"""When the sharded wrapper's collectives run: all-gathers around each unit's forward and backward,
+reduce-scatters of gradients as the backward produces them, and the end of the backward.
+
+Gathers (stage 3). A unit's buckets are all-gathered before its forward (forward pre-hook) and
+again before its backward (a hook on the gradient of the unit's output), the next unit in
+execution order prefetched, at most two all-gathers in flight; the full buffers are freed after
+the unit's forward (``reshard_after_forward``) and after its gradients are ready. The root unit
+stays gathered from the start of the forward to the end of the backward.
+
+Gradients. Autograd accumulates a bucket's gradient into its full flat tensor; the post-accumulate
+hook of that tensor fires once every parameter of the bucket has its gradient, and launches an
+async reduce-scatter with braid's average (the mean over ranks, as DDP) into a new shard-sized
+tensor. Results are added to their shard's ``.grad`` oldest first: those already done whenever
+another bucket launches, the oldest waited for past two pending (a pending one holds a full-size
+gradient), the rest at the end of the backward (an autograd engine callback). Inside
+``no_sync()`` nothing is launched: the gradients stay in the full flat tensors, and the next
+synchronized backward reduces the sum.
+
+Parameter refresh (stages 1, 2). An optimizer updates the shards in place after a synchronized
+backward; the next forward (each unit's pre-hook, with the prefetch) all-gathers the buckets
+whose gradient that backward reduced, and any other whose shard's version counter moved since its
+last gather (fused optimizers do not bump the counters, so these are not relied upon alone).
+
+Every collective is issued by every rank in the same order: ranks must run the same forward and
+backward (the same units, the same parameters used), as with DDP.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .layout import Bucket, Unit, alloc, free, set_views, wire
+
+# How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
+# each holds a unit's full buffers, so this bounds stage 3's memory above the shards.
+MAX_GATHERS_IN_FLIGHT = 2
+# How many bucket reduce-scatters may be pending during the backward: each holds a full-size
+# gradient until done, so without a bound the backward of stages 2 and 3 would peak at the whole
+# unsharded gradient. Past it the oldest is waited for (it is usually done by then).
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+class Schedule:
+    """The collectives of one sharded module, issued from its forward and autograd hooks.
+
+    ``units`` (the root unit last, when there is one) hold the buckets; ``sync`` False is
+    ``no_sync()``; ``pending`` holds (bucket, work, reduced, gradient) per reduce-scatter not yet
+    added to its shard's gradient."""
+
+    def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
+                 units: list, root: Optional[Unit]):
+        self.communicator = communicator
+        self.stage = stage
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.units = units
+        self.root = root
+        self.sync = True
+        self.finish_queued = False
+        self.in_flight: list[Unit] = []   # units with all-gathers launched, oldest first
+        self.pending: list = []           # (bucket, work, reduced, gradient) per reduce-scatter
+        self.order: list[Unit] = []       # non-root units in the order their forwards ran
+        self.order_done = False
+
+    def install(self) -> None:
+        """Hooks every unit's forward and every trainable bucket's gradient, and leaves the
+        parameters as the stage keeps them between steps (stage 3 resharded, else as views)."""
+        for b in self.buckets():
+            if b.trainable:
+                b.full.register_hook(functools.partial(self._before_accumulate, b))
+                b.full.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
+        for unit in self.units:
+            if unit.module is not None:
+                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+            if self.stage == 3:
+                self.reshard(unit)
+            else:
+                set_views(unit, False)
+
+    def buckets(self) -> Iterator[Bucket]:
+        for unit in self.units:
+            yield from unit.buckets
+
+    def check_idle(self, what: str) -> None:
+        """Raises when called during a backward (reduce-scatters pending)."""
+        if self.pending or self.finish_queued:
+            raise RuntimeError(f"{what} during a backward pass: call it between steps")
+
+    # -- gathers -----------------------------------------------------------------------------
+    def _stale(self, unit: Unit) -> bool:
+        if self.stage == 3:
+            return not unit.gathered
+        return any(b.shard._version != b.synced_version for b in unit.buckets)
+
+    def _launch_gather(self, unit: Unit, force: bool = False) -> None:
+        """Starts the all-gathers of ``unit``'s buckets: at stage 3 all of them, at stages 1 and 2
+        those whose shard changed since their last gather (every one with ``force``)."""
+        if unit.in_flight or not (force or self._stale(unit)):
+            return
+        while len(self.in_flight) >= MAX_GATHERS_IN_FLIGHT:
+            self._wait_gather(self.in_flight[0])
+        c = self.communicator
+        for b in unit.buckets:
+            if self.stage != 3 and not force and b.shard._version == b.synced_version:
+                continue
+            alloc(b.full)
+            b.synced_version = b.shard._version
+            b.work = c.all_gather(wire(b.full.detach()), wire(b.shard.detach()), async_op=True)
+        unit.in_flight = True
+        self.in_flight.append(unit)
+
+    def _wait_gather(self, unit: Unit) -> None:
+        if not unit.in_flight:
+            return
+        for b in unit.buckets:
+            if b.work is not None:
+                work, b.work = b.work, None
+                work.wait()
+        unit.in_flight = False
+        unit.gathered = True
+        self.in_flight.remove(unit)
+
+    def _gather(self, unit: Unit, ahead: Sequence[Unit]) -> None:
+        """Makes ``unit``'s full parameters current, prefetching ``ahead`` while waiting."""
+        self._launch_gather(unit)
+        for other in ahead[:self.prefetch]:
+            self._launch_gather(other)
+        self._wait_gather(unit)
+
+    def reshard(self, unit: Unit) -> None:
+        """Frees ``unit``'s full buffers (after its all-gathers, if in flight)."""
+        if unit.in_flight:
+            self._wait_gather(unit)
+        for b in unit.buckets:
+            free(b)
+        unit.gathered = False
+
+    def _next_units(self, unit: Optional[Unit], backward: bool) -> list:
+        order = self.order if self.order_done else [u for u in self.units if u is not self.root]
+        if backward:
+            order = order[::-1]
+        if unit is None:
+            return list(order)
+        try:
+            i = order.index(unit)
+        except ValueError:
+            return []
+        return order[i + 1:]
+
+    def gather_all(self) -> None:
+        """All-gathers every bucket now and points the module at the full buffers (stages 1, 2)."""
+        for unit in self.units:
+            self._launch_gather(unit, force=True)
+        for unit in list(self.in_flight):
+            self._wait_gather(unit)
+        for unit in self.units:
+            set_views(unit, False)
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Runs ``module`` with the root unit gathered around it (the units' hooks do the rest)."""
+        if not self.order_done:
+            self.order = []
+        grad = torch.is_grad_enabled()
+        if self.root is not None:
+            self._gather(self.root, self._next_units(None, False))
+            set_views(self.root, grad)
+        out = module(*args, **kwargs)
+        self.order_done = True
+        if self.stage == 3 and self.root is not None and not grad:
+            self.reshard(self.root)
+        return out
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if not self.order_done and unit not in self.order:
+            self.order.append(unit)
+        self._gather(unit, self._next_units(unit, False))
+        set_views(unit, torch.is_grad_enabled())
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stage != 3:
+            return
+        if not torch.is_grad_enabled():
+            self.reshard(unit)
+            return
+        hooked = False
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(functools.partial(self._pre_backward, unit))
+                hooked = True
+        # The last unit's backward comes first: keeping it avoids a gather on the critical path.
+        # An output with no tensor in reach (a type pytree does not know) gives no hook to gather
+        # again before the backward: the parameters then stay until their gradients are done.
+        last = self.order_done and self.order and self.order[-1] is unit
+        if self.reshard_after_forward and hooked and not last:
+            self.reshard(unit)
+
+    # -- backward ----------------------------------------------------------------------------
+    def _queue_finish(self) -> None:
+        if not self.finish_queued:
+            self.finish_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._queue_finish()
+        self._gather(unit, self._next_units(unit, True))
+
+    def _before_accumulate(self, b: Bucket, grad: torch.Tensor) -> None:
+        """Runs before autograd adds a gradient to the bucket's full flat tensor. A local gradient
+        left there by ``no_sync()`` backwards is dropped when the shard's gradient was cleared
+        since (``optimizer.zero_grad()``, with or without ``set_to_none``), as DDP's would be: it
+        lives in ``param.grad`` there."""
+        if b.local_guard is not None:
+            kept, version = b.local_guard
+            b.local_guard = None
+            if b.shard.grad is not kept or kept._version != version:
+                self.drop_local_grad(b)
+
+    def drop_local_grad(self, b: Bucket) -> None:
+        """Forgets the gradient ``no_sync()`` backwards left in the bucket's full tensor."""
+        if b.full.grad is not None:
+            if self.stage == 1:
+                b.full.grad.zero_()  # the persistent buffer stays
+            else:
+                b.full.grad = None
+
+    def _on_grad_ready(self, b: Bucket, full: torch.Tensor) -> None:
+        """The bucket's flat gradient is complete: reduce-scatter it (async), free what can go."""
+        self._queue_finish()
+        if self.sync:
+            # The optimizer will update the shard: gather it before the next forward even when the
+            # update leaves the version counter alone (fused optimizers' kernels do).
+            b.synced_version = -1
+            grad = full.grad
+            if self.stage != 1:
+                full.grad = None
+            reduced = torch.empty(b.shard_numel, dtype=grad.dtype)
+            work = self.communicator.reduce_scatter(reduced, grad, op="avg", async_op=True)
+            self.pending.append((b, work, reduced, grad))
+            self._retire(MAX_REDUCES_IN_FLIGHT)
+        if self.stage == 3 and b.unit is not self.root:
+            # Every use of the bucket's parameters in this backward is done (autograd produced
+            # all their gradients): its full buffer can go now, not at the end of the backward.
+            # The unit counts as resharded: a later use gathers all its buckets again.
+            free(b)
+            b.unit.gathered = False
+
+    def _finish_backward(self) -> None:
+        """End of the backward: wait for the reduce-scatters in issue order, set the shard
+        gradients, release what stage 3 still holds."""
+        self.finish_queued = False
+        self._retire(0)
+        if not self.sync:
+            # Remember the shard gradients as they are now: if they are cleared before the next
+            # backward, so is the local gradient these no_sync() backwards accumulated. A shard
+            # without one gets zeros, so that a clear (set to None) can be seen.
+            with torch.no_grad():
+                for b in self.buckets():
+                    if b.trainable and b.full.grad is not None:
+                        if b.shard.grad is None:
+                            b.shard.grad = torch.zeros_like(b.shard)
+                        b.local_guard = (b.shard.grad, b.shard.grad._version)
+        for unit in list(self.in_flight):
+            self._wait_gather(unit)
+        for unit in self.units:
+            if self.stage == 3:
+                self.reshard(unit)
+            else:
+                # The forward's views belong to this backward's graph: autograd forbids using
+                # them once the optimizer updates the bucket in place, so plain views replace them.
+                set_views(unit, False)
+
+    def _retire(self, keep: int) -> None:
+        """Completes pending reduce-scatters, oldest first: every one already done, then waits
+        until at most ``keep`` remain. Each result goes into its shard's ``.grad``."""
+        with torch.no_grad():
+            while self.pending and (len(self.pending) > keep or self.pending[0][1].is_completed()):
+                b, work, reduced, grad = self.pending.pop(0)
+                work.wait()
+                if b.shard.grad is None:
+                    b.shard.grad = reduced
+                else:
+                    b.shard.grad += reduced
+                if self.stage == 1:
+                    grad.zero_()  # the persistent buffer accumulates the next step's gradient
