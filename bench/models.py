@@ -1,4 +1,5 @@
-"""Small pre-norm transformer models shared by the benchmarks and the tests (batch-first, causal).
+"""Small pre-norm transformer models shared by the benchmarks and the tests (batch-first, causal),
+and how they are split across ranks: tensor-parallel plans, pipeline schedules' stage layouts.
 
 The views size themselves from the tensors (``view(b, s, -1, head_dim)``), so the same code runs
 dense and tensor-parallel (each rank holding 1/N of the heads and of the MLP), with or without
@@ -91,3 +92,26 @@ def lm_plan(sequence_parallel: bool) -> dict:
     if sequence_parallel:
         plan["norm"] = "sequence"
     return plan
+
+
+# Pipeline schedules of torch.distributed.pipelining by class name: stages per rank (what its
+# paper assumes).
+SCHEDULE_STAGES = {
+    "ScheduleGPipe": 1,
+    "Schedule1F1B": 1,
+    "ScheduleInterleaved1F1B": 2,
+    "ScheduleLoopedBFS": 2,
+    "ScheduleInterleavedZeroBubble": 2,
+}
+
+
+def available_schedules() -> list[str]:
+    """The schedules of SCHEDULE_STAGES that the installed torch has."""
+    from torch.distributed import pipelining
+
+    return [name for name in SCHEDULE_STAGES if hasattr(pipelining, name)]
+
+
+def local_stage_indices(rank: int, ranks: int, per_rank: int) -> list[int]:
+    """Stages of ``rank`` in the looped layout: r, r + P, r + 2P, ..."""
+    return [rank + k * ranks for k in range(per_rank)]

@@ -52,24 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import launch, report, turns
-from .models import LanguageModel
+from .models import SCHEDULE_STAGES, LanguageModel, available_schedules, local_stage_indices
 
 IMPLS = ("braid", "gloo", "compute")
-# Schedule class name: stages per rank (what its paper assumes).
-SCHEDULE_STAGES = {
-    "ScheduleGPipe": 1,
-    "Schedule1F1B": 1,
-    "ScheduleInterleaved1F1B": 2,
-    "ScheduleLoopedBFS": 2,
-    "ScheduleInterleavedZeroBubble": 2,
-}
-
-
-def available_schedules() -> list[str]:
-    """The schedules of SCHEDULE_STAGES that the installed torch has."""
-    from torch.distributed import pipelining
-
-    return [name for name in SCHEDULE_STAGES if hasattr(pipelining, name)]
 
 
 @dataclass(frozen=True)
@@ -125,11 +110,6 @@ class Stage(nn.Sequential):
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a microbatch."""
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def local_stage_indices(rank: int, ranks: int, per_rank: int) -> list[int]:
-    """Stages of ``rank`` in the looped layout: r, r + P, r + 2P, ..."""
-    return [rank + k * ranks for k in range(per_rank)]
 
 
 @dataclass

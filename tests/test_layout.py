@@ -1,5 +1,5 @@
-"""The package's shape: its parts reachable from ``braid.comm``, no import cycles, and no private
-names taken from another module.
+"""The package's shape: its parts reachable from ``braid.comm``, no import cycles, no private
+names taken from another module, and tests that take from braid.bench only what it shares with them.
 
 Two modules import each other when either names the other in an import statement anywhere (at
 its top level or deferred into a function, which only hides the knot); the check covers braid's
@@ -13,6 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench"}
+# What the benchmarks and the tests share: the small models (and how they are split across ranks)
+# and the simulated hosts. They hold no benchmark logic and import no benchmark module; the tests
+# take nothing else from braid.bench, except test_bench.py, which tests the benchmarks themselves.
+SHARED_WITH_TESTS = ("braid.bench.models", "braid.bench.simhosts")
 
 
 def _modules() -> dict:
@@ -112,12 +116,36 @@ def private_imports() -> list:
     return found
 
 
+def bench_imports_of_tests() -> list:
+    """Every import of a braid.bench module other than the shared ones by a test or a test helper
+    ("path:line takes module"), test_bench.py aside; and every import of another braid.bench
+    module by a shared one."""
+    modules = _modules()
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "test_bench.py":
+            continue
+        for line, target, imported in _import_statements(f"tests.{path.stem}", path, modules):
+            module = f"{target}.{imported}" if f"{target}.{imported}" in modules else target
+            if module.split(".")[:2] == ["braid", "bench"] and module not in SHARED_WITH_TESTS:
+                found.append(f"{path.relative_to(ROOT)}:{line} takes {module}")
+    for shared in SHARED_WITH_TESTS:
+        for module in sorted(_imports(shared, modules[shared], modules)):
+            if module.startswith("braid.bench"):
+                found.append(f"{shared} takes {module}")
+    return list(dict.fromkeys(found))  # one entry per statement
+
+
 def test_no_import_cycles():
     assert import_cycles() == []
 
 
 def test_no_private_names_cross_modules():
     assert private_imports() == []
+
+
+def test_tests_take_only_shared_pieces_from_bench():
+    assert bench_imports_of_tests() == []
 
 
 def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():

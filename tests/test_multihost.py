@@ -17,9 +17,8 @@ import os
 import pytest
 import torch
 from braid import comm
-from braid.bench.launch import scoped_environ as environment  # a pooled worker keeps its environment
 from helpers import DTYPES, CaseLog, assert_ranks_agree, make_input, ops_for, reduce_reference
-from helpers.ranks import make_comm, process_group, run_ranks
+from helpers.ranks import environment, make_comm, process_group, run_ranks
 
 TINY_TCP = {"slot_bytes": 1024, "oneshot_max_bytes": 256, "nslots": 2}
 TINY_ENV = {

@@ -12,12 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid import comm
-from braid.bench.launch import scoped_environ as environment
 from braid.comm import _C, ddp
 from braid.comm.compression import dense_wire_bytes
 from braid.comm.group_carrier import HostGroups, host_groups
 from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
-from helpers.ranks import make_comm, process_group, run_ranks
+from helpers.ranks import environment, make_comm, process_group, run_ranks
 from test_compressed_collectives import (
     COMPRESSORS,
     KEY,

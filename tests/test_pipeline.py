@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from braid.bench.pipeline import SCHEDULE_STAGES, available_schedules, local_stage_indices
+from braid.bench.models import SCHEDULE_STAGES, available_schedules, local_stage_indices
 from helpers.ranks import COMM_TIMEOUT_S, process_group, run_ranks
 from test_backend import braid_default_group
 from torch import nn

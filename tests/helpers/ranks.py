@@ -28,6 +28,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait as wait_connections
 from typing import Any, Callable, Iterator
 
+import pytest
 import torch.distributed as dist
 
 # Deadline of a whole multi-rank call, from the test's side. Generous: 4 ranks share 2 cores, and
@@ -119,6 +120,16 @@ def process_group(rank: int, world_size: int, store_path: str, backend: str = "g
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def environment(values: dict) -> Iterator[None]:
+    """Sets the environment variables ``values`` for the block and restores what was there before
+    (a pooled worker keeps its environment from one test to the next)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in values.items():
+            patch.setenv(name, value)
+        yield
 
 
 def make_comm(rank: int, world_size: int, store_path: str, **kwargs):
