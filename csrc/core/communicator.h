@@ -14,6 +14,7 @@
 #include "errors.h"
 #include "fork_guard.h"
 #include "algorithms/direct.h"
+#include "collective.h"
 #include "progress_engine.h"
 #include "scratch.h"
 #include "topology.h"
@@ -168,6 +169,8 @@ class Communicator {
   void cross_all_to_all(const void* in, void* out, size_t chunk_bytes, const CollectiveDesc& d);
   // A step on this host's group (none when it has one rank), numbered on the host.
   void host_step(CollKind kind, DType dt, ReduceOp op, size_t count, int root, const void* in, void* out);
+  // Point-to-point (p2p.cc). A send or receive on the calling thread, blocking.
+  void execute_p2p(Request& r);
   // Point-to-point routed by the peer's host: shared memory on this host, TCP to others.
   bool p2p_advance(P2POp& op);
   void p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
