@@ -74,9 +74,10 @@ class Shape:
     __str__ = turns.format_dims
 
 
-# A small model where the transfers between stages (BATCH/M x SEQ x DIM float32 each way per
-# microbatch) weigh against the arithmetic, and one with 4x the arithmetic per transferred byte.
-DEFAULT_SHAPES = (Shape(1024, 128, 4, 512, 8, 16, 64), Shape(1024, 256, 8, 1024, 8, 16, 64))
+# A tiny model whose microbatches (a 32-token sequence or two) take a few milliseconds per stage,
+# so that each transfer's latency weighs against the arithmetic, and one with 8x the tokens and
+# 2x the width: ~30x the arithmetic per microbatch, 4x the bytes per transfer.
+DEFAULT_SHAPES = (Shape(256, 64, 4, 256, 8, 8, 32), Shape(1024, 128, 4, 512, 8, 16, 64))
 DEFAULT_MICROBATCHES = (4, 8)
 
 
