@@ -20,12 +20,14 @@ per round a gloo barrier, then ``--steps`` steps of one implementation timed tog
 time per step is the slowest rank's; the figure is the median over ``--rounds`` rounds after
 ``--warmup`` steps. ``compute`` runs each rank's share of the arithmetic (forward and backward of
 its stages over every microbatch, fixed inputs and output gradients) with no communication, all
-ranks at once (the same contention for the cores). Bubble = 1 - compute / step: the fraction of
-the slowest rank's step spent not computing, against the textbook (P-1)/(M+P-1) of GPipe and 1F1B
-with equal stages and free communication (the looped schedules aim lower: (P-1)/(2M+P-1) for two
-stages per rank, and zero bubble near 0). ``err`` is the largest difference of the losses and this
-rank's gradients from the whole model run locally on the same microbatches; ``exact`` says whether
-braid's losses and gradients are bitwise those of gloo.
+ranks at once, and its figure is the slowest rank's CPU time per step (see _compute_seconds).
+Bubble = 1 - compute / step: the fraction of the step that is not the slowest rank's arithmetic
+(idle slots, communication, the schedule's own overhead, waiting for a core), against the
+textbook (P-1)/(M+P-1) of GPipe and 1F1B with equal stages and free communication (the looped
+schedules aim lower: (P-1)/(2M+P-1) for two stages per rank, and zero bubble near 0). ``err``
+is the largest difference of the losses and this rank's gradients from the whole model run
+locally on the same microbatches; ``exact`` says whether braid's losses and gradients are
+bitwise those of gloo.
 
 --json writes {"benchmark": "pipeline", "date", "machine", "config", "records": [{"impl",
 "schedule", "ranks", "stages_per_rank", "microbatches", "shape", "step_ms", "ratio_vs_gloo",
