@@ -105,6 +105,8 @@ bench: install
 	$(PY) -m braid.bench compression --json results/compression.json
 	$(PY) -m braid.bench attention --json results/attention.json --plot results/attention.png
 	$(PY) -m braid.bench multihost --quick --json results/multihost.json --plot results/multihost.png
+	$(PY) -m braid.bench pipeline --shapes 256x64x4x256x8x8x32 --microbatches 8 --json results/pipeline.json
+	$(PY) -m braid.bench cp --seqs 1024 2048 --json results/cp.json
 
 # On a machine with a CUDA GPU whose Python already has torch with CUDA, triton and pytest (no
 # venv, no network needed): build braid with its CUDA sources, run the GPU tests and the GPU
