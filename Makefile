@@ -59,7 +59,8 @@ cuda-check:
 # (-fsyntax-only) with BRAID_WITH_CUDA against the installed torch's headers and the CUDA
 # toolkit's. The CPU wheel ships c10/cuda's headers but not the one torch's cmake generates
 # (cuda_cmake_macros.h, one define); a stand-in for it goes in the check's include folder.
-CUDA_BINDING_SOURCES := csrc/binding/cuda_compression_binding.cpp csrc/binding/cuda_comm_binding.cpp csrc/binding/torch_binding.cpp
+CUDA_BINDING_SOURCES := csrc/binding/cuda_compression_binding.cpp csrc/binding/cuda_comm_binding.cpp csrc/binding/cuda_stager.cpp \
+  csrc/binding/backend.cpp csrc/binding/torch_binding.cpp
 cuda-binding-check:
 	@if [ -n "$(NVCC)" ] && [ -x "$(PY)" ]; then \
 	  stub=$(CUDA_CHECK_DIR)/include/c10/cuda/impl && mkdir -p $$stub && \
@@ -124,7 +125,7 @@ gpu-build:
 gpu-test:
 	mkdir -p $(GPU_OUT)
 	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py tests/test_compression_cuda.py \
-	  tests/test_compression_kernels.py tests/test_cuda_comm.py -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; \
+	  tests/test_compression_kernels.py tests/test_cuda_comm.py tests/test_cuda_backend.py -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; \
 	  exit $${PIPESTATUS[0]}
 gpu-bench:
 	mkdir -p $(GPU_OUT)

@@ -1,6 +1,9 @@
 """braid as a torch.distributed backend: ``dist.init_process_group("braid")`` runs c10d on braid.
 
-Importing ``braid.comm`` registers the backend name ``"braid"`` for CPU tensors. The object torch
+Importing ``braid.comm`` registers the backend name ``"braid"`` for CPU tensors, and for CUDA
+tensors too when braid is built with CUDA: ``"braid"`` (or ``"cpu:braid,cuda:braid"``) then runs
+both on braid, CUDA calls staged through pinned host memory and ordered on the caller's stream,
+while ``"cpu:braid,cuda:nccl"`` keeps NCCL for CUDA tensors. The object torch
 gets is a C++ ``c10d::Backend`` subclass (``torch.distributed._Backend`` from Python, so
 DeviceMesh and DTensor accept it) that owns a braid :class:`~braid.comm.Communicator` built from
 the store, rank, size and timeout torch hands over; every sub-group (``dist.new_group``) gets its
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -21,6 +24,27 @@ from . import _C
 from .communicator import Communicator
 
 BACKEND_NAME = "braid"
+_CUDA_BUILD = bool(_C.has_cuda_kernels)
+
+
+def backend_devices(cuda_build: bool = _CUDA_BUILD) -> List[str]:
+    """The device types braid serves as a torch.distributed backend: the CPU, and CUDA in a build
+    with braid's CUDA path (``cuda_build``, this build's by default)."""
+    return ["cpu", "cuda"] if cuda_build else ["cpu"]
+
+
+def _check_served_devices(device_backends: dict, cuda_build: bool) -> None:
+    """Refuses a group whose device map gives braid a device type it does not serve in this build
+    (``"cuda:braid"`` in a build without CUDA), before any rank joins it."""
+    served = backend_devices(cuda_build)
+    for device, backend in device_backends.items():
+        if str(backend) != BACKEND_NAME or device in served:
+            continue
+        if device == "cuda":
+            raise ValueError("backend 'cuda:braid' needs braid built with CUDA (this build takes CPU tensors "
+                             "only); use 'cpu:braid,cuda:nccl' to run CUDA tensors on NCCL")
+        raise ValueError(f"backend '{device}:braid': braid serves {' and '.join(served)} tensors, "
+                         f"not {device}")
 
 
 def _device_backends() -> Optional[dict]:
@@ -42,23 +66,27 @@ def _create_backend(options, backend_options=None):
     group size and timeout.
 
     A group that runs on braid alone gets a whole process group that names itself "braid"
-    (torch would call it "custom", which DDP's logging reports); a group that pairs braid with
-    another backend (``"cpu:braid,cuda:nccl"``) gets braid's backend for CPU tensors only, since
-    torch uses a process group returned here for every device."""
+    (torch would call it "custom", which DDP's logging reports), with braid's backend registered
+    for each device type of the group (torch asks the factory once, for the first device, and
+    uses a process group returned here for every device). A group that pairs braid with another
+    backend (``"cpu:braid,cuda:nccl"``) gets braid's backend alone, which torch registers for the
+    device it asked for."""
+    devices = _device_backends()
+    if devices:
+        _check_served_devices(devices, _CUDA_BUILD)
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=300)
     # torch gives every group (and device) its own prefixed store, so a fixed prefix is unique.
     c = Communicator(options.store, options.group_rank, options.group_size, timeout=timeout,
                      prefix="braid-backend/")
     backend = _C.Backend(c._release_core())
-    devices = _device_backends()
     if devices and all(str(b) == BACKEND_NAME for b in devices.values()):
-        return _C.ProcessGroup(options.store, backend)
+        return _C.ProcessGroup(options.store, backend, list(devices))
     return backend
 
 
 def register() -> None:
-    """Registers the ``"braid"`` backend with torch.distributed (done when braid.comm is imported;
-    repeated calls do nothing)."""
+    """Registers the ``"braid"`` backend with torch.distributed for :func:`backend_devices` (done
+    when braid.comm is imported; repeated calls do nothing)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=backend_devices())

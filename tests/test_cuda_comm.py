@@ -107,6 +107,38 @@ def _slow_fill(t: torch.Tensor, value: torch.Tensor) -> None:
     t.copy_(value, non_blocking=True)
 
 
+def cases(n: int, counts):
+    """(call number, count, dtype, every rank's input, their sum) for each count in float32 and
+    bfloat16."""
+    call = 0
+    for count in counts:
+        for dtype in (torch.float32, torch.bfloat16):
+            call += 1
+            inputs = [_input(r, count, call, dtype) for r in range(n)]
+            yield call, count, dtype, inputs, torch.stack([x.float() for x in inputs]).sum(0).to(dtype)
+
+
+def check_all_reduce_ordering(check, all_reduce, avg, mine, total, n, device, what):
+    """The stream semantics of ``all_reduce(tensor, op=..., async_op=...)`` (a Communicator's or
+    torch.distributed's; ``avg`` its average op) on ``mine``, whose sum over the ranks is
+    ``total``: a blocking call sees a write queued before it and a kernel queued after it sees
+    the sum; an async one on a side stream orders that stream after the result at wait()."""
+    dtype = mine.dtype
+    t = torch.full((mine.numel(),), 99, dtype=dtype, device=device)
+    _slow_fill(t, mine.to(device, non_blocking=True))
+    all_reduce(t)
+    t.mul_(2)
+    check(f"all_reduce {what}", t, total * 2)
+
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        t = mine.to(device)
+        all_reduce(t, op=avg, async_op=True).wait()
+        doubled = t * 2
+    side.synchronize()
+    check(f"async avg {what}", doubled, (total.float() / n).to(dtype) * 2)
+
+
 def cuda_collectives(rank, n, store_path):
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -119,53 +151,34 @@ def cuda_collectives(rank, n, store_path):
 
     call = 0
     try:
-        for count in COUNTS:
-            for dtype in (torch.float32, torch.bfloat16):
-                call += 1
-                inputs = [_input(r, count, call, dtype) for r in range(n)]
-                total = torch.stack([x.float() for x in inputs]).sum(0).to(dtype)
-                mine = inputs[rank]
+        for call, count, dtype, inputs, total in cases(n, COUNTS):
+            mine = inputs[rank]
+            what = f"{count} {dtype}"
+            check_all_reduce_ordering(check, c.all_reduce, "avg", mine, total, n, device, what)
 
-                # Blocking all_reduce: a write queued before it is seen, one queued after it sees the sum.
-                t = torch.full((count,), 99, dtype=dtype, device=device)
-                _slow_fill(t, mine.to(device, non_blocking=True))
-                c.all_reduce(t)
-                t.mul_(2)
-                check(f"all_reduce {count} {dtype}", t, total * 2)
+            # The future completes stream-ordered: a callback's result and a then() chain.
+            t = mine.to(device)
+            fut = c.all_reduce(t, async_op=True).get_future()
+            chained = fut.then(lambda f: f.value()[0] + 1)
+            check(f"future {count} {dtype}", chained.wait(), total + 1)
 
-                # Async, on a side stream: wait() orders the side stream after the result.
-                side = torch.cuda.Stream(device)
-                with torch.cuda.stream(side):
-                    t = mine.to(device)
-                    w = c.all_reduce(t, op="avg", async_op=True)
-                    w.wait()
-                    doubled = t * 2
-                side.synchronize()
-                check(f"async avg {count} {dtype}", doubled, (total.float() / n).to(dtype) * 2)
-
-                # The future completes stream-ordered: a callback's result and a then() chain.
-                t = mine.to(device)
-                fut = c.all_reduce(t, async_op=True).get_future()
-                chained = fut.then(lambda f: f.value()[0] + 1)
-                check(f"future {count} {dtype}", chained.wait(), total + 1)
-
-                # all_gather into a non-contiguous output, reduce_scatter, all_to_all, broadcast.
-                out = torch.zeros(count, n, dtype=dtype, device=device).t()
-                c.all_gather(out, mine.to(device))
-                check(f"all_gather {count} {dtype}", out, torch.stack(inputs))
-                whole = [_input(r, count * n, call + 500, dtype) for r in range(n)]
-                part = torch.empty(count, dtype=dtype, device=device)
-                c.reduce_scatter(part, whole[rank].to(device), async_op=True).wait()
-                want = torch.stack([x.float() for x in whole]).sum(0).to(dtype)
-                want = want[rank * count:(rank + 1) * count]
-                check(f"reduce_scatter {count} {dtype}", part, want)
-                a2a = torch.empty(count * n, dtype=dtype, device=device)
-                c.all_to_all(a2a, whole[rank].to(device))
-                want = torch.cat([whole[r][rank * count:(rank + 1) * count] for r in range(n)])
-                check(f"all_to_all {count} {dtype}", a2a, want)
-                b = mine.to(device)
-                c.broadcast(b, src=n - 1, async_op=True).wait()
-                check(f"broadcast {count} {dtype}", b, inputs[n - 1])
+            # all_gather into a non-contiguous output, reduce_scatter, all_to_all, broadcast.
+            out = torch.zeros(count, n, dtype=dtype, device=device).t()
+            c.all_gather(out, mine.to(device))
+            check(f"all_gather {count} {dtype}", out, torch.stack(inputs))
+            whole = [_input(r, count * n, call + 500, dtype) for r in range(n)]
+            part = torch.empty(count, dtype=dtype, device=device)
+            c.reduce_scatter(part, whole[rank].to(device), async_op=True).wait()
+            want = torch.stack([x.float() for x in whole]).sum(0).to(dtype)
+            want = want[rank * count:(rank + 1) * count]
+            check(f"reduce_scatter {count} {dtype}", part, want)
+            a2a = torch.empty(count * n, dtype=dtype, device=device)
+            c.all_to_all(a2a, whole[rank].to(device))
+            want = torch.cat([whole[r][rank * count:(rank + 1) * count] for r in range(n)])
+            check(f"all_to_all {count} {dtype}", a2a, want)
+            b = mine.to(device)
+            c.broadcast(b, src=n - 1, async_op=True).wait()
+            check(f"broadcast {count} {dtype}", b, inputs[n - 1])
         torch.cuda.synchronize()
     finally:
         c.close()

@@ -43,15 +43,17 @@ def _batch(rank: int, step: int, micro: int):
     return x, _teacher(x) + 0.05 * torch.randn(32, 1, generator=g)
 
 
-def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compiled=False, device="cpu"):
-    """Trains with gloo DDP (mode "gloo") or the braid hook over ``c`` (a braid communicator, or a
-    process group: None for the default one) without or with compression; returns parameters
-    (on the CPU), held-out loss and the hook state."""
+def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compiled=False, device="cpu",
+           dtype=torch.float32):
+    """Trains with torch's DDP on the default group (mode "gloo", the group these tests mostly
+    use) or the braid hook over ``c`` (a braid communicator, or a process group: None for the
+    default one) without or with compression, the model and batches in ``dtype`` on ``device``;
+    returns parameters (on the CPU), held-out loss and the hook state."""
     from braid import comm
     from braid.comm import ddp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _model().to(device)
+    model = _model().to(device, dtype)
     # bucket_cap_mb 0.004: ~1000 floats per bucket, so the 3.1K parameters span several buckets.
     # Compiled: torch.compile's DDP graph splitter wants no bucket smaller than DDP's first (1 MiB).
     m = DDP(model, bucket_cap_mb=1 if compiled else 0.004, gradient_as_bucket_view=bucket_view,
@@ -69,7 +71,7 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compi
     for step in range(steps):
         opt.zero_grad()
         for micro in range(accumulate):
-            x, y = (t.to(device) for t in _batch(rank, step, micro))
+            x, y = (t.to(device, dtype) for t in _batch(rank, step, micro))
             if micro < accumulate - 1:
                 with m.no_sync():  # local accumulation: the hook must not run
                     ((fwd(x) - y) ** 2).mean().backward()
@@ -78,7 +80,7 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compi
         opt.step()
     xe = torch.randn(512, IN, generator=torch.Generator().manual_seed(99))
     with torch.no_grad():
-        loss = ((model(xe.to(device)).cpu() - _teacher(xe)) ** 2).mean().item()
+        loss = ((model(xe.to(device, dtype)).cpu().float() - _teacher(xe)) ** 2).mean().item()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     return params, loss, state
 

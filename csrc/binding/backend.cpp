@@ -1,6 +1,7 @@
 // braid as a torch.distributed backend: a c10d::Backend whose collectives run on a braid
 // Communicator. c10d calls these from any thread without the GIL; argument errors are c10 errors
-// (ValueError/TypeError in Python), transport errors braid's own CommError classes.
+// (ValueError/TypeError in Python), transport errors braid's own CommError classes. In builds with
+// CUDA, a call on CUDA tensors runs through the device's staging pipeline (cuda_stager.h).
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -8,12 +9,14 @@
 
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../core/communicator.h"
 #include "backend.h"
 #include "binding_util.h"
+#include "cuda_stager.h"
 
 namespace braid {
 namespace {
@@ -77,7 +80,22 @@ at::Tensor premul_scaled(const c10d::ReduceOp& op, const at::Tensor& t, const ch
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "braid ", op, ": ", arg, " must be a dense tensor");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " must be a CPU tensor, got one on ", t.device());
+#ifdef BRAID_WITH_CUDA
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "braid ", op, ": ", arg,
+                    " must be a CPU or CUDA tensor, got one on ", t.device());
+#else
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " is on ", t.device(),
+                    ", but this braid build takes CPU tensors only (CUDA tensors need braid built with CUDA)");
+#endif
+}
+
+// Calls that have no staged form on a device (point-to-point, all-to-all with split sizes or of
+// tensor lists, sparse tensors) take CPU tensors only.
+void check_host(const at::Tensor& t, const char* op, const char* arg) {
+  check_tensor(t, op, arg);
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " is on ", t.device(), "; braid runs ", op,
+                    " on CPU tensors only (on CUDA tensors it runs all_reduce, broadcast, reduce, the all-gathers, ",
+                    "reduce-scatters, gather, scatter and all-to-all of equal splits)");
 }
 
 // A tensor a call writes: one whose elements share memory (expand()) cannot hold a result, and
@@ -423,7 +441,11 @@ class BraidBackend final : public c10d::Backend {
     // The path must be the same on every rank, and a rank sees only its own row and column of
     // the split matrix: equal splits passed explicitly on one rank may meet uneven ones on
     // another. So any split list means point-to-point (torch passes none for equal splits).
-    if (!input_splits.empty() || !output_splits.empty()) return run_exchange(out, in, counts, {output}, opts.asyncOp);
+    if (!input_splits.empty() || !output_splits.empty()) {
+      check_host(input, "alltoall_base with split sizes", "input");
+      check_host(output, "alltoall_base with split sizes", "output");
+      return run_exchange(out, in, counts, {output}, opts.asyncOp);
+    }
     Batch b;
     b.add(make_moving(CollKind::kAllToAll, in, static_cast<size_t>(in.numel() / size_), in.data_ptr(),
                       out.data.data_ptr()));
@@ -442,8 +464,9 @@ class BraidBackend final : public c10d::Backend {
     SplitCounts counts;
     std::vector<at::Tensor> flat;
     for (int i = 0; i < size_; ++i) {
-      check_tensor(inputs[i], "alltoall", "input_tensor_list");
+      check_host(inputs[i], "alltoall", "input_tensor_list");
       check_output(outputs[i], "alltoall", "output_tensor_list");
+      check_host(outputs[i], "alltoall", "output_tensor_list");
       TORCH_CHECK_TYPE(inputs[i].scalar_type() == inputs[0].scalar_type() &&
                            outputs[i].scalar_type() == inputs[0].scalar_type(),
                        "braid alltoall: every tensor must have the same dtype");
@@ -472,7 +495,7 @@ class BraidBackend final : public c10d::Backend {
   // its data is in the mailbox (eager up to 4 MiB in flight per pair), a recv once it arrived.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int /*tag*/) override {
     check_count(tensors, 1, "send", "tensors");
-    check_tensor(tensors[0], "send", "tensor");
+    check_host(tensors[0], "send", "tensor");
     check_peer(dst, "send", "dst");
     at::Tensor t = tensors[0].contiguous();
     Batch b;
@@ -487,6 +510,7 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int /*tag*/) override {
     check_count(tensors, 1, "recv", "tensors");
     check_output(tensors[0], "recv", "tensor");
+    check_host(tensors[0], "recv", "tensor");
     check_peer(src, "recv", "src");
     Buffer t = contiguous(tensors[0]);
     Batch b;
@@ -504,6 +528,7 @@ class BraidBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int /*tag*/) override {
     check_count(tensors, 1, "recv", "tensors");
     check_output(tensors[0], "recv", "tensor");
+    check_host(tensors[0], "recv", "tensor");
     TORCH_CHECK_VALUE(size_ > 1, "braid recv: a receive from any source needs a peer; this group has one rank");
     Buffer t = contiguous(tensors[0]);
     auto source = std::make_shared<int>(-1);
@@ -726,6 +751,9 @@ class BraidBackend final : public c10d::Backend {
   // progress thread after the last request and the copies back.
   c10::intrusive_ptr<c10d::Work> run(Batch b, bool async) {
     if (b.requests.empty()) return completed(b.outputs);
+#ifdef BRAID_WITH_CUDA
+    if (auto device = cuda_device_of(b)) return run_on_device(std::move(b), *device, async);
+#endif
     if (!async) {
       for (auto& r : b.requests) comm_->submit(std::move(r), false);
       for (auto& f : b.finish) f();
@@ -743,19 +771,58 @@ class BraidBackend final : public c10d::Backend {
     return pending_work(std::move(last), std::move(b.outputs));
   }
 
+#ifdef BRAID_WITH_CUDA
+  // The CUDA device of a call's tensors, nothing when they are all on the CPU. A call's pointers
+  // go to one place (the host collective, or one device's pipeline), so a call that mixes devices
+  // is refused before anything is sent.
+  static std::optional<c10::Device> cuda_device_of(const Batch& b) {
+    std::optional<c10::Device> device;
+    for (const auto* tensors : {&b.keep, &b.outputs})
+      for (const auto& t : *tensors) {
+        if (!device) device = t.device();
+        TORCH_CHECK_VALUE(t.device() == *device, "braid: the tensors of one call must be on one device, got ",
+                          *device, " and ", t.device());
+      }
+    if (device && device->is_cuda()) return device;
+    return std::nullopt;
+  }
+
+  // A call on CUDA tensors: its requests through the device's staging pipeline, after the caller's
+  // current stream; the copies into the caller's tensors (b.finish) run on the copy-back lane, and
+  // the future (devices=[device]) completes there, so wait() and the future's waiters are ordered
+  // after them. wait() blocks the host until the last request's collective is done.
+  c10::intrusive_ptr<c10d::Work> run_on_device(Batch b, c10::Device device, bool async) {
+    auto stager = stagers_.get(device.index());
+    DeviceCall call;
+    call.requests = std::move(b.requests);
+    call.used = b.keep;
+    call.used.insert(call.used.end(), b.outputs.begin(), b.outputs.end());
+    call.finish = [finish = std::move(b.finish)] {
+      for (const auto& f : finish) f();
+    };
+    std::shared_ptr<Work> last = submit_device_call(*comm_, *stager, std::move(call), async);
+    auto fut = lane_future(last, stager->lane(Lane::kToDevice), b.outputs);
+    return c10::make_intrusive<BraidWork>(std::move(fut), std::move(last), std::move(b.outputs));
+  }
+
+  CudaStagers stagers_;
+#endif
+
   std::shared_ptr<Communicator> comm_;
 };
 
 // The process group of a group that runs on braid alone. torch names a plugin's group "custom"
 // (c10d::ProcessGroup::getBackendName gives the name of its BackendType, and a plugin's is
 // CUSTOM), and code that asks the group rather than torch.distributed (DDP's logging, for one)
-// would report that; a group torch receives from the backend factory is used as it is, so this
-// one reports "braid", with the braid backend serving CPU tensors.
+// would report that; a group torch receives from the backend factory is used as it is (torch
+// asks the factory once, for the group's first device), so this one reports "braid", with the one
+// braid backend serving every device type of the group (CPU, and CUDA for "cpu:braid,cuda:braid").
 class BraidProcessGroup final : public c10d::ProcessGroup {
  public:
-  BraidProcessGroup(const c10::intrusive_ptr<c10d::Store>& store, c10::intrusive_ptr<BraidBackend> backend)
+  BraidProcessGroup(const c10::intrusive_ptr<c10d::Store>& store, c10::intrusive_ptr<BraidBackend> backend,
+                    const std::vector<c10::DeviceType>& devices)
       : c10d::ProcessGroup(store, backend->getRank(), backend->getSize()) {
-    setBackend(c10::DeviceType::CPU, BackendType::CUSTOM, c10::intrusive_ptr<c10d::Backend>(std::move(backend)));
+    for (c10::DeviceType d : devices) setBackend(d, BackendType::CUSTOM, c10::intrusive_ptr<c10d::Backend>(backend));
     setDefaultBackend(BackendType::CUSTOM);
   }
   const std::string getBackendName() const override { return "braid"; }
@@ -770,10 +837,18 @@ void register_backend(py::module_& m) {
       .def(py::init([](std::shared_ptr<Communicator> comm) { return c10::make_intrusive<BraidBackend>(std::move(comm)); }),
            py::arg("communicator"));
   py::class_<BraidProcessGroup, c10d::ProcessGroup, c10::intrusive_ptr<BraidProcessGroup>>(m, "ProcessGroup")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const c10::intrusive_ptr<BraidBackend>& backend) {
-             return c10::make_intrusive<BraidProcessGroup>(store, backend);
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, const c10::intrusive_ptr<BraidBackend>& backend,
+                       const std::vector<std::string>& devices) {
+             TORCH_CHECK_VALUE(!devices.empty(), "braid ProcessGroup: devices must name at least one device type");
+             std::vector<c10::DeviceType> types;
+             for (const auto& d : devices) {
+               TORCH_CHECK_VALUE(d == "cpu" || d == "cuda", "braid ProcessGroup: devices may hold 'cpu' and 'cuda', got '",
+                                 d, "'");
+               types.push_back(d == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA);
+             }
+             return c10::make_intrusive<BraidProcessGroup>(store, backend, types);
            }),
-           py::arg("store"), py::arg("backend"));
+           py::arg("store"), py::arg("backend"), py::arg("devices") = std::vector<std::string>{"cpu"});
 }
 
 }  // namespace braid

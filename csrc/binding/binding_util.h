@@ -55,17 +55,20 @@ inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
-// Completes `fut` when `w` does: with `outputs` on success, with braid's error class and message
-// (as the text of a RuntimeError) on failure. Runs on the completing thread.
+// Completes `fut` with the outcome of the finished `done`: `outputs` on success, braid's error
+// class and message (as the text of a RuntimeError) on failure.
+inline void settle(const Work& done, c10::ivalue::Future& fut, const std::vector<at::Tensor>& outputs) {
+  if (done.succeeded()) {
+    fut.markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
+  } else {
+    const char* cls = kErrorClass[static_cast<int>(done.error_kind())];
+    fut.setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + done.error_message())));
+  }
+}
+
+// Completes `fut` when `w` does (see settle). Runs on the completing thread.
 inline void complete_with(Work& w, c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> outputs) {
-  w.on_complete([fut = std::move(fut), outputs = std::move(outputs)](const Work& done) {
-    if (done.succeeded()) {
-      fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
-    } else {
-      const char* cls = kErrorClass[static_cast<int>(done.error_kind())];
-      fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + done.error_message())));
-    }
-  });
+  w.on_complete([fut = std::move(fut), outputs = std::move(outputs)](const Work& done) { settle(done, *fut, outputs); });
 }
 
 inline ReduceOp to_op(int op) {

@@ -4,45 +4,15 @@
 // wait() and future make the caller's stream wait for the copies back.
 #ifdef BRAID_WITH_CUDA
 
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "../core/staging.h"
-#include "../cuda/staging/cuda_copy_engine.h"
 #include "binding_util.h"
+#include "cuda_stager.h"
 
 namespace braid {
 namespace {
-
-// What a communicator needs per CUDA device: the lanes' streams (from torch's pool, so that
-// torch's tools see them), the copy engine over them and the pipeline's options.
-class CudaStager {
- public:
-  CudaStager(int device, StagingOptions options)
-      : device_(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)),
-        to_host_(c10::cuda::getStreamFromPool(false, device_.index())),
-        to_device_(c10::cuda::getStreamFromPool(false, device_.index())),
-        options_(options) {
-    options_.validate();
-    engine_ = std::make_shared<cuda::CudaCopyEngine>(device, to_host_.stream(), to_device_.stream());
-  }
-
-  const c10::Device& device() const { return device_; }
-  const c10::cuda::CUDAStream& lane(Lane l) const { return l == Lane::kToHost ? to_host_ : to_device_; }
-  const std::shared_ptr<cuda::CudaCopyEngine>& engine() const { return engine_; }
-  const StagingOptions& options() const { return options_; }
-
- private:
-  c10::Device device_;
-  c10::cuda::CUDAStream to_host_, to_device_;
-  StagingOptions options_;
-  std::shared_ptr<cuda::CudaCopyEngine> engine_;
-};
 
 // The Python handle of a staged collective, with PyWork's methods: wait() blocks until the host
 // collective is done (raising its error), then makes the caller's current stream wait for the
@@ -65,20 +35,7 @@ class CudaWork {
 
   c10::intrusive_ptr<c10::ivalue::Future> future() {
     work_->check_same_process();
-    if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(), std::vector<c10::Device>{device_});
-      // Completed with the copy-back lane current: the future records its event there, so whoever
-      // waits on it (or chains on it) is ordered after the copies back.
-      work_->on_complete([fut = future_, lane = lane_, outputs = outputs_](const Work& done) {
-        if (done.succeeded()) {
-          c10::cuda::CUDAStreamGuard guard(lane);
-          fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
-        } else {
-          const char* cls = kErrorClass[static_cast<int>(done.error_kind())];
-          fut->setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + done.error_message())));
-        }
-      });
-    }
+    if (!future_) future_ = lane_future(work_, lane_, outputs_);
     return future_;
   }
 
@@ -108,34 +65,20 @@ at::Tensor device_tensor(const py::handle& obj, const char* arg, const CudaStage
 // already waits for the copies back).
 py::object submit(Communicator& c, const CudaStager& s, Request r, const Staged& out, const at::Tensor& in, bool async) {
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(s.device().index());
-  const c10::cuda::CUDAStream to_host = s.lane(Lane::kToHost), to_device = s.lane(Lane::kToDevice);
-  auto start = std::make_shared<cuda::CudaEvent>(s.device().index());
+  const c10::cuda::CUDAStream to_device = s.lane(Lane::kToDevice);
   auto done = std::make_shared<cuda::CudaEvent>(s.device().index());
-  start->record(caller.stream());
-  // The caching allocator must not hand this memory to anyone else before the lanes are done with
-  // it, even if the caller drops the tensors at once.
-  std::vector<at::Tensor> used = {out.buffer, out.user};
-  if (in.defined()) used.push_back(in);
-  for (const auto& t : used)
-    for (const auto& lane : {to_host, to_device})
-      if (t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), lane);
-  StagedHooks hooks;
-  hooks.before = [start, to_host, to_device] {
-    start->block(to_host.stream());
-    start->block(to_device.stream());
-  };
-  hooks.after = [done, to_device, out] {
-    if (out.copy_back()) {
-      c10::cuda::CUDAStreamGuard guard(to_device);
-      out.user.copy_(out.buffer);
-    }
+  DeviceCall call;
+  call.requests.push_back(std::move(r));
+  call.used = {out.buffer, out.user};
+  if (in.defined()) call.used.push_back(in);
+  call.finish = [done, to_device, out] {
+    if (out.copy_back()) out.user.copy_(out.buffer);
     done->record(to_device.stream());
   };
-  auto keep = std::make_shared<std::vector<at::Tensor>>(std::move(used));
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
-    w = submit_staged(c, s.engine(), std::move(r), s.options(), std::move(hooks), keep, async);
+    w = submit_device_call(c, s, std::move(call), async);
   }
   if (!async) {
     done->block(caller.stream());
