@@ -43,21 +43,12 @@ Moved moved_as(const at::Tensor& t) {
 }
 
 ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
-  ReduceOp r = ReduceOp::kSum;
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM: r = ReduceOp::kSum; break;
-    case c10d::ReduceOp::AVG: r = ReduceOp::kAvg; break;
-    case c10d::ReduceOp::MAX: r = ReduceOp::kMax; break;
-    case c10d::ReduceOp::MIN: r = ReduceOp::kMin; break;
-    case c10d::ReduceOp::PRODUCT: r = ReduceOp::kProd; break;
-    case c10d::ReduceOp::BAND: r = ReduceOp::kBand; break;
-    case c10d::ReduceOp::BOR: r = ReduceOp::kBor; break;
-    case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
-    case c10d::ReduceOp::PREMUL_SUM: r = ReduceOp::kSum; break;  // on premul_scaled's copy
-    default:
-      TORCH_CHECK_VALUE(false, "braid ", what, ": reduce op ", static_cast<int>(op.op_),
-                        " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR and PREMUL_SUM are)");
-  }
+  // PREMUL_SUM sums premul_scaled's copies.
+  const std::optional<ReduceOp> known =
+      op.op_ == c10d::ReduceOp::PREMUL_SUM ? ReduceOp::kSum : reduce_op_from(op.op_);
+  TORCH_CHECK_VALUE(known.has_value(), "braid ", what, ": reduce op ", static_cast<int>(op.op_),
+                    " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR and PREMUL_SUM are)");
+  const ReduceOp r = *known;
   TORCH_CHECK_VALUE(op_supports(r, dtype), "braid ", what, ": ", reduce_op_name(r),
                     " needs an integer tensor (int32, int64, uint8), got ", dtype_name(dtype));
   return r;
@@ -110,15 +101,6 @@ void check_count(const std::vector<at::Tensor>& ts, size_t n, const char* op, co
   TORCH_CHECK_VALUE(ts.size() == n, "braid ", op, ": expected ", n, " tensor(s) in ", arg, ", got ", ts.size());
 }
 
-// A contiguous tensor the core can work on; results are copied back to `user` afterwards when it
-// is not contiguous itself.
-struct Buffer {
-  at::Tensor user;
-  at::Tensor data;
-};
-
-Buffer contiguous(const at::Tensor& t) { return Buffer{t, t.is_contiguous() ? t : t.contiguous()}; }
-
 // The collectives of one c10d call, submitted in order, plus what to do when they are done.
 struct Batch {
   std::vector<Request> requests;
@@ -127,8 +109,8 @@ struct Batch {
   std::vector<std::function<void()>> finish;  // copies into the caller's tensors, in order
 
   void add(Request r) { requests.push_back(std::move(r)); }
-  void copy_back(const Buffer& b) {
-    if (!b.data.is_same(b.user)) finish.push_back([b] { b.user.copy_(b.data); });
+  void copy_back(const Staged& b) {
+    if (b.copy_back()) finish.push_back([b] { b.user.copy_(b.buffer); });
   }
 };
 
@@ -189,8 +171,7 @@ class BraidWork final : public c10d::Work {
 
 c10::intrusive_ptr<c10d::Work> pending_work(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs,
                                             std::shared_ptr<int> source = nullptr) {
-  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-  complete_with(*w, fut, outputs);
+  auto fut = future_of(*w, outputs);
   return c10::make_intrusive<BraidWork>(std::move(fut), std::move(w), std::move(outputs), std::move(source));
 }
 
@@ -214,11 +195,11 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid broadcast: root ", opts.rootRank,
                       " is not a rank of this group of ", size_);
     Batch b;
-    Buffer t = contiguous(tensors[0]);
-    Request r = make_moving(CollKind::kBroadcast, t.data, t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
+    Staged t = as_contiguous(tensors[0]);
+    Request r = make_moving(CollKind::kBroadcast, t.buffer, t.buffer.numel(), t.buffer.data_ptr(), t.buffer.data_ptr());
     r.root = static_cast<int>(opts.rootRank);
     b.add(std::move(r));
-    b.keep.push_back(t.data);
+    b.keep.push_back(t.buffer);
     b.copy_back(t);
     b.outputs = tensors;
     return run(std::move(b), opts.asyncOp);
@@ -243,15 +224,15 @@ class BraidBackend final : public c10d::Backend {
                       " is not a rank of this group of ", size_);
     Batch b;
     at::Tensor scaled = premul_scaled(opts.reduceOp, tensors[0], "reduce");
-    Buffer t = scaled.defined()            ? Buffer{tensors[0], scaled}
-               : rank_ == opts.rootRank ? contiguous(tensors[0])
-                                        : Buffer{tensors[0], tensors[0].contiguous().clone()};
-    Request r = make(CollKind::kAllReduce, dtype_of(t.data, "reduce"), t.data.numel(), t.data.data_ptr(),
-                     t.data.data_ptr());
+    Staged t = scaled.defined()            ? Staged{tensors[0], scaled}
+               : rank_ == opts.rootRank ? as_contiguous(tensors[0])
+                                        : Staged{tensors[0], tensors[0].contiguous().clone()};
+    Request r = make(CollKind::kAllReduce, dtype_of(t.buffer, "reduce"), t.buffer.numel(), t.buffer.data_ptr(),
+                     t.buffer.data_ptr());
     r.op = op_of(opts.reduceOp, r.dtype, "reduce");
     r.root = static_cast<int>(opts.rootRank);  // ranks that disagree on it raise a mismatch
     b.add(std::move(r));
-    b.keep.push_back(t.data);
+    b.keep.push_back(t.buffer);
     if (rank_ == opts.rootRank) b.copy_back(t);
     b.outputs = tensors;
     return run(std::move(b), opts.asyncOp);
@@ -436,8 +417,8 @@ class BraidBackend final : public c10d::Backend {
         checked_split_counts(output, input, output_splits.empty() ? nullptr : &output_splits,
                              input_splits.empty() ? nullptr : &input_splits, rank_, size_, "braid alltoall_base: ");
     at::Tensor in = input.contiguous();
-    Buffer out = contiguous(output);
-    if (overlaps(out.data, in)) in = in.clone();  // the all-to-all is never in place
+    Staged out = as_contiguous(output);
+    if (overlaps(out.buffer, in)) in = in.clone();  // the all-to-all is never in place
     // The path must be the same on every rank, and a rank sees only its own row and column of
     // the split matrix: equal splits passed explicitly on one rank may meet uneven ones on
     // another. So any split list means point-to-point (torch passes none for equal splits).
@@ -448,8 +429,8 @@ class BraidBackend final : public c10d::Backend {
     }
     Batch b;
     b.add(make_moving(CollKind::kAllToAll, in, static_cast<size_t>(in.numel() / size_), in.data_ptr(),
-                      out.data.data_ptr()));
-    b.keep = {in, out.data};
+                      out.buffer.data_ptr()));
+    b.keep = {in, out.buffer};
     b.copy_back(out);
     b.outputs = {output};
     return run(std::move(b), opts.asyncOp);
@@ -481,7 +462,7 @@ class BraidBackend final : public c10d::Backend {
     at::Tensor whole = at::empty({std::accumulate(counts.recv.begin(), counts.recv.end(), int64_t{0})}, in.options());
     // Blocking (the pieces are copied into the caller's tensors right after): one exchange, equal
     // sizes or not, since the list form has no single buffer to hand the collective path.
-    run_exchange(Buffer{whole, whole}, in, counts, {}, false);
+    run_exchange(Staged{whole, whole}, in, counts, {}, false);
     int64_t off = 0;
     for (int i = 0; i < size_; ++i) {
       outputs[i].copy_(whole.narrow(0, off, counts.recv[i]).view(outputs[i].sizes()));
@@ -512,12 +493,12 @@ class BraidBackend final : public c10d::Backend {
     check_output(tensors[0], "recv", "tensor");
     check_host(tensors[0], "recv", "tensor");
     check_peer(src, "recv", "src");
-    Buffer t = contiguous(tensors[0]);
+    Staged t = as_contiguous(tensors[0]);
     Batch b;
-    Request r = make_moving(CollKind::kRecv, t.data, t.data.numel(), nullptr, t.data.data_ptr());
+    Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
     r.root = src;
     b.add(std::move(r));
-    b.keep.push_back(t.data);
+    b.keep.push_back(t.buffer);
     b.copy_back(t);
     b.outputs = tensors;
     return run(std::move(b), true);
@@ -530,14 +511,14 @@ class BraidBackend final : public c10d::Backend {
     check_output(tensors[0], "recv", "tensor");
     check_host(tensors[0], "recv", "tensor");
     TORCH_CHECK_VALUE(size_ > 1, "braid recv: a receive from any source needs a peer; this group has one rank");
-    Buffer t = contiguous(tensors[0]);
+    Staged t = as_contiguous(tensors[0]);
     auto source = std::make_shared<int>(-1);
-    Request r = make_moving(CollKind::kRecv, t.data, t.data.numel(), nullptr, t.data.data_ptr());
+    Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
     r.root = kAnySource;
     r.source = source;
-    auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{t.data});
+    auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{t.buffer});
     r.keepalive = keep;
-    if (!t.data.is_same(t.user)) r.epilogue = [t] { t.user.copy_(t.data); };
+    if (t.copy_back()) r.epilogue = [t] { t.user.copy_(t.buffer); };
     return pending_work(comm_->submit(std::move(r), true), tensors, std::move(source));
   }
 
@@ -611,15 +592,15 @@ class BraidBackend final : public c10d::Backend {
 
   // An all-to-all as point-to-point transfers (Communicator::submit_exchange): `counts.send[j]`
   // elements of `in` to rank j, `counts.recv[j]` from rank j into `out`, in rank order.
-  c10::intrusive_ptr<c10d::Work> run_exchange(const Buffer& out, const at::Tensor& in, const SplitCounts& counts,
+  c10::intrusive_ptr<c10d::Work> run_exchange(const Staged& out, const at::Tensor& in, const SplitCounts& counts,
                                               std::vector<at::Tensor> outputs, bool async) {
     const Moved m = moved_as(in);
     const DType dtype = m.dtype;
     SplitCounts wire = counts;
     for (auto* v : {&wire.send, &wire.recv})
       for (int64_t& c : *v) c *= static_cast<int64_t>(m.scale);
-    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in, out.data, out.user, wire);
-    auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in, out.data});
+    ExchangePlan plan = plan_uneven_all_to_all(rank_, size_, dtype, in, out.buffer, out.user, wire);
+    auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in, out.buffer});
     auto w = comm_->submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
     if (!async) return completed(outputs);
     return pending_work(std::move(w), std::move(outputs));
@@ -675,11 +656,12 @@ class BraidBackend final : public c10d::Backend {
     for (const auto& tensor : tensors) {
       check_output(tensor, what, "tensor");
       at::Tensor scaled = premul_scaled(op, tensor, what);
-      Buffer t = scaled.defined() ? Buffer{tensor, scaled} : contiguous(tensor);
-      Request r = make(CollKind::kAllReduce, dtype_of(t.data, what), t.data.numel(), t.data.data_ptr(), t.data.data_ptr());
+      Staged t = scaled.defined() ? Staged{tensor, scaled} : as_contiguous(tensor);
+      Request r = make(CollKind::kAllReduce, dtype_of(t.buffer, what), t.buffer.numel(), t.buffer.data_ptr(),
+                       t.buffer.data_ptr());
       r.op = op_of(op, r.dtype, what);
       b.add(std::move(r));
-      b.keep.push_back(t.data);
+      b.keep.push_back(t.buffer);
       b.copy_back(t);
     }
     b.outputs = tensors;
@@ -692,11 +674,11 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(output.numel() == size_ * input.numel(), "braid ", what, ": output.numel() must be ", size_,
                       " * input.numel() (", input.numel(), "), got ", output.numel());
-    Buffer out = contiguous(output);
+    Staged out = as_contiguous(output);
     at::Tensor in = input.contiguous();
-    b.add(make_moving(CollKind::kAllGather, in, in.numel(), in.data_ptr(), out.data.data_ptr()));
+    b.add(make_moving(CollKind::kAllGather, in, in.numel(), in.data_ptr(), out.buffer.data_ptr()));
     b.keep.push_back(in);
-    b.keep.push_back(out.data);
+    b.keep.push_back(out.buffer);
     b.copy_back(out);
   }
 
@@ -723,20 +705,21 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(input.numel() == size_ * output.numel(), "braid ", what, ": input.numel() must be ", size_,
                       " * output.numel() (", output.numel(), "), got ", input.numel());
-    Buffer out = contiguous(output);
+    Staged out = as_contiguous(output);
     at::Tensor in = premul_scaled(op, input, what);
     if (!in.defined()) {
       in = input.contiguous();
       // The core accepts only an exact in-place alias (output = the rank's slice of input); any
       // other overlap goes through a copy of the input.
       const auto* ib = static_cast<const char*>(in.data_ptr());
-      if (overlaps(in, out.data) && out.data.data_ptr() != ib + rank_ * out.data.nbytes()) in = in.clone();
+      if (overlaps(in, out.buffer) && out.buffer.data_ptr() != ib + rank_ * out.buffer.nbytes()) in = in.clone();
     }
-    Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.data.numel(), in.data_ptr(), out.data.data_ptr());
+    Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.buffer.numel(), in.data_ptr(),
+                     out.buffer.data_ptr());
     r.op = op_of(op, r.dtype, what);
     b.add(std::move(r));
     b.keep.push_back(in);
-    b.keep.push_back(out.data);
+    b.keep.push_back(out.buffer);
     b.copy_back(out);
   }
 

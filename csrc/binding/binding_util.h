@@ -1,10 +1,13 @@
-// Helpers shared by the binding files: dtype and op translation, tensor argument checks that name
-// the argument, and the Python handle of async work with its torch future.
+// Helpers shared by the binding files (the Python module's and the torch.distributed backend's):
+// the one translation of torch's dtypes and reduce ops into the core's, tensor argument checks
+// that name the argument, staging of non-contiguous tensors, torch futures completed by core work,
+// and the Python handle of async work.
 #pragma once
 
 #include <torch/extension.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/MemoryOverlap.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <chrono>
 #include <cstring>
@@ -47,6 +50,22 @@ inline DType to_dtype(at::ScalarType t, const char* arg) {
                        kSupportedDTypes);
 }
 
+// The core's reduce op of a torch.distributed one, or nothing when the core has none. PREMUL_SUM
+// is none: the backend sums copies that it scaled itself (backend.cpp's premul_scaled).
+inline std::optional<ReduceOp> reduce_op_from(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    case c10d::ReduceOp::BAND: return ReduceOp::kBand;
+    case c10d::ReduceOp::BOR: return ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR: return ReduceOp::kBxor;
+    default: return std::nullopt;
+  }
+}
+
 // Whether two tensors' memory ranges intersect (empty tensors intersect nothing).
 inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
@@ -69,6 +88,13 @@ inline void settle(const Work& done, c10::ivalue::Future& fut, const std::vector
 // Completes `fut` when `w` does (see settle). Runs on the completing thread.
 inline void complete_with(Work& w, c10::intrusive_ptr<c10::ivalue::Future> fut, std::vector<at::Tensor> outputs) {
   w.on_complete([fut = std::move(fut), outputs = std::move(outputs)](const Work& done) { settle(done, *fut, outputs); });
+}
+
+// A torch future of `outputs` that `w` completes (see complete_with).
+inline c10::intrusive_ptr<c10::ivalue::Future> future_of(Work& w, std::vector<at::Tensor> outputs) {
+  auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  complete_with(w, fut, std::move(outputs));
+  return fut;
 }
 
 inline ReduceOp to_op(int op) {
@@ -96,11 +122,16 @@ inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
   return t;
 }
 
+// A tensor and the contiguous memory the core works on: the tensor itself when it is contiguous,
+// else a copy, whose results are copied back into the tensor afterwards (when copy_back()).
 struct Staged {
   at::Tensor user;     // what the caller passed
   at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)
   bool copy_back() const { return !buffer.is_same(user); }
 };
+
+// `t` staged as contiguous memory, unchecked (an input; outputs go through stage()).
+inline Staged as_contiguous(const at::Tensor& t) { return Staged{t, t.is_contiguous() ? t : t.contiguous()}; }
 
 // Outputs are written through a contiguous buffer; one whose elements share memory (expand())
 // cannot hold distinct results.
@@ -108,7 +139,7 @@ inline Staged stage(const at::Tensor& t, const char* arg) {
   if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
     throw py::value_error(std::string(arg) + " has elements that share memory (e.g. from expand()); "
                           "pass a tensor with distinct elements");
-  return Staged{t, t.is_contiguous() ? t : t.contiguous()};
+  return as_contiguous(t);
 }
 
 // reduce_scatter and all_gather pair a "whole" tensor (world_size * n elements) with a "part" (n).
@@ -173,8 +204,7 @@ class PyWork {
   c10::intrusive_ptr<c10::ivalue::Future> future() {
     work_->check_same_process();  // in a forked child nothing would ever complete the future
     if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-      complete_with(*work_, future_, outputs_);
+      future_ = future_of(*work_, outputs_);
     }
     return future_;
   }

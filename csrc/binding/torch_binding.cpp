@@ -1,5 +1,8 @@
-// The only file that includes torch: argument checks at the boundary, tensors to raw pointers,
-// futures for async work, and core errors mapped to braid.comm's Python exception classes.
+// The extension module braid.comm._C: the communicator's Python methods (argument checks at the
+// boundary, tensors to raw pointers, futures for async work) and core errors mapped to braid.comm's
+// Python exception classes. The other binding files (csrc/binding/) include torch as well: the
+// torch.distributed backend (backend.cpp), compression, CUDA builds' parts, and the helpers they
+// share (binding_util.h).
 #include <torch/extension.h>
 #include <pthread.h>
 
@@ -171,7 +174,7 @@ P2PTransfer make_p2p(const Communicator& c, bool send, py::handle tensor, int pe
   p.req.count = static_cast<size_t>(t.numel());
   p.req.root = peer;
   if (send) {
-    p.staged = Staged{t, t.contiguous()};
+    p.staged = as_contiguous(t);
     p.req.in = p.staged.buffer.data_ptr();
   } else {
     p.staged = stage(t, arg.c_str());
