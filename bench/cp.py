@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from braid.comm import cp
 
-from . import launch, report, turns
+from . import report, turns
 
 IMPLS = ("ring", "compute", "comm", "single", "sdpa")
 DEFAULT_SEQS = (1024, 2048, 4096)
@@ -229,15 +229,11 @@ def _report(config: Config, records: list[dict]) -> int:
     print(_table(records))
     # float32 blocks merged through their LSE against one float32 softmax: rounding only.
     bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
-    if bad:
-        print("# ring results differ from the single-rank ones: "
-              + ", ".join(f"seq {r['seq']} ({r['err']:.3g})" for r in bad))
-    print(f"# wall time {time.time() - config.run.started:.1f} s", flush=True)
-    if config.run.json_path:
-        turns.write_json(config.run, "cp", {"seqs": list(config.seqs), "batch": config.batch,
-                                            "heads": config.heads, "head_dim": config.head_dim,
-                                            "causal": config.causal, "tcp": config.tcp}, records)
-    return launch.EXIT_FINDINGS if bad else 0
+    settings = {"seqs": list(config.seqs), "batch": config.batch, "heads": config.heads,
+                "head_dim": config.head_dim, "causal": config.causal, "tcp": config.tcp}
+    return turns.finish(config.run, "cp", settings, records, bad,
+                        "# ring results differ from the single-rank ones: "
+                        + ", ".join(f"seq {r['seq']} ({r['err']:.3g})" for r in bad))
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:

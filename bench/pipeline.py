@@ -336,19 +336,16 @@ def _report(config: Config, records: list[dict]) -> int:
     # The stages compute in float32 what the whole model computes, microbatch by microbatch: a
     # correct pipeline differs from it by rounding only. braid and gloo move the same bytes.
     bad = [r for r in records if (r["err"] is not None and not r["err"] <= 1e-4) or r["exact"] is False]
-    if bad:
-        print("# results differ from the local model or between braid and gloo: "
-              + ", ".join(f"{r['impl']} {r['schedule']} P={r['ranks']} M={r['microbatches']}" for r in bad))
     ratios = [r["ratio_vs_gloo"] for r in records if r["impl"] == "braid" and r["ratio_vs_gloo"] is not None]
     if ratios:
         print(f"# braid step / gloo step: worst {max(ratios):.3f}, best {min(ratios):.3f}")
-    print(f"# wall time {time.time() - config.run.started:.1f} s", flush=True)
-    if config.run.json_path:
-        ranks = sorted({r["ranks"] for r in records})
-        turns.write_json(config.run, "pipeline", {
-            "world_size": ranks, "shapes": [str(s) for s in config.shapes],
-            "microbatches": list(config.microbatches), "schedules": list(config.schedules)}, records)
-    return launch.EXIT_FINDINGS if bad else 0
+    settings = {"world_size": sorted({r["ranks"] for r in records}),
+                "shapes": [str(s) for s in config.shapes], "microbatches": list(config.microbatches),
+                "schedules": list(config.schedules)}
+    return turns.finish(config.run, "pipeline", settings, records, bad,
+                        "# results differ from the local model or between braid and gloo: "
+                        + ", ".join(f"{r['impl']} {r['schedule']} P={r['ranks']} M={r['microbatches']}"
+                                    for r in bad))
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:

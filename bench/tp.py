@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from braid.comm import tp
 
-from . import launch, report, turns
+from . import report, turns
 from .models import BLOCK_PLAN, Block
 
 IMPLS = ("braid", "dtensor", "compute")
@@ -194,13 +194,9 @@ def _report(config: Config, records: list[dict]) -> int:
     # The block computes in float32 with O(1) values: a correct sharded step differs from the
     # dense one by rounding only.
     bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
-    if bad:
-        print("# results differ from the dense block: "
-              + ", ".join(f"{r['impl']} {r['dim']} ({r['err']:.3g})" for r in bad))
-    print(f"# wall time {time.time() - config.run.started:.1f} s", flush=True)
-    if config.run.json_path:
-        turns.write_json(config.run, "tp", {"shapes": [str(s) for s in config.shapes]}, records)
-    return launch.EXIT_FINDINGS if bad else 0
+    return turns.finish(config.run, "tp", {"shapes": [str(s) for s in config.shapes]}, records, bad,
+                        "# results differ from the dense block: "
+                        + ", ".join(f"{r['impl']} {r['dim']} ({r['err']:.3g})" for r in bad))
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:

@@ -143,6 +143,19 @@ def time_in_turns(steps: Mapping[str, Callable[[], object]], run: RunOptions, pr
     return {impl: statistics.median(max_over_ranks(times)) for impl, times in per_step.items()}
 
 
+def finish(run: RunOptions, benchmark: str, settings: dict, records: list[dict], bad: list[dict],
+           bad_text: str) -> int:
+    """The end of a benchmark's report: ``bad_text`` when some records failed their check, the
+    wall time, the JSON (``write_json``) where asked; returns the exit status (EXIT_FINDINGS when
+    ``bad``)."""
+    if bad:
+        print(bad_text)
+    print(f"# wall time {time.time() - run.started:.1f} s", flush=True)
+    if run.json_path:
+        write_json(run, benchmark, settings, records)
+    return launch.EXIT_FINDINGS if bad else 0
+
+
 def write_json(run: RunOptions, benchmark: str, settings: dict, records: list[dict]) -> None:
     """``{"benchmark", "date", "machine", "config", "records"}`` at ``run.json_path``."""
     config = {"world_size": run.world_size, "launcher": run.launcher, **settings, "impls": list(run.impls),

@@ -150,6 +150,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   };
   std::vector<Active> active;  // issue order
   size_t admitted = 0;
+  size_t unmatched = 0;  // receives from any source without a peer yet: none, no looking for them
   auto admit = [&] {
     for (; admitted < batch.size(); ++admitted) {
       auto* r = static_cast<Request*>(batch[admitted]->p2p().get());
@@ -159,6 +160,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
       a.op.data = a.op.send ? const_cast<char*>(static_cast<const char*>(r->in)) : static_cast<char*>(r->out);
       a.op.bytes = r->count * dtype_size(r->dtype);
       a.op.dtype = r->dtype;
+      if (a.op.peer == kAnySource) ++unmatched;
       active.push_back(std::move(a));
     }
   };
@@ -167,9 +169,10 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   // after it wait until it has one (a message goes to the first receive that can take it).
   auto lane_head = [&](size_t i) {
     if (active[i].op.peer == kAnySource) return false;
+    const bool behind_any = unmatched > 0 && !active[i].op.send;
     for (size_t j = 0; j < i; ++j) {
       if (active[j].op.peer == active[i].op.peer && active[j].op.send == active[i].op.send) return false;
-      if (active[j].op.peer == kAnySource && !active[i].op.send) return false;
+      if (behind_any && active[j].op.peer == kAnySource) return false;
     }
     return true;
   };
@@ -185,6 +188,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
     return peers;
   };
   auto first_unmatched = [&]() -> size_t {
+    if (unmatched == 0) return active.size();
     for (size_t i = 0; i < active.size(); ++i)
       if (active[i].op.peer == kAnySource) return i;
     return active.size();
@@ -197,6 +201,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
       if (p < 0) break;
       active[i].op.peer = p;
       if (active[i].req->source) *active[i].req->source = p;
+      --unmatched;
       matched = true;
     }
     return matched;
