@@ -15,15 +15,17 @@ CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 
 all: install
 
-# torch once (a changed TORCH_SPEC reinstalls it), the tools of requirements-dev.txt when that
+# torch once per TORCH_SPEC (the stamp is named by a checksum of the spec, so another spec
+# installs again and everything after it follows), the tools of requirements-dev.txt when that
 # file changes.
-$(VENV)/.torch:
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
+$(TORCH_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
 	$(PIP) install "$(TORCH_SPEC)"
-	echo "$(TORCH_SPEC)" > $@
-$(VENV)/.deps: $(VENV)/.torch requirements-dev.txt
-	@[ "$$(cat $(VENV)/.torch)" = "$(TORCH_SPEC)" ] || { $(PIP) install "$(TORCH_SPEC)" && echo "$(TORCH_SPEC)" > $(VENV)/.torch; }
+	rm -f $(VENV)/.torch-*
+	touch $@
+$(VENV)/.deps: $(TORCH_STAMP) requirements-dev.txt
 	$(PIP) install -r requirements-dev.txt
 	touch $@
 
