@@ -450,6 +450,34 @@ def test_close_and_abort_from_a_callback_do_not_end_the_process():
         assert seen["after abort"]["type"] == "CommClosed", seen
 
 
+def drop_with_callbacks_in_flight(rank, n, store_path):
+    """The last reference to a c10d backend (or a communicator) dropped while its works are queued
+    with Python callbacks chained on their futures: closing it waits for the progress thread, which
+    needs the GIL to run those callbacks, so the close must not hold it. Every queued work still
+    completes, and every callback sees its result."""
+    from braid.comm import _C
+
+    seen = []
+    backend = _C.Backend(make_comm(rank, n, store_path)._release_core())
+    t = torch.full((1 << 16,), float(rank + 1))
+    futures = [backend.allreduce([t.clone()]).get_future().then(lambda f: seen.append(f.value()[0][0].item()))
+               for _ in range(16)]
+    del backend  # the deallocation closes it, here, with the GIL held
+    torch.futures.wait_all(futures)
+    c = make_comm(rank, n, store_path)
+    futures = [c.all_reduce(t.clone(), async_op=True).get_future().then(lambda f: seen.append(f.value()[0][0].item()))
+               for _ in range(16)]
+    del c
+    torch.futures.wait_all(futures)
+    return seen
+
+
+def test_dropping_the_last_reference_with_callbacks_in_flight_does_not_hang():
+    want = float(sum(range(1, 3)))
+    for seen in run_ranks(drop_with_callbacks_in_flight, 2, deadline_s=60):
+        assert seen == [want] * 32, seen
+
+
 def late_peer_with_huge_timeouts(rank, n, store_path):
     """Timeouts past an int64 of nanoseconds (1e12 s, inf) mean "for ever": a peer 0.5 s late is
     waited for (1e12 s once overflowed into a deadline in the past), and Work.wait takes the same

@@ -180,12 +180,18 @@ class BraidBackend final : public c10d::Backend {
   explicit BraidBackend(std::shared_ptr<Communicator> comm)
       : c10d::Backend(comm->rank(), comm->world_size()), comm_(std::move(comm)) {}
 
-  ~BraidBackend() override { comm_->close(); }
+  ~BraidBackend() override {
+    without_gil([this] { comm_->close(); });
+  }
 
   const std::string getBackendName() const override { return "braid"; }
 
-  void shutdown() override { comm_->close(); }
-  void abort() override { comm_->abort(); }
+  void shutdown() override {
+    without_gil([this] { comm_->close(); });
+  }
+  void abort() override {
+    without_gil([this] { comm_->abort(); });
+  }
 
   // -- collectives ------------------------------------------------------------------------
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

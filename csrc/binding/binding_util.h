@@ -178,6 +178,26 @@ inline void check_all_to_all(const at::Tensor& out, const at::Tensor& in, int wo
   if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
 }
 
+// Runs f with the GIL released when this thread holds it. Closing a communicator joins its
+// progress thread, and that thread may need the GIL to finish the work in flight (a Python callback
+// chained on a future, the last reference to a tensor whose Python object it keeps alive): a close
+// reached from a Python deallocation (the GIL held) would wait for it for ever.
+template <class F>
+void without_gil(F&& f) {
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    py::gil_scoped_release nogil;
+    f();
+  } else {
+    f();
+  }
+}
+
+// A Communicator owned from Python: its last reference may go in a deallocation, with the GIL
+// held, and destroying it closes it.
+inline std::shared_ptr<Communicator> python_owned(Communicator* c) {
+  return std::shared_ptr<Communicator>(c, [](Communicator* p) { without_gil([p] { delete p; }); });
+}
+
 // Python-facing handle of an async collective.
 class PyWork {
  public:

@@ -328,7 +328,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
   communicator
-      .def(py::init<int, int, Tunables, double, std::vector<int>>(), py::arg("rank"), py::arg("world_size"),
+      .def(py::init([](int rank, int world_size, Tunables tunables, double timeout_s, std::vector<int> host_ids) {
+             return python_owned(new Communicator(rank, world_size, tunables, timeout_s, std::move(host_ids)));
+           }),
+           py::arg("rank"), py::arg("world_size"),
            py::arg("tunables"), py::arg("timeout_s"), py::arg("host_ids") = std::vector<int>{})
       .def_property_readonly("local_rank", [](const Communicator& c) { return c.topology().local_rank(); })
       .def_property_readonly("local_world_size", [](const Communicator& c) { return c.topology().local_world(); })
