@@ -58,7 +58,8 @@ MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
 DEFAULT_MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
                  "exact@gloo", "int8@gloo", "topk@gloo", "int8@braidpg")
 DESCRIPTIONS = {
-    "compute": "no DDP, no communication (the floor)",
+    "compute": "no DDP, no communication (the compute floor)",
+    "floor": "least step any DDP exchange of these buckets can take on the --link-mbit link",
     "gloo": "torch DDP, gloo all-reduce",
     "fp16": "torch DDP + torch's fp16_compress_hook (gloo)",
     "braid": "DDP + braid exact hook over a braid communicator",
@@ -150,6 +151,7 @@ def _run_shape(
             "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
             "wire0": None,
         }
+    floor = _FloorProbe(runs["compute"]["model"]) if args.link_mbit and "compute" in runs else None
     g = torch.Generator().manual_seed(rank)
     # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
     # machine hit every mode alike instead of whichever mode happened to run then.
@@ -167,10 +169,13 @@ def _run_shape(
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, args.vocab), targets)
             run["opt"].zero_grad(set_to_none=False)
             loss.backward()
+            t_backward = time.perf_counter()
             run["opt"].step()
             if step >= args.warmup:
                 run["times"].append(time.perf_counter() - t0)
                 run["losses"].append(loss.item())
+                if mode == "compute" and floor is not None:
+                    floor.record(t0, t_backward, time.perf_counter())
     results = {}
     for mode, run in runs.items():
         ratio = None
@@ -184,12 +189,63 @@ def _run_shape(
             "wire_ratio": ratio,
             "nparams": sum(p.numel() for p in run["model"].parameters()),
         }
+    if floor is not None:
+        hosts = carriers[""].num_hosts
+        results["floor"] = {
+            "times": floor.floors(args.bucket_mb * 2**20, args.link_mbit * 1e6 / 8, hosts),
+            "loss": None,
+            "wire_ratio": None,
+            "nparams": results["compute"]["nparams"],
+        }
     return results
+
+
+class _FloorProbe:
+    """The least time a DDP step can take when the gradients cross a link of a given rate.
+
+    The compute run stamps when each parameter's gradient is final (a post-accumulate hook; a tied
+    weight's fires once, after both uses) and when backward and the optimizer step end. A step's
+    floor packs the gradients into DDP's buckets as DDP's rebuild does (in the order they became
+    ready, each bucket closed once it holds ``bucket_bytes``), lets each bucket start when its last
+    gradient is ready and the link has carried the buckets before it, charges each bucket
+    2(h-1)/h of its bytes on a host's uplink (the least an all-reduce over h hosts moves through
+    it), and adds the optimizer step after the last one. Any DDP exchange of the same buckets,
+    braid's or gloo's, takes at least that long: the payload the link really carries is below its
+    nominal rate (headers), and the transfers also take CPU time from the backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.stamps: dict[int, float] = {}
+        self.steps: list[tuple[list[float], float, float]] = []
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self.stamps.__setitem__(i, time.perf_counter()))
+
+    def record(self, t0: float, t_backward: float, t_end: float) -> None:
+        ready = [self.stamps[i] - t0 for i in range(len(self.params))]
+        self.steps.append((ready, t_backward - t0, t_end - t0))
+        self.stamps.clear()
+
+    def floors(self, bucket_bytes: float, link_bytes_per_s: float, hosts: int) -> list[float]:
+        share = 2 * (hosts - 1) / hosts
+        out = []
+        for ready, t_backward, t_end in self.steps:
+            order = sorted(range(len(self.params)), key=ready.__getitem__)
+            buckets, _ = dist._compute_bucket_assignment_by_size(
+                [self.params[i] for i in order], [int(bucket_bytes)], [False] * len(order), list(range(len(order)))
+            )
+            link_free = 0.0
+            for bucket in buckets:
+                members = [order[j] for j in bucket]
+                nbytes = sum(self.params[i].numel() * self.params[i].element_size() for i in members)
+                start = max(link_free, max(ready[i] for i in members))
+                link_free = start + share * nbytes / link_bytes_per_s
+            out.append(max(t_end, link_free + (t_end - t_backward)))
+        return out
 
 
 def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]:
     rows = []
-    for mode in modes:
+    for mode in [*modes, *(["floor"] if "floor" in gathered[0] else [])]:
         per_step = [
             max(r[mode]["times"][i] for r in gathered) for i in range(len(gathered[0][mode]["times"]))
         ]
@@ -205,7 +261,8 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     base = {r["mode"]: r["step_s"] for r in rows}
     lines = [f"{'mode':<13}{'step':>10}{'exposed comm':>14}{'vs gloo':>9}{'wire ratio':>12}  what"]
     for r in rows:
-        exposed = r["step_s"] - base["compute"] if "compute" in base and r["mode"] != "compute" else None
+        exposed = (r["step_s"] - base["compute"] if "compute" in base and r["mode"] not in ("compute", "floor")
+                   else None)
         r["exposed_s"] = exposed
         vs = f"{r['step_s'] / base['gloo']:.2f}x" if "gloo" in base else "-"
         lines.append(
@@ -254,6 +311,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     )
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument(
+        "--link-mbit", type=float, default=0.0,
+        help="rate of the link between hosts (Mbit/s): with the compute mode, adds the row 'floor', the "
+             "least step a DDP exchange of the same buckets can take on it (default 0: none)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for every wait")
     parser.add_argument("--deadline", type=float, default=7200.0, help="seconds the whole run may take")
     parser.add_argument("--bind", choices=("auto", "core", "none"), default="none",
@@ -276,6 +337,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         parser.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
     if not args.bucket_mb > 0 or not args.timeout > 0 or not args.deadline > 0:
         parser.error("--bucket-mb, --timeout and --deadline must be positive")
+    if args.link_mbit < 0:
+        parser.error("--link-mbit must be 0 (no link floor) or positive")
+    if args.link_mbit and "compute" not in args.modes:
+        parser.error("--link-mbit needs the compute mode in --modes (its gradient-ready times make the floor)")
     args.shapes = _parse_shapes(parser, args.shapes) if args.shapes else [(args.batch, args.seq)]
     args.machine = report.machine_info()
     world = int(os.environ["WORLD_SIZE"]) if launch.launcher() == "torchrun" else args.nproc

@@ -331,6 +331,8 @@ def _ddp_rows(hosts: SimulatedHosts, per_host: int, link: int, args, world: int,
             "--json",
             out,
         ]
+        if link and "compute" in args.ddp_modes.split(","):
+            argv += ["--link-mbit", str(link)]  # the row 'floor': what no exchange can beat on this link
         procs.append(
             hosts.popen(
                 rank // per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -433,9 +435,10 @@ def ddp_table(rows: Sequence[dict]) -> str:
     for r in rows:
         base = gloo.get((r["link_mbit"], r["batch"], r["seq"]))
         vs = f"{r['step_s'] / base:.2f}x" if base else "-"
+        loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
         lines.append(
             f"{link_name(r['link_mbit']):>9} {str(r['batch']) + 'x' + str(r['seq']):>7} {r['mode']:<8} "
-            f"{r['step_s'] * 1e3:>9.0f} {vs:>8} {r['loss']:>9.4f}"
+            f"{r['step_s'] * 1e3:>9.0f} {vs:>8} {loss:>9}"
         )
     return "DDP step of the ~25M-parameter LM (median of the slowest rank):\n" + "\n".join(lines)
 

@@ -1,5 +1,7 @@
 // Point-to-point through the shared-memory mailboxes: ring exchanges of every size class, flow
 // control past the mailbox depth, interleaving with collectives, and size mismatches.
+#include <unistd.h>
+
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -248,4 +250,35 @@ BRAID_TEST(exchange_with_split_sizes) {
         }
     });
   }
+}
+
+// A message already in the mailbox is received although its sender failed since (the failure is
+// published after the message, so the receiver sees both): the receive completes, and the wait
+// for one that never came raises the sender's failure. The ranks order the steps through a pipe.
+BRAID_TEST(delivered_message_is_received_after_its_sender_failed) {
+  int order[2];
+  CHECK(::pipe(order) == 0);
+  GroupSpec g;
+  g.world = 2;
+  g.tunables = tiny_tunables(braid::Algo::kAuto);
+  run_group(g, [&](RankCtx& ctx) {
+    if (ctx.rank == 0) {
+      std::vector<float> out = message(0, 0, 10);
+      ctx.comm.submit(p2p(CollKind::kSend, 1, out), false);  // eager: in rank 1's mailbox on return
+      ctx.comm.abort();
+      const char done = 1;
+      CHECK(::write(order[1], &done, 1) == 1);
+      ctx.hold_until_others_exit();
+      return;
+    }
+    char done = 0;
+    CHECK(::read(order[0], &done, 1) == 1);
+    std::vector<float> in(10);
+    ctx.comm.submit(p2p(CollKind::kRecv, 0, in), false);
+    check_message(in, 0, 0);
+    const std::string msg = CHECK_THROWS_KIND(braid::ErrorKind::kPeer, ctx.comm.submit(p2p(CollKind::kRecv, 0, in), false));
+    CHECK_MSG(msg.find("rank 0") != std::string::npos, msg);
+  });
+  ::close(order[0]);
+  ::close(order[1]);
 }

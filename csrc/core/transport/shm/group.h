@@ -137,6 +137,7 @@ class ShmGroup : public Transport {
   template <class Awaited>
   void check_peers_alive(const int* peers, int npeers, const Awaited& awaited, const std::string* doing);
   void check_abort();
+  bool abort_pending() const;  // what check_abort would raise, without raising it
   // check_abort for the arrival at collective `seq`: ignores failures that peers published from
   // later collectives.
   void check_abort_at(uint64_t seq);

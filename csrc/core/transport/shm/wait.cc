@@ -60,6 +60,10 @@ void ShmGroup::check_abort() {
   }
 }
 
+bool ShmGroup::abort_pending() const {
+  return hub_->abort_epoch.load(std::memory_order_acquire) != 0 || abort_requested_.load(std::memory_order_acquire);
+}
+
 void ShmGroup::request_abort(const std::string& msg, ErrorKind kind) {
   {
     std::lock_guard<std::mutex> lk(abort_mu_);

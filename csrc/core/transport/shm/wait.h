@@ -95,7 +95,18 @@ template <class Awaited, class Reached>
 void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, const Reached& reached,
                           const std::string* doing) {
   using Clock = std::chrono::steady_clock;
-  check_abort();
+  // A failure raises only in a wait that must go on. What this wait needs may be there although a
+  // peer failed since: it posted its part, finished this collective and then failed in a later
+  // call. Its failure was published after its posts, so a rank that sees the failure sees them
+  // too, and this call completes; the failure poisons the next one.
+  const auto stop = [&] {
+    if (reached()) return true;
+    if (!abort_pending()) return false;
+    if (reached()) return true;  // read after the failure was seen: the posts made before it show
+    check_abort();
+    return false;
+  };
+  if (stop()) return;
   const auto start = Clock::now();
   // Phase 1: spin. Cheap when peers are running on other cores and about to post.
   for (uint32_t i = 0; policy_.spin.count() > 0; ++i) {
@@ -104,15 +115,14 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
       if (reached()) return;
     }
     if ((i & 15) == 0) {
-      check_abort();
+      if (stop()) return;
       if (Clock::now() - start >= policy_.spin || missing_peer_shares_cpu(peers, npeers, awaited)) break;
     }
   }
   // Phase 2: yield the core; with more ranks than cores the peer we wait for may need it.
   while (Clock::now() - start < policy_.spin + policy_.yield) {
     ::sched_yield();
-    if (reached()) return;
-    check_abort();
+    if (stop()) return;
   }
   // Phase 3: sleep on the host doorbell, bounded by the deadline; check peer liveness regularly.
   const auto deadline = start + policy_.timeout;
@@ -124,8 +134,7 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
   } guard{hub_};
   for (;;) {
     const uint32_t bell = hub_->bell.load(std::memory_order_seq_cst);
-    if (reached()) return;
-    check_abort();
+    if (stop()) return;
     const auto now = Clock::now();
     if (now - last_liveness >= kLivenessPeriod) {
       check_peers_alive(peers, npeers, awaited, doing);
