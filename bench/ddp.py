@@ -26,6 +26,10 @@ its buckets after step 1 and the compressors start after their 2-step warm-up). 
 the same steps without DDP on every rank at once (the same contention for the cores, no
 communication); exposed communication = step time - compute step time. The wire ratio is that
 of the compressed buckets over the timed steps (buckets under 64 KiB travel uncompressed).
+
+With ``--link-mbit`` (the rate of the link between hosts; ``multihost`` passes it) the row
+``floor`` is the least step any DDP exchange of the same buckets can take on that link, from the
+compute run's gradient-ready times (:class:`LinkFloor`).
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def _run_shape(
             "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
             "wire0": None,
         }
-    floor = _FloorProbe(runs["compute"]["model"]) if args.link_mbit and "compute" in runs else None
+    floor = LinkFloor(runs["compute"]["model"]) if args.link_mbit and "compute" in runs else None
     g = torch.Generator().manual_seed(rank)
     # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
     # machine hit every mode alike instead of whichever mode happened to run then.
@@ -200,7 +204,7 @@ def _run_shape(
     return results
 
 
-class _FloorProbe:
+class LinkFloor:
     """The least time a DDP step can take when the gradients cross a link of a given rate.
 
     The compute run stamps when each parameter's gradient is final (a post-accumulate hook; a tied
@@ -221,11 +225,14 @@ class _FloorProbe:
             p.register_post_accumulate_grad_hook(lambda _, i=i: self.stamps.__setitem__(i, time.perf_counter()))
 
     def record(self, t0: float, t_backward: float, t_end: float) -> None:
+        """Keeps the step that began at ``t0`` (perf_counter seconds): its gradients' stamps, the
+        end of its backward and of its optimizer step."""
         ready = [self.stamps[i] - t0 for i in range(len(self.params))]
         self.steps.append((ready, t_backward - t0, t_end - t0))
         self.stamps.clear()
 
     def floors(self, bucket_bytes: float, link_bytes_per_s: float, hosts: int) -> list[float]:
+        """The floor of each recorded step, in seconds from its start."""
         share = 2 * (hosts - 1) / hosts
         out = []
         for ready, t_backward, t_end in self.steps:

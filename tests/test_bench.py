@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -127,6 +128,40 @@ def test_multihost_benchmark_runs(tmp_path):
     assert "plain TCP between the two hosts" in proc.stdout
 
 
+def test_ddp_link_floor_against_a_hand_computation():
+    """The DDP benchmark's link floor: the hooks stamp every gradient of a real backward, and the
+    floor of given ready times packs DDP's buckets in ready order and serializes them on the link
+    as worked out by hand."""
+    import torch
+    from braid.bench.ddp import LinkFloor
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.ones(1 << 20))  # 4 MiB each for a and b, 8 MiB for c
+    model.b = torch.nn.Parameter(torch.ones(1 << 20))
+    model.c = torch.nn.Parameter(torch.ones(2 << 20))
+    probe = LinkFloor(model)
+    t0 = time.perf_counter()
+    (model.a.sum() + model.b.sum() * 2 + model.c.sum()).backward()
+    t_backward = time.perf_counter()
+    probe.record(t0, t_backward, t_backward)
+    ready, _, _ = probe.steps.pop()
+    assert len(ready) == 3 and all(0 <= r <= t_backward - t0 for r in ready), ready
+
+    # c ready at 0.1 s, a at 0.2 s, b at 0.5 s; backward ends at 0.5 s, the step at 0.55 s. Buckets
+    # of 6 MiB in ready order: [c] (8 MiB, closed at once), then [a, b]. A 80 MiB/s link, 2 hosts
+    # (each bucket's bytes once through an uplink): c 0.1 -> 0.2 s, [a, b] from 0.5 s (b ready)
+    # to 0.6 s, then the optimizer's 0.05 s. Four hosts: 1.5x the bytes, 0.15 s a bucket.
+    probe.stamps.update({0: 0.2, 1: 0.5, 2: 0.1})
+    probe.record(0.0, 0.5, 0.55)
+    mib = 1 << 20
+    assert probe.floors(6 * mib, 80 * mib, 2) == pytest.approx([0.65])
+    assert probe.floors(6 * mib, 80 * mib, 4) == pytest.approx([0.70])
+    # One bucket for all: it starts when b is ready, 16 MiB at 80 MiB/s.
+    assert probe.floors(64 * mib, 80 * mib, 2) == pytest.approx([0.5 + 0.2 + 0.05])
+    # A link fast enough that the step's own end is the floor.
+    assert probe.floors(6 * mib, 1e6 * mib, 2) == pytest.approx([0.55], abs=1e-4)
+
+
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
     """A run too long for its --deadline stops measuring shortly before it on every rank, prints
     and writes what it has, and exits with a failure (it once lost everything when stopped)."""
@@ -152,6 +187,7 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["ddp", "--nproc", "0"], "--nproc must be at least 1"),
     (["ddp", "--dim", "30", "--heads", "4"], "must be a multiple of --heads"),
     (["ddp", "--modes", ""], "none given"),
+    (["ddp", "--modes", "gloo", "--link-mbit", "1000"], "--link-mbit needs the compute mode"),
     (["tp", "--nproc", "-1"], "--nproc must be at least 1"),
     (["sharding", "--timeout", "0"], "must be positive"),
     (["sharding", "--warmup", "1"], "--warmup must be at least 2"),
