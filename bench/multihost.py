@@ -526,8 +526,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print(f"DDP step, {link_name(link)} link, 2 hosts x 1 rank:", flush=True)
         with SimulatedHosts(2, rate_mbit=link or None) as hosts:
             ddp_rows += run_ddp(hosts, 1, link, args)
-    print()
-    print(table(records, floor))
+    if records:
+        print()
+        print(table(records, floor))
     if ddp_rows:
         print()
         print(ddp_table(ddp_rows))

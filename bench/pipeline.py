@@ -24,20 +24,28 @@ ranks at once, and its figure is the slowest rank's CPU time per step (see _comp
 Bubble = 1 - compute / step: the fraction of the step that is not the slowest rank's arithmetic
 (idle slots, communication, the schedule's own overhead, waiting for a core), against the
 textbook (P-1)/(M+P-1) of GPipe and 1F1B with equal stages and free communication (the looped
-schedules aim lower: (P-1)/(2M+P-1) for two stages per rank, and zero bubble near 0). ``err``
+schedules aim lower: (P-1)/(2M+P-1) for two stages per rank, and zero bubble near 0). ``floor`` is the step the same schedule would take with instant transfers: each rank's compute
+actions of the timed steps are recorded in the order the schedule ran them, with their thread CPU
+time (forward, backward, and the input- and weight-gradient halves of the zero-bubble schedules),
+and replayed with every action starting once its rank is free and its input from the neighbouring
+stage is computed (schedule_floor); no transport, braid's or gloo's, can make that schedule's step
+shorter (the replay also leaves out the schedule's own Python and the loss, and lets every rank have
+a core of its own, which P = 4 on 2 cores does not). ``err``
 is the largest difference of the losses and this rank's gradients from the whole model run
 locally on the same microbatches; ``exact`` says whether braid's losses and gradients are
 bitwise those of gloo.
 
 --json writes {"benchmark": "pipeline", "date", "machine", "config", "records": [{"impl",
 "schedule", "ranks", "stages_per_rank", "microbatches", "shape", "step_ms", "ratio_vs_gloo",
-"bubble", "ideal_bubble", "err", "exact"}]}.
+"bubble", "ideal_bubble", "floor_ms", "floor_vs_gloo", "err", "exact"}]}.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -159,6 +167,7 @@ class Pipeline:
         self.last = rank == ranks - 1         # holds stage count - 1
         self.batch = batch
         self.losses: list[torch.Tensor] = []
+        self.actions: list[list[tuple]] = []  # per step: this rank's compute actions (ActionRecorder)
 
     def step(self) -> None:
         for m in self.modules:
@@ -166,10 +175,91 @@ class Pipeline:
         self.losses = []
         args = (self.batch.ids,) if self.first else ()
         kwargs = {"target": self.batch.target, "losses": self.losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
+        with ActionRecorder.recording() as actions:
+            self.schedule.step(*args, **kwargs)
+        self.actions.append(actions)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return {m.source_name(n): p.grad for m in self.modules for n, p in m.named_parameters()}
+
+
+class ActionRecorder:
+    """Wraps the compute methods of torch's pipeline stages (once per process) so that, inside
+    ``recording()``, each call appends ``(kind, stage, microbatch, thread CPU seconds)``: kind "F"
+    forward, "B" full backward, "I" input-gradient half, "W" weight-gradient half."""
+
+    _current: list | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        def backward_kind(args: tuple, kwargs: dict) -> str:
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            return "B" if full else "I"
+
+        for name, kind_of in (("forward_one_chunk", lambda a, k: "F"), ("backward_one_chunk", backward_kind),
+                              ("backward_weight_one_chunk", lambda a, k: "W")):
+            original = getattr(_PipelineStageBase, name)
+            if getattr(original, "recorded_by_braid", False):
+                continue
+
+            @functools.wraps(original)
+            def run(self, chunk, *args, _original=original, _kind_of=kind_of, **kwargs):
+                actions = ActionRecorder._current
+                if actions is None:
+                    return _original(self, chunk, *args, **kwargs)
+                begin = time.thread_time()
+                try:
+                    return _original(self, chunk, *args, **kwargs)
+                finally:
+                    actions.append((_kind_of(args, kwargs), self.stage_index, chunk, time.thread_time() - begin))
+
+            run.recorded_by_braid = True
+            setattr(_PipelineStageBase, name, run)
+
+    @classmethod
+    @contextlib.contextmanager
+    def recording(cls):
+        cls.install()
+        actions: list = []
+        cls._current = actions
+        try:
+            yield actions
+        finally:
+            cls._current = None
+
+
+def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int) -> float:
+    """Seconds of one step of a schedule with instant transfers: every rank runs its recorded
+    actions (``ActionRecorder``) in their order, each starting once the rank is free and, for a
+    forward, the previous stage's forward of that microbatch, for a backward or input-gradient
+    half, the next stage's of that microbatch is done (weight-gradient halves wait for nothing
+    else)."""
+    done: dict[tuple, float] = {}
+    clock = [0.0] * len(per_rank)
+    pos = [0] * len(per_rank)
+    while any(p < len(a) for p, a in zip(pos, per_rank)):
+        moved = False
+        for r, actions in enumerate(per_rank):
+            while pos[r] < len(actions):
+                kind, stage, mb, seconds = actions[pos[r]]
+                if kind == "F":
+                    need, made = (("F", stage - 1, mb) if stage > 0 else None), ("F", stage, mb)
+                elif kind in ("B", "I"):
+                    need, made = (("G", stage + 1, mb) if stage < stages - 1 else None), ("G", stage, mb)
+                else:
+                    need, made = None, ("W", stage, mb)
+                if need is not None and need not in done:
+                    break
+                clock[r] = max(clock[r], done[need] if need is not None else 0.0) + seconds
+                done[made] = clock[r]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the recorded pipeline actions wait for each other: "
+                               + ", ".join(str(a[p]) for p, a in zip(pos, per_rank) if p < len(a)))
+    return max(clock)
 
 
 class StageCompute:
@@ -220,6 +310,21 @@ def _compute_seconds(work: StageCompute, run: turns.RunOptions) -> float:
     return turns.max_over_ranks([statistics.median(spent)])[0]
 
 
+def _floors(pipes: dict, schedules: Sequence[str], ranks: int) -> dict[str, float]:
+    """Each schedule's floor (schedule_floor): the median over its timed steps, on every
+    implementation, of the replay of every rank's recorded actions of that step."""
+    mine = {s: [a for (schedule, _), pipe in pipes.items() if schedule == s for a in pipe.actions]
+            for s in schedules}
+    gathered: list = [None] * ranks
+    dist.all_gather_object(gathered, mine)
+    floors = {}
+    for s in schedules:
+        stages = ranks * SCHEDULE_STAGES[s]
+        floors[s] = statistics.median(
+            schedule_floor([g[s][k] for g in gathered], stages) for k in range(len(mine[s])))
+    return floors
+
+
 def _max_error(pipe: Pipeline, ref_losses: list[float], ref_grads: dict) -> float:
     err = max((pipe.gradients()[n] - ref_grads[n]).abs().max().item() for n in pipe.gradients())
     if pipe.last:
@@ -256,7 +361,10 @@ def _bench_case(shape: Shape, microbatches: int, config: Config, rank: int, rank
     for schedule in config.schedules:
         if {"braid", "gloo"} <= set(pipe_impls):
             exact[schedule] = _same(pipes[(schedule, "braid")], pipes[(schedule, "gloo")])
+    for pipe in pipes.values():
+        pipe.actions = []  # the timed steps only
     times = turns.time_in_turns(steps, run, progress, activation_bytes)
+    floors = _floors(pipes, config.schedules, ranks)
     if "compute" in run.impls:
         for v in sorted({SCHEDULE_STAGES[s] for s in config.schedules}):
             progress("compute", f"{v} stage(s) per rank P={ranks} M={microbatches}", activation_bytes)
@@ -273,16 +381,20 @@ def _bench_case(shape: Shape, microbatches: int, config: Config, rank: int, rank
         compute = times.get(f"compute/{v}")
         base = {"schedule": schedule, "ranks": ranks, "stages_per_rank": v, "microbatches": microbatches,
                 "shape": str(shape), "ideal_bubble": round(ideal, 3)}
+        gloo = times.get(f"{schedule}/gloo")
+        floor = floors[schedule]
         for impl in pipe_impls:
             step = times[f"{schedule}/{impl}"]
-            gloo = times.get(f"{schedule}/gloo")
             records.append({"impl": impl, **base, "step_ms": round(step * 1e3, 3),
                             "ratio_vs_gloo": None if gloo is None else round(step / gloo, 3),
                             "bubble": None if compute is None else round(1 - compute / step, 3),
+                            "floor_ms": round(floor * 1e3, 3),
+                            "floor_vs_gloo": None if gloo is None else round(floor / gloo, 3),
                             "err": float(f"{worst[(schedule, impl)]:.3g}"), "exact": exact.get(schedule)})
         if compute is not None:
             records.append({"impl": "compute", **base, "step_ms": round(compute * 1e3, 3),
-                            "ratio_vs_gloo": None, "bubble": None, "err": None, "exact": None})
+                            "ratio_vs_gloo": None, "bubble": None, "floor_ms": None, "floor_vs_gloo": None,
+                            "err": None, "exact": None})
     return records
 
 
@@ -319,14 +431,15 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
 
 def _table(records: list[dict]) -> str:
     lines = ["#  P   M  shape (VxDxHxFxLxBxS)       schedule                       impl     step (ms)"
-             "  vs gloo  bubble  (P-1)/(M+P-1)      err  exact"]
+             "  vs gloo  floor/gloo  bubble  (P-1)/(M+P-1)      err  exact"]
     for r in records:
         ratio = "-" if r["ratio_vs_gloo"] is None else f"{r['ratio_vs_gloo']:.3f}"
+        floor = "-" if r["floor_vs_gloo"] is None or r["impl"] != "braid" else f"{r['floor_vs_gloo']:.3f}"
         bubble = "-" if r["bubble"] is None else f"{r['bubble']:.2f}"
         err = "-" if r["err"] is None else f"{r['err']:.2g}"
         exact = "-" if r["exact"] is None or r["impl"] != "braid" else ("yes" if r["exact"] else "NO")
         lines.append(f"  {r['ranks']:>2} {r['microbatches']:>3}  {r['shape']:<25} {r['schedule']:<30} "
-                     f"{r['impl']:<8} {r['step_ms']:>9.2f}  {ratio:>7}  {bubble:>6}  "
+                     f"{r['impl']:<8} {r['step_ms']:>9.2f}  {ratio:>7}  {floor:>10}  {bubble:>6}  "
                      f"{r['ideal_bubble']:>13.2f}  {err:>7}  {exact:>5}")
     return "\n".join(lines)
 
@@ -339,6 +452,12 @@ def _report(config: Config, records: list[dict]) -> int:
     ratios = [r["ratio_vs_gloo"] for r in records if r["impl"] == "braid" and r["ratio_vs_gloo"] is not None]
     if ratios:
         print(f"# braid step / gloo step: worst {max(ratios):.3f}, best {min(ratios):.3f}")
+        cells = [r for r in records if r["impl"] == "braid" and r["floor_vs_gloo"] is not None]
+        reachable = [r for r in cells if r["floor_vs_gloo"] <= 0.8]
+        print(f"# cells at or below 0.80x gloo: {sum(r['ratio_vs_gloo'] <= 0.8 for r in cells)} of {len(cells)}; "
+              f"{len(cells) - len(reachable)} where the schedule with instant transfers is already above "
+              f"0.80x gloo; of the {len(reachable)} others, {sum(r['ratio_vs_gloo'] <= 0.8 for r in reachable)} "
+              "at or below 0.80x")
     settings = {"world_size": sorted({r["ranks"] for r in records}),
                 "shapes": [str(s) for s in config.shapes], "microbatches": list(config.microbatches),
                 "schedules": list(config.schedules)}

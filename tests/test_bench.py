@@ -162,6 +162,25 @@ def test_ddp_link_floor_against_a_hand_computation():
     assert probe.floors(6 * mib, 1e6 * mib, 2) == pytest.approx([0.55], abs=1e-4)
 
 
+def test_pipeline_schedule_floor_against_hand_computations():
+    """The pipeline benchmark's floor replays recorded actions with instant transfers: GPipe at
+    P = 2, M = 2 (forward 1, backward 2) takes the textbook (M + P - 1)(F + B) = 9; a split
+    backward lets the last stage's weight gradient overlap the first stage's input gradient;
+    actions recorded in an order that cannot run are refused."""
+    from braid.bench.pipeline import schedule_floor
+
+    gpipe = [[("F", s, 0, 1.0), ("F", s, 1, 1.0), ("B", s, 0, 2.0), ("B", s, 1, 2.0)] for s in (0, 1)]
+    assert schedule_floor(gpipe, 2) == 9.0
+    split = [[("F", s, 0, 1.0), ("I", s, 0, 1.0), ("W", s, 0, 1.0)] for s in (0, 1)]
+    assert schedule_floor(split, 2) == 5.0  # rank 1: F 1-2, I 2-3, W 3-4; rank 0: I 3-4, W 4-5
+    # Two stages per rank (stages 0 and 2 on rank 0, 1 and 3 on rank 1), one microbatch.
+    looped = [[("F", 0, 0, 1.0), ("F", 2, 0, 1.0), ("B", 2, 0, 1.0), ("B", 0, 0, 1.0)],
+              [("F", 1, 0, 1.0), ("F", 3, 0, 1.0), ("B", 3, 0, 1.0), ("B", 1, 0, 1.0)]]
+    assert schedule_floor(looped, 4) == 8.0
+    with pytest.raises(RuntimeError, match="wait for each other"):
+        schedule_floor([[("B", 0, 0, 1.0), ("F", 0, 0, 1.0)], [("F", 1, 0, 1.0), ("B", 1, 0, 1.0)]], 2)
+
+
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
     """A run too long for its --deadline stops measuring shortly before it on every rank, prints
     and writes what it has, and exits with a failure (it once lost everything when stopped)."""
