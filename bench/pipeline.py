@@ -29,8 +29,8 @@ actions of the timed steps are recorded in the order the schedule ran them, with
 time (forward, backward, and the input- and weight-gradient halves of the zero-bubble schedules),
 and replayed with every action starting once its rank is free and its input from the neighbouring
 stage is computed (schedule_floor); no transport, braid's or gloo's, can make that schedule's step
-shorter (the replay also leaves out the schedule's own Python and the loss, and lets every rank have
-a core of its own, which P = 4 on 2 cores does not). ``err``
+shorter (the replay also leaves out the schedule's own Python and the loss; where more ranks than
+cores run, the step also takes at least all the actions' time spread over the cores). ``err``
 is the largest difference of the losses and this rank's gradients from the whole model run
 locally on the same microbatches; ``exact`` says whether braid's losses and gradients are
 bitwise those of gloo.
@@ -230,12 +230,13 @@ class ActionRecorder:
             cls._current = None
 
 
-def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int) -> float:
+def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int, cores: int | None = None) -> float:
     """Seconds of one step of a schedule with instant transfers: every rank runs its recorded
     actions (``ActionRecorder``) in their order, each starting once the rank is free and, for a
     forward, the previous stage's forward of that microbatch, for a backward or input-gradient
     half, the next stage's of that microbatch is done (weight-gradient halves wait for nothing
-    else)."""
+    else). With ``cores`` shared by the ranks, the step also takes at least all their actions'
+    time spread over the cores."""
     done: dict[tuple, float] = {}
     clock = [0.0] * len(per_rank)
     pos = [0] * len(per_rank)
@@ -259,7 +260,8 @@ def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int) -> float:
         if not moved:
             raise RuntimeError("the recorded pipeline actions wait for each other: "
                                + ", ".join(str(a[p]) for p, a in zip(pos, per_rank) if p < len(a)))
-    return max(clock)
+    spread = sum(a[3] for actions in per_rank for a in actions) / cores if cores else 0.0
+    return max(max(clock), spread)
 
 
 class StageCompute:
@@ -312,16 +314,18 @@ def _compute_seconds(work: StageCompute, run: turns.RunOptions) -> float:
 
 def _floors(pipes: dict, schedules: Sequence[str], ranks: int) -> dict[str, float]:
     """Each schedule's floor (schedule_floor): the median over its timed steps, on every
-    implementation, of the replay of every rank's recorded actions of that step."""
+    implementation, of the replay of every rank's recorded actions of that step, on the cores
+    the ranks share."""
     mine = {s: [a for (schedule, _), pipe in pipes.items() if schedule == s for a in pipe.actions]
             for s in schedules}
     gathered: list = [None] * ranks
     dist.all_gather_object(gathered, mine)
+    cores = min(ranks, os.cpu_count() or ranks)  # the ranks share the machine (a pinned rank sees one core)
     floors = {}
     for s in schedules:
         stages = ranks * SCHEDULE_STAGES[s]
         floors[s] = statistics.median(
-            schedule_floor([g[s][k] for g in gathered], stages) for k in range(len(mine[s])))
+            schedule_floor([g[s][k] for g in gathered], stages, cores) for k in range(len(mine[s])))
     return floors
 
 

@@ -171,6 +171,8 @@ def test_pipeline_schedule_floor_against_hand_computations():
 
     gpipe = [[("F", s, 0, 1.0), ("F", s, 1, 1.0), ("B", s, 0, 2.0), ("B", s, 1, 2.0)] for s in (0, 1)]
     assert schedule_floor(gpipe, 2) == 9.0
+    assert schedule_floor(gpipe, 2, cores=2) == 9.0  # 12 s of actions on 2 cores: 6 s, below 9
+    assert schedule_floor(gpipe, 2, cores=1) == 12.0
     split = [[("F", s, 0, 1.0), ("I", s, 0, 1.0), ("W", s, 0, 1.0)] for s in (0, 1)]
     assert schedule_floor(split, 2) == 5.0  # rank 1: F 1-2, I 2-3, W 3-4; rank 0: I 3-4, W 4-5
     # Two stages per rank (stages 0 and 2 on rank 0, 1 and 3 on rank 1), one microbatch.
