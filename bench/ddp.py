@@ -222,7 +222,10 @@ class LinkFloor:
         self.stamps: dict[int, float] = {}
         self.steps: list[tuple[list[float], float, float]] = []
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _, i=i: self.stamps.__setitem__(i, time.perf_counter()))
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._stamp(i))
+
+    def _stamp(self, i: int) -> None:
+        self.stamps[i] = time.perf_counter()
 
     def record(self, t0: float, t_backward: float, t_end: float) -> None:
         """Keeps the step that began at ``t0`` (perf_counter seconds): its gradients' stamps, the
@@ -237,9 +240,9 @@ class LinkFloor:
         out = []
         for ready, t_backward, t_end in self.steps:
             order = sorted(range(len(self.params)), key=ready.__getitem__)
+            tensors = [self.params[i] for i in order]
             buckets, _ = dist._compute_bucket_assignment_by_size(
-                [self.params[i] for i in order], [int(bucket_bytes)], [False] * len(order), list(range(len(order)))
-            )
+                tensors, [int(bucket_bytes)], [False] * len(order), list(range(len(order))))
             link_free = 0.0
             for bucket in buckets:
                 members = [order[j] for j in bucket]
@@ -268,8 +271,8 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     base = {r["mode"]: r["step_s"] for r in rows}
     lines = [f"{'mode':<13}{'step':>10}{'exposed comm':>14}{'vs gloo':>9}{'wire ratio':>12}  what"]
     for r in rows:
-        exposed = (r["step_s"] - base["compute"] if "compute" in base and r["mode"] not in ("compute", "floor")
-                   else None)
+        measured = r["mode"] not in ("compute", "floor")
+        exposed = r["step_s"] - base["compute"] if "compute" in base and measured else None
         r["exposed_s"] = exposed
         vs = f"{r['step_s'] / base['gloo']:.2f}x" if "gloo" in base else "-"
         lines.append(
@@ -347,7 +350,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.link_mbit < 0:
         parser.error("--link-mbit must be 0 (no link floor) or positive")
     if args.link_mbit and "compute" not in args.modes:
-        parser.error("--link-mbit needs the compute mode in --modes (its gradient-ready times make the floor)")
+        parser.error("--link-mbit needs the compute mode in --modes (its gradient-ready times make the "
+                     "floor)")
     args.shapes = _parse_shapes(parser, args.shapes) if args.shapes else [(args.batch, args.seq)]
     args.machine = report.machine_info()
     world = int(os.environ["WORLD_SIZE"]) if launch.launcher() == "torchrun" else args.nproc

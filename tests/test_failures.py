@@ -465,8 +465,8 @@ def drop_with_callbacks_in_flight(rank, n, store_path):
     del backend  # the deallocation closes it, here, with the GIL held
     torch.futures.wait_all(futures)
     c = make_comm(rank, n, store_path)
-    futures = [c.all_reduce(t.clone(), async_op=True).get_future().then(lambda f: seen.append(f.value()[0][0].item()))
-               for _ in range(16)]
+    futures = [c.all_reduce(t.clone(), async_op=True).get_future()
+               .then(lambda f: seen.append(f.value()[0][0].item())) for _ in range(16)]
     del c
     torch.futures.wait_all(futures)
     return seen
