@@ -454,7 +454,7 @@ def drop_with_callbacks_in_flight(rank, n, store_path):
     """The last reference to a c10d backend (or a communicator) dropped while its works are queued
     with Python callbacks chained on their futures: closing it waits for the progress thread, which
     needs the GIL to run those callbacks, so the close must not hold it. Every queued work still
-    completes, and every callback sees its result."""
+    completes, and every callback sees its result. Then a backend dropped inside such a callback."""
     from braid.comm import _C
 
     seen = []
@@ -469,13 +469,27 @@ def drop_with_callbacks_in_flight(rank, n, store_path):
                .then(lambda f: seen.append(f.value()[0][0].item())) for _ in range(16)]
     del c
     torch.futures.wait_all(futures)
+    # The last reference to a backend dropped in a callback on its own progress thread (rank 0
+    # attaches it before rank 1 joins the call): the thread cannot join itself, and the process
+    # once ended there ("terminate called").
+    store = open_store(store_path)
+    box = [_C.Backend(make_comm(rank, n, store_path)._release_core())]
+    if rank == 0:
+        done = box[0].allreduce([t.clone()]).get_future().then(lambda _: box.clear())
+        store.set("drop attached", "1")
+        done.wait()
+    else:
+        store.wait(["drop attached"], timedelta(seconds=60))
+        box[0].allreduce([t.clone()]).wait()
+        box.clear()
+    seen.append(len(box))
     return seen
 
 
 def test_dropping_the_last_reference_with_callbacks_in_flight_does_not_hang():
     want = float(sum(range(1, 3)))
     for seen in run_ranks(drop_with_callbacks_in_flight, 2, deadline_s=60):
-        assert seen == [want] * 32, seen
+        assert seen == [want] * 32 + [0], seen
 
 
 def late_peer_with_huge_timeouts(rank, n, store_path):

@@ -181,6 +181,10 @@ class BraidBackend final : public c10d::Backend {
       : c10d::Backend(comm->rank(), comm->world_size()), comm_(std::move(comm)) {}
 
   ~BraidBackend() override {
+    // The last reference may go in a callback on the communicator's own progress thread, which
+    // close() would have to join from itself: the communicator's destructor (its last reference
+    // goes with this object's) leaves the thread to end on its own instead.
+    if (comm_->on_progress_thread()) return;
     without_gil([this] { comm_->close(); });
   }
 
