@@ -22,7 +22,6 @@ from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
 from .work import Work, seconds
 
-_ALGOS = ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")
 # How often a bootstrap wait looks for a peer's published failure.
 _BOOTSTRAP_POLL_S = 0.1
 _instances = itertools.count()
@@ -197,8 +196,8 @@ class Communicator(CompressionHost):
         self._timeout_s = seconds(timeout)
         tun = _C.Tunables.from_env()
         if algo is not None:
-            if algo not in _ALGOS:
-                raise ValueError(f"algo must be one of {', '.join(_ALGOS)}, got {algo!r}")
+            if algo not in _C.ALGORITHMS:
+                raise ValueError(f"algo must be one of {', '.join(_C.ALGORITHMS)}, got {algo!r}")
             tun.algo = algo
         for name, value, kind in (("oneshot_max_bytes", oneshot_max_bytes, int),
                                   ("slot_bytes", slot_bytes, int), ("nslots", nslots, int),

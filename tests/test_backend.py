@@ -6,25 +6,17 @@ within 1e-5, since the two reduce in different orders (float32 sums of two or th
 by an ulp; a wrong or missing reduction differs by O(lr)).
 """
 import copy
-from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from braid import comm  # noqa: F401  (registers the backend)
-from helpers.ranks import COMM_TIMEOUT_S, process_group, run_ranks
+from helpers import SmallMLP
+from helpers.ranks import braid_default_group, process_group, run_ranks
 from torch import nn
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-@contextmanager
-def braid_default_group(rank, world_size, store_path):
-    """The default process group on braid, plus a gloo group over the same ranks to compare with."""
-    with process_group(rank, world_size, store_path, backend="braid"):
-        yield dist.new_group(backend="gloo", timeout=timedelta(seconds=COMM_TIMEOUT_S))
 
 
 def _values(rank, *shape, salt=0):
@@ -355,7 +347,7 @@ def _run_work_api_and_callbacks(rank, world_size, store_path):
         trained = []
         for group in (dist.group.WORLD, gloo):
             torch.manual_seed(0)
-            model = DDP(_MLP(), process_group=group)
+            model = DDP(SmallMLP(), process_group=group)
             state = powerSGD.PowerSGDState(process_group=group, matrix_approximation_rank=2,
                                            start_powerSGD_iter=2, min_compression_rate=0.5)
             model.register_comm_hook(state, powerSGD.powerSGD_hook)
@@ -369,16 +361,6 @@ def _run_work_api_and_callbacks(rank, world_size, store_path):
 @pytest.mark.parametrize("world_size", (2, 3))
 def test_work_api_and_collectives_from_callbacks(world_size):
     assert run_ranks(_run_work_api_and_callbacks, world_size) == [True] * world_size
-
-
-class _MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(12, 24)
-        self.down = nn.Linear(24, 6)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
 
 
 def _train(model, steps, rank, data_seed=0):
@@ -407,7 +389,7 @@ def _run_ddp_fsdp_dtensor(rank, world_size, store_path):
         gloo_mesh = DeviceMesh.from_group(gloo, "cpu")
         assert braid_mesh.get_group().name() != gloo_mesh.get_group().name()
         torch.manual_seed(0)
-        base = _MLP()
+        base = SmallMLP()
         results = {}
         for name, make in {
             "ddp": lambda m, mesh, group: DDP(m, process_group=group),

@@ -261,11 +261,11 @@ def test_collectives_on_cuda_tensors_through_torch_distributed(backend):
 
 def _fsdp2_params(mesh, device, rank, steps=4):
     """A float64 MLP sharded with fully_shard on ``mesh``, trained on each rank's own batches."""
-    from test_backend import _MLP
+    from helpers import SmallMLP
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = fully_shard(_MLP().to(device, torch.float64), mesh=mesh)
+    model = fully_shard(SmallMLP().to(device, torch.float64), mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):

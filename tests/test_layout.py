@@ -154,3 +154,13 @@ def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():
             "assert callable(comm.cp.ring_attention)\n"
             "try:\n    comm.no_such_part\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_python_tables_match_the_core():
+    """The Python side's reduce-op codes and algorithm names are the core's (csrc/core/dtype.h,
+    tunables.h), as the binding exports them: a code renumbered on one side only would reduce with
+    the wrong op."""
+    from braid.comm import _C, vocabulary
+
+    assert vocabulary.REDUCE_OPS == _C.REDUCE_OPS
+    assert _C.ALGORITHMS == ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")

@@ -23,8 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid.bench.models import SCHEDULE_STAGES, available_schedules, local_stage_indices
-from helpers.ranks import COMM_TIMEOUT_S, process_group, run_ranks
-from test_backend import braid_default_group
+from helpers.ranks import COMM_TIMEOUT_S, braid_default_group, process_group, run_ranks
 from torch import nn
 from torch.distributed import pipelining
 

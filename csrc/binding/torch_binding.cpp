@@ -376,6 +376,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>());
 
+  // The core's names, for the Python side's checks and tables (comm/vocabulary.py, communicator.py).
+  py::list algorithms;
+  for (int i = 0; i < kNumAlgos; ++i) algorithms.append(algo_name(static_cast<Algo>(i)));
+  m.attr("ALGORITHMS") = py::tuple(algorithms);
+  py::dict reduce_ops;
+  for (int i = 0; i < kNumReduceOps; ++i) reduce_ops[reduce_op_name(static_cast<ReduceOp>(i))] = i;
+  m.attr("REDUCE_OPS") = reduce_ops;
+
   register_backend(m);
 
   bind_compression(m, communicator);

@@ -108,14 +108,14 @@ const char* algo_name(Algo a) {
 }
 
 Algo parse_algo(const std::string& s) {
-  if (s == "auto" || s.empty()) return Algo::kAuto;
-  if (s == "oneshot") return Algo::kOneShot;
-  if (s == "twoshot") return Algo::kTwoShot;
-  if (s == "ring") return Algo::kRing;
-  if (s == "hierarchical") return Algo::kHierarchical;
-  if (s == "leaders") return Algo::kLeaders;
-  throw std::invalid_argument("BRAID_ALGO must be one of auto, oneshot, twoshot, ring, hierarchical, leaders; got '" +
-                              s + "'");
+  if (s.empty()) return Algo::kAuto;
+  std::string names;
+  for (int i = 0; i < kNumAlgos; ++i) {
+    const Algo a = static_cast<Algo>(i);
+    if (s == algo_name(a)) return a;
+    names += (i == 0 ? "" : ", ") + std::string(algo_name(a));
+  }
+  throw std::invalid_argument("BRAID_ALGO must be one of " + names + "; got '" + s + "'");
 }
 
 Tunables Tunables::from_env() {

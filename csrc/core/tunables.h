@@ -17,6 +17,7 @@ enum class Algo : uint32_t {
   kHierarchical = 4,  // reduce-scatter on the host, slices across hosts, all-gather on the host
   kLeaders = 5,       // host sums through the host leaders, then a broadcast on each host
 };
+constexpr int kNumAlgos = 6;
 const char* algo_name(Algo a);
 Algo parse_algo(const std::string& s);  // throws std::invalid_argument
 

@@ -206,3 +206,15 @@ class MatmulRecorder(TorchDispatchMode):
         if func.__name__.split(".")[0] in ("mm", "bmm", "addmm"):
             self.log.append(self.entry)
         return func(*args, **(kwargs or {}))
+
+
+class SmallMLP(torch.nn.Module):
+    """12 -> 24 -> 6 with a GELU: the model of the training tests on the c10d backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(12, 24)
+        self.down = torch.nn.Linear(24, 6)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))

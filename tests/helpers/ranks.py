@@ -123,6 +123,15 @@ def process_group(rank: int, world_size: int, store_path: str, backend: str = "g
 
 
 @contextmanager
+def braid_default_group(rank: int, world_size: int, store_path: str) -> Iterator[dist.ProcessGroup]:
+    """The default process group on braid, plus a gloo group over the same ranks to compare with."""
+    import braid.comm  # noqa: F401  (registers the backend)
+
+    with process_group(rank, world_size, store_path, backend="braid"):
+        yield dist.new_group(backend="gloo", timeout=STORE_TIMEOUT)
+
+
+@contextmanager
 def environment(values: dict) -> Iterator[None]:
     """Sets the environment variables ``values`` for the block and restores what was there before
     (a pooled worker keeps its environment from one test to the next)."""
