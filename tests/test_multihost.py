@@ -36,6 +36,7 @@ LAYOUTS = {
     "2x2-interleaved": [0, 1, 0, 1],
     "2+1+1": [0, 0, 1, 2],
     "3x1": [0, 1, 2],
+    "1+2+1-interleaved": [1, 0, 2, 1],  # uneven hosts whose ranks are not contiguous
 }
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
@@ -333,7 +334,7 @@ def test_ranks_forcing_different_algorithms_raise_a_mismatch():
         assert seen["type"] == "CollectiveMismatch", (r, seen)
 
 
-@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1"])
+@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1", "1+2+1-interleaved"])
 def test_data_movement_across_hosts(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(data_movement_across_hosts, len(layout), layout, 5), min_cases=50)

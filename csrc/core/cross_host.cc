@@ -117,12 +117,33 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
                                         const CollectiveDesc& d) {
   const size_t es = dtype_size(dt), bytes = count * es;
   const char* src = static_cast<const char*>(in);
+  const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   if (!topo_.uniform()) {
-    // Uneven hosts: the whole input all-reduced, this rank's chunk kept (twice the bytes across
-    // hosts that the path below sends).
-    char* full = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
-    cross_all_reduce(dt, op, in, full, static_cast<size_t>(world_) * count, d);
-    if (bytes > 0) std::memcpy(out, full + static_cast<size_t>(rank_) * bytes, bytes);
+    // Uneven hosts, through the host leaders: the chunks regrouped host by host (host h's ranks'
+    // chunks together, in local order), the host's sum of all of them on every local rank, then
+    // the leaders reduce-scatter the host sums with blocks of their hosts' sizes, so each leader
+    // sends only the chunks of the other hosts' ranks; each leader broadcasts its host's block and
+    // every rank keeps its chunk. Sums run in the order the leaders' all-reduce uses.
+    const int hosts = topo_.num_hosts(), me = topo_.local_rank(), local = topo_.local_world();
+    char* grouped = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
+    char* summed = scratch_.get(kSlotWhole, static_cast<size_t>(world_) * bytes);
+    std::vector<size_t> counts;
+    size_t at = 0;
+    for (int h = 0; h < hosts; ++h) {
+      for (int r : topo_.hosts[static_cast<size_t>(h)]) {
+        if (bytes > 0) std::memcpy(grouped + at * bytes, src + static_cast<size_t>(r) * bytes, bytes);
+        ++at;
+      }
+      counts.push_back(topo_.hosts[static_cast<size_t>(h)].size() * count);
+    }
+    host_step(CollKind::kAllReduce, dt, host_op, static_cast<size_t>(world_) * count, 0, grouped, summed);
+    char* block = grouped;  // the regrouped input is no longer needed
+    if (me == 0) {
+      PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
+      direct_reduce_scatter(g, dt, op, summed, block, counts, world_, tun_.cross_piece_bytes);
+    }
+    host_step(CollKind::kBroadcast, dt, host_op, static_cast<size_t>(local) * count, 0, block, block);
+    if (bytes > 0) std::memcpy(out, block + static_cast<size_t>(me) * bytes, bytes);
     return;
   }
   // Chunks regrouped by local index: block i holds, host by host, the chunks of the ranks with
@@ -136,7 +157,6 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
       if (bytes > 0)
         std::memcpy(grouped + static_cast<size_t>(i * hosts + h) * bytes,
                     src + static_cast<size_t>(topo_.hosts[static_cast<size_t>(h)][static_cast<size_t>(i)]) * bytes, bytes);
-  const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   if (local > 1)
     host_step(CollKind::kReduceScatter, dt, host_op, static_cast<size_t>(hosts) * count, 0, grouped, part);
   else

@@ -128,11 +128,19 @@ void direct_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in
 
 void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
                            int divisor, size_t piece_bytes) {
+  direct_reduce_scatter(g, dt, op, in, out, std::vector<size_t>(static_cast<size_t>(g.size()), count), divisor,
+                        piece_bytes);
+}
+
+void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
+                           const std::vector<size_t>& counts, int divisor, size_t piece_bytes) {
   const int n = g.size();
   std::vector<size_t> lo(static_cast<size_t>(n)), hi(static_cast<size_t>(n));
+  size_t at = 0;
   for (int m = 0; m < n; ++m) {
-    lo[static_cast<size_t>(m)] = static_cast<size_t>(m) * count;
-    hi[static_cast<size_t>(m)] = static_cast<size_t>(m + 1) * count;
+    lo[static_cast<size_t>(m)] = at;
+    at += counts[static_cast<size_t>(m)];
+    hi[static_cast<size_t>(m)] = at;
   }
   Transfers t(g);
   OwnerReduce owner(g, t, dt, op, static_cast<const char*>(in), lo, hi, static_cast<char*>(out), divisor, piece_bytes);

@@ -35,6 +35,10 @@ void direct_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in
 // (`count` elements at in + m * count) of every member's input; pieces as direct_all_reduce.
 void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
                            int divisor, size_t piece_bytes);
+// The same with blocks of their own sizes: member m's block is the counts[m] elements after the
+// blocks of the members before it.
+void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
+                           const std::vector<size_t>& counts, int divisor, size_t piece_bytes);
 
 // out = the members' blocks in member order, member m's of bytes[m] bytes; `in` is this
 // member's block (may alias its place in `out`).
