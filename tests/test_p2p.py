@@ -135,3 +135,70 @@ def test_one_rank_has_no_peer():
             with pytest.raises(ValueError, match="must be another rank in \\[0, 1\\), not this rank"):
                 call()
         assert c.batch_isend_irecv([]) == []
+
+
+def _run_transfers_out_of_order(rank, world_size, store_path):
+    import threading
+    import time
+
+    with make_comm(rank, world_size, store_path) as c:
+        # A wait returns once its own transfer is done, whatever is still pending before it: rank
+        # 0's receive from rank 1 waits for a message rank 1 sends only after rank 0's wait for
+        # rank 2's message returned. Sends issued while nothing else is pending move at once.
+        if rank == 0:
+            first, second = torch.zeros(6), torch.zeros(7)
+            late = c.recv(first, 1, async_op=True)
+            early = c.recv(second, 2, async_op=True)
+            early.wait()
+            assert not late.is_completed()
+            c.send(_payload(0, 1, 0, 3), 1)
+            late.wait()
+            assert torch.equal(first, _payload(1, 0, 0, 6)) and torch.equal(second, _payload(2, 0, 0, 7))
+        elif rank == 1:
+            token = torch.zeros(3)
+            c.recv(token, 0)
+            assert torch.equal(token, _payload(0, 1, 0, 3))
+            c.send(_payload(1, 0, 0, 6), 0)
+        else:
+            sent = c.send(_payload(2, 0, 0, 7), 0, async_op=True)
+            assert sent.is_completed()  # into the mailbox on this thread: nothing was pending
+
+        # Work issued by another thread while this one waits: rank 1 replies only to what rank 0's
+        # second thread sends; the reply (past the 4 MiB a pair buffers) lands in pieces.
+        big = 3 << 20
+        if rank == 0:
+            reply = torch.zeros(big)
+            work = c.recv(reply, 1, async_op=True)
+            sender = threading.Thread(target=lambda: (time.sleep(0.2), c.send(_payload(0, 1, 1, 3), 1)))
+            sender.start()
+            work.wait()
+            sender.join()
+            assert torch.equal(reply, _payload(1, 0, 1, big))
+        elif rank == 1:
+            token = torch.zeros(3)
+            c.recv(token, 0)
+            assert torch.equal(token, _payload(0, 1, 1, 3))
+            c.send(_payload(1, 0, 1, big), 0)
+
+        # Many messages in flight both ways, waited in another order than issued; the first send
+        # moves its first 4 MiB at once and the progress thread the rest.
+        if rank < 2:
+            other = 1 - rank
+            sizes = [3 << 20, 1, 5000, 3 << 19, 0, 70000, 2]
+            got = [torch.full((n,), -1.0) for n in sizes]
+            sends = [c.send(_payload(rank, other, 2 + i, n), other, async_op=True)
+                     for i, n in enumerate(sizes)]
+            recvs = [c.recv(t, other, async_op=True) for t in got]
+            for w in reversed(sends + recvs):
+                w.wait()
+            for i, (n, t) in enumerate(zip(sizes, got)):
+                assert torch.equal(t, _payload(other, rank, 2 + i, n)), n
+        c.barrier()
+    return True
+
+
+def test_transfers_from_several_threads_waited_out_of_order():
+    """Async sends and receives complete in whatever order they are waited, issued from several
+    threads, with messages past what a pair buffers; a send issued while nothing else is pending
+    completes before the call returns."""
+    assert run_ranks(_run_transfers_out_of_order, 3) == [True] * 3

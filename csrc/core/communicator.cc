@@ -188,6 +188,8 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   std::shared_ptr<Work> work;
   if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
+    if (async)
+      if (auto now = p2p_now(req)) return now;
     auto shared = std::make_shared<Request>(std::move(req));
     work = std::make_shared<Work>([this, shared] { execute(*shared); });
     work->set_p2p(shared);

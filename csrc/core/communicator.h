@@ -61,6 +61,9 @@ struct Request {
   std::function<void()> epilogue;
   // Whatever must outlive the call (tensors of an async call); released at completion.
   std::shared_ptr<void> keepalive;
+  // send/recv: bytes already moved when it was issued (Communicator::p2p_now); the progress
+  // thread goes on from there.
+  size_t moved = 0;
 };
 
 // A recv's root that matches the first message from any peer (as MPI_ANY_SOURCE): among the
@@ -175,6 +178,11 @@ class Communicator {
   bool p2p_advance(P2POp& op);
   void p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
   void p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype);
+  // An async send or receive with a peer on this host, issued while nothing else is queued or
+  // running: moves what it can at once on the calling thread (a send into the peer's mailbox, a
+  // receive whose message is already there). Returns the finished (or failed) work, or null when
+  // it has to be queued (r.moved says how far it got) or the engine is busy.
+  std::shared_ptr<Work> p2p_now(Request& r);
   // Whether a message from `peer` waits on the user channel (a receive from any source).
   bool p2p_incoming(int peer);
   // Waits until a message from one of `peers` waits, or one of `ops` can move, or `interrupted`.

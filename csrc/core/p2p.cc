@@ -37,6 +37,48 @@ void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, D
   while (!p2p_advance(op)) p2p_wait(ops, 1, [] { return false; });
 }
 
+std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
+  // Only with a peer on this host: a shared-memory transfer stopped part way resumes from its
+  // byte offset (each chunk names it); a TCP one keeps state of its own.
+  if (r.root < 0 || r.root >= world_ || r.root == rank_ ||
+      topo_.host_of[static_cast<size_t>(r.root)] != topo_.host)
+    return nullptr;
+  bool finished = false;
+  ErrorKind kind = ErrorKind::kNone;
+  std::string msg;
+  // Under the engine's inline ownership: nothing issued before this call is pending, and the
+  // progress thread cannot start a transfer on the same lane meanwhile.
+  const bool ran = engine_->run_if_idle([&] {
+    P2POp op;
+    op.peer = r.root;
+    op.send = r.kind == CollKind::kSend;
+    op.data = op.send ? const_cast<char*>(static_cast<const char*>(r.in)) : static_cast<char*>(r.out);
+    op.bytes = r.count * dtype_size(r.dtype);
+    op.dtype = r.dtype;
+    try {
+      finished = p2p_advance(op);
+      r.moved = op.off;
+      if (finished && r.epilogue) r.epilogue();
+    } catch (const CommError& e) {
+      poison(e);
+      kind = e.kind();
+      msg = e.what();
+    } catch (const std::exception& e) {
+      kind = ErrorKind::kGeneric;
+      msg = e.what();
+    }
+  });
+  if (!ran || (!finished && kind == ErrorKind::kNone)) return nullptr;
+  auto work = std::make_shared<Work>([] {});
+  work->set_engine(engine_.get());
+  if (kind != ErrorKind::kNone)
+    work->fail(kind, msg);
+  else
+    work->complete();
+  r.keepalive.reset();
+  return work;
+}
+
 std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Request> reqs,
                                                    std::function<void()> epilogue, std::shared_ptr<void> keepalive,
                                                    bool async) {
@@ -160,6 +202,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
       a.op.data = a.op.send ? const_cast<char*>(static_cast<const char*>(r->in)) : static_cast<char*>(r->out);
       a.op.bytes = r->count * dtype_size(r->dtype);
       a.op.dtype = r->dtype;
+      a.op.off = r->moved;
       if (a.op.peer == kAnySource) ++unmatched;
       active.push_back(std::move(a));
     }
