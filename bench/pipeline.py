@@ -175,12 +175,12 @@ class Pipeline:
         ActionRecorder.install()
 
     def step(self) -> None:
-        for m in self.modules:
-            m.zero_grad(set_to_none=True)
-        self.losses = []
-        args = (self.batch.ids,) if self.first else ()
-        kwargs = {"target": self.batch.target, "losses": self.losses} if self.last else {}
         with ActionRecorder.recording() as actions:
+            for m in self.modules:
+                m.zero_grad(set_to_none=True)
+            self.losses = []
+            args = (self.batch.ids,) if self.first else ()
+            kwargs = {"target": self.batch.target, "losses": self.losses} if self.last else {}
             self.schedule.step(*args, **kwargs)
         self.actions.append(actions)
 
@@ -189,14 +189,23 @@ class Pipeline:
 
 
 class ActionRecorder:
-    """Wraps the compute methods of torch's pipeline stages (once per process) so that, inside
-    ``recording()``, each call appends ``(kind, stage, microbatch, thread CPU seconds)``: kind "F"
-    forward, "B" full backward, "I" input-gradient half, "W" weight-gradient half."""
+    """Wraps the compute methods of torch's pipeline stages and the schedules' communication calls
+    (once per process) so that, inside ``recording()``, each compute call appends ``(kind, stage,
+    microbatch, seconds, host)``: kind "F" forward, "B" full backward, "I" input-gradient half, "W"
+    weight-gradient half; ``seconds`` its thread CPU time; ``host`` the thread CPU time this rank
+    spent since its previous action (or the step's start) outside communication calls: the
+    schedule's own Python, the loss, zero_grad. The step's end appends ``("E", -1, -1, 0.0, host)``
+    with what followed the last action. Time inside the schedules' point-to-point calls (posting
+    and waiting, torch's wrappers included) is left out of both: it belongs to the transport."""
 
     _current: list | None = None
+    _mark = 0.0    # thread CPU time at the end of the last action (or the step's start)
+    _comm = 0.0    # thread CPU seconds inside communication calls since _mark
+    _depth = 0     # nesting of communication calls (_sorted_batch_p2p calls _batch_p2p)
 
     @classmethod
     def install(cls) -> None:
+        from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
         def backward_kind(args: tuple, kwargs: dict) -> str:
@@ -215,22 +224,46 @@ class ActionRecorder:
                 if actions is None:
                     return _original(self, chunk, *args, **kwargs)
                 begin = time.thread_time()
+                host = begin - ActionRecorder._mark - ActionRecorder._comm
                 try:
                     return _original(self, chunk, *args, **kwargs)
                 finally:
-                    seconds = time.thread_time() - begin
-                    actions.append((_kind_of(args, kwargs), self.stage_index, chunk, seconds))
+                    end = time.thread_time()
+                    actions.append((_kind_of(args, kwargs), self.stage_index, chunk, end - begin, host))
+                    ActionRecorder._mark, ActionRecorder._comm = end, 0.0
 
             run.recorded_by_braid = True
             setattr(_PipelineStageBase, name, run)
+
+        # The schedules call these through their module's globals, so replacing them there is seen.
+        for name in ("_batch_p2p", "_sorted_batch_p2p", "_wait_batch_p2p"):
+            original = getattr(schedules, name)
+            if getattr(original, "recorded_by_braid", False):
+                continue
+
+            @functools.wraps(original)
+            def communicate(*args, _original=original, **kwargs):
+                if ActionRecorder._current is None or ActionRecorder._depth:
+                    return _original(*args, **kwargs)
+                begin = time.thread_time()
+                ActionRecorder._depth += 1
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    ActionRecorder._depth -= 1
+                    ActionRecorder._comm += time.thread_time() - begin
+
+            communicate.recorded_by_braid = True
+            setattr(schedules, name, communicate)
 
     @classmethod
     @contextlib.contextmanager
     def recording(cls):
         actions: list = []
-        cls._current = actions
+        cls._current, cls._mark, cls._comm = actions, time.thread_time(), 0.0
         try:
             yield actions
+            actions.append(("E", -1, -1, 0.0, time.thread_time() - cls._mark - cls._comm))
         finally:
             cls._current = None
 
@@ -239,34 +272,101 @@ def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int, cores: int 
     """Seconds of one step of a schedule with instant transfers: every rank runs its recorded
     actions (``ActionRecorder``) in their order, each starting once the rank is free and, for a
     forward, the previous stage's forward of that microbatch, for a backward or input-gradient
-    half, the next stage's of that microbatch is done (weight-gradient halves wait for nothing
-    else). With ``cores`` shared by the ranks, the step also takes at least all their actions'
-    time spread over the cores."""
-    done: dict[tuple, float] = {}
+    half, the next stage's of that microbatch is done (weight-gradient halves and the step's end,
+    kind "E", wait for nothing else). An action's optional fifth field, ``host``, is the rank's own
+    CPU work before it (the schedule's Python); it may overlap the wait for the neighbouring
+    stage, never the rank's previous action.
+
+    With ``cores`` shared by the ranks the step is also bounded by the cores: every piece of work
+    (an action's host part or its arithmetic) can start no earlier than the replay above starts
+    it, and must leave at least its tail (the longest chain of work that depends on it) before the
+    step ends; for any times ``a`` and ``b``, all the work that starts at ``a`` or later and has a
+    tail of ``b`` or more fits in ``step - a - b`` on the cores. The largest such bound is
+    returned when it exceeds the replay (with a = b = 0 it is all the work over the cores)."""
+    made_by: dict[tuple, tuple] = {}  # ("F"|"G"|kind, stage, mb) -> (rank, index)
+    jobs: list[list[tuple]] = [[] for _ in per_rank]  # per action: (host start, host, start, seconds)
     clock = [0.0] * len(per_rank)
     pos = [0] * len(per_rank)
+    needs: dict[tuple, tuple | None] = {}
+
+    def product(action: tuple) -> tuple[tuple | None, tuple]:
+        kind, stage, mb = action[:3]
+        if kind == "F":
+            return (("F", stage - 1, mb) if stage > 0 else None), ("F", stage, mb)
+        if kind in ("B", "I"):
+            return (("G", stage + 1, mb) if stage < stages - 1 else None), ("G", stage, mb)
+        return None, (kind, stage, mb)
+
+    done: dict[tuple, float] = {}
     while any(p < len(a) for p, a in zip(pos, per_rank)):
         moved = False
         for r, actions in enumerate(per_rank):
             while pos[r] < len(actions):
-                kind, stage, mb, seconds = actions[pos[r]]
-                if kind == "F":
-                    need, made = (("F", stage - 1, mb) if stage > 0 else None), ("F", stage, mb)
-                elif kind in ("B", "I"):
-                    need, made = (("G", stage + 1, mb) if stage < stages - 1 else None), ("G", stage, mb)
-                else:
-                    need, made = None, ("W", stage, mb)
+                kind, stage, mb, seconds, *rest = actions[pos[r]]
+                host = rest[0] if rest else 0.0
+                need, made = product(actions[pos[r]])
                 if need is not None and need not in done:
                     break
-                clock[r] = max(clock[r], done[need] if need is not None else 0.0) + seconds
+                start = max(clock[r] + host, done[need] if need is not None else 0.0)
+                jobs[r].append((clock[r], host, start, seconds))
+                needs[(r, pos[r])] = made_by.get(need) if need is not None else None
+                clock[r] = start + seconds
                 done[made] = clock[r]
+                made_by[made] = (r, pos[r])
                 pos[r] += 1
                 moved = True
         if not moved:
             raise RuntimeError("the recorded pipeline actions wait for each other: "
                                + ", ".join(str(a[p]) for p, a in zip(pos, per_rank) if p < len(a)))
-    spread = sum(a[3] for actions in per_rank for a in actions) / cores if cores else 0.0
-    return max(max(clock), spread)
+    replay = max(clock)
+    if not cores:
+        return replay
+    # Tails: after an action's arithmetic ends, its rank's next action (host part and arithmetic)
+    # and the arithmetic of every action that needs its product must still run, one after another.
+    dependents: dict[tuple, list[tuple]] = {}
+    for key, need in needs.items():
+        if need is not None:
+            dependents.setdefault(need, []).append(key)
+    def after(key: tuple) -> list[tuple]:
+        r, i = key
+        return ([(r, i + 1)] if i + 1 < len(jobs[r]) else []) + dependents.get(key, [])
+
+    tail: dict[tuple, float] = {}
+    for root in needs:  # depth first, each action after everything that follows it
+        stack = [root]
+        while stack:
+            key = stack[-1]
+            if key in tail:
+                stack.pop()
+                continue
+            missing = [k for k in after(key) if k not in tail]
+            if missing:
+                stack += missing
+                continue
+            stack.pop()
+            r, i = key
+            t = 0.0
+            if i + 1 < len(jobs[r]):
+                _, host, _, seconds = jobs[r][i + 1]
+                t = host + seconds + tail[(r, i + 1)]
+            for d in dependents.get(key, ()):
+                t = max(t, jobs[d[0]][d[1]][3] + tail[d])
+            tail[key] = t
+    # Pieces of work: (earliest start, tail after it, seconds).
+    pieces = []
+    for (r, i), t in tail.items():
+        host_start, host, start, seconds = jobs[r][i]
+        pieces.append((start, t, seconds))
+        if host > 0:
+            pieces.append((host_start, seconds + t, host))
+    best = replay
+    for a in sorted({p[0] for p in pieces}):
+        later = sorted((p for p in pieces if p[0] >= a), key=lambda p: -p[1])
+        work = 0.0
+        for _, b, seconds in later:
+            work += seconds
+            best = max(best, a + b + work / cores)
+    return best
 
 
 class StageCompute:
@@ -318,19 +418,20 @@ def _compute_seconds(work: StageCompute, run: turns.RunOptions) -> float:
 
 
 def _floors(pipes: dict, schedules: Sequence[str], ranks: int) -> dict[str, float]:
-    """Each schedule's floor (schedule_floor): the median over its timed steps, on every
-    implementation, of the replay of every rank's recorded actions of that step, on the cores
-    the ranks share."""
-    mine = {s: [a for (schedule, _), pipe in pipes.items() if schedule == s for a in pipe.actions]
-            for s in schedules}
+    """Each schedule's floor (schedule_floor) on the cores the ranks share: per implementation,
+    the median over its timed steps of the replay of every rank's recorded actions of that step;
+    then the lower of the implementations' (the arithmetic and the schedule's Python are the same
+    in both, and the floor must not hold one transport's slower steps against the other)."""
+    mine = {key: pipe.actions for key, pipe in pipes.items()}
     gathered: list = [None] * ranks
     dist.all_gather_object(gathered, mine)
     cores = min(ranks, os.cpu_count() or ranks)  # the ranks share the machine (a pinned rank sees one core)
     floors = {}
     for s in schedules:
         stages = ranks * SCHEDULE_STAGES[s]
-        floors[s] = statistics.median(
-            schedule_floor([g[s][k] for g in gathered], stages, cores) for k in range(len(mine[s])))
+        floors[s] = min(statistics.median(schedule_floor([g[key][k] for g in gathered], stages, cores)
+                                          for k in range(len(mine[key])))
+                        for key in mine if key[0] == s)
     return floors
 
 

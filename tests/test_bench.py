@@ -181,6 +181,18 @@ def test_pipeline_schedule_floor_against_hand_computations():
     assert schedule_floor(looped, 4) == 8.0
     with pytest.raises(RuntimeError, match="wait for each other"):
         schedule_floor([[("B", 0, 0, 1.0), ("F", 0, 0, 1.0)], [("F", 1, 0, 1.0), ("B", 1, 0, 1.0)]], 2)
+    # The schedule's own work before an action (fifth field) overlaps the wait for the previous
+    # stage, never the rank's previous action: rank 1's 2 s of Python run while rank 0 computes.
+    host = [[("F", 0, 0, 1.0, 0.5), ("E", -1, -1, 0.0, 0.25)],
+            [("F", 1, 0, 1.0, 2.0), ("E", -1, -1, 0.0, 0.0)]]
+    assert schedule_floor(host, 2) == 3.0
+    assert schedule_floor(host, 2, cores=1) == 4.75  # all 4.75 s of work on one core
+    # Four stages on two cores: rank r forwards after rank r - 1, then has 3 s of its own. With
+    # free cores the step is the last rank's 4 + 3 s; on two, only rank 0 can work in the first
+    # second, so the other 15 s of work take 7.5 s after it: 8.5, above all 16 s over two cores (8).
+    chain = [[("F", r, 0, 1.0), ("W", r, 0, 3.0)] for r in range(4)]
+    assert schedule_floor(chain, 4) == 7.0
+    assert schedule_floor(chain, 4, cores=2) == 8.5
 
 
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
