@@ -28,11 +28,12 @@ schedules aim lower: (P-1)/(2M+P-1) for two stages per rank, and zero bubble nea
 
 ``floor`` is the step the same schedule would take with instant transfers: each rank's compute
 actions of the timed steps are recorded in the order the schedule ran them, with their thread CPU
-time (forward, backward, and the input- and weight-gradient halves of the zero-bubble schedules),
-and replayed with every action starting once its rank is free and its input from the neighbouring
-stage is computed (schedule_floor); no transport, braid's or gloo's, can make that schedule's step
-shorter (the replay also leaves out the schedule's own Python and the loss; where more ranks than
-cores run, the step also takes at least all the actions' time spread over the cores). ``err``
+time (forward, backward, and the input- and weight-gradient halves of the zero-bubble schedules)
+and the rank's own CPU work before each outside the point-to-point calls (the schedule's Python,
+the loss, zero_grad), and replayed with every action starting once its rank is free and its input
+from the neighbouring stage is computed (schedule_floor); where more ranks than cores run, the
+cores bound the replay too. No transport, braid's or gloo's, can make that schedule's step
+shorter. ``err``
 is the largest difference of the losses and this rank's gradients from the whole model run
 locally on the same microbatches; ``exact`` says whether braid's losses and gradients are
 bitwise those of gloo.
