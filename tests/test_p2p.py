@@ -202,3 +202,49 @@ def test_transfers_from_several_threads_waited_out_of_order():
     threads, with messages past what a pair buffers; a send issued while nothing else is pending
     completes before the call returns."""
     assert run_ranks(_run_transfers_out_of_order, 3) == [True] * 3
+
+
+def _voluntary_switches():
+    """Voluntary context switches of every thread of this process so far (each futex sleep that a
+    wake-up ends counts one)."""
+    import glob
+
+    total = 0
+    for path in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(path) as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def _run_bystander(rank, world_size, store_path, messages):
+    with make_comm(rank, world_size, store_path) as c:
+        c.barrier()
+        if rank == 2:
+            before = _voluntary_switches()
+            got = torch.zeros(1)
+            c.recv(got, 0)  # asleep while ranks 0 and 1 exchange their messages
+            assert got.item() == 1.0
+            return _voluntary_switches() - before
+        mine, theirs = torch.ones(16), torch.zeros(16)
+        for _ in range(messages):
+            if rank == 0:
+                c.send(mine, 1)
+                c.recv(theirs, 1)
+            else:
+                c.recv(theirs, 0)
+                c.send(mine, 0)
+        if rank == 0:
+            c.send(torch.ones(1), 2)
+        return 0
+
+
+def test_a_transfer_wakes_only_its_receiver():
+    """A rank asleep waiting for rank 0 is not woken by the thousands of messages ranks 0 and 1
+    exchange meanwhile (each rank has its own doorbell, rung only by posts meant for it): it wakes
+    for its liveness checks (every 50 ms) and its own message, not once per message."""
+    messages = 2000
+    switches = run_ranks(_run_bystander, 3, messages)[2]
+    assert switches < messages // 4, switches

@@ -103,8 +103,8 @@ class ShmGroup : public Transport {
   }
   // Whether `op` can move a chunk now (for waits that also watch another transport).
   bool ready(const P2POp& op) const { return p2p_ready(op); }
-  // Wakes every waiter of the host (e.g. a wait_p2p whose `interrupted` became true).
-  void wake() noexcept override { wake_all(); }
+  // Wakes this rank's waiting thread (e.g. a wait_p2p whose `interrupted` became true).
+  void wake() noexcept override { ring(header(rank_)); }
 
   char* oneshot(int rank, uint64_t seq) const;
   char* slot(int rank, int k) const;
@@ -142,9 +142,14 @@ class ShmGroup : public Transport {
   // later collectives.
   void check_abort_at(uint64_t seq);
   [[noreturn]] void raise_abort();
+  // Doorbells (wait.cc): every rank's of the host (failures, departures, aborts); those of the
+  // ranks whose waiting thread waits for this rank (its posts); one rank's.
   void wake_all() noexcept;
-  // Stores `value` in a counter that peers wait on, ringing the doorbell if one of them sleeps.
-  void publish(std::atomic<uint64_t>& counter, uint64_t value);
+  void wake_waiting_for_me() noexcept;
+  static void ring(SegmentHeader* h) noexcept;
+  // Stores `value` in a counter that only rank `to` waits on (a mailbox lane's), ringing its
+  // doorbell if it sleeps waiting for this rank.
+  void publish(std::atomic<uint64_t>& counter, uint64_t value, int to);
 
   // Names for error messages (wait.cc).
   std::string rank_label(int r) const;  // "rank 3 (pid 4121 on host-a)"

@@ -47,7 +47,7 @@ bool ShmGroup::advance(P2POp& op) {
       c->dtype = static_cast<uint32_t>(op.dtype);
       if (n > 0) std::memcpy(slot + kChunkHeader, op.data + op.off, n);
       sent_[l] = k + 1;
-      publish(header(rank_)->mailbox_sent[header_lane(op.channel, peer)], k + 1);  // release: the chunk is visible first
+      publish(header(rank_)->mailbox_sent[header_lane(op.channel, peer)], k + 1, peer);  // the chunk is visible first
       op.off += n;
     } else {
       const uint64_t k = taken_[l];
@@ -65,7 +65,7 @@ bool ShmGroup::advance(P2POp& op) {
       copy_output(op.data + op.off, slot + kChunkHeader, c->bytes, streaming(op.bytes));
       op.off += c->bytes;
       taken_[l] = k + 1;
-      publish(header(rank_)->mailbox_taken[header_lane(op.channel, peer)], k + 1);
+      publish(header(rank_)->mailbox_taken[header_lane(op.channel, peer)], k + 1, peer);
     }
     op.done = op.off >= op.bytes;
   }

@@ -13,7 +13,7 @@
 
 namespace braid {
 
-constexpr uint64_t kSegmentMagic = 0x6272616964736d31ull;  // "braidsm1"
+constexpr uint64_t kSegmentMagic = 0x6272616964736d32ull;  // "braidsm2"
 // SegmentHeader::state
 constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
 constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
@@ -35,9 +35,16 @@ struct SegmentHeader {
   alignas(kLine) std::atomic<uint64_t> step;
   std::atomic<int32_t> cpu;
   CollectiveDesc desc[2];
-  // Doorbell and abort epoch: only rank 0's copy is used (the "hub").
+  // This rank's doorbell: a thread of this rank that waits sleeps on `bell`, with the bits of the
+  // ranks it waits for set in `waits_for`; a rank that posts rings the bells whose `waits_for`
+  // has its bit, and only those (a transfer between two ranks wakes no third one). `sleepers`:
+  // this rank's threads asleep on it. `asleep`: only rank 0's copy (the "hub"), the threads of
+  // the host asleep, so that a post that finds none rings nothing.
   alignas(kLine) std::atomic<uint32_t> bell;
   std::atomic<uint32_t> sleepers;
+  std::atomic<uint32_t> asleep;
+  std::atomic<uint64_t> waits_for;
+  // Abort epoch: only the hub's copy is used.
   alignas(kLine) std::atomic<uint32_t> abort_epoch;
   alignas(kLine) std::atomic<uint32_t> state;
   uint32_t error_kind;

@@ -1,6 +1,7 @@
-// Waiting in the shared-memory group: the progress counters and the host's futex doorbell, which
-// posters ring only when someone sleeps; waits for peers' steps (wait.h: spin, yield, futex sleep
-// with a deadline, peer liveness); failures and aborts that end every waiter's wait at once.
+// Waiting in the shared-memory group: the progress counters and each rank's futex doorbell, which
+// a poster rings only for the ranks asleep waiting for it; waits for peers' steps (wait.h: spin,
+// yield, futex sleep with a deadline, peer liveness); failures and aborts that end every waiter's
+// wait at once.
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -18,22 +19,39 @@ uint64_t ShmGroup::post_next() {
   ++step_;
   SegmentHeader* me = header(rank_);
   me->cpu.store(::sched_getcpu(), std::memory_order_relaxed);
-  // seq_cst store + seq_cst load of `sleepers`: either the sleeper sees the new step before it
-  // sleeps, or this poster sees the sleeper and rings the bell (Dekker-style handshake).
+  // seq_cst store + seq_cst load of `asleep`: either the sleeper sees the new step before it
+  // sleeps, or this poster sees the sleeper and rings its bell (Dekker-style handshake).
   me->step.store(step_, std::memory_order_seq_cst);
-  if (hub_->sleepers.load(std::memory_order_seq_cst) != 0) wake_all();
+  if (hub_->asleep.load(std::memory_order_seq_cst) != 0) wake_waiting_for_me();
   return step_;
 }
 
-void ShmGroup::publish(std::atomic<uint64_t>& counter, uint64_t value) {
+void ShmGroup::publish(std::atomic<uint64_t>& counter, uint64_t value, int to) {
   header(rank_)->cpu.store(::sched_getcpu(), std::memory_order_relaxed);
   counter.store(value, std::memory_order_seq_cst);  // the same handshake as post_next
-  if (hub_->sleepers.load(std::memory_order_seq_cst) != 0) wake_all();
+  if (hub_->asleep.load(std::memory_order_seq_cst) == 0) return;
+  SegmentHeader* h = headers_[to];
+  if (h != nullptr && (h->waits_for.load(std::memory_order_seq_cst) & (uint64_t{1} << rank_)) != 0) ring(h);
+}
+
+void ShmGroup::ring(SegmentHeader* h) noexcept {
+  h->bell.fetch_add(1, std::memory_order_seq_cst);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void ShmGroup::wake_waiting_for_me() noexcept {
+  // seq_cst loads of `waits_for` after the post's seq_cst store: a waiter that set its bits
+  // before this post is seen here, and one that sets them after sees the post before it sleeps.
+  const uint64_t bit = uint64_t{1} << rank_;
+  for (int r : all_peers_) {
+    SegmentHeader* h = headers_[r];
+    if (h != nullptr && (h->waits_for.load(std::memory_order_seq_cst) & bit) != 0) ring(h);
+  }
 }
 
 void ShmGroup::wake_all() noexcept {
-  hub_->bell.fetch_add(1, std::memory_order_seq_cst);
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  for (SegmentHeader* h : headers_)
+    if (h != nullptr) ring(h);
 }
 
 bool ShmGroup::reached(const int* peers, int npeers, uint64_t step) const {

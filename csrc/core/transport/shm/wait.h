@@ -1,6 +1,6 @@
 // How a rank of the shared-memory group waits for its peers (ShmGroup's wait templates, inlined
 // into each wait so that the spin loop calls no function): spin, then yield, then sleep on the
-// host's futex doorbell with the deadline, checking aborts, peer liveness and signals on the way.
+// rank's own futex doorbell with the deadline, checking aborts, peer liveness and signals on the way.
 // Private to the group's files (wait.cc, mailbox.cc).
 #pragma once
 
@@ -124,16 +124,28 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     ::sched_yield();
     if (stop()) return;
   }
-  // Phase 3: sleep on the host doorbell, bounded by the deadline; check peer liveness regularly.
+  // Phase 3: sleep on this rank's doorbell, bounded by the deadline; check peer liveness
+  // regularly. The bits of `peers` in `waits_for` ask them to ring it when they post.
   const auto deadline = start + policy_.timeout;
   auto last_liveness = Clock::time_point{};
-  hub_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  SegmentHeader* me = header(rank_);
+  uint64_t mask = 0;
+  for (int i = 0; i < npeers; ++i) mask |= uint64_t{1} << peers[i];
+  me->sleepers.fetch_add(1, std::memory_order_seq_cst);
+  me->waits_for.fetch_or(mask, std::memory_order_seq_cst);
+  hub_->asleep.fetch_add(1, std::memory_order_seq_cst);
   struct SleeperGuard {
     SegmentHeader* hub;
-    ~SleeperGuard() { hub->sleepers.fetch_sub(1, std::memory_order_seq_cst); }
-  } guard{hub_};
+    SegmentHeader* me;
+    ~SleeperGuard() {
+      hub->asleep.fetch_sub(1, std::memory_order_seq_cst);
+      // The last sleeper of this rank clears the bits (a second one, which no engine runs, could
+      // lose its bits here: its wait would then rely on the liveness slices, never hang).
+      if (me->sleepers.fetch_sub(1, std::memory_order_seq_cst) == 1) me->waits_for.store(0, std::memory_order_seq_cst);
+    }
+  } guard{hub_, me};
   for (;;) {
-    const uint32_t bell = hub_->bell.load(std::memory_order_seq_cst);
+    const uint32_t bell = me->bell.load(std::memory_order_seq_cst);
     if (stop()) return;
     const auto now = Clock::now();
     if (now - last_liveness >= kLivenessPeriod) {
@@ -156,7 +168,7 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     const auto slice = std::min<Clock::duration>(deadline - now, kLivenessPeriod);
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();
     struct timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&hub_->bell), FUTEX_WAIT, bell, &ts, nullptr, 0);
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&me->bell), FUTEX_WAIT, bell, &ts, nullptr, 0);
   }
 }
 
