@@ -218,9 +218,9 @@ void Communicator::record_poison(ErrorKind kind, const std::string& msg) {
   }
 }
 
-void Communicator::poison(const CommError& e) {
+void Communicator::poison(const CommError& e, bool in_p2p) {
   record_poison(e.kind(), e.what());
-  if (group_) group_->publish_failure(e.kind(), e.what());
+  if (group_) group_->publish_failure(e.kind(), e.what(), in_p2p);
   if (tcp_) tcp_->publish_failure(e.kind(), e.what());
 }
 
@@ -286,7 +286,7 @@ void Communicator::execute(Request& r) {
     }
     if (r.epilogue) r.epilogue();
   } catch (const CommError& e) {
-    poison(e);
+    poison(e, p2p);
     throw;
   }
 }

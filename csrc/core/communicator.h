@@ -191,8 +191,9 @@ class Communicator {
   int p2p_first_incoming(const std::vector<int>& peers);
   // Runs the point-to-point works the engine hands over together (ProgressEngine::P2PRunner).
   void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
-  // Records the first communication error and tells the peers.
-  void poison(const CommError& e);
+  // Records the first communication error and tells the peers. `in_p2p`: it came from a
+  // point-to-point transfer, which runs after every collective issued before it had finished.
+  void poison(const CommError& e, bool in_p2p = false);
   // Records the first error without telling the peers (the thread running collectives does,
   // once it fails on it).
   void record_poison(ErrorKind kind, const std::string& msg);

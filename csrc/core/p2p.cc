@@ -60,7 +60,7 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
       r.moved = op.off;
       if (finished && r.epilogue) r.epilogue();
     } catch (const CommError& e) {
-      poison(e);
+      poison(e, true);
       kind = e.kind();
       msg = e.what();
     } catch (const std::exception& e) {
@@ -296,7 +296,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
                    [&] { return engine_->enqueued() != seen; });
     }
   } catch (const CommError& e) {
-    poison(e);
+    poison(e, true);
     for (auto& a : active) a.work->fail(e.kind(), e.what());
     for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(e.kind(), e.what());
   } catch (const std::exception& e) {

@@ -1,8 +1,11 @@
 // Point-to-point through the shared-memory mailboxes: ring exchanges of every size class, flow
 // control past the mailbox depth, interleaving with collectives, and size mismatches.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <fstream>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -281,4 +284,66 @@ BRAID_TEST(delivered_message_is_received_after_its_sender_failed) {
   });
   ::close(order[0]);
   ::close(order[1]);
+}
+
+// A point-to-point failure after a collective does not fail that collective on a peer still
+// finishing it. Rank 2 arrives at an all_reduce and is stopped (SIGSTOP) while it sleeps there;
+// ranks 0 and 1 complete it, and rank 1 then fails a receive of the wrong size. Continued, rank 2
+// completes the all_reduce with the right sums (everything it needs was posted before the
+// failure), and its next collective raises rank 1's failure. Rank 2 once raised the failure in
+// the all_reduce itself: the failure was dated to the last collective rank 1 had joined.
+BRAID_TEST(point_to_point_failure_after_a_collective_spares_a_late_peer) {
+  int pid_pipe[2], failed_pipe[2];
+  CHECK(::pipe(pid_pipe) == 0);
+  CHECK(::pipe(failed_pipe) == 0);
+  GroupSpec g;
+  g.world = 3;
+  g.tunables = tiny_tunables(braid::Algo::kOneShot);
+  run_group(g, [&](RankCtx& ctx) {
+    std::vector<float> t(3, static_cast<float>(ctx.rank + 1));
+    braid::Request all_reduce;
+    all_reduce.kind = CollKind::kAllReduce;
+    all_reduce.dtype = DType::kFloat32;
+    all_reduce.count = t.size();
+    all_reduce.in = t.data();
+    all_reduce.out = t.data();
+    if (ctx.rank == 2) {
+      const pid_t me = ::getpid();
+      CHECK(::write(pid_pipe[1], &me, sizeof me) == static_cast<ssize_t>(sizeof me));
+      ctx.comm.submit(all_reduce, false);  // stopped and continued by rank 0 in here
+      for (float x : t) CHECK_EQ(x, 6.0f);
+      CHECK_THROWS_KIND(braid::ErrorKind::kMismatch, ctx.comm.submit(all_reduce, false));
+      return;
+    }
+    if (ctx.rank == 0) {
+      pid_t late = 0;
+      CHECK(::read(pid_pipe[0], &late, sizeof late) == static_cast<ssize_t>(sizeof late));
+      // Asleep ('S') means inside the all_reduce, its arrival posted: nothing else blocks there.
+      auto state = [&] {
+        std::ifstream f("/proc/" + std::to_string(late) + "/stat");
+        std::string pid, comm, st;
+        f >> pid >> comm >> st;
+        return st;
+      };
+      for (int i = 0; i < 10000 && state() != "S"; ++i) ::usleep(1000);
+      CHECK(::kill(late, SIGSTOP) == 0);
+      ctx.comm.submit(all_reduce, false);
+      for (float x : t) CHECK_EQ(x, 6.0f);
+      std::vector<float> out = message(0, 0, 10);
+      ctx.comm.submit(p2p(CollKind::kSend, 1, out), false);  // eager: 10 floats where 12 are expected
+      char done = 0;
+      CHECK(::read(failed_pipe[0], &done, 1) == 1);
+      CHECK(::kill(late, SIGCONT) == 0);
+      ctx.hold_until_others_exit();
+      return;
+    }
+    ctx.comm.submit(all_reduce, false);
+    for (float x : t) CHECK_EQ(x, 6.0f);
+    std::vector<float> in(12);
+    CHECK_THROWS_KIND(braid::ErrorKind::kMismatch, ctx.comm.submit(p2p(CollKind::kRecv, 0, in), false));
+    const char done = 1;
+    CHECK(::write(failed_pipe[1], &done, 1) == 1);
+    ctx.hold_until_others_exit();
+  });
+  for (int fd : {pid_pipe[0], pid_pipe[1], failed_pipe[0], failed_pipe[1]}) ::close(fd);
 }

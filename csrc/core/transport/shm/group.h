@@ -110,7 +110,10 @@ class ShmGroup : public Transport {
   char* slot(int rank, int k) const;
 
   // Publishes this rank's failure so that every peer's waits end at once with the same error.
-  void publish_failure(ErrorKind kind, const std::string& msg) noexcept;
+  // `after_collective`: the failure came after the last collective this rank arrived at had
+  // finished here (in point-to-point), so a peer still arriving at that collective completes it
+  // and learns of the failure at its next one.
+  void publish_failure(ErrorKind kind, const std::string& msg, bool after_collective = false) noexcept;
   // Announces a normal departure: peers still waiting on this rank fail with PeerError.
   void mark_left() noexcept;
   // From any thread: the thread running this rank's collectives fails its current or next wait

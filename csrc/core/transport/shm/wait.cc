@@ -139,11 +139,11 @@ void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {
             nullptr);
 }
 
-void ShmGroup::publish_failure(ErrorKind kind, const std::string& msg) noexcept {
+void ShmGroup::publish_failure(ErrorKind kind, const std::string& msg, bool after_collective) noexcept {
   SegmentHeader* me = header(rank_);
   if (me->state.load(std::memory_order_acquire) != kStateAlive || hub_ == nullptr) return;
   me->error_kind = static_cast<uint32_t>(kind);
-  me->fail_seq = current_ != nullptr ? current_->seq : 0;
+  me->fail_seq = current_ != nullptr ? current_->seq + (after_collective ? 1 : 0) : 0;
   std::memset(me->error_msg, 0, sizeof(me->error_msg));
   std::memcpy(me->error_msg, msg.data(), std::min(msg.size(), sizeof(me->error_msg) - 1));
   me->state.store(kStateFailed, std::memory_order_release);
