@@ -298,21 +298,23 @@ def schedule_floor(per_rank: Sequence[Sequence[tuple]], stages: int, cores: int 
             return (("G", stage + 1, mb) if stage < stages - 1 else None), ("G", stage, mb)
         return None, (kind, stage, mb)
 
-    done: dict[tuple, float] = {}
+    def end(key: tuple) -> float:  # when the action at (rank, index) finished in the replay
+        _, _, start, seconds = jobs[key[0]][key[1]]
+        return start + seconds
+
     while any(p < len(a) for p, a in zip(pos, per_rank)):
         moved = False
         for r, actions in enumerate(per_rank):
             while pos[r] < len(actions):
-                kind, stage, mb, seconds, *rest = actions[pos[r]]
+                seconds, *rest = actions[pos[r]][3:]
                 host = rest[0] if rest else 0.0
                 need, made = product(actions[pos[r]])
-                if need is not None and need not in done:
+                if need is not None and need not in made_by:
                     break
-                start = max(clock[r] + host, done[need] if need is not None else 0.0)
+                needs[(r, pos[r])] = made_by[need] if need is not None else None
+                start = max(clock[r] + host, end(made_by[need]) if need is not None else 0.0)
                 jobs[r].append((clock[r], host, start, seconds))
-                needs[(r, pos[r])] = made_by.get(need) if need is not None else None
                 clock[r] = start + seconds
-                done[made] = clock[r]
                 made_by[made] = (r, pos[r])
                 pos[r] += 1
                 moved = True

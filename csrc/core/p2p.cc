@@ -37,6 +37,20 @@ void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, D
   while (!p2p_advance(op)) p2p_wait(ops, 1, [] { return false; });
 }
 
+namespace {
+// The transfer a send or receive request describes, from the bytes it has already moved.
+P2POp op_of(const Request& r) {
+  P2POp op;
+  op.peer = r.root;
+  op.send = r.kind == CollKind::kSend;
+  op.data = op.send ? const_cast<char*>(static_cast<const char*>(r.in)) : static_cast<char*>(r.out);
+  op.bytes = r.count * dtype_size(r.dtype);
+  op.dtype = r.dtype;
+  op.off = r.moved;
+  return op;
+}
+}  // namespace
+
 std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
   // Only with a peer on this host: a shared-memory transfer stopped part way resumes from its
   // byte offset (each chunk names it); a TCP one keeps state of its own.
@@ -49,12 +63,7 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
   // Under the engine's inline ownership: nothing issued before this call is pending, and the
   // progress thread cannot start a transfer on the same lane meanwhile.
   const bool ran = engine_->run_if_idle([&] {
-    P2POp op;
-    op.peer = r.root;
-    op.send = r.kind == CollKind::kSend;
-    op.data = op.send ? const_cast<char*>(static_cast<const char*>(r.in)) : static_cast<char*>(r.out);
-    op.bytes = r.count * dtype_size(r.dtype);
-    op.dtype = r.dtype;
+    P2POp op = op_of(r);
     try {
       finished = p2p_advance(op);
       r.moved = op.off;
@@ -196,13 +205,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   auto admit = [&] {
     for (; admitted < batch.size(); ++admitted) {
       auto* r = static_cast<Request*>(batch[admitted]->p2p().get());
-      Active a{batch[admitted], r, P2POp{}};
-      a.op.peer = r->root;
-      a.op.send = r->kind == CollKind::kSend;
-      a.op.data = a.op.send ? const_cast<char*>(static_cast<const char*>(r->in)) : static_cast<char*>(r->out);
-      a.op.bytes = r->count * dtype_size(r->dtype);
-      a.op.dtype = r->dtype;
-      a.op.off = r->moved;
+      Active a{batch[admitted], r, op_of(*r)};
       if (a.op.peer == kAnySource) ++unmatched;
       active.push_back(std::move(a));
     }

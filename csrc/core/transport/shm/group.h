@@ -146,9 +146,11 @@ class ShmGroup : public Transport {
   void check_abort_at(uint64_t seq);
   [[noreturn]] void raise_abort();
   // Doorbells (wait.cc): every rank's of the host (failures, departures, aborts); those of the
-  // ranks whose waiting thread waits for this rank (its posts); one rank's.
+  // ranks whose waiting thread waits for this rank (its posts); `h`'s rank's if it does; one
+  // rank's.
   void wake_all() noexcept;
   void wake_waiting_for_me() noexcept;
+  void ring_if_waiting_for_me(SegmentHeader* h) noexcept;
   static void ring(SegmentHeader* h) noexcept;
   // Stores `value` in a counter that only rank `to` waits on (a mailbox lane's), ringing its
   // doorbell if it sleeps waiting for this rank.

@@ -29,9 +29,7 @@ uint64_t ShmGroup::post_next() {
 void ShmGroup::publish(std::atomic<uint64_t>& counter, uint64_t value, int to) {
   header(rank_)->cpu.store(::sched_getcpu(), std::memory_order_relaxed);
   counter.store(value, std::memory_order_seq_cst);  // the same handshake as post_next
-  if (hub_->asleep.load(std::memory_order_seq_cst) == 0) return;
-  SegmentHeader* h = headers_[to];
-  if (h != nullptr && (h->waits_for.load(std::memory_order_seq_cst) & (uint64_t{1} << rank_)) != 0) ring(h);
+  if (hub_->asleep.load(std::memory_order_seq_cst) != 0) ring_if_waiting_for_me(headers_[to]);
 }
 
 void ShmGroup::ring(SegmentHeader* h) noexcept {
@@ -39,14 +37,14 @@ void ShmGroup::ring(SegmentHeader* h) noexcept {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-void ShmGroup::wake_waiting_for_me() noexcept {
-  // seq_cst loads of `waits_for` after the post's seq_cst store: a waiter that set its bits
+void ShmGroup::ring_if_waiting_for_me(SegmentHeader* h) noexcept {
+  // A seq_cst load of `waits_for` after the post's seq_cst store: a waiter that set its bits
   // before this post is seen here, and one that sets them after sees the post before it sleeps.
-  const uint64_t bit = uint64_t{1} << rank_;
-  for (int r : all_peers_) {
-    SegmentHeader* h = headers_[r];
-    if (h != nullptr && (h->waits_for.load(std::memory_order_seq_cst) & bit) != 0) ring(h);
-  }
+  if (h != nullptr && (h->waits_for.load(std::memory_order_seq_cst) & (uint64_t{1} << rank_)) != 0) ring(h);
+}
+
+void ShmGroup::wake_waiting_for_me() noexcept {
+  for (int r : all_peers_) ring_if_waiting_for_me(headers_[r]);
 }
 
 void ShmGroup::wake_all() noexcept {
