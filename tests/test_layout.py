@@ -164,3 +164,20 @@ def test_python_tables_match_the_core():
 
     assert vocabulary.REDUCE_OPS == _C.REDUCE_OPS
     assert _C.ALGORITHMS == ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")
+
+
+def test_the_extension_uses_no_iostreams():
+    """The extension's own code builds text with std::string and C stdio, never iostreams: an
+    extension compiled by one GCC may run against another's libstdc++ (torch's or the system's),
+    whose locale facets the inline stream code of the newer headers does not match. On one such
+    GPU machine the first std::ifstream read (the cache size, in Tunables::resolve) crashed
+    every process at its first communicator. The C++ tests (csrc/tests) are built and run by one
+    toolchain and may use streams."""
+    offenders = [f"{path.relative_to(ROOT)}: {line.strip()}"
+                 for folder in ("core", "binding", "cuda")
+                 for path in sorted((ROOT / "csrc" / folder).rglob("*"))
+                 if path.suffix in (".h", ".cc", ".cpp", ".cu")
+                 for line in path.read_text().splitlines()
+                 if line.strip().startswith("#include") and any(
+                     f"<{h}>" in line for h in ("iostream", "sstream", "fstream", "istream", "ostream"))]
+    assert offenders == []

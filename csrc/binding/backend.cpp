@@ -56,12 +56,14 @@ ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
 
 // PREMUL_SUM(f): every rank's input times f, then summed. Returns the scaled copy of `t` (so the
 // caller's input is never touched) when `op` is PREMUL_SUM, an undefined tensor otherwise. The
-// product is taken in the tensor's dtype, as torch's mul does; braid then sums it with SUM.
+// product is taken in the tensor's dtype, as torch's mul does; braid then sums it with SUM. The
+// factor's type is spelled NCCLPreMulSumSupplement: torch 2.11 has only that name, newer releases
+// keep it as an alias of PreMulSumSupplement.
 at::Tensor premul_scaled(const c10d::ReduceOp& op, const at::Tensor& t, const char* what) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return at::Tensor();
   TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "braid ", what,
                     ": PREMUL_SUM needs a floating-point tensor, got ", t.scalar_type());
-  const auto* factor = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  const auto* factor = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK_VALUE(factor != nullptr, "braid ", what,
                     ": PREMUL_SUM needs its factor (torch.distributed._make_nccl_premul_sum(f))");
   if (factor->tensor_factor.defined())

@@ -1,7 +1,7 @@
 // The collective vocabulary: names and descriptions for messages.
 #include "collective.h"
 
-#include <sstream>
+#include <cstdio>
 
 #include "dtype.h"
 #include "tunables.h"
@@ -29,20 +29,22 @@ bool CollectiveDesc::operator==(const CollectiveDesc& o) const {
 }
 
 std::string CollectiveDesc::describe() const {
-  std::ostringstream s;
   const auto k = static_cast<CollKind>(kind);
-  s << coll_kind_name(k) << " #" << seq;
-  if (k == CollKind::kBarrier) return s.str();
-  if (k == CollKind::kExchange) return s.str() + " (" + dtype_name(static_cast<DType>(dtype)) + ")";
-  s << " (" << dtype_name(static_cast<DType>(dtype)) << ", count " << count;
+  std::string s = std::string(coll_kind_name(k)) + " #" + std::to_string(seq);
+  if (k == CollKind::kBarrier) return s;
+  if (k == CollKind::kExchange) return s + " (" + dtype_name(static_cast<DType>(dtype)) + ")";
+  s += std::string(" (") + dtype_name(static_cast<DType>(dtype)) + ", count " + std::to_string(count);
   if (k == CollKind::kAllReduce || k == CollKind::kReduceScatter)
-    s << ", op " << reduce_op_name(static_cast<ReduceOp>(op));
-  if (k == CollKind::kBroadcast) s << ", src " << root;
-  if (k == CollKind::kAllReduce && root != 0) s << ", root " << root;  // a reduce's destination
-  if ((k == CollKind::kAllGather || k == CollKind::kAllToAll) && root != 0)
-    s << ", tag " << std::hex << std::showbase << root << std::dec << std::noshowbase;
-  s << ", algo " << algo_name(static_cast<Algo>(algo)) << ")";  // algo is a byte: not a character
-  return s.str();
+    s += std::string(", op ") + reduce_op_name(static_cast<ReduceOp>(op));
+  if (k == CollKind::kBroadcast) s += ", src " + std::to_string(root);
+  if (k == CollKind::kAllReduce && root != 0) s += ", root " + std::to_string(root);  // a reduce's destination
+  if ((k == CollKind::kAllGather || k == CollKind::kAllToAll) && root != 0) {
+    char tag[24];
+    std::snprintf(tag, sizeof(tag), "%#llx", static_cast<unsigned long long>(root));
+    s += std::string(", tag ") + tag;
+  }
+  s += std::string(", algo ") + algo_name(static_cast<Algo>(algo)) + ")";  // algo is a byte: not a character
+  return s;
 }
 
 }  // namespace braid

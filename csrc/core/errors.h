@@ -34,4 +34,9 @@ class CommError : public std::runtime_error {
 // Thrown for errno-carrying system call failures during setup.
 [[noreturn]] void throw_system_error(const std::string& what, int err);
 
+// A number as messages show it (printf's %g: 6 significant digits, no trailing zeros). The core
+// builds its text without iostreams, whose inline code can disagree with an older libstdc++ at
+// run time (tunables.cc).
+std::string number_text(double x);
+
 }  // namespace braid

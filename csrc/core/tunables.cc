@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -63,6 +63,21 @@ double env_double(const char* name, double dflt) {
   return x;
 }
 
+// The first line of a small text file (sysfs), without its newline; empty when it cannot be read.
+// C stdio rather than iostreams: an extension built by one GCC may run against an older
+// libstdc++ (torch's toolchain, or the system's), whose locale facets the newer headers' inline
+// stream code does not match (a crash in Tunables::resolve on such a machine).
+std::string first_line(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return std::string();
+  char buf[64] = {0};
+  const bool ok = std::fgets(buf, sizeof(buf), f) != nullptr;
+  std::fclose(f);
+  std::string line = ok ? buf : "";
+  while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
 // The size of the last-level cache the ranks of the host share: the highest-level cache of CPU 0
 // that sysfs lists (the kernel's view; the CPUID figures the C library reports can describe the
 // physical host rather than the virtual machine), else sysconf, else 32 MiB.
@@ -71,10 +86,9 @@ size_t last_level_cache_bytes() {
   size_t best = 0;
   for (int i = 0; i < 16; ++i) {
     const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-    std::ifstream level_file(dir + "level"), size_file(dir + "size");
-    int level = 0;
-    std::string size;
-    if (!(level_file >> level) || !(size_file >> size)) break;
+    const std::string level_text = first_line(dir + "level"), size = first_line(dir + "size");
+    if (level_text.empty() || size.empty()) break;
+    const int level = std::atoi(level_text.c_str());
     char* end = nullptr;
     size_t bytes = std::strtoull(size.c_str(), &end, 10);
     if (*end == 'K') bytes <<= 10;

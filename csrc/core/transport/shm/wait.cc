@@ -9,7 +9,6 @@
 
 #include <climits>
 #include <cstring>
-#include <sstream>
 
 #include "wait.h"
 
@@ -126,10 +125,10 @@ std::string ShmGroup::rank_name(int r) const {
 }
 
 std::string ShmGroup::rank_label(int r) const {
-  std::ostringstream s;
-  s << rank_name(r);
-  if (r < static_cast<int>(info_.size())) s << " (pid " << info_[r].pid << " on " << info_[r].host << ")";
-  return s.str();
+  std::string s = rank_name(r);
+  if (r < static_cast<int>(info_.size()))
+    s += " (pid " + std::to_string(info_[r].pid) + " on " + info_[r].host + ")";
+  return s;
 }
 
 void ShmGroup::wait_slow(const int* peers, int npeers, uint64_t step) {

@@ -16,9 +16,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <sstream>
 #include <string>
 
+#include "../../errors.h"
 #include "../../interrupt.h"
 #include "group.h"
 #include "segment_header.h"
@@ -159,11 +159,9 @@ void ShmGroup::wait_until(const int* peers, int npeers, const Awaited& awaited, 
     }
     if (now >= deadline) {
       const double secs = std::chrono::duration<double>(policy_.timeout).count();
-      std::ostringstream s;
-      s << rank_name(rank_) << " timed out: no progress within the timeout of " << secs << " s"
-        << what_doing(" in ", doing) << " waiting for "
-        << missing_ranks(peers, npeers, awaited) << ", which did not arrive";
-      throw CommError(ErrorKind::kTimeout, s.str());
+      throw CommError(ErrorKind::kTimeout, rank_name(rank_) + " timed out: no progress within the timeout of " +
+                                               number_text(secs) + " s" + what_doing(" in ", doing) + " waiting for " +
+                                               missing_ranks(peers, npeers, awaited) + ", which did not arrive");
     }
     const auto slice = std::min<Clock::duration>(deadline - now, kLivenessPeriod);
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count();

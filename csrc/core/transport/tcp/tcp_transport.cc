@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "../../dtype.h"
@@ -472,12 +471,11 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
         const std::string& who = peers_[static_cast<size_t>(ops[i]->peer)].label;
         if (missing.find(who) == std::string::npos) missing += (missing.empty() ? "" : ", ") + who;
       }
-      std::ostringstream s;
-      s << "rank " << rank_ << " timed out: no progress within the timeout of "
-        << std::chrono::duration<double>(cfg_.timeout).count() << " s"
-        << (current_ != nullptr ? " in " + current_->describe() : std::string()) << " waiting for " << waiting
-        << ": nothing heard from " << missing;
-      throw CommError(ErrorKind::kTimeout, s.str());
+      throw CommError(ErrorKind::kTimeout,
+                      "rank " + std::to_string(rank_) + " timed out: no progress within the timeout of " +
+                          number_text(std::chrono::duration<double>(cfg_.timeout).count()) + " s" +
+                          (current_ != nullptr ? " in " + current_->describe() : std::string()) + " waiting for " +
+                          waiting + ": nothing heard from " + missing);
     }
   }
 }
