@@ -18,6 +18,7 @@ BENCHMARKS = {
     "multihost": "all_reduce across simulated hosts on shaped links: braid (exact, compressed) vs gloo",
     "pipeline": "torch.distributed.pipelining schedules at 2 and 4 stages: braid backend vs gloo, bubble",
     "cp": "ring (context-parallel) attention at 2 ranks vs one rank, communication hidden behind compute",
+    "staging": "CUDA tensors through braid's all_reduce: GB/s against pinned copies, chunk x slots (GPU)",
 }
 
 

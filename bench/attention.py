@@ -29,7 +29,8 @@ error of bfloat16 attention is dominated by the rounding of its inputs and outpu
     {"benchmark": "attention", "date": ISO 8601 UTC, "machine": {..., gpu, torch, triton, braid},
      "config": {dtype, head_dims, seqs, tokens, hidden, causal, impls, warmup_ms, rep_ms},
      "records": [{"impl", "pass", "head_dim", "causal", "seq", "batch", "heads", "time_ms",
-                  "tflops", "err", "wrong"}, ...]}
+                  "tflops", "err", "wrong"}, ...],
+     "tuned": ["KERNEL KEY: CONFIGURATION", ...]}   (the autotuner's choices, also printed)
 
 Without a CUDA GPU it says so and exits 0. Exit status 3 when a check failed.
 """
@@ -269,6 +270,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"# {len(wrong)} checks failed: " + ", ".join(
             f"{r['impl']} d={r['head_dim']} causal={r['causal']} seq={r['seq']} err={r['err']:.3g}"
             for r in wrong if r["pass"] == "fwd"))
+    tuned = _tuned_choices() if "braid" in impls else []
+    if tuned:
+        print("# braid's tile choices (autotuner, per kernel and key):")
+        print("\n".join(f"#   {t}" for t in tuned))
     print(f"# wall time {time.time() - started:.1f} s")
     if args.json:
         machine = dict(report.machine_info(), gpu=gpu, torch=torch.__version__,
@@ -278,10 +283,23 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                   "warmup_ms": args.warmup, "rep_ms": args.rep}
         report.write_json(args.json, {"benchmark": "attention",
                                       "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                      "machine": machine, "config": config, "records": records})
+                                      "machine": machine, "config": config, "records": records,
+                                      "tuned": tuned})
     if args.plot:
         plot(args.plot, records, impls, f"attention TFLOP/s, bf16 ({gpu})")
     return EXIT_FINDINGS if wrong else 0
+
+
+def _tuned_choices() -> list[str]:
+    """The configuration braid's autotuner chose for each kernel and key in this run (none with
+    BRAID_ATTENTION_AUTOTUNE=0)."""
+    from braid.kernels import attention_backward as bwd
+    from braid.kernels import attention_forward as fwd
+
+    tuners = (("forward", fwd._forward_tuned), ("dq", bwd._dq_tuned), ("dkdv", bwd._dkdv_tuned),
+              ("delta", bwd._delta_tuned))
+    return [f"{name} {key}: {config}" for name, tuner in tuners
+            for key, config in getattr(tuner, "cache", {}).items()]
 
 
 def _version(name: str) -> str | None:

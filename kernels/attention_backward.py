@@ -254,12 +254,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    interpreting = cfg.interpreting()
     block_d = cfg.block_d(head_dim)
+    fixed = {name: cfg.fixed_launch(name, q, block_d) for name in ("delta", "dkdv", "dq")}
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     delta_args = (o, do, delta, *strides(o), *strides(do), heads, seq_q)
-    if interpreting:
-        blocks = cfg.INTERPRETER_DELTA
+    if fixed["delta"]:
+        blocks = fixed["delta"]
         attention_delta_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](
             *delta_args, HEAD_DIM=head_dim, BLOCK_D=block_d, **blocks)
     else:
@@ -273,12 +273,12 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     use_tma = cfg.tensor_descriptors_requested() and all(cfg.descriptor_usable(t) for t in (q, k, v, do))
     # What each kernel streams: Q and dO for dK/dV, K and V for dQ; through descriptors with TMA,
-    # whose box is set per configuration (by the autotuner's pre-hook, or here for the interpreter).
+    # whose box is set per configuration (by the autotuner's pre-hook, or here for a fixed launch).
     dkdv_q, dkdv_do, dq_k, dq_v = q, do, k, v
     if use_tma:
-        rows = cfg.INTERPRETER_DKDV["BLOCK_M"] if interpreting else 64
+        rows = fixed["dkdv"]["BLOCK_M"] if fixed["dkdv"] else 64
         dkdv_q, dkdv_do = cfg.descriptor(q, rows, block_d), cfg.descriptor(do, rows, block_d)
-        rows = cfg.INTERPRETER_DQ["BLOCK_N"] if interpreting else 64
+        rows = fixed["dq"]["BLOCK_N"] if fixed["dq"] else 64
         dq_k, dq_v = cfg.descriptor(k, rows, block_d), cfg.descriptor(v, rows, block_d)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,
             "USE_TMA": use_tma}
@@ -287,14 +287,16 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                  *strides(do), *strides(dk), *strides(dv), kv_heads, group, *tail)
     dq_args = (q, dq_k, dq_v, do, lse2, delta, dq, *strides(q), *strides(k), *strides(v), *strides(do),
                *strides(dq), heads, group, *tail)
-    if interpreting:
-        blocks = cfg.INTERPRETER_DKDV
+    if fixed["dkdv"]:
+        blocks = fixed["dkdv"]
         attention_dkdv_kernel[(triton.cdiv(seq_k, blocks["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta,
                                                                                         **blocks)
-        blocks = cfg.INTERPRETER_DQ
+    else:
+        _dkdv_tuned[lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta)
+    if fixed["dq"]:
+        blocks = fixed["dq"]
         attention_dq_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*dq_args, **meta,
                                                                                      **blocks)
     else:
-        _dkdv_tuned[lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * kv_heads)](*dkdv_args, **meta)
         _dq_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*dq_args, **meta)
     return dq, dk, dv

@@ -26,6 +26,14 @@ def tensor_descriptors_requested() -> bool:
     return os.environ.get("BRAID_ATTENTION_TMA", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def autotuning() -> bool:
+    """BRAID_ATTENTION_AUTOTUNE=0 launches each kernel with one fixed configuration (FIXED_* below,
+    or the first of its search space that fits when that one does not) instead of searching: no
+    compile of every candidate at the first call of each key, at the price of tiles not tuned to
+    the shape. On by default."""
+    return os.environ.get("BRAID_ATTENTION_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def descriptor_usable(t: torch.Tensor) -> bool:
     """Whether a (B, H, S, D) tensor meets the TMA rules: 16-byte aligned base and row strides,
     contiguous last dim, half-precision elements (the only ones the descriptor path is built for)."""
@@ -136,6 +144,35 @@ def _pruner(resident: tuple[str, int], streamed: tuple[str, int]):
 PRUNE_FORWARD = {"early_config_prune": _pruner(("BLOCK_M", 1), ("BLOCK_N", 2))}
 PRUNE_DQ = {"early_config_prune": _pruner(("BLOCK_M", 2), ("BLOCK_N", 2))}
 PRUNE_DKDV = {"early_config_prune": _pruner(("BLOCK_N", 2), ("BLOCK_M", 2))}
+
+# Without the search (BRAID_ATTENTION_AUTOTUNE=0): the register-spill-free tiles of the note above
+# the search spaces, each tried first and, where its tiles do not fit the head dim, followed by its
+# search space in order.
+FIXED_FORWARD = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)
+FIXED_DQ = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
+FIXED_DKDV = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+FIXED_DELTA = triton.Config({"BLOCK_M": 64}, num_warps=4)
+_FIXED = {"forward": ([FIXED_FORWARD, *FORWARD_CONFIGS], PRUNE_FORWARD["early_config_prune"],
+                      INTERPRETER_FORWARD),
+          "dq": ([FIXED_DQ, *DQ_CONFIGS], PRUNE_DQ["early_config_prune"], INTERPRETER_DQ),
+          "dkdv": ([FIXED_DKDV, *DKDV_CONFIGS], PRUNE_DKDV["early_config_prune"], INTERPRETER_DKDV),
+          "delta": ([FIXED_DELTA], None, INTERPRETER_DELTA)}
+
+
+def fixed_launch(kernel: str, q: torch.Tensor, block_d: int) -> dict | None:
+    """The launch arguments (block sizes, and on a GPU num_warps and num_stages) of ``kernel``
+    ("forward", "dq", "dkdv", "delta") when it runs without the autotuner: in the interpreter, or
+    with BRAID_ATTENTION_AUTOTUNE=0; None when the autotuner chooses. ``q`` (the queries) and
+    ``block_d`` decide which tiles fit in shared memory."""
+    configs, prune, interpreter = _FIXED[kernel]
+    if interpreting():
+        return dict(interpreter)
+    if autotuning():
+        return None
+    if prune is not None:
+        configs = prune(configs, {"Q": q}, BLOCK_D=block_d)
+    chosen = configs[0]
+    return {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
 
 
 # Autotuning keys: a new configuration is chosen per head dim, causal flag, length bucket and load

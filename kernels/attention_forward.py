@@ -175,21 +175,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     o = torch.empty_like(q)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     block_d = cfg.block_d(head_dim)
-    interpreting = cfg.interpreting()
+    fixed = cfg.fixed_launch("forward", q, block_d)
     use_tma = (cfg.tensor_descriptors_requested() and cfg.descriptor_usable(k) and cfg.descriptor_usable(v))
     k_arg, v_arg = k, v
     if use_tma:
-        # The box is set per configuration: by the autotuner's pre-hook, or here for the interpreter.
-        block_n = cfg.INTERPRETER_FORWARD["BLOCK_N"] if interpreting else 64
+        # The box is set per configuration: by the autotuner's pre-hook, or here for a fixed launch.
+        block_n = fixed["BLOCK_N"] if fixed else 64
         k_arg, v_arg = cfg.descriptor(k, block_n, block_d), cfg.descriptor(v, block_n, block_d)
     args = (q, k_arg, v_arg, o, lse, *strides(q), *strides(k), *strides(v), *strides(o),
             heads, group, seq_q, seq_k, scale * LOG2E, cfg.bucket(seq_q), cfg.bucket(seq_k))
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "CAUSAL": causal, "DOT_PRECISION": dot_precision,
             "USE_TMA": use_tma}
-    if interpreting:
-        blocks = cfg.INTERPRETER_FORWARD
-        attention_forward_kernel[(triton.cdiv(seq_q, blocks["BLOCK_M"]), batch * heads)](*args, **meta,
-                                                                                         **blocks)
+    if fixed:
+        grid = (triton.cdiv(seq_q, fixed["BLOCK_M"]), batch * heads)
+        attention_forward_kernel[grid](*args, **meta, **fixed)
     else:
         _forward_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * heads)](*args, **meta)
     return o, lse

@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
 # change algorithms and thresholds under the tests, which set every tunable they rely on.
 for _name in [n for n in os.environ if n.startswith("BRAID_")]:
     del os.environ[_name]
+# The GPU tests check the attention kernels' results: one fixed launch per key compiles each
+# kernel once, where the autotuner compiles every candidate (minutes per head dim and causal
+# flag). test_gpu_autotuned runs the search.
+os.environ["BRAID_ATTENTION_AUTOTUNE"] = "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

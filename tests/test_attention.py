@@ -368,6 +368,42 @@ GPU_SHAPES = [(2, 16, 16, 1024, 1024, 128), (2, 16, 4, 1000, 1536, 64), (1, 8, 1
 def test_gpu_real_sizes_against_float32(shape, causal, dtype):
     """Real sizes on the GPU; the truth is float32 here (float64 attention would be slow), still
     far more accurate than the half types under test. The yardstick is torch's SDPA in `dtype`."""
+    check_real_size(shape, causal, dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_autotuned(monkeypatch):
+    """The autotuner's choice (every candidate compiled and timed; the other tests launch one fixed
+    configuration) is as accurate, on a ragged length in both directions."""
+    monkeypatch.setenv("BRAID_ATTENTION_AUTOTUNE", "1")
+    for causal in (False, True):
+        check_real_size((2, 8, 2, 1000, 1000, 64), causal, torch.bfloat16)
+
+
+def test_fixed_launch_without_the_autotuner(monkeypatch):
+    """BRAID_ATTENTION_AUTOTUNE=0 takes each kernel's fixed tiles, or the first of its search space
+    that fits the head dim; the interpreter always has its own; with the autotuner, none."""
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert attention_configs.fixed_launch("forward", q, 128) == attention_configs.INTERPRETER_FORWARD
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("BRAID_ATTENTION_AUTOTUNE", "1")
+    assert attention_configs.fixed_launch("dq", q, 128) is None
+    monkeypatch.setenv("BRAID_ATTENTION_AUTOTUNE", "0")
+    assert attention_configs.fixed_launch("forward", q, 128) == {"BLOCK_M": 128, "BLOCK_N": 64,
+                                                                 "num_warps": 8, "num_stages": 2}
+    assert attention_configs.fixed_launch("delta", q, 128) == {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+    # At d = 256 a 128-row tile would spill its accumulators: the first of the forward's search
+    # space (64 x 32) is taken.
+    wide = torch.empty(1, 1, 1, 256, dtype=torch.bfloat16)
+    assert attention_configs.fixed_launch("forward", wide, 256) == {"BLOCK_M": 64, "BLOCK_N": 32,
+                                                                    "num_warps": 4, "num_stages": 2}
+
+
+def check_real_size(shape, causal, dtype):
+    """Braid's output, LSE and gradients at ``shape`` against float32 attention, with torch's SDPA
+    in ``dtype`` as the yardstick of the rounding."""
     q, k, v, do, _ = make_inputs(*shape, dtype=dtype)
     # torch's SDPA does not return the LSE: the loss has no LSE term here (the small-shape tests
     # cover its gradient), and braid's LSE is compared with the float32 truth directly.

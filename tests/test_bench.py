@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from braid.bench import protocol
 
 
@@ -231,6 +232,8 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["multihost", "--compressors", "zip"], "unknown 'zip'"),
     (["multihost", "--iters", "1"], "--iters must be >= 2"),
     (["multihost", "--plot", "x.pdf"], "must end in .png"),
+    (["staging", "--sizes", "0"], "--sizes takes positive integers"),
+    (["staging", "--nproc", "1"], "--nproc must be at least 2"),
 ])
 def test_bad_benchmark_arguments_stop_before_running(argv, message):
     """Bad options are usage errors (exit status 2) before anything runs, instead of tracebacks
@@ -239,6 +242,13 @@ def test_bad_benchmark_arguments_stop_before_running(argv, message):
                           timeout=60)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_staging_benchmark_without_a_gpu_says_so():
+    proc = subprocess.run([sys.executable, "-m", "braid.bench", "staging"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path):
