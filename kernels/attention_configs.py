@@ -96,8 +96,9 @@ def _configs(blocks_m: tuple[int, ...], blocks_n: tuple[int, ...], warps: tuple[
 # every candidate for sm_90 with Triton 3.9 and reading ptxas' report (bf16, d = 128, 2 stages):
 # only narrow key tiles stay free of register spills there (forward 128 x 64 or 64 x 32 with
 # 8 warps, dQ 64 x 32, dK/dV 16..64 x 32), while the wider ones spill hundreds of bytes per
-# thread. None has been timed on a GPU yet: the autotuner picks among them at the first call for
-# each key, which compiles each candidate once (a minute or two per head dim and causal flag).
+# thread. The autotuner picks among them at the first call for each key, which compiles each
+# candidate once (on an H200 machine, the attention benchmark at one head dim and causal flag, two
+# lengths, took 93 s, compiles included); its choices there are in docs/results/2026-11-26-h200.md.
 FORWARD_CONFIGS = _configs((64, 128), (32, 64, 128), (4, 8), (2, 3),
                            pre_hook=_descriptor_boxes(("K", "V"), "BLOCK_N"))
 DQ_CONFIGS = _configs((64, 128), (32, 64), (4, 8), (2, 3), pre_hook=_descriptor_boxes(("K", "V"), "BLOCK_N"))
@@ -145,13 +146,13 @@ PRUNE_FORWARD = {"early_config_prune": _pruner(("BLOCK_M", 1), ("BLOCK_N", 2))}
 PRUNE_DQ = {"early_config_prune": _pruner(("BLOCK_M", 2), ("BLOCK_N", 2))}
 PRUNE_DKDV = {"early_config_prune": _pruner(("BLOCK_N", 2), ("BLOCK_M", 2))}
 
-# Without the search (BRAID_ATTENTION_AUTOTUNE=0): the register-spill-free tiles of the note above
-# the search spaces, each tried first and, where its tiles do not fit the head dim, followed by its
-# search space in order.
-FIXED_FORWARD = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)
-FIXED_DQ = triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)
-FIXED_DKDV = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2)
-FIXED_DELTA = triton.Config({"BLOCK_M": 64}, num_warps=4)
+# Without the search (BRAID_ATTENTION_AUTOTUNE=0): what the autotuner chose on an H200 for bf16,
+# head dim 128, causal, 8192 positions (docs/results/2026-11-26-h200.md), each tried first and,
+# where its tiles do not fit the head dim and dtype, followed by its search space in order.
+FIXED_FORWARD = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
+FIXED_DQ = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
+FIXED_DKDV = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+FIXED_DELTA = triton.Config({"BLOCK_M": 64}, num_warps=8)
 _FIXED = {"forward": ([FIXED_FORWARD, *FORWARD_CONFIGS], PRUNE_FORWARD["early_config_prune"],
                       INTERPRETER_FORWARD),
           "dq": ([FIXED_DQ, *DQ_CONFIGS], PRUNE_DQ["early_config_prune"], INTERPRETER_DQ),

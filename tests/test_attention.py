@@ -392,8 +392,8 @@ def test_fixed_launch_without_the_autotuner(monkeypatch):
     assert attention_configs.fixed_launch("dq", q, 128) is None
     monkeypatch.setenv("BRAID_ATTENTION_AUTOTUNE", "0")
     assert attention_configs.fixed_launch("forward", q, 128) == {"BLOCK_M": 128, "BLOCK_N": 64,
-                                                                 "num_warps": 8, "num_stages": 2}
-    assert attention_configs.fixed_launch("delta", q, 128) == {"BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
+                                                                 "num_warps": 8, "num_stages": 3}
+    assert attention_configs.fixed_launch("delta", q, 128) == {"BLOCK_M": 64, "num_warps": 8, "num_stages": 3}
     # At d = 256 a 128-row tile would spill its accumulators: the first of the forward's search
     # space (64 x 32) is taken.
     wide = torch.empty(1, 1, 1, 256, dtype=torch.bfloat16)
