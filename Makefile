@@ -124,12 +124,20 @@ gpu-build:
 	MAX_JOBS=$(GPU_JOBS) $(GPU_PY) -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -20 | tee $(GPU_OUT)/build.log
 	$(GPU_PY) -c "import torch; from braid.comm import _C; assert torch.cuda.is_available(), 'no CUDA device'; \
 	  assert _C.has_cuda_kernels, 'built without the CUDA kernels'; print(torch.cuda.get_device_name(0))" | tee -a $(GPU_OUT)/build.log
+# The communicator's and the compression kernels' tests first (quick); then the attention tests,
+# whose time goes to compiling the kernels for each shape class (about 6 s per test on an H200
+# machine's CPUs), spread over GPU_TEST_WORKERS processes where pytest-xdist is installed.
+GPU_TEST_WORKERS ?= 8
 gpu-test:
 	mkdir -p $(GPU_OUT)
+	status=0; \
 	$(GPU_PY) -m pytest tests/test_cuda_comm.py tests/test_cuda_backend.py tests/test_pg_compression.py \
 	  tests/test_compression_cuda.py tests/test_compression_kernels.py tests/test_cp.py::test_ring_attention_on_gpu \
-	  tests/test_attention_sm90.py tests/test_attention.py -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; \
-	  exit $${PIPESTATUS[0]}
+	  -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	workers=$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
+	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py $$workers -q -rs -p no:cacheprovider 2>&1 \
+	  | tee -a $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	exit $$status
 gpu-bench:
 	mkdir -p $(GPU_OUT)
 	status=0; \

@@ -374,11 +374,10 @@ def test_gpu_real_sizes_against_float32(shape, causal, dtype):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_autotuned(monkeypatch):
-    """The autotuner's choice (every candidate compiled and timed; the other tests launch one fixed
-    configuration) is as accurate, on a ragged length in both directions."""
+    """The autotuner's choice (every candidate compiled and timed, about a minute and a half; the
+    other tests launch one fixed configuration) is as accurate, on a ragged causal length with GQA."""
     monkeypatch.setenv("BRAID_ATTENTION_AUTOTUNE", "1")
-    for causal in (False, True):
-        check_real_size((2, 8, 2, 1000, 1000, 64), causal, torch.bfloat16)
+    check_real_size((2, 8, 2, 1000, 1000, 64), True, torch.bfloat16)
 
 
 def test_fixed_launch_without_the_autotuner(monkeypatch):
