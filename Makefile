@@ -119,9 +119,12 @@ GPU_PY ?= python3
 GPU_OUT ?= results/gpu
 GPU_JOBS ?= $(shell nproc)
 .PHONY: gpu-build gpu-test gpu-bench
+# gpu-build: the whole compiler output goes to the log; the first errors and its end are shown.
 gpu-build:
 	mkdir -p $(GPU_OUT)
-	MAX_JOBS=$(GPU_JOBS) $(GPU_PY) -m pip install --no-build-isolation --no-deps -e . 2>&1 | tail -20 | tee $(GPU_OUT)/build.log
+	MAX_JOBS=$(GPU_JOBS) $(GPU_PY) -m pip install --no-build-isolation --no-deps -v -e . > $(GPU_OUT)/build.log 2>&1; \
+	  status=$$?; grep -E -A4 "error:|Error " $(GPU_OUT)/build.log | head -60; tail -5 $(GPU_OUT)/build.log; \
+	  exit $$status
 	$(GPU_PY) -c "import torch; from braid.comm import _C; assert torch.cuda.is_available(), 'no CUDA device'; \
 	  assert _C.has_cuda_kernels, 'built without the CUDA kernels'; print(torch.cuda.get_device_name(0))" | tee -a $(GPU_OUT)/build.log
 # The communicator's and the compression kernels' tests first (quick); then the attention tests,
