@@ -115,7 +115,7 @@ py::tuple top_k_cuda(py::handle input, int64_t k) {
   at::Tensor indices = at::empty({kk}, in.options().dtype(at::kInt));
   TopKPath path;
   {
-    py::gil_scoped_release nogil;  // synchronizes the stream
+    py::gil_scoped_release nogil;  // waits for the stream (the candidate count)
     check_cuda(cuda::top_k_select(to_dtype(in.scalar_type(), "input"), in.data_ptr(), static_cast<size_t>(in.numel()),
                                   static_cast<size_t>(kk), values.data_ptr<float>(), indices.data_ptr<int32_t>(),
                                   &path, c10::cuda::getCurrentCUDAStream()),

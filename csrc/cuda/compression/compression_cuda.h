@@ -25,8 +25,9 @@ cudaError_t dequantize_accumulate(QuantFormat fmt, const uint8_t* in, size_t cou
 cudaError_t error_feedback_update(DType dtype, const void* in, float* residual, const float* sent, size_t count,
                                   cudaStream_t stream);
 
-// As braid::top_k_select, and selecting the same elements. Synchronizes `stream`: the sampled
-// threshold and the final trim of the candidates run on the host.
+// As braid::top_k_select, and selecting the same elements. Waits once for `stream`: the host reads
+// the candidate count, which decides the path (the rare exact path then runs on the host and
+// synchronizes again); the sampled path's results are ready in `stream` order when it returns.
 cudaError_t top_k_select(DType dtype, const void* in, size_t count, size_t k, float* values, int32_t* indices,
                          TopKPath* path, cudaStream_t stream);
 // acc[indices[i]] += values[i]; indices of one call must be distinct (as top_k_select's are),

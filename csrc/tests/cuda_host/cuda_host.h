@@ -115,6 +115,10 @@ inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
   std::free(p);
   return cudaSuccess;
 }
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t) {
+  if (n != 0) std::memset(p, value, n);
+  return cudaSuccess;
+}
 
 // ---- device functions ------------------------------------------------------------------------
 // Explicitly rounded arithmetic: plain IEEE operations, since the emulation is built with
@@ -137,6 +141,13 @@ using std::max;
 using std::min;
 
 inline void __syncthreads() { cuda_host::sync_block(); }
+// Blocks run one after another and a block's fibers switch only at barriers: a plain
+// read-modify-write is atomic here.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
 
 template <class T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
