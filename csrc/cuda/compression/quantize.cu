@@ -1,7 +1,7 @@
-// CUDA block quantization: one thread block per quantization block (each takes several when there
-// are more than kMaxGrid); the block is staged in shared memory, its absmax reduced with warp
-// shuffles, then rounded (nearest or stochastic from the same counter-based stream as the CPU)
-// and packed.
+// CUDA block quantization: one warp per quantization block (a warp takes several when there are
+// more than the grid holds): its absmax reduced with warp shuffles, then each value rounded
+// (nearest or stochastic from the same counter-based stream as the CPU) and packed. Dequantizing:
+// one thread block per quantization block.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -30,81 +30,82 @@ Layout layout_of(QuantFormat fmt, size_t chunk) {
                 fmt.block, fmt.bits, static_cast<float>(fmt.qmax())};
 }
 
-// The block's largest magnitude, given each thread's largest |x|: compared as bit patterns, as
-// the CPU does, so that a NaN in the block is the maximum (fmaxf would skip it, and the NaN would
-// then be encoded as -qmax instead of spoiling its block as it does on the CPU).
-__device__ float block_max(float v) {
-  __shared__ unsigned partial[32];
-  unsigned u = __float_as_uint(v);
-  for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) partial[warp] = u;
-  __syncthreads();
-  if (warp == 0) {
-    u = lane < static_cast<int>((blockDim.x + 31) / 32) ? partial[lane] : 0u;
-    for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
-    if (lane == 0) partial[0] = u;
-  }
-  __syncthreads();
-  return __uint_as_float(partial[0]);
-}
-
 // Thread blocks launched for `n` quantization blocks: the kernels loop over the rest (a grid is at
 // most 2^31 - 1 blocks wide, and tiny quantization blocks on a large tensor can need more).
 constexpr size_t kMaxGrid = size_t(1) << 20;
 unsigned grid_of(size_t n) { return static_cast<unsigned>(n < kMaxGrid ? n : kMaxGrid); }
 
+// Quantization: one warp per quantization block, kQuantizeWarps warps per thread block. A warp
+// needs no shared memory and no block-wide barrier: its lanes take the block's absmax with
+// shuffles, then round what they read again (from L1: the warp has just read it).
+constexpr unsigned kQuantizeWarps = 8;
+
+// x as quantized: the input plus its error-feedback residual, when there is one.
+template <class T>
+__device__ __forceinline__ float staged(const T* in, const float* residual, size_t i) {
+  return residual != nullptr ? __fadd_rn(load_f32(in, i), residual[i]) : load_f32(in, i);
+}
+
+// Element i of the block rounded (nearest, or stochastic from the CPU's counter-based stream) and
+// clamped; its residual, when kept, becomes what the rounding lost.
+template <class T>
+__device__ __forceinline__ float quantize_one(const T* in, float* residual, size_t i, float inv, float scale,
+                                              float qmax, bool stochastic, RngKey key, uint64_t index_base) {
+  const float x = staged(in, residual, i);
+  const float v = __fmul_rn(x, inv);
+  float q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + i))) : rintf(v);
+  q = fminf(qmax, fmaxf(-qmax, q));
+  if (residual != nullptr) residual[i] = finite_or_zero(__fsub_rn(x, __fmul_rn(q, scale)));
+  return q;
+}
+
 template <class T>
 __global__ void quantize_kernel(Layout L, size_t nblocks, const T* __restrict__ in, float* __restrict__ residual,
                                 size_t count, bool stochastic, RngKey key, uint64_t index_base,
                                 uint8_t* __restrict__ out) {
-  extern __shared__ float xs[];  // the block's inputs, then its rounded values
-  for (size_t g = blockIdx.x; g < nblocks; g += gridDim.x) {
+  const unsigned lane = threadIdx.x & 31;
+  const size_t warps = static_cast<size_t>(gridDim.x) * (blockDim.x / 32);
+  for (size_t g = blockIdx.x * static_cast<size_t>(blockDim.x / 32) + threadIdx.x / 32; g < nblocks; g += warps) {
     const size_t j = g / L.blocks_per_chunk, b = g % L.blocks_per_chunk;
     const size_t first = j * L.chunk + b * L.block;  // element index of the block's first element
     const size_t mb = min(L.block, L.chunk - b * L.block);
     const size_t m = first < count ? min(mb, count - first) : 0;
-    float amax = 0.0f;
-    for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
-      float x = 0.0f;
-      if (k < m) x = residual != nullptr ? __fadd_rn(load_f32(in, first + k), residual[first + k]) : load_f32(in, first + k);
-      xs[k] = x;
-      amax = __uint_as_float(max(__float_as_uint(amax), __float_as_uint(fabsf(x))));
-    }
-    amax = block_max(amax);
-    float scale = __fdiv_rn(amax, L.qmax);
-    float inv = amax > 0.0f ? __fdiv_rn(L.qmax, amax) : 0.0f;
+    // The largest magnitude compared as bit patterns, as the CPU does, so that a NaN in the block
+    // is the maximum (fmaxf would skip it, and the NaN would then be encoded as -qmax instead of
+    // spoiling its block as it does on the CPU).
+    unsigned amax = 0;
+    for (size_t k = lane; k < m; k += 32) amax = max(amax, __float_as_uint(fabsf(staged(in, residual, first + k))));
+    for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float a = __uint_as_float(amax);
+    float scale = __fdiv_rn(a, L.qmax);
+    float inv = a > 0.0f ? __fdiv_rn(L.qmax, a) : 0.0f;
     if (inv > FLT_MAX) {  // a block below ~1e-37 is sent as zeros, as on the CPU
       inv = 0.0f;
       scale = 0.0f;
     }
     uint8_t* o = out + j * L.chunk_bytes;
-    if (threadIdx.x == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
-    if (b == 0 && threadIdx.x < L.scales_offset - L.value_bytes) o[L.value_bytes + threadIdx.x] = 0;  // padding
-    for (size_t k = threadIdx.x; k < mb; k += blockDim.x) {
-      float q = 0.0f;
-      if (k < m) {
-        const float v = __fmul_rn(xs[k], inv);
-        q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + first + k))) : rintf(v);
-        q = fminf(L.qmax, fmaxf(-L.qmax, q));
-        if (residual != nullptr) residual[first + k] = finite_or_zero(__fsub_rn(xs[k], __fmul_rn(q, scale)));
+    if (lane == 0) reinterpret_cast<float*>(o + L.scales_offset)[b] = scale;
+    if (b == 0 && lane < L.scales_offset - L.value_bytes) o[L.value_bytes + lane] = 0;  // padding
+    // Past the tensor's end (k >= m) a block's values are zeros.
+    if (L.bits == 8) {
+      int8_t* vals = reinterpret_cast<int8_t*>(o) + b * L.block;
+      for (size_t k = lane; k < mb; k += 32) {
+        const float q = k < m ? quantize_one(in, residual, first + k, inv, scale, L.qmax, stochastic, key, index_base)
+                              : 0.0f;
+        vals[k] = static_cast<int8_t>(q);
       }
-      if (L.bits == 8) {
-        reinterpret_cast<int8_t*>(o)[b * L.block + k] = static_cast<int8_t>(q);
-      } else {
-        xs[k] = q;
-      }
-    }
-    if (L.bits == 4) {
-      __syncthreads();
+    } else {  // int4: a lane packs the two values of a byte
       uint8_t* vals = o + b * L.block / 2;
-      for (size_t p = threadIdx.x; p < (mb + 1) / 2; p += blockDim.x) {
-        const int lo = static_cast<int>(xs[2 * p]) + 8;
-        const int hi = (2 * p + 1 < mb ? static_cast<int>(xs[2 * p + 1]) : 0) + 8;
-        vals[p] = static_cast<uint8_t>(lo | (hi << 4));
+      for (size_t p = lane; p < (mb + 1) / 2; p += 32) {
+        const size_t k = 2 * p;
+        const float lo = k < m ? quantize_one(in, residual, first + k, inv, scale, L.qmax, stochastic, key, index_base)
+                               : 0.0f;
+        const float hi = k + 1 < m ? quantize_one(in, residual, first + k + 1, inv, scale, L.qmax, stochastic, key,
+                                                  index_base)
+                                   : 0.0f;
+        vals[p] = static_cast<uint8_t>((static_cast<int>(lo) + 8) | ((static_cast<int>(hi) + 8) << 4));
       }
     }
-    __syncthreads();  // xs and block_max's partials are reused by the next quantization block
   }
 }
 
@@ -148,7 +149,7 @@ cudaError_t launch_quantize(QuantFormat fmt, const void* in, float* residual, si
   const Layout L = layout_of(fmt, chunk);
   const size_t grid = nchunks * L.blocks_per_chunk;
   if (grid == 0) return cudaSuccess;
-  quantize_kernel<T><<<grid_of(grid), threads_for(fmt.block), fmt.block * sizeof(float), stream>>>(
+  quantize_kernel<T><<<grid_of((grid + kQuantizeWarps - 1) / kQuantizeWarps), 32 * kQuantizeWarps, 0, stream>>>(
       L, grid, static_cast<const T*>(in), residual, count, stochastic, rng_key(seed), index_base, out);
   return cudaGetLastError();
 }
