@@ -270,7 +270,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print(f"# {len(wrong)} checks failed: " + ", ".join(
             f"{r['impl']} d={r['head_dim']} causal={r['causal']} seq={r['seq']} err={r['err']:.3g}"
             for r in wrong if r["pass"] == "fwd"))
-    tuned = _tuned_choices() if "braid" in impls else []
+    tuned = []
+    if "braid" in impls:
+        from braid.kernels.attention import autotuner_choices
+
+        tuned = autotuner_choices()
     if tuned:
         print("# braid's tile choices (autotuner, per kernel and key):")
         print("\n".join(f"#   {t}" for t in tuned))
@@ -288,18 +292,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if args.plot:
         plot(args.plot, records, impls, f"attention TFLOP/s, bf16 ({gpu})")
     return EXIT_FINDINGS if wrong else 0
-
-
-def _tuned_choices() -> list[str]:
-    """The configuration braid's autotuner chose for each kernel and key in this run (none with
-    BRAID_ATTENTION_AUTOTUNE=0)."""
-    from braid.kernels import attention_backward as bwd
-    from braid.kernels import attention_forward as fwd
-
-    tuners = (("forward", fwd._forward_tuned), ("dq", bwd._dq_tuned), ("dkdv", bwd._dkdv_tuned),
-              ("delta", bwd._delta_tuned))
-    return [f"{name} {key}: {config}" for name, tuner in tuners
-            for key, config in getattr(tuner, "cache", {}).items()]
 
 
 def _version(name: str) -> str | None:

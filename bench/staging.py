@@ -38,8 +38,10 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
+from braid import comm
+from braid.comm import _C
 
-from . import launch, report
+from . import launch, report, turns
 
 MiB = 1 << 20
 DEFAULT_SIZES = (16, 64, 256)
@@ -71,9 +73,7 @@ def _timed(fn: Callable[[], object], config: Config) -> float:
             fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - begin) / config.repeats)
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+    return statistics.median(turns.max_over_ranks(times))
 
 
 def _exact(c, numel: int, device: torch.device, rank: int, world_size: int) -> bool:
@@ -108,8 +108,6 @@ def _measure(c, size_mib: int, device: torch.device, rank: int, world_size: int,
 
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
-    from braid import comm
-
     launch.start_rank(rank, world_size, store_port, bind="none", threads=1, timeout_s=config.timeout)
     records = []
     try:
@@ -218,8 +216,6 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print("braid.bench staging: needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return launch.EXIT_FAILED
-    from braid.comm import _C
-
     if not getattr(_C, "has_cuda_kernels", False):
         print("braid.bench staging: this braid build has no CUDA (build it where torch has CUDA and "
               "nvcc is found)", file=sys.stderr)

@@ -183,6 +183,16 @@ def _torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return out, lse.float()
 
 
+def autotuner_choices() -> list[str]:
+    """``"KERNEL KEY: CONFIGURATION"`` for each configuration the autotuner has chosen in this
+    process (none with BRAID_ATTENTION_AUTOTUNE=0 or before a GPU call)."""
+    from .attention_backward import AUTOTUNERS as backward
+    from .attention_forward import AUTOTUNERS as forward
+
+    return [f"{name} {key}: {config}" for name, tuner in {**forward, **backward}.items()
+            for key, config in getattr(tuner, "cache", {}).items()]
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, return_lse: bool = False
                     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -242,6 +242,8 @@ _dkdv_tuned = triton.autotune(cfg.DKDV_CONFIGS, key=cfg.TUNING_KEY,
                               prune_configs_by=cfg.PRUNE_DKDV)(attention_dkdv_kernel)
 _dq_tuned = triton.autotune(cfg.DQ_CONFIGS, key=cfg.TUNING_KEY,
                             prune_configs_by=cfg.PRUNE_DQ)(attention_dq_kernel)
+# By kernel name, for attention.autotuner_choices().
+AUTOTUNERS = {"delta": _delta_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned}
 
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

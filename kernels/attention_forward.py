@@ -141,6 +141,8 @@ def attention_forward_kernel(
 
 _forward_tuned = triton.autotune(cfg.FORWARD_CONFIGS, key=cfg.TUNING_KEY,
                                  prune_configs_by=cfg.PRUNE_FORWARD)(attention_forward_kernel)
+# By kernel name, for attention.autotuner_choices().
+AUTOTUNERS = {"forward": _forward_tuned}
 
 
 def strides(t: torch.Tensor) -> tuple[int, ...]:

@@ -400,6 +400,20 @@ def test_fixed_launch_without_the_autotuner(monkeypatch):
                                                                     "num_warps": 4, "num_stages": 2}
 
 
+def test_autotuner_choices_name_each_kernel_and_key(monkeypatch):
+    """What the attention benchmark prints of the autotuner: one line per kernel and key chosen."""
+    from braid.kernels import attention_backward, attention_forward
+
+    for tuner in (*attention_forward.AUTOTUNERS.values(), *attention_backward.AUTOTUNERS.values()):
+        monkeypatch.setattr(tuner, "cache", {})
+    assert attention.autotuner_choices() == []
+    monkeypatch.setattr(attention_forward.AUTOTUNERS["forward"], "cache",
+                        {(1024, 128, True): attention_configs.FIXED_FORWARD})
+    monkeypatch.setattr(attention_backward.AUTOTUNERS["dq"], "cache", {(64,): attention_configs.FIXED_DQ})
+    assert attention.autotuner_choices() == [f"forward (1024, 128, True): {attention_configs.FIXED_FORWARD}",
+                                             f"dq (64,): {attention_configs.FIXED_DQ}"]
+
+
 def check_real_size(shape, causal, dtype):
     """Braid's output, LSE and gradients at ``shape`` against float32 attention, with torch's SDPA
     in ``dtype`` as the yardstick of the rounding."""
