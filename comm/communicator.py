@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import _C
 from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
+from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group
 from .hosts import host_identity, host_numbers
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
@@ -83,20 +84,6 @@ class P2POp:
         return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
 
 
-# What the parts built on a communicator (TP layers, the sharded wrapper, FSDP2's comms) call on it.
-COMMUNICATOR_METHODS = ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
-
-def check_communicator(communicator: object, where: Optional[str] = None) -> None:
-    """Raises a TypeError naming the argument (prefixed with ``where``, the caller's name) unless
-    ``communicator`` has what a braid Communicator offers the parts built on it (any object with
-    the same methods passes: a stand-in in tests, a wrapper of one's own)."""
-    if not all(hasattr(communicator, attr) for attr in COMMUNICATOR_METHODS):
-        prefix = f"{where}: " if where else ""
-        raise TypeError(f"{prefix}communicator must be a braid.comm.Communicator, "
-                        f"got {type(communicator).__name__}")
-
-
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
 
@@ -139,7 +126,7 @@ def _close_soon(c) -> None:
         c.close()
 
 
-class Communicator(CompressionHost):
+class Communicator(CompressionHost, Group):
     """A group of ranks running braid collectives on CPU tensors and (builds with CUDA) CUDA tensors.
 
     Args:
@@ -165,7 +152,13 @@ class Communicator(CompressionHost):
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
     published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface
     ``BRAID_SOCKET_IFNAME`` names or else the one that routes to the store's host.
+
+    It is a :class:`~braid.comm.group.Group`: every braid layer runs on it as on a torch process
+    group, and finds its fused paths among ``capabilities`` (the compressed all-reduce in one call,
+    host-aware algorithms).
     """
+
+    capabilities = frozenset({COMPRESSED_ALL_REDUCE, HIERARCHICAL})
 
     def __init__(self, store: "dist.Store", rank: int, world_size: int, *,
                  timeout: Union[timedelta, float] = timedelta(seconds=300),
@@ -361,6 +354,16 @@ class Communicator(CompressionHost):
     @property
     def closed(self) -> bool:
         return self._c.closed
+
+    def device_problem(self, device: torch.device) -> Optional[str]:
+        """Why tensors on ``device`` cannot travel through this communicator (None: they can)."""
+        kind = torch.device(device).type
+        if kind == "cpu" or (kind == "cuda" and _CUDA_BUILD):
+            return None
+        if kind == "cuda":
+            return ("this braid build has no CUDA path (build braid where torch has CUDA and nvcc "
+                    "exists), so its Communicator takes CPU tensors only; or run over an NCCL process group")
+        return f"a braid Communicator takes CPU{' and CUDA' if _CUDA_BUILD else ''} tensors, not {kind}"
 
     def all_reduce_algorithm(self, nbytes: int) -> str:
         """Name of the algorithm all_reduce uses for a message of ``nbytes`` bytes: on one host

@@ -11,11 +11,13 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from braid.bench.models import BLOCK_PLAN, BLOCK_SEQUENCE_PLAN, Block, LanguageModel, lm_plan
 from braid.comm import tp
 from helpers import MatmulRecorder
-from helpers.ranks import make_comm, run_ranks
+from braid.comm.group import as_group
+from helpers.ranks import CARRIERS, carrier, make_comm, run_ranks
 from torch import nn
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -24,7 +26,14 @@ VOCAB, DIM, HEADS, HIDDEN, BATCH, SEQ = 48, 24, 12, 48, 2, 12  # all divide by 2
 
 # -- helpers run in the ranks --------------------------------------------------------------------
 def _shard_of(dense: torch.Tensor, dim: int, c) -> torch.Tensor:
-    return dense.chunk(c.world_size, dim)[c.rank]
+    g = as_group(c)
+    return dense.chunk(g.world_size, dim)[g.rank]
+
+
+def _with_carrier(rank, world_size, store_path, kind, fn, *args):
+    """Runs ``fn(c, rank, world_size, *args)`` with ``c`` the group of carrier ``kind``."""
+    with carrier(kind, rank, world_size, store_path) as c:
+        return fn(c, rank, world_size, *args)
 
 
 def _check_grads(model: nn.Module, dense: nn.Module, c) -> int:
@@ -51,8 +60,7 @@ def _check_grads(model: nn.Module, dense: nn.Module, c) -> int:
     return checked
 
 
-def _run_block(rank, world_size, store_path, sequence_parallel, compiled=False):
-    c = make_comm(rank, world_size, store_path)
+def _run_block(c, rank, world_size, sequence_parallel, compiled=False):
     torch.manual_seed(0)
     dense = Block(DIM, HEADS, HIDDEN)
     plan = BLOCK_SEQUENCE_PLAN if sequence_parallel else BLOCK_PLAN
@@ -79,8 +87,7 @@ def _run_block(rank, world_size, store_path, sequence_parallel, compiled=False):
     return _check_grads(model, dense, c)
 
 
-def _run_embedding(rank, world_size, store_path, sequence_parallel):
-    c = make_comm(rank, world_size, store_path)
+def _run_embedding(c, rank, world_size, sequence_parallel):
     torch.manual_seed(0)
     dense = nn.Embedding(VOCAB, DIM, padding_idx=VOCAB // 2 + 1)
     emb = tp.VocabParallelEmbedding.from_dense(dense, c, sequence_parallel=sequence_parallel)
@@ -104,8 +111,7 @@ def _run_embedding(rank, world_size, store_path, sequence_parallel):
     return True
 
 
-def _run_training(rank, world_size, store_path, sequence_parallel, steps):
-    c = make_comm(rank, world_size, store_path)
+def _run_training(c, rank, world_size, sequence_parallel, steps):
     torch.manual_seed(0)
     dense = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2)
     model = tp.parallelize(copy.deepcopy(dense), c, lm_plan(sequence_parallel),
@@ -140,10 +146,9 @@ def _run_training(rank, world_size, store_path, sequence_parallel, steps):
     return [t for _, t in losses]
 
 
-def _run_regions(rank, world_size, store_path):
+def _run_regions(c, rank, world_size):
     """Each region's forward and backward against sums and concatenations of every rank's tensors
     (integer-valued float64: exact)."""
-    c = make_comm(rank, world_size, store_path)
     n = world_size
 
     def per_rank(r, *shape, salt=0):
@@ -186,6 +191,43 @@ def _run_regions(rank, world_size, store_path):
     return True
 
 
+def _run_2x2(rank, world_size, store_path, kind):
+    """Rank r is TP rank r % 2 of replica r // 2 (see test_tp_inside_dp_on_sub_groups_of_a_2x2_layout)."""
+    tp_index, dp_index = rank % 2, rank // 2
+    if kind == "communicator":  # a Communicator per sub-group, each on its own store prefix
+        tp_group = make_comm(tp_index, 2, store_path, prefix=f"tp{dp_index}/")
+        dp_group = make_comm(dp_index, 2, store_path, prefix=f"dp{tp_index}/")
+        return _tp_inside_dp(tp_group, dp_group, tp_index, dp_index)
+    with carrier(kind, rank, world_size, store_path):
+        tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        return _tp_inside_dp(tp_groups[dp_index], dp_groups[tp_index], tp_index, dp_index)
+
+
+def _tp_inside_dp(tp_group, dp_group, tp_index, dp_index):
+    torch.manual_seed(0)
+    dense = Block(DIM, HEADS, HIDDEN)
+    source = copy.deepcopy(dense)
+    if tp_index != 0:  # from_dense must take the weights of the TP sub-group's rank 0
+        with torch.no_grad():
+            for m in source.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.add_(1.0)
+    model = tp.parallelize(source, tp_group, BLOCK_PLAN)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(BATCH, SEQ, DIM, generator=g) for _ in range(2)]
+    weights = torch.randn(BATCH, SEQ, DIM, generator=g) / SEQ
+    (sum((dense(x) * weights).sum() for x in batches) / 2).backward()
+    out = model(batches[dp_index])
+    with torch.no_grad():
+        torch.testing.assert_close(out, dense(batches[dp_index]), **TOL)
+    (out * weights).sum().backward()
+    dp = as_group(dp_group)
+    for p in model.parameters():
+        dp.all_reduce(p.grad, "avg")
+    return _check_grads(model, dense, tp_group)
+
+
 class _RecordingComm:
     """Forwards to a communicator and logs each collective (and each async wait) by name."""
 
@@ -206,12 +248,12 @@ class _RecordingComm:
         return call
 
 
-def _run_overlap(rank, world_size, store_path, sequence_parallel):
+def _run_overlap(c, rank, world_size, sequence_parallel):
     """The column layer's backward starts the input-gradient collective before the weight-gradient
     product and waits for it after (and, sequence-parallel, gathers its input around the
     input-gradient product)."""
     log: list = []
-    c = _RecordingComm(make_comm(rank, world_size, store_path), log)
+    c = _RecordingComm(as_group(c), log)
     layer = tp.ColumnParallelLinear(8, 8, communicator=c, sequence_parallel=sequence_parallel)
     x = torch.randn(2, 4, 8, requires_grad=True)
     y = layer(x)
@@ -222,17 +264,25 @@ def _run_overlap(rank, world_size, store_path, sequence_parallel):
 
 
 # -- tests ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world_size", (2, 3, 4))
-def test_regions_forward_and_backward(world_size):
-    assert run_ranks(_run_regions, world_size) == [True] * world_size
+# Every test runs over each carrier: braid's Communicator, a gloo ProcessGroup and a ProcessGroup of
+# braid's c10d backend (helpers.ranks.CARRIERS). The Communicator runs every world size; the process
+# groups run a share of them, enough to see each path at 2, 3 and 4 ranks.
+def _cases(world_sizes, group_world_sizes):
+    return [(kind, n) for kind in CARRIERS
+            for n in (world_sizes if kind == "communicator" else group_world_sizes)]
+
+
+@pytest.mark.parametrize("kind,world_size", _cases((2, 3, 4), (2, 3, 4)))
+def test_regions_forward_and_backward(kind, world_size):
+    assert run_ranks(_with_carrier, world_size, kind, _run_regions) == [True] * world_size
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
-@pytest.mark.parametrize("world_size", (1, 2, 3, 4))
-def test_transformer_block_matches_dense(world_size, sequence_parallel):
+@pytest.mark.parametrize("kind,world_size", _cases((1, 2, 3, 4), (2, 4)))
+def test_transformer_block_matches_dense(kind, world_size, sequence_parallel):
     """Attention heads split by columns, output projection by rows, MLP column then row: outputs,
     input gradient and every parameter gradient equal the dense block's."""
-    checked = run_ranks(_run_block, world_size, sequence_parallel)
+    checked = run_ranks(_with_carrier, world_size, kind, _run_block, sequence_parallel)
     assert checked == [checked[0]] * world_size and checked[0] == 16  # 8 linear, 2 norms: all params
 
 
@@ -240,31 +290,42 @@ def test_transformer_block_matches_dense(world_size, sequence_parallel):
 def test_transformer_block_under_torch_compile_matches_dense(sequence_parallel):
     """The same block compiled (torch.compile around braid's autograd functions): outputs and
     every gradient still equal the dense block's."""
-    assert run_ranks(_run_block, 2, sequence_parallel, True) == [16, 16]
+    assert run_ranks(_with_carrier, 2, "communicator", _run_block, sequence_parallel, True) == [16, 16]
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
-@pytest.mark.parametrize("world_size", (2, 3, 4))
-def test_vocab_parallel_embedding_matches_dense(world_size, sequence_parallel):
-    assert run_ranks(_run_embedding, world_size, sequence_parallel) == [True] * world_size
+@pytest.mark.parametrize("kind,world_size", _cases((2, 3, 4), (3,)))
+def test_vocab_parallel_embedding_matches_dense(kind, world_size, sequence_parallel):
+    assert run_ranks(_with_carrier, world_size, kind, _run_embedding, sequence_parallel) == [True] * world_size
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
-@pytest.mark.parametrize("world_size", (2, 3, 4))
-def test_training_matches_dense(world_size, sequence_parallel):
+@pytest.mark.parametrize("kind,world_size", _cases((2, 3, 4), (2, 3, 4)))
+def test_training_matches_dense(kind, world_size, sequence_parallel):
     """A two-block language model trained for several steps with TP ends with the dense model's
     parameters, and every rank saw the dense loss."""
-    losses = run_ranks(_run_training, world_size, sequence_parallel, 5)
+    losses = run_ranks(_with_carrier, world_size, kind, _run_training, sequence_parallel, 5)
     assert all(run == losses[0] for run in losses)
 
 
+@pytest.mark.parametrize("kind", ("communicator", "gloo"))
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
-def test_column_backward_overlaps_input_gradient_collective(sequence_parallel):
-    log = run_ranks(_run_overlap, 2, sequence_parallel)[0]
+def test_column_backward_overlaps_input_gradient_collective(sequence_parallel, kind):
+    log = run_ranks(_with_carrier, 2, kind, _run_overlap, sequence_parallel)[0]
     if sequence_parallel:
         assert log == ["all_gather async", "mm", "wait", "reduce_scatter async", "mm", "wait"], log
     else:
         assert log == ["mm", "all_reduce async", "mm", "wait"], log
+
+
+@pytest.mark.parametrize("kind", CARRIERS)
+def test_tp_inside_dp_on_sub_groups_of_a_2x2_layout(kind):
+    """Four ranks as 2 data-parallel replicas of 2 tensor-parallel ranks: TP layers on each TP
+    sub-group (ranks {0, 1} and {2, 3}), gradients averaged over each DP sub-group ({0, 2},
+    {1, 3}). from_dense takes the weights of the sub-group's rank 0 (global 0 or 2), outputs equal
+    the dense block's on the replica's batch, and the averaged gradients equal the dense block's
+    gradient of the mean loss over both batches."""
+    assert run_ranks(_run_2x2, 4, kind) == [16] * 4
 
 
 # -- single process ------------------------------------------------------------------------------
@@ -344,8 +405,7 @@ def test_init_matches_dense_layers_from_the_same_seed(world_size):
         assert torch.equal(emb.weight, _shard_of(demb.weight, 0, c))
 
 
-def _run_round_trip(rank, world_size, store_path):
-    c = make_comm(rank, world_size, store_path)
+def _run_round_trip(c, rank, world_size):
     torch.manual_seed(rank)  # ranks differ: from_dense must take rank 0's weights
     layers = [nn.Linear(12, 24), nn.Linear(24, 12, bias=False), nn.Embedding(36, 8)]
     kinds = [tp.ColumnParallelLinear, tp.RowParallelLinear, tp.VocabParallelEmbedding]
@@ -357,7 +417,7 @@ def _run_round_trip(rank, world_size, store_path):
             q = getattr(back, name)
             assert q.requires_grad == p.requires_grad
             buf = p.detach().clone()
-            c.broadcast(buf, 0)
+            as_group(c).broadcast(buf, 0)
             assert torch.equal(q, buf), name
         if rank == 0:
             assert all(torch.equal(getattr(back, n), p) for n, p in layer.named_parameters())
@@ -366,12 +426,12 @@ def _run_round_trip(rank, world_size, store_path):
     assert torch.equal(own.weight, _shard_of(layers[0].weight.detach(), 0, c))
     # A copy of a sharded model (an EMA, say) shares the communicator and works.
     twin = copy.deepcopy(own)
-    assert twin.communicator is c and twin.weight is not own.weight
+    assert twin.communicator is as_group(c) and twin.weight is not own.weight
     x = torch.randn(3, 12)
     torch.testing.assert_close(twin(x), own(x), rtol=0, atol=0)
     return True
 
 
-@pytest.mark.parametrize("world_size", (2, 3))
-def test_from_dense_to_dense_round_trip_exactly(world_size):
-    assert run_ranks(_run_round_trip, world_size) == [True] * world_size
+@pytest.mark.parametrize("kind,world_size", _cases((2, 3), (3,)))
+def test_from_dense_to_dense_round_trip_exactly(kind, world_size):
+    assert run_ranks(_with_carrier, world_size, kind, _run_round_trip) == [True] * world_size

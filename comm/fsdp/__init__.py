@@ -7,7 +7,7 @@
     opt = torch.optim.AdamW(model.parameters())
 """
 from .fsdp2 import BraidAllGather, BraidReduceScatter, BraidWork, fsdp2_comms, use_braid_comms
-from .sharded import ShardedModule, shard
+from .sharded import MixedPrecision, ShardedModule, shard
 
 __all__ = ["fsdp2_comms", "use_braid_comms", "BraidAllGather", "BraidReduceScatter", "BraidWork",
-           "shard", "ShardedModule"]
+           "shard", "ShardedModule", "MixedPrecision"]

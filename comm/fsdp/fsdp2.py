@@ -3,12 +3,15 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps its own scheduling (which parameters are
 gathered when, prefetching, resharding) and hands each flat collective to the objects installed
 with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. These objects run that collective
-on a braid communicator instead of the process group FSDP2 was built on; the process group (gloo,
-say) still serves FSDP2's bookkeeping. Its ranks must be the communicator's ranks, in order.
+on a braid group (comm/group.py): a braid Communicator, or any torch ProcessGroup (an NCCL group
+on GPUs), instead of the process group FSDP2 was built on, which still serves FSDP2's bookkeeping;
+its ranks must be the group's ranks, in order. Built with None, they run on the very group FSDP2
+hands each call (its mesh's), through braid's group interface.
 
 What FSDP2 (torch 2.13) passes, and what comes back:
 
-- ``allocate(size, dtype=, device=)`` for the flat buffers of both collectives: plain CPU memory.
+- ``allocate(size, dtype=, device=)`` for the flat buffers of both collectives: plain memory of
+  that device (CPU, or CUDA where the group serves it).
 - all-gather ``(output_tensor, input_tensor, group, async_op)``: ``input_tensor`` is this rank's
   slice of ``output_tensor`` (an in-place gather, which braid supports as such). With ``async_op``
   FSDP2 waits on the result only if it is a ``torch.distributed.Work``, so the braid work is
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..communicator import check_communicator
+from ..group import as_group, check_device
 from ..vocabulary import WIRE_DTYPES
 
 # Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
@@ -72,19 +75,24 @@ class BraidWork(dist.Work):
         return self._work.is_success()
 
 
-def _check_group(communicator: Any, group: Optional[dist.ProcessGroup], what: str) -> None:
-    if group is None:
-        return
-    if group.size() != communicator.world_size or group.rank() != communicator.rank:
-        raise ValueError(f"{what}: FSDP2's group (rank {group.rank()} of {group.size()}) is not the braid "
-                         f"communicator's (rank {communicator.rank} of {communicator.world_size}); shard "
-                         "over a mesh whose ranks are the communicator's")
+def _group_for(mine: Any, group: Optional[dist.ProcessGroup], what: str) -> Any:
+    """The group a call runs on: the one these comms were built with (checked against FSDP2's
+    ``group``: same size, same rank), or FSDP2's own when they were built with None."""
+    if mine is None:
+        if group is None:
+            raise ValueError(f"{what} was built with no group and FSDP2 passed none: build it with a "
+                             "braid Communicator or a ProcessGroup")
+        return as_group(group, "group", what)
+    if group is not None and (group.size() != mine.world_size or group.rank() != mine.rank):
+        raise ValueError(f"{what}: FSDP2's group (rank {group.rank()} of {group.size()}) is not braid's "
+                         f"(rank {mine.rank} of {mine.world_size}); shard over a mesh whose ranks are "
+                         "the group's")
+    return mine
 
 
-def _check_cpu(t: torch.Tensor, name: str, what: str) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: {name} must be a CPU tensor (braid's CUDA path is not built), "
-                         f"got one on {t.device}")
+def _check_devices(c: Any, what: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        check_device(c, t.device, f"{what}: {name}'s elements")
 
 
 def _carrier(nbytes: int) -> Optional[torch.dtype]:
@@ -95,14 +103,15 @@ def _carrier(nbytes: int) -> Optional[torch.dtype]:
 
 
 class _BraidComm:
-    """What both collectives share: the communicator and plain CPU buffers."""
+    """What both collectives share: the group (None: FSDP2's own, per call) and plain buffers."""
 
-    def __init__(self, communicator: Any):
-        check_communicator(communicator)
-        self.communicator = communicator
+    def __init__(self, communicator: Any = None):
+        self.communicator = None if communicator is None else as_group(communicator, "communicator",
+                                                                        type(self).__name__)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer for a collective: ordinary memory (braid copies through its own segments)."""
+        """A flat buffer for a collective: ordinary memory of ``device`` (braid copies through its
+        own segments; process groups take it as it is)."""
         return torch.empty(*size, dtype=dtype, device=device)
 
 
@@ -111,13 +120,11 @@ class BraidAllGather(_BraidComm, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[dist.Work]:
-        c = self.communicator
-        _check_group(c, group, "BraidAllGather")
-        _check_cpu(output_tensor, "output_tensor", "BraidAllGather")
-        _check_cpu(input_tensor, "input_tensor", "BraidAllGather")
+        c = _group_for(self.communicator, group, "BraidAllGather")
+        _check_devices(c, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
         out, inp, after = output_tensor, input_tensor, None
         if out.dtype not in WIRE_DTYPES:
-            out, inp, after = self._as_wire(output_tensor, input_tensor)
+            out, inp, after = self._as_wire(c, output_tensor, input_tensor)
         work = c.all_gather(out, inp, async_op=async_op)
         if not async_op:
             if after is not None:
@@ -125,18 +132,19 @@ class BraidAllGather(_BraidComm, AllGather):
             return None
         return BraidWork(work, after)
 
-    def _as_wire(self, output: torch.Tensor, input: torch.Tensor):
+    @staticmethod
+    def _as_wire(c: Any, output: torch.Tensor, input: torch.Tensor):
         """Views (or stages) a gather of an unsupported dtype as a supported one of the same bytes."""
-        n = self.communicator.world_size
+        n = c.world_size
         in_bytes = input.numel() * input.element_size()
         carrier = _carrier(in_bytes) if output.is_contiguous() and input.is_contiguous() else None
         if carrier is not None:
             return output.view(torch.uint8).view(carrier), input.view(torch.uint8).view(carrier), None
         # Odd byte count: gather padded rows, then copy each rank's bytes into place.
         row = -(-in_bytes // 8)
-        staged_in = torch.zeros(row, dtype=torch.int64)
+        staged_in = torch.zeros(row, dtype=torch.int64, device=input.device)
         staged_in.view(torch.uint8)[:in_bytes].copy_(input.reshape(-1).view(torch.uint8))
-        staged_out = torch.empty(n * row, dtype=torch.int64)
+        staged_out = torch.empty(n * row, dtype=torch.int64, device=output.device)
 
         def copy_out() -> None:
             rows = staged_out.view(torch.uint8).view(n, row * 8)[:, :in_bytes]
@@ -151,10 +159,8 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,
                  async_op: bool = False) -> Optional[dist.Work]:
-        c = self.communicator
-        _check_group(c, group, "BraidReduceScatter")
-        _check_cpu(output_tensor, "output_tensor", "BraidReduceScatter")
-        _check_cpu(input_tensor, "input_tensor", "BraidReduceScatter")
+        c = _group_for(self.communicator, group, "BraidReduceScatter")
+        _check_devices(c, "BraidReduceScatter", output_tensor=output_tensor, input_tensor=input_tensor)
         # FSDP2 passes a RedOpType (SUM, AVG) or a ReduceOp instance (PREMUL_SUM with its factor).
         kind = op.op if type(op) is dist.ReduceOp else op
         if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
@@ -167,8 +173,10 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         return BraidWork(work) if async_op else None
 
 
-def fsdp2_comms(communicator: Any) -> tuple[BraidAllGather, BraidReduceScatter]:
-    """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``communicator``.
+def fsdp2_comms(communicator: Any = None) -> tuple[BraidAllGather, BraidReduceScatter]:
+    """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``communicator``:
+    a braid Communicator, any torch ProcessGroup, or None (each call runs on the group FSDP2 hands
+    it, through braid's group interface).
 
         ag, rs = fsdp2_comms(c)
         for m in model.modules():
@@ -176,12 +184,12 @@ def fsdp2_comms(communicator: Any) -> tuple[BraidAllGather, BraidReduceScatter]:
                 m.set_custom_all_gather(ag)
                 m.set_custom_reduce_scatter(rs)
 
-    (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the communicator's.
+    (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the group's.
     """
     return BraidAllGather(communicator), BraidReduceScatter(communicator)
 
 
-def use_braid_comms(module: torch.nn.Module, communicator: Any) -> int:
+def use_braid_comms(module: torch.nn.Module, communicator: Any = None) -> int:
     """Installs braid's collectives on every ``fully_shard`` module inside ``module`` (itself
     included); returns how many were set. Call after ``fully_shard``, before the first forward."""
     from torch.distributed.fsdp import FSDPModule

@@ -43,6 +43,8 @@ class Bucket:
     trainable: bool
     padded: int                   # multiple of the world size
     shard_numel: int
+    compute_dtype: torch.dtype = None  # of the full buffer: mixed precision's param_dtype, else dtype
+    reduce_dtype: torch.dtype = None   # gradients are reduced in it (mixed precision), else compute_dtype
     full: torch.Tensor = None     # flat, ``padded`` elements; storage freed when resharded (stage 3)
     shard: nn.Parameter = None
     synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2); -1: stale
@@ -68,6 +70,7 @@ class Parameters:
     owners: dict                  # id -> [(module, attribute name)]
     keys: dict                    # id -> its state_dict names
     units: dict                   # id -> {index of the units holding it (None: outside every unit)}
+    device: Optional[torch.device] = None  # where every parameter is
 
 
 def resolve_units(module: nn.Module, units: Optional[Iterable[Union[str, nn.Module]]]) -> list:
@@ -122,22 +125,24 @@ def resolve_units(module: nn.Module, units: Optional[Iterable[Union[str, nn.Modu
 
 def collect_parameters(module: nn.Module, unit_specs: list) -> Parameters:
     """Every parameter of ``module`` (tied ones once, with all their owners and names) and the
-    units among ``unit_specs`` that hold it; checked: on the CPU, trainable ones of a dtype braid
-    reduces, at least one."""
+    units among ``unit_specs`` that hold it; checked: all on one device, trainable ones of a dtype
+    braid reduces, at least one."""
     found = Parameters({}, {}, {}, {})
     prefixes = [(name + ".", i) for i, (name, _) in enumerate(unit_specs)]
     for mod_name, m in module.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            if p.device.type != "cpu":
-                raise ValueError(f"parameter {mod_name}.{attr} is on {p.device}: braid's sharding runs "
-                                 "on CPU tensors (the CUDA path is not built)")
+            full_name = f"{mod_name}.{attr}" if mod_name else attr
+            if found.device is None:
+                found.device, first = p.device, full_name
+            elif p.device != found.device:
+                raise ValueError(f"parameter {full_name} is on {p.device} but {first} is on {found.device}: "
+                                 "move the module to one device before sharding it")
             pid = id(p)
             found.params[pid] = p
             if (m, attr) not in found.owners.setdefault(pid, []):
                 found.owners[pid].append((m, attr))
-            full_name = f"{mod_name}.{attr}" if mod_name else attr
             if p.requires_grad and p.dtype not in REDUCE_DTYPES:
                 raise TypeError(f"parameter {full_name} is trainable with dtype {p.dtype}: braid "
                                 "reduces gradients of float32, float64, float16 and bfloat16 only "
@@ -182,20 +187,24 @@ def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int) -> Buck
     return Bucket(slots, dtype, trainable, padded, padded // n)
 
 
-def fill(b: Bucket, communicator: Any, keep_full: bool) -> None:
+def fill(b: Bucket, communicator: Any, keep_full: bool, device: torch.device) -> None:
     """Copies the parameters into the bucket (rank 0's values, as DDP), cuts this rank's shard and
     takes the parameters off their modules. With ``keep_full`` (stages 1 and 2) the shard is a
     slice of the full tensor, so an optimizer updates the full parameters' slice in place and the
-    all-gather runs in place; otherwise (stage 3) it is a copy."""
-    full = torch.zeros(b.padded, dtype=b.dtype)
+    all-gather runs in place; otherwise (stage 3, or a full buffer of another dtype under mixed
+    precision) it is a copy."""
+    full = torch.zeros(b.padded, dtype=b.dtype, device=device)
     with torch.no_grad():
         for s in b.slots:
             full[s.offset:s.offset + s.numel].copy_(s.param.reshape(-1))
             s.param = None
     communicator.broadcast(wire(full), 0)
     lo = communicator.rank * b.shard_numel
-    shard = full[lo:lo + b.shard_numel] if keep_full else full[lo:lo + b.shard_numel].clone()
+    same = b.compute_dtype == b.dtype
+    shard = full[lo:lo + b.shard_numel] if keep_full and same else full[lo:lo + b.shard_numel].clone()
     b.shard = nn.Parameter(shard, requires_grad=b.trainable)
+    if not same:
+        full = full.to(b.compute_dtype)
     b.full = full.requires_grad_(b.trainable)
     b.synced_version = b.shard._version
     for s in b.slots:
@@ -207,6 +216,13 @@ def wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` (flat, contiguous) as braid's collectives move it: as itself where braid has its
     dtype, else as its bytes (frozen bool, int8, complex, ... parameters)."""
     return t if t.dtype in WIRE_DTYPES else t.view(torch.uint8)
+
+
+def gather_input(b: Bucket) -> torch.Tensor:
+    """What this rank contributes to the bucket's all-gather: its shard as the full buffer holds it
+    (cast to the compute dtype under mixed precision)."""
+    shard = b.shard.detach()
+    return wire(shard) if b.compute_dtype == b.dtype else shard.to(b.compute_dtype)
 
 
 def free(b: Bucket) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .layout import Bucket, Unit, alloc, free, set_views, wire
+from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
 # each holds a unit's full buffers, so this bounds stage 3's memory above the shards.
@@ -111,7 +111,7 @@ class Schedule:
                 continue
             alloc(b.full)
             b.synced_version = b.shard._version
-            b.work = c.all_gather(wire(b.full.detach()), wire(b.shard.detach()), async_op=True)
+            b.work = c.all_gather(wire(b.full.detach()), gather_input(b), async_op=True)
         unit.in_flight = True
         self.in_flight.append(unit)
 
@@ -240,8 +240,11 @@ class Schedule:
             grad = full.grad
             if self.stage != 1:
                 full.grad = None
-            reduced = torch.empty(b.shard_numel, dtype=grad.dtype)
-            work = self.communicator.reduce_scatter(reduced, grad, op="avg", async_op=True)
+            # Mixed precision: the gradient travels in reduce_dtype (a copy; stage 1's persistent
+            # buffer keeps accumulating in the compute dtype).
+            sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
+            reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
+            work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
             self.pending.append((b, work, reduced, grad))
             self._retire(MAX_REDUCES_IN_FLIGHT)
         if self.stage == 3 and b.unit is not self.root:
@@ -283,6 +286,8 @@ class Schedule:
             while self.pending and (len(self.pending) > keep or self.pending[0][1].is_completed()):
                 b, work, reduced, grad = self.pending.pop(0)
                 work.wait()
+                if reduced.dtype != b.shard.dtype:  # mixed precision: into the master shard's dtype
+                    reduced = reduced.to(b.shard.dtype)
                 if b.shard.grad is None:
                     b.shard.grad = reduced
                 else:

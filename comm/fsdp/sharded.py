@@ -34,10 +34,10 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..communicator import check_communicator
+from ..group import as_group, check_device
 from ..vocabulary import WIRE_DTYPES
 from . import state
-from .layout import Unit, collect_parameters, fill, plan_buckets, resolve_units
+from .layout import REDUCE_DTYPES, Unit, collect_parameters, fill, plan_buckets, resolve_units
 from .schedule import Schedule
 
 _MB = 1 << 20
@@ -63,21 +63,77 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
 
 
+class MixedPrecision:
+    """The dtypes a sharded module computes and reduces in (FSDP2's ``MixedPrecisionPolicy``;
+    that class is accepted too). The optimizer's shards keep the parameters' own dtype (float32
+    master weights); ``param_dtype`` is what the full parameters are gathered and computed in,
+    ``reduce_dtype`` what gradients are reduce-scattered in (default: ``param_dtype``),
+    ``output_dtype`` what the forward's floating-point outputs are cast to (default: left as they
+    are), and ``cast_forward_inputs`` casts the forward's floating-point inputs to
+    ``param_dtype``. Applies to floating-point parameters."""
+
+    def __init__(self, param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 output_dtype: Optional[torch.dtype] = None, cast_forward_inputs: bool = True):
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                            ("output_dtype", output_dtype)):
+            if value is not None and value not in REDUCE_DTYPES:
+                raise ValueError(f"mp_policy.{name} must be None or one of "
+                                 f"{', '.join(map(str, REDUCE_DTYPES))}, got {value!r}")
+        if not isinstance(cast_forward_inputs, bool):
+            raise TypeError(f"mp_policy.cast_forward_inputs must be a bool, got {cast_forward_inputs!r}")
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.output_dtype, self.cast_forward_inputs = output_dtype, cast_forward_inputs
+
+    @classmethod
+    def of(cls, policy: Any) -> Optional["MixedPrecision"]:
+        """``policy`` (None, a MixedPrecision, or FSDP2's MixedPrecisionPolicy) as a MixedPrecision."""
+        if policy is None or isinstance(policy, cls):
+            return policy
+        if all(hasattr(policy, a) for a in ("param_dtype", "reduce_dtype", "output_dtype",
+                                             "cast_forward_inputs")):
+            return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs)
+        raise TypeError("mp_policy must be None, a braid.comm.fsdp.MixedPrecision or a "
+                        f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
+
+    def dtypes(self, dtype: torch.dtype) -> tuple:
+        """(compute, reduce) dtypes of a bucket of ``dtype``."""
+        if not dtype.is_floating_point:
+            return dtype, dtype
+        compute = self.param_dtype or dtype
+        return compute, self.reduce_dtype or compute
+
+    def __repr__(self) -> str:
+        return (f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}, "
+                f"output_dtype={self.output_dtype}, cast_forward_inputs={self.cast_forward_inputs})")
+
+
+def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return tree
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 class ShardedModule(nn.Module):
     """A module whose parameters, gradients and optimizer state are sharded over the ranks of a
-    braid communicator (build with :func:`shard`; the module docstring describes the stages).
+    group: a braid Communicator or any torch ProcessGroup (build with :func:`shard`; the module
+    docstring describes the stages).
 
     ``wrapper(*args)`` runs the module; ``wrapper.parameters()`` are this rank's flat shards (give
     them to any ``torch.optim`` optimizer); ``loss.backward()`` returns with the averaged shard
     gradients in place. The wrapped module stays reachable as ``wrapper.module``.
     """
 
-    def __init__(self, module: nn.Module, communicator: Any, *, stage: int = 3, bucket_cap_mb: float = 25,
-                 reshard_after_forward: bool = True, prefetch: int = 1,
-                 units: Optional[Sequence[Union[str, nn.Module]]] = None):
+    def __init__(self, module: nn.Module, communicator: Any = None, *, stage: int = 3,
+                 bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
+                 units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
-        check_communicator(communicator)
+        communicator = as_group(communicator, "communicator", "shard")
+        policy = MixedPrecision.of(mp_policy)
         super().__init__()
+        self.mp_policy = policy
         self.module = module
         self.communicator = communicator
         self.stage = stage
@@ -94,6 +150,8 @@ class ShardedModule(nn.Module):
         belong to no single unit) and the root unit (or None)."""
         module, c = self.module, self.communicator
         found = collect_parameters(module, unit_specs)
+        check_device(c, found.device, "shard: the module's parameters")
+        self.device = found.device
         units = [Unit(name, m) for name, m in unit_specs]
         root = Unit("<root>", None)
         members: list[list] = [[] for _ in units]
@@ -108,7 +166,9 @@ class ShardedModule(nn.Module):
         shards = []
         for unit, pids in zip(units, members + [root_members]):
             for bucket in plan_buckets(found, pids, cap_bytes, c.world_size):
-                fill(bucket, c, keep_full=self.stage != 3)
+                bucket.compute_dtype, bucket.reduce_dtype = (
+                    self.mp_policy.dtypes(bucket.dtype) if self.mp_policy else (bucket.dtype, bucket.dtype))
+                fill(bucket, c, keep_full=self.stage != 3, device=found.device)
                 bucket.unit = unit
                 unit.buckets.append(bucket)
                 shards.append(bucket.shard)
@@ -132,7 +192,11 @@ class ShardedModule(nn.Module):
             self._schedule.gather_all()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._schedule.forward(self.module, args, kwargs)
+        mp = self.mp_policy
+        if mp is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        out = self._schedule.forward(self.module, args, kwargs)
+        return _cast_floats(out, mp.output_dtype) if mp is not None else out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -166,11 +230,12 @@ class ShardedModule(nn.Module):
         grads = [b.shard.grad for b in self._schedule.buckets() if b.shard.grad is not None]
         # Padding elements have zero gradients (no parameter uses them): they add nothing.
         if norm_type == math.inf:
-            local = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).double().reshape(1)
+            local = max((g.abs().max() for g in grads),
+                        default=torch.tensor(0.0, device=self.device)).double().reshape(1)
             self.communicator.all_reduce(local, op="max")
             total = local[0]
         else:
-            local = torch.zeros(1, dtype=torch.float64)
+            local = torch.zeros(1, dtype=torch.float64, device=self.device)
             for g in grads:
                 local += g.double().abs().pow(norm_type).sum()
             self.communicator.all_reduce(local, op="sum")
@@ -249,16 +314,19 @@ class ShardedModule(nn.Module):
         return [u.name for u in self._schedule.units]
 
 
-def shard(module: nn.Module, communicator: Any, *, stage: int = 3, bucket_cap_mb: float = 25,
+def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
           reshard_after_forward: bool = True, prefetch: int = 1,
-          units: Optional[Sequence[Union[str, nn.Module]]] = None) -> ShardedModule:
+          units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``communicator`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
 
     Args:
-        module: the model, on CPU, the same architecture on every rank; rank 0's parameters and
-            buffers are broadcast to the others (as DDP).
-        communicator: a ``braid.comm.Communicator`` over the data-parallel ranks.
+        module: the model, on one device (CPU, or a GPU over a group that serves it: NCCL, braid
+            built with CUDA, gloo through host memory), the same architecture on every rank;
+            rank 0's parameters and buffers are broadcast to the others (as DDP). Flat buffers,
+            shards and gradients live on that device.
+        communicator: the data-parallel group: a ``braid.comm.Communicator``, any
+            ``torch.distributed.ProcessGroup``, or None (the default process group).
         stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
         bucket_cap_mb: largest flat bucket (MiB); one collective per bucket.
         reshard_after_forward: stage 3: free a unit's full parameters after its forward (and
@@ -267,6 +335,10 @@ def shard(module: nn.Module, communicator: Any, *, stage: int = 3, bucket_cap_mb
             two all-gathers are in flight whatever the value).
         units: the submodules (or their names) whose parameters are gathered together; default:
             each top-level child (the children of a top-level ModuleList/ModuleDict).
+        mp_policy: mixed precision (:class:`MixedPrecision`, or FSDP2's
+            ``MixedPrecisionPolicy``): e.g. ``param_dtype=torch.bfloat16`` gathers and computes in
+            bfloat16 while the optimizer's shards stay float32, and ``reduce_dtype=torch.float32``
+            reduces gradients in float32.
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
@@ -275,4 +347,5 @@ def shard(module: nn.Module, communicator: Any, *, stage: int = 3, bucket_cap_mb
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     """
     return ShardedModule(module, communicator, stage=stage, bucket_cap_mb=bucket_cap_mb,
-                         reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units)
+                         reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
+                         mp_policy=mp_policy)

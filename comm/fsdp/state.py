@@ -26,7 +26,7 @@ def full_state_dict(buckets: list, communicator: Any, module: nn.Module, keys: l
     for b in buckets:
         # From the shards, whatever the stage: they are the state (the full buffers of
         # stages 1 and 2 may not have seen the latest step yet).
-        flat = torch.empty(b.padded, dtype=b.dtype)
+        flat = torch.empty(b.padded, dtype=b.dtype, device=b.shard.device)
         communicator.all_gather(wire(flat), wire(b.shard.detach()))
         if keep:
             for key, s in by_bucket.get(id(b), {}).items():

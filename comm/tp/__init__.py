@@ -4,6 +4,11 @@
     up = tp.ColumnParallelLinear(d, 4 * d, communicator=c)      # weight split by output features
     down = tp.RowParallelLinear(4 * d, d, communicator=c)       # split by input features, all-reduced
     model = tp.parallelize(model, c, {"mlp.up": "colwise", "mlp.down": "rowwise"})
+
+The group may be a braid Communicator ``c``, any torch.distributed ProcessGroup (an NCCL group on
+GPUs, a DeviceMesh dimension's group for TP inside DP) or None, the default group:
+
+    fc = tp.ColumnParallelLinear.from_dense(nn.Linear(d, 4 * d, device="cuda"), dist.group.WORLD)
 """
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .plan import mark_sequence_parallel, parallelize

@@ -7,7 +7,10 @@ need one all-reduce in the forward and one in the backward for the pair. With se
 parallelism the activations outside the pair are split along the sequence: the column layer
 all-gathers its input and the row layer reduce-scatters its output instead.
 
-Every layer is a collective: all ranks of the communicator run the same layers in the same order.
+Every layer is a collective: all ranks of the group run the same layers in the same order. The group
+(``communicator``) is a braid Communicator, any torch.distributed ProcessGroup (NCCL, gloo, braid's
+backend, a DeviceMesh dimension's group) or None, the default group (comm/group.py); weights and
+activations may be on any device the group serves (CUDA tensors over NCCL, say).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..communicator import check_communicator
+from ..group import as_group
 from .regions import (all_gather, all_reduce, gather_from_region, reduce_from_region, reduce_scatter,
                       reduce_scatter_to_sequence_region, scatter_to_region, split)
 
@@ -130,12 +133,12 @@ class _ParallelLinear(nn.Module):
     # The weight dimension that is split over ranks: 0 (output features) or 1 (input features).
     split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any, bias: bool,
+    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool,
                  sequence_parallel: bool, sequence_dim: int,
                  device: Optional[torch.device], dtype: Optional[torch.dtype]):
         super().__init__()
         name = type(self).__name__
-        check_communicator(communicator, name)
+        communicator = as_group(communicator, "communicator", name)
         world = communicator.world_size
         self.in_features = in_features
         self.out_features = out_features
@@ -176,7 +179,7 @@ class _ParallelLinear(nn.Module):
                 self.bias.copy_(split(bias, 0, self.communicator) if self.split_dim == 0 else bias)
 
     @classmethod
-    def from_dense(cls, layer: nn.Linear, communicator: Any, *, src: Optional[int] = 0, **options):
+    def from_dense(cls, layer: nn.Linear, communicator: Any = None, *, src: Optional[int] = 0, **options):
         """Shards an existing ``nn.Linear`` (e.g. of a pretrained model) over ``communicator``.
 
         Every rank calls it. With ``src`` (default 0) rank ``src``'s weights are broadcast first,
@@ -217,7 +220,8 @@ class ColumnParallelLinear(_ParallelLinear):
     Args:
         in_features, out_features: the whole layer's sizes; ``out_features`` must divide by the
             world size.
-        communicator: a ``braid.comm.Communicator`` (all ranks of the tensor-parallel group).
+        communicator: the tensor-parallel group: a ``braid.comm.Communicator``, a
+            ``torch.distributed.ProcessGroup`` or None (the default group).
         bias: whether to learn a bias (split like the output features).
         gather_output: all-gather the output so every rank holds all ``out_features`` (otherwise
             each rank keeps its ``out_features / N`` slice, the input of a row-parallel layer).
@@ -234,7 +238,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         self.gather_output = bool(gather_output)
@@ -259,7 +263,7 @@ class RowParallelLinear(_ParallelLinear):
     Args:
         in_features, out_features: the whole layer's sizes; ``in_features`` must divide by the
             world size.
-        communicator: a ``braid.comm.Communicator``.
+        communicator: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
         bias: whether to learn a bias (whole on every rank, added once after the reduction).
         input_is_parallel: the input is already this rank's slice of the last dimension (the
             output of a column-parallel layer); otherwise the whole input is given and sliced here.
@@ -272,7 +276,7 @@ class RowParallelLinear(_ParallelLinear):
 
     split_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         if sequence_parallel and not input_is_parallel:
@@ -304,7 +308,7 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings, embedding_dim: the whole table's sizes; ``num_embeddings`` must divide by
             the world size.
-        communicator: a ``braid.comm.Communicator``.
+        communicator: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
         padding_idx: as for ``nn.Embedding`` (that row gets no gradient).
         sequence_parallel, sequence_dim: reduce-scatter the output along ``sequence_dim``.
         device, dtype: as for ``nn.Embedding``.
@@ -312,13 +316,13 @@ class VocabParallelEmbedding(nn.Module):
     ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` of ``nn.Embedding`` are not supported.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, communicator: Any,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, communicator: Any = None,
                  padding_idx: Optional[int] = None, sequence_parallel: bool = False,
                  sequence_dim: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         name = type(self).__name__
-        check_communicator(communicator, name)
+        communicator = as_group(communicator, "communicator", name)
         per_rank = _shard_size(num_embeddings, communicator.world_size, "num_embeddings", name)
         _shard_size(embedding_dim, 1, "embedding_dim", name)
         if padding_idx is not None:
@@ -369,7 +373,7 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_region(out, self.communicator)
 
     @classmethod
-    def from_dense(cls, layer: nn.Embedding, communicator: Any, *, src: Optional[int] = 0,
+    def from_dense(cls, layer: nn.Embedding, communicator: Any = None, *, src: Optional[int] = 0,
                    **options) -> "VocabParallelEmbedding":
         """Shards an existing ``nn.Embedding`` over ``communicator`` (every rank calls it); ``src``
         as in :meth:`ColumnParallelLinear.from_dense`."""

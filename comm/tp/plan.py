@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..communicator import check_communicator
+from ..group import as_group
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .regions import all_reduce
 
@@ -32,7 +32,7 @@ def mark_sequence_parallel(module: nn.Module, communicator: Any, *, src: Optiona
     sees its part of the sequence, so the gradient of every parameter is summed over the ranks
     (through a hook on each parameter). With ``src`` the parameters are first broadcast from that
     rank. Returns ``module``; marking it twice is a no-op."""
-    check_communicator(communicator, "mark_sequence_parallel")
+    communicator = as_group(communicator, "communicator", "mark_sequence_parallel")
     if getattr(module, "_braid_sequence_parallel", None) is not None:
         return module
     params = [p for p in module.parameters() if p.requires_grad]
@@ -73,7 +73,7 @@ def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style],
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of submodule names to styles, "
                         f"got {type(plan).__name__}")
-    check_communicator(communicator, "parallelize")
+    communicator = as_group(communicator, "communicator", "parallelize")
     names = [name for name, _ in module.named_modules() if name]
     for pattern, style in plan.items():
         kind, options = _parse_style(pattern, style)

@@ -10,8 +10,8 @@ Each region is a pair of collectives, one in the forward and its adjoint in the 
     gather_from_sequence_region   all-gather (seq)     | reduce-scatter (seq), or keep my slice
     reduce_scatter_to_sequence_region  reduce-scatter (seq) | all-gather (seq)
 
-Every rank of the communicator must call the same regions in the same order (they are
-collectives). Gradients are never reduced in place in the tensor autograd hands in: that tensor can
+Every rank of the group must call the same regions in the same order (they are collectives). The
+group is a braid Communicator, a torch.distributed ProcessGroup or None (the default group). Gradients are never reduced in place in the tensor autograd hands in: that tensor can
 be shared with another branch of the graph (the two inputs of an add receive the same gradient).
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
+
+from ..group import as_group
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
@@ -124,6 +126,7 @@ class _Region(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, communicator: Any, dim: int, forward_op: Callable,
                 backward_op: Callable) -> torch.Tensor:
+        communicator = as_group(communicator, "communicator")
         ctx.communicator, ctx.dim, ctx.backward_op = communicator, dim, backward_op
         return forward_op(x, dim, communicator)
 

@@ -154,6 +154,24 @@ def make_comm(rank: int, world_size: int, store_path: str, **kwargs):
     return comm.Communicator(open_store(store_path), rank, world_size, **kwargs)
 
 
+# The three carriers every layer is tested over: braid's Communicator, a gloo ProcessGroup, and a
+# ProcessGroup of braid's own c10d backend.
+CARRIERS = ("communicator", "gloo", "braid")
+
+
+@contextmanager
+def carrier(kind: str, rank: int, world_size: int, store_path: str) -> Iterator[Any]:
+    """The group a layer runs on for carrier ``kind`` (one of CARRIERS): a Communicator, or the
+    default process group of that backend (destroyed on exit)."""
+    if kind == "communicator":
+        yield make_comm(rank, world_size, store_path)
+        return
+    if kind == "braid":
+        import braid.comm  # noqa: F401  (registers the backend)
+    with process_group(rank, world_size, store_path, backend=kind):
+        yield dist.group.WORLD
+
+
 def _collect(workers: list[_Worker], deadline_s: float) -> dict[int, tuple[str, Any]]:
     """Waits for one outcome per worker until the deadline. Outcomes: ("ok", value), ("err", tb),
     ("died", exitcode) or ("hung", None) for a worker that was still busy at the deadline."""

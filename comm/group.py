@@ -1,0 +1,483 @@
+"""The group interface every braid layer speaks, and its implementation over torch process groups.
+
+A layer (TP, the ZeRO wrapper, FSDP2's comms, ring attention, the DDP hook) needs from the ranks it
+runs on only what :class:`Group` names: this rank and the group's size, the collectives below on
+contiguous tensors (blocking, or async returning a work with ``wait()`` / ``is_completed()`` /
+``get_future()``), the host layout where it is known, and optional capabilities. Two things are
+groups:
+
+- braid's :class:`~braid.comm.Communicator` (CPU tensors; CUDA tensors staged through pinned host
+  memory in builds with CUDA), which advertises its fused C++ paths as capabilities;
+- any ``torch.distributed.ProcessGroup`` (NCCL, gloo, braid's own c10d backend, a DeviceMesh
+  dimension's group) through :class:`ProcessGroupAdapter`.
+
+Every public layer takes a Communicator, a ProcessGroup, or None (the default process group,
+resolved at first use: a DDP hook state can be built before ``init_process_group``) and turns it
+into a Group with :func:`as_group`. Ranks are the group's own (0 .. size-1): on a sub-group (TP
+inside DP) rank 0 is the sub-group's first member, and ``broadcast(t, src)`` takes such a rank.
+
+Collectives of one group must be issued in the same order on every rank, as torch's are.
+"""
+from __future__ import annotations
+
+import abc
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .vocabulary import AVG, REDUCE_OPS, Op, op_code
+from .work import seconds
+
+# Capabilities a group may advertise (Group.capabilities) beyond the collectives every group has.
+COMPRESSED_ALL_REDUCE = "compressed_all_reduce"  # all_reduce(t, compression=q) in one fused call
+HIERARCHICAL = "hierarchical"  # host-aware algorithms inside its own collectives
+
+# What duck-typed stand-ins (a test's recorder, a user's wrapper) must have to pass as a group.
+GROUP_METHODS = ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+_DIST_OP = {
+    REDUCE_OPS["sum"]: dist.ReduceOp.SUM, REDUCE_OPS["max"]: dist.ReduceOp.MAX,
+    REDUCE_OPS["min"]: dist.ReduceOp.MIN, REDUCE_OPS["prod"]: dist.ReduceOp.PRODUCT,
+    REDUCE_OPS["band"]: dist.ReduceOp.BAND, REDUCE_OPS["bor"]: dist.ReduceOp.BOR,
+    REDUCE_OPS["bxor"]: dist.ReduceOp.BXOR,
+}
+# torch 2.13 renamed all_gather_into_tensor; both spellings take (output, input, group, async_op).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Group(abc.ABC):
+    """What a braid layer uses of the ranks it runs on.
+
+    Tensors are contiguous; ``all_gather``'s output and ``reduce_scatter``'s input hold
+    ``world_size`` times the other tensor's elements, rank r's piece r-th. ``op`` is one of
+    "sum", "avg", "max", "min", "prod" (or torch's ReduceOp). With ``async_op=True`` a call
+    returns a work: ``wait()`` (on CUDA tensors: makes the current stream wait), ``is_completed()``,
+    ``get_future()``; otherwise it returns None once the result is in place (on CUDA: ordered on
+    the current stream)."""
+
+    #: Optional fused paths this group offers (COMPRESSED_ALL_REDUCE, HIERARCHICAL).
+    capabilities: frozenset = frozenset()
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the group."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """The number of ranks in the group."""
+
+    @property
+    def local_world_size(self) -> Optional[int]:
+        """Ranks on this rank's host, where the group knows its host layout (else None)."""
+        return None
+
+    @property
+    def num_hosts(self) -> Optional[int]:
+        """Hosts the group spans, where known (else None)."""
+        return None
+
+    def device_problem(self, device: torch.device) -> Optional[str]:
+        """Why tensors on ``device`` cannot travel over this group (None when they can)."""
+        return None
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False) -> Any:
+        """Reduces ``tensor`` over the ranks, in place."""
+
+    @abc.abstractmethod
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        """``output`` = every rank's ``input``, in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
+                       async_op: bool = False) -> Any:
+        """``output`` = the reduction over ranks of ``input``'s piece ``rank``."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
+        """``tensor`` = rank ``src``'s ``tensor`` (``src`` a rank of this group)."""
+
+    @abc.abstractmethod
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        """``input`` in ``world_size`` equal pieces, piece j to rank j; ``output`` piece j from rank j."""
+
+    @abc.abstractmethod
+    def barrier(self, async_op: bool = False) -> Any:
+        """Returns once every rank has called it."""
+
+
+class GroupWork:
+    """An async call on a process group: the group's work, and what runs once when it is done
+    (the division of an average, a copy back from host memory). ``wait()``, ``is_completed()``,
+    ``get_future()`` (a future of ``[result]``), as braid's own works."""
+
+    __slots__ = ("_work", "_finish", "_result", "_finished", "_future")
+
+    def __init__(self, work: Any, finish: Optional[Callable[[], None]], result: torch.Tensor):
+        self._work, self._finish, self._result = work, finish, result
+        self._finished = finish is None
+        self._future: Optional[torch.futures.Future] = None
+
+    def _run_finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._finish()
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Waits for the call and completes the result; raises the group's error. With
+        ``timeout`` (seconds or a timedelta) returns False if it is still running then."""
+        if self._future is not None:  # the future's callback finishes the result
+            if timeout is not None:
+                secs = seconds(timeout, zero_ok=True)
+                if not self._work.wait(timedelta(seconds=secs)):
+                    return False
+            self._future.wait()
+            return True
+        if timeout is None:
+            self._work.wait()
+        elif not self._work.wait(timedelta(seconds=seconds(timeout, zero_ok=True))):
+            return False
+        self._run_finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self._work.exception() is None
+
+    def get_future(self) -> torch.futures.Future:
+        """A future holding ``[result]`` once the call is done and its result complete (on CUDA
+        tensors a ``Future(devices=...)`` whose value is ready on the current stream after
+        ``wait()``)."""
+        if self._future is None:
+            result = self._result
+
+            def finished(fut: torch.futures.Future) -> list:
+                fut.value()  # raises the group's error
+                self._run_finish()
+                return [result]
+
+            self._future = self._work.get_future().then(finished)
+        return self._future
+
+    def __repr__(self) -> str:
+        return f"<braid.comm.group.GroupWork {'done' if self.is_completed() else 'running'}>"
+
+
+class _DoneWork:
+    """The work of a call that had nothing to move (a group of one): already complete."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Optional[torch.Tensor]):
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([self._result])
+        return fut
+
+
+def _backends_by_device(group: dist.ProcessGroup) -> dict:
+    """{"cpu": "gloo", "cuda": "nccl", ...}: the backend serving each device type in ``group``."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (RuntimeError, ValueError, AttributeError):
+        return {}
+    out = {}
+    for part in config.split(","):
+        device, sep, backend = part.partition(":")
+        if sep:
+            out[device.strip()] = backend.strip()
+    return out
+
+
+class ProcessGroupAdapter(Group):
+    """A ``torch.distributed.ProcessGroup`` as a braid :class:`Group`.
+
+    Averages are the group's sum divided by its size (gloo has no average). Tensors on a device
+    the group serves only through gloo (CUDA tensors on a gloo group) travel through host memory:
+    copied down, reduced or gathered there, copied back on the caller's stream."""
+
+    capabilities = frozenset()
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._rank = group.rank()
+        self._size = group.size()
+        self._backends = _backends_by_device(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    def device_problem(self, device: torch.device) -> Optional[str]:
+        kind = torch.device(device).type
+        if kind in self._backends or not self._backends:
+            return None
+        if kind != "cpu" and "cpu" in self._backends:
+            return None  # staged through host memory by the group's CPU backend
+        served = ", ".join(f"{d} ({b})" for d, b in self._backends.items())
+        return f"the process group serves {served} tensors only, not {kind}"
+
+    def _staged(self, t: torch.Tensor) -> bool:
+        kind = t.device.type
+        if kind == "cpu":
+            return False
+        backend = self._backends.get(kind)
+        return backend is None or backend == "gloo"
+
+    def _issue(self, launch: Callable[..., Any], outputs: tuple, inputs: tuple, async_op: bool,
+               after: Optional[Callable[[], None]], result: torch.Tensor) -> Any:
+        """Runs ``launch(*outputs, *inputs, async_op)`` on the group, through host copies where
+        the tensors' device is not the group's; ``after`` completes the result (an average's
+        division) once the call is done."""
+        finish = after
+        if any(self._staged(t) for t in outputs + inputs):
+            host_in = tuple(t.cpu() for t in inputs)
+            # An in-place call (all_reduce, broadcast: the output is the input) stays in place on
+            # its host copy.
+            in_place = {id(i): h for i, h in zip(inputs, host_in)}
+            host_out = tuple(in_place.get(id(o)) if id(o) in in_place else torch.empty(o.shape, dtype=o.dtype)
+                             for o in outputs)
+            caller_out = outputs
+
+            def copy_back() -> None:
+                for o, h in zip(caller_out, host_out):
+                    o.copy_(h)
+                if after is not None:
+                    after()
+
+            finish, outputs, inputs = copy_back, host_out, host_in
+        work = launch(*outputs, *inputs, async_op=async_op)
+        if not async_op:
+            if finish is not None:
+                finish()
+            return None
+        return GroupWork(work, finish, result)
+
+    def _average(self, tensor: torch.Tensor) -> Callable[[], None]:
+        n = self._size
+
+        def divide() -> None:
+            if tensor.is_floating_point() or tensor.is_complex():
+                tensor.div_(n)
+            else:
+                tensor.div_(n, rounding_mode="trunc")
+        return divide
+
+    def _reduce_op(self, op: Op) -> tuple:
+        """(torch's op, whether the result is then divided by the size)."""
+        code = op_code(op)
+        if code == AVG:
+            return dist.ReduceOp.SUM, True
+        return _DIST_OP[code], False
+
+    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False) -> Any:
+        reduce_op, average = self._reduce_op(op)
+        if self._size == 1:
+            return _DoneWork(tensor) if async_op else None
+        group = self.group
+
+        def launch(t, _t, async_op):
+            return dist.all_reduce(t, op=reduce_op, group=group, async_op=async_op)
+
+        return self._issue(launch, (tensor,), (tensor,), async_op, self._average(tensor) if average else None,
+                           tensor)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        if output.numel() != self._size * input.numel():
+            raise ValueError(f"all_gather: output has {output.numel()} elements, it must hold world_size "
+                             f"({self._size}) x input's {input.numel()}")
+        group = self.group
+
+        def launch(out, inp, async_op):
+            return _all_gather_single(out.view(-1), inp.view(-1), group=group, async_op=async_op)
+
+        return self._issue(launch, (output,), (input,), async_op, None, output)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",
+                       async_op: bool = False) -> Any:
+        if input.numel() != self._size * output.numel():
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, it must hold world_size "
+                             f"({self._size}) x output's {output.numel()}")
+        reduce_op, average = self._reduce_op(op)
+        group = self.group
+
+        def launch(out, inp, async_op):
+            return dist.reduce_scatter_tensor(out.view(-1), inp.view(-1), op=reduce_op, group=group,
+                                              async_op=async_op)
+
+        return self._issue(launch, (output,), (input,), async_op, self._average(output) if average else None,
+                           output)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any:
+        if isinstance(src, bool) or not isinstance(src, int):
+            raise TypeError(f"src must be an int rank of the group, got {type(src).__name__}")
+        if not 0 <= src < self._size:
+            raise ValueError(f"src must be a rank of the group, in [0, {self._size}), got {src}")
+        if self._size == 1:
+            return _DoneWork(tensor) if async_op else None
+        group = self.group
+
+        def launch(t, _t, async_op):
+            return dist.broadcast(t, group_src=src, group=group, async_op=async_op)
+
+        return self._issue(launch, (tensor,), (tensor,), async_op, None, tensor)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
+        if output.numel() != input.numel() or input.numel() % self._size:
+            raise ValueError(f"all_to_all: input and output must have the same number of elements, "
+                             f"divisible by world_size ({self._size}); got {input.numel()} and {output.numel()}")
+        group = self.group
+
+        def launch(out, inp, async_op):
+            return dist.all_to_all_single(out.view(-1), inp.view(-1), group=group, async_op=async_op)
+
+        return self._issue(launch, (output,), (input,), async_op, None, output)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        return dist.barrier(group=self.group, async_op=async_op)
+
+    def __deepcopy__(self, memo: dict) -> "ProcessGroupAdapter":
+        return self  # a group is shared, never copied (a deep copy of a sharded model keeps it)
+
+    def __repr__(self) -> str:
+        backends = ",".join(f"{d}:{b}" for d, b in self._backends.items()) or "?"
+        return f"<braid ProcessGroupAdapter rank {self._rank} of {self._size} ({backends})>"
+
+
+class DefaultGroup(Group):
+    """The default process group, looked up when first used (not when a layer or hook state is
+    built, which may happen before ``init_process_group``), then fixed."""
+
+    capabilities = frozenset()
+
+    def __init__(self, arg: str = "group"):
+        self._arg = arg
+        self._group: Optional[ProcessGroupAdapter] = None
+
+    def resolve(self) -> ProcessGroupAdapter:
+        """The default group's adapter; looked up again if the default group was destroyed and
+        made anew since (a process that initializes torch.distributed twice)."""
+        group = self._group
+        if group is None or (group.group is not dist.group.WORLD):
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(f"{self._arg} is None (the default process group), but torch.distributed "
+                                 "is not initialized: call torch.distributed.init_process_group first, or "
+                                 "pass a group")
+            group = self._group = adapter(dist.group.WORLD)
+        return group
+
+    @property
+    def resolved(self) -> bool:
+        return self._group is not None
+
+    @property
+    def rank(self) -> int:
+        return self.resolve().rank
+
+    @property
+    def world_size(self) -> int:
+        return self.resolve().world_size
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        return self.resolve().all_reduce(tensor, op, async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        return self.resolve().all_gather(output, input, async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        return self.resolve().reduce_scatter(output, input, op, async_op)
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        return self.resolve().broadcast(tensor, src, async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        return self.resolve().all_to_all(output, input, async_op)
+
+    def barrier(self, async_op=False):
+        return self.resolve().barrier(async_op)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.resolve().group
+
+    def device_problem(self, device: torch.device) -> Optional[str]:
+        return self.resolve().device_problem(device)
+
+    def __deepcopy__(self, memo: dict) -> "DefaultGroup":
+        return self
+
+    def __repr__(self) -> str:
+        return f"<braid DefaultGroup {'-> ' + repr(self._group) if self._group else '(not yet resolved)'}>"
+
+
+# One adapter per ProcessGroup (weakly held: a destroyed group's adapter goes with it).
+_ADAPTERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, ProcessGroupAdapter]" = weakref.WeakKeyDictionary()
+
+
+def adapter(group: dist.ProcessGroup) -> ProcessGroupAdapter:
+    """The :class:`ProcessGroupAdapter` of ``group`` (made once per group)."""
+    found = _ADAPTERS.get(group)
+    if found is None:
+        found = _ADAPTERS[group] = ProcessGroupAdapter(group)
+    return found
+
+
+def as_group(group: Any, arg: str = "group", where: Optional[str] = None) -> Group:
+    """``group`` as a :class:`Group`: a braid Communicator or other Group as it is, a
+    ``torch.distributed.ProcessGroup`` adapted, None as the default process group (resolved at
+    first use). An object with a communicator's methods (``GROUP_METHODS``) passes as it is. A
+    TypeError naming ``arg`` (prefixed with ``where``) for anything else, a ValueError for a rank
+    outside the group it was handed (``GroupMember.NON_GROUP_MEMBER``)."""
+    prefix = f"{where}: " if where else ""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        return DefaultGroup(arg)
+    if isinstance(group, dist.ProcessGroup):
+        return adapter(group)
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{prefix}{arg}: this rank is not a member of the group (torch.distributed.new_group "
+                         "returned GroupMember.NON_GROUP_MEMBER here): only the group's ranks may use it")
+    if all(hasattr(group, name) for name in GROUP_METHODS):
+        return group
+    raise TypeError(f"{prefix}{arg} must be a braid.comm.Communicator, a torch.distributed.ProcessGroup or "
+                    f"None (the default group), got {type(group).__name__}")
+
+
+def check_device(group: Any, device: torch.device, what: str) -> None:
+    """Raises a ValueError (``what`` says whose tensors) when tensors on ``device`` cannot travel
+    over ``group``: CUDA tensors on a braid build without CUDA, CPU tensors on an NCCL group, ..."""
+    # A duck-typed stand-in is trusted with every device: it knows its own.
+    reason = group.device_problem(torch.device(device)) if isinstance(group, Group) else None
+    if reason:
+        raise ValueError(f"{what} are on {device}, but {reason}")
+
+
+def process_group_of(group: Any) -> Optional[dist.ProcessGroup]:
+    """The torch ProcessGroup under ``group`` (an adapter, a resolved default group), or None."""
+    if isinstance(group, ProcessGroupAdapter):
+        return group.group
+    if isinstance(group, DefaultGroup):
+        return group.process_group
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    return None
