@@ -20,7 +20,7 @@ from braid import comm
 from braid.bench.models import LanguageModel
 from braid.comm import fsdp
 from helpers import MatmulRecorder
-from helpers.ranks import COMM_TIMEOUT_S, make_comm, process_group, run_ranks
+from helpers.ranks import CARRIERS, COMM_TIMEOUT_S, STORE_TIMEOUT, make_comm, process_group, run_ranks
 from torch import nn
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -73,9 +73,20 @@ def _assert_same_params(actual: dict, expected: dict):
         torch.testing.assert_close(actual[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None):
+def _carrier_in(kind, rank, world_size, store_path):
+    """Inside a gloo default group: the group braid's layers run on for carrier ``kind``: a
+    Communicator, the gloo group itself, or a new group of braid's c10d backend."""
+    if kind == "communicator":
+        return make_comm(rank, world_size, store_path)
+    if kind == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="braid", timeout=STORE_TIMEOUT)
+
+
+def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None,
+                kind="communicator"):
     with process_group(rank, world_size, store_path):
-        c = make_comm(rank, world_size, store_path)
+        c = _carrier_in(kind, rank, world_size, store_path)
         ddp = nn.parallel.DistributedDataParallel(_model())
         # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
         sharded = fsdp.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
@@ -260,12 +271,13 @@ def _assert_exact(actual, expected):
         assert torch.equal(actual[k], expected[k]), k
 
 
-def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False):
+def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False, kind="communicator"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     with process_group(rank, world_size, store_path):
-        c = make_comm(rank, world_size, store_path)
+        # "gloo": built with None, the comms run on the group FSDP2 hands them (its mesh's).
+        c = None if kind == "gloo" else _carrier_in(kind, rank, world_size, store_path)
         mesh = init_device_mesh("cpu", (world_size,))
         models = []
         for use_braid in (False, True):
@@ -417,13 +429,52 @@ def _overlapped(log, kind):
 
 
 # -- tests ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world_size", (2, 3))
+@pytest.mark.parametrize("kind,world_size", [(k, n) for k in CARRIERS for n in (2, 3)]
+                         + [("gloo", 4), ("braid", 4)])
 @pytest.mark.parametrize("stage", (1, 2, 3))
-def test_wrapper_matches_ddp(stage, world_size):
-    """Four SGD steps with the wrapper end with DDP's parameters and losses, and the sharded
-    model's eval forward equals DDP's."""
-    nbuckets = run_ranks(_run_vs_ddp, world_size, stage, 1, True, 1)
+def test_wrapper_matches_ddp(stage, kind, world_size):
+    """Four SGD steps with the wrapper (over a Communicator, a gloo group or a braid-backend
+    group) end with DDP's parameters and losses, and the sharded model's eval forward equals
+    DDP's."""
+    nbuckets = run_ranks(_run_vs_ddp, world_size, stage, 1, True, 1, None, kind)
     assert nbuckets[0] > LAYERS + 3  # several buckets per unit: the bucketing is exercised
+
+
+def _run_mixed_precision(rank, world_size, store_path, stage, kind):
+    """bfloat16 compute and gathers, float32 gradient reduction and master shards, against the
+    float32 DDP run of the same batches."""
+    with process_group(rank, world_size, store_path):
+        c = _carrier_in(kind, rank, world_size, store_path)
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        policy = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, mp_policy=policy)
+        assert all(p.dtype == torch.float32 for p in sharded.parameters())  # master shards
+        seen = []
+        hook = sharded.module.head.register_forward_pre_hook(
+            lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
+        ref_losses = _train(ddp, opts[0], rank, 4, 1, None)
+        losses = _train(sharded, opts[1], rank, 4, 1, None)
+        hook.remove()
+        assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen  # computed in bfloat16
+        assert all(p.grad.dtype == torch.float32 for p in sharded.parameters())
+        # bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) in every product of
+        # the forward and backward; over 4 steps the loss moves by well under 2% of its value,
+        # while a missing or doubled reduction moves it by far more (it halves the update).
+        torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=0)
+        assert losses[-1] < losses[0], f"the model did not train: {losses}"
+        full = sharded.full_state_dict()
+        assert all(v.dtype == torch.float32 for k, v in full.items() if v.is_floating_point())
+        for k, v in ddp.module.state_dict().items():  # the fp32 weights stay near the fp32 run's
+            torch.testing.assert_close(full[k], v, rtol=0, atol=2e-2, msg=lambda m, k=k: f"{k}: {m}")
+        return losses
+
+
+@pytest.mark.parametrize("kind", CARRIERS)
+@pytest.mark.parametrize("stage", (1, 3))
+def test_mixed_precision_trains_like_float32_with_float32_master_shards(stage, kind):
+    losses = run_ranks(_run_mixed_precision, 2, stage, kind)
+    assert losses[0] != losses[1]  # each rank saw its own batches
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
@@ -526,11 +577,13 @@ def test_fused_optimizer_and_discarded_no_sync_gradients(stage):
     assert run_ranks(_run_fused_and_discard, 2, stage) == [True, True]
 
 
+@pytest.mark.parametrize("kind", CARRIERS)
 @pytest.mark.parametrize("world_size,overlap", ((2, False), (3, False), (2, True)))
-def test_fsdp2_with_braid_comms_matches_gloo(world_size, overlap):
-    """FSDP2 with braid's all-gather and reduce-scatter trains as FSDP2 on gloo, with blocking
-    all-gathers and with async ones (FSDP2 then waits on the braid work it got back)."""
-    run_ranks(_run_fsdp2, world_size, None, overlap)
+def test_fsdp2_with_braid_comms_matches_gloo(world_size, overlap, kind):
+    """FSDP2 with braid's all-gather and reduce-scatter (over a Communicator, over FSDP2's own gloo
+    group through braid's group interface, over a braid-backend group) trains as FSDP2 on gloo,
+    with blocking all-gathers and with async ones (FSDP2 then waits on the work it got back)."""
+    run_ranks(_run_fsdp2, world_size, None, overlap, kind)
 
 
 def test_fsdp2_gradient_divide_factor_is_honoured():

@@ -49,7 +49,7 @@ class Bucket:
     shard: nn.Parameter = None
     synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2); -1: stale
     local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
-    work: Any = None              # in-flight all-gather
+    work: Any = None              # in-flight all-gather: (work, version keeper)
     unit: Any = None              # the Unit holding it
 
 

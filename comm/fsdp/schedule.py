@@ -111,7 +111,15 @@ class Schedule:
                 continue
             alloc(b.full)
             b.synced_version = b.shard._version
-            b.work = c.all_gather(wire(b.full.detach()), gather_input(b), async_op=True)
+            # A process group's all-gather bumps the full buffer's version counter (which the
+            # shard, a view of it at stages 1 and 2, and the forward's saved views share) when it
+            # writes the output, on the group's own thread, at a time no rank controls. Autograd
+            # would then refuse the backward of stage 3, and the stale test above would differ
+            # between ranks. The buffer is refilled with the values it is meant to hold (as FSDP2
+            # refills its unsharded parameters), so its counter is put back once the gather is
+            # done (_wait_gather).
+            keep = torch.autograd._unsafe_preserve_version_counter(b.full)
+            b.work = (c.all_gather(wire(b.full.detach()), gather_input(b), async_op=True), keep)
         unit.in_flight = True
         self.in_flight.append(unit)
 
@@ -120,8 +128,9 @@ class Schedule:
             return
         for b in unit.buckets:
             if b.work is not None:
-                work, b.work = b.work, None
+                (work, keep), b.work = b.work, None
                 work.wait()
+                keep.__exit__(None, None, None)  # the counter as it was at the launch
         unit.in_flight = False
         unit.gathered = True
         self.in_flight.remove(unit)
