@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _C
 from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
-from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group
+from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
 from .hosts import host_identity, host_numbers
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
@@ -525,6 +525,16 @@ class Communicator(CompressionHost, Group):
         works = self._c.p2p_batch(spec)
         return [Work(w, f"send to rank {op.peer}" if op.op == "send" else f"recv from rank {op.peer}")
                 for w, op in zip(works, ops)]
+
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
+        """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together
+        (:meth:`batch_isend_irecv`); returns a work whose ``wait()`` completes both. CUDA tensors
+        travel through host memory (copied down now, the received block copied up at ``wait()``)."""
+        if not (send.is_cuda or recv.is_cuda):
+            return WorkList(self.batch_isend_irecv([P2POp("send", send, dst), P2POp("recv", recv, src)]))
+        host = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+        works = self.batch_isend_irecv([P2POp("send", send.cpu(), dst), P2POp("recv", host, src)])
+        return WorkList(works, lambda: recv.copy_(host))
 
     def close(self) -> None:
         """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs

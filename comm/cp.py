@@ -18,9 +18,10 @@ Layouts: with ``balanced=False`` rank r holds the r-th of N contiguous chunks; w
 that under a causal mask every rank computes the same number of query-key pairs. The default
 is balanced for causal attention.
 
-Communicators: a braid :class:`~braid.comm.Communicator` (point-to-point on its progress thread;
-CUDA tensors are staged through host memory) or any ``torch.distributed`` ProcessGroup (gloo,
-NCCL, braid's backend), through ``batch_isend_irecv``.
+Groups (comm/group.py): a braid :class:`~braid.comm.Communicator` (point-to-point on its progress
+thread; CUDA tensors are staged through host memory), any ``torch.distributed`` ProcessGroup
+(gloo, NCCL, braid's backend), or None for the default group; each ring step is the group's
+``send_recv``.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import fnmatch
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .communicator import Communicator, P2POp
+from .communicator import Communicator
+from .group import Group, as_group
 
 CommunicatorLike = Union[Communicator, "dist.ProcessGroup"]
 
@@ -47,64 +49,28 @@ _ALL = slice(None)
 
 
 # -- the ring ----------------------------------------------------------------------------------
-class _Exchange:
-    """A posted ring step: the send to the next rank and the receive from the previous one."""
-
-    def __init__(self, works: list, finish: Optional[Callable[[], None]] = None):
-        self._works = works
-        self._finish = finish
-
-    def wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        if self._finish is not None:
-            self._finish()
-
-
 class _Ring:
-    """This rank's neighbours on the ring and the transfer to them, over a braid Communicator or
-    a torch.distributed ProcessGroup."""
+    """This rank's neighbours on the ring of a group (comm/group.py: a braid Communicator, a
+    torch.distributed ProcessGroup, or None for the default group) and the transfers to them."""
 
     def __init__(self, communicator: CommunicatorLike, what: str):
-        if isinstance(communicator, Communicator):
-            self.rank, self.world_size = communicator.rank, communicator.world_size
-        elif isinstance(communicator, dist.ProcessGroup):
-            self.rank, self.world_size = communicator.rank(), communicator.size()
-        else:
-            raise TypeError(f"{what}: communicator must be a braid.comm.Communicator or a "
-                            f"torch.distributed ProcessGroup, got {type(communicator).__name__}")
-        self.communicator = communicator
+        self.group = as_group(communicator, "communicator", what)
+        self.rank, self.world_size = self.group.rank, self.group.world_size
         self.next = (self.rank + 1) % self.world_size
         self.prev = (self.rank - 1) % self.world_size
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> _Exchange:
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> Any:
         """Posts ``send`` to the next rank and the receive of ``recv`` from the previous one."""
-        c = self.communicator
-        if isinstance(c, Communicator):
-            if not send.is_cuda:
-                return _Exchange(c.batch_isend_irecv([P2POp("send", send, self.next),
-                                                      P2POp("recv", recv, self.prev)]))
-            # The braid communicator moves host memory: stage the block through it.
-            host = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
-            works = c.batch_isend_irecv([P2POp("send", send.cpu(), self.next),
-                                         P2POp("recv", host, self.prev)])
-            return _Exchange(works, lambda: recv.copy_(host))
-        ops = [dist.P2POp(dist.isend, send, group=c, group_peer=self.next),
-               dist.P2POp(dist.irecv, recv, group=c, group_peer=self.prev)]
-        return _Exchange(dist.batch_isend_irecv(ops))
+        return self.group.send_recv(send, self.next, recv, self.prev)
 
     def all_gather(self, tensor: torch.Tensor) -> list:
-        """Every rank's ``tensor`` (same shape everywhere), in rank order."""
-        c = self.communicator
-        tensor = tensor.contiguous()
-        if isinstance(c, Communicator):
-            host = tensor.cpu()
-            out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype)
-            c.all_gather(out, host)
-            return [t.to(tensor.device) for t in out.unbind(0)]
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor, group=c)
-        return parts
+        """Every rank's ``tensor`` (same shape everywhere), in rank order; through host memory
+        where the group does not carry the tensor's device."""
+        host = isinstance(self.group, Group) and self.group.device_problem(tensor.device) is not None
+        src = tensor.cpu() if host else tensor.contiguous()
+        out = torch.empty((self.world_size, *src.shape), dtype=src.dtype, device=src.device)
+        self.group.all_gather(out, src)
+        return [t.to(tensor.device) for t in out.unbind(0)]
 
 
 # -- layouts -----------------------------------------------------------------------------------

@@ -66,7 +66,9 @@ class CommHookState:
     were saved.
     """
 
-    def __init__(self, process_group: Carrier, compression: Optional[Compressor], min_compress_bytes: int):
+    def __init__(self, process_group: Carrier, compression: Optional[Compressor], min_compress_bytes: int,
+                 hierarchical: bool = False):
+        self.hierarchical = hierarchical  # a group to split by host at first use
         self.process_group = process_group
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
@@ -91,7 +93,12 @@ class CommHookState:
             raise RuntimeError("the braid comm hook state has no communicator or process group (set "
                                "state.process_group, or state.communicator, after loading a checkpoint)")
         if self._carrier is None:
-            self._carrier = group_carrier.carrier_of(self._process_group, "process_group")
+            group = self._process_group
+            if self.hierarchical and not isinstance(group, HostGroups):
+                # At the first bucket of the first step: every rank of the job gets here in the
+                # same order, as host_groups (a new_group) needs.
+                group = group_carrier.host_groups(group_carrier.checked_group(group, "process_group"))
+            self._carrier = group_carrier.carrier_of(group, "process_group")
         return self._carrier
 
     def state_dict(self) -> dict:
@@ -116,9 +123,11 @@ class CommHookState:
             "min_compress_bytes": self.min_compress_bytes,
             "step": self.step,
             "default_group": self._process_group is None,
+            "hierarchical": self.hierarchical,
         }
 
     def __setstate__(self, state: dict) -> None:
+        self.hierarchical = state.get("hierarchical", False)
         self.process_group = None
         self._detached = not state.get("default_group", False)
         self.compression = state["compression"]
@@ -168,7 +177,9 @@ def comm_hook(
         process_group: what carries the buckets, over the DDP ranks (same ranks, same order): a
             braid ``Communicator`` (CPU), a torch ``ProcessGroup`` (NCCL for CUDA models, gloo or
             braid's c10d backend on CPU; braid compresses on the bucket's device and the group
-            moves the bytes), ``None`` for the default group, or a ``HostGroups``.
+            moves the bytes), ``None`` for the default group, or a ``HostGroups``. ``None`` is
+            looked up at the first bucket, so the state can be built before
+            ``init_process_group`` (as Lightning's ``DDPStrategy(ddp_comm_state=...)`` does).
         compression: None for the exact average, a compressor (``Int8Quantizer()``,
             ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``) or the name of one with
             its defaults ("int8", "int4", "topk", "bf16", "fp16"); its warm-up counts
@@ -178,8 +189,9 @@ def comm_hook(
             ``BRAID_COMPRESS_MIN_BYTES`` or 64 KiB).
         hierarchical: over a process group, exact inside each host and compressed only across
             hosts: the group is split by host identity with ``group_carrier.host_groups``, which
-            every rank of the job calls (as ``new_group``); for a subgroup, build the HostGroups
-            with it on every rank and pass that instead. A braid communicator does this by itself.
+            every rank of the job calls (as ``new_group``; for None, at the first bucket); for a
+            subgroup, build the HostGroups with it on every rank and pass that instead. A braid
+            communicator does this by itself.
     """
     if not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be a bool, got {hierarchical!r}")
@@ -190,8 +202,8 @@ def comm_hook(
         if hierarchical:
             raise ValueError("hierarchical=True applies to torch process groups: a braid Communicator whose "
                              "ranks span hosts is already exact on each host and compressed between hosts")
-    elif not isinstance(process_group, HostGroups):
-        group_carrier.checked_group(process_group, "process_group")  # a member; a default group exists
+    elif process_group is not None and not isinstance(process_group, HostGroups):
+        group_carrier.checked_group(process_group, "process_group")  # a member of it
         if hierarchical:
             process_group = group_carrier.host_groups(process_group)
     if isinstance(compression, str):
@@ -208,4 +220,5 @@ def comm_hook(
         or min_compress_bytes < 0
     ):
         raise ValueError(f"min_compress_bytes must be an int >= 0, got {min_compress_bytes!r}")
-    return CommHookState(process_group, compression, min_compress_bytes), braid_hook
+    lazy_split = hierarchical and process_group is None
+    return CommHookState(process_group, compression, min_compress_bytes, lazy_split), braid_hook

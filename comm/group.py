@@ -110,6 +110,12 @@ class Group(abc.ABC):
     def barrier(self, async_op: bool = False) -> Any:
         """Returns once every rank has called it."""
 
+    @abc.abstractmethod
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Any:
+        """Posts the send of ``send`` to rank ``dst`` and the receive of ``recv`` from rank ``src``
+        together (a ring step cannot wait on its own send); returns a work whose ``wait()``
+        completes both."""
+
 
 class GroupWork:
     """An async call on a process group: the group's work, and what runs once when it is done
@@ -168,6 +174,26 @@ class GroupWork:
 
     def __repr__(self) -> str:
         return f"<braid.comm.group.GroupWork {'done' if self.is_completed() else 'running'}>"
+
+
+class WorkList:
+    """Several works waited for as one, then ``finish`` (a copy out of host memory), once."""
+
+    __slots__ = ("_works", "_finish")
+
+    def __init__(self, works: list, finish: Optional[Callable[[], None]] = None):
+        self._works, self._finish = works, finish
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
 
 
 class _DoneWork:
@@ -355,6 +381,11 @@ class ProcessGroupAdapter(Group):
     def barrier(self, async_op: bool = False) -> Any:
         return dist.barrier(group=self.group, async_op=async_op)
 
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src)]
+        return WorkList(dist.batch_isend_irecv(ops))
+
     def __deepcopy__(self, memo: dict) -> "ProcessGroupAdapter":
         return self  # a group is shared, never copied (a deep copy of a sharded model keeps it)
 
@@ -414,6 +445,9 @@ class DefaultGroup(Group):
 
     def barrier(self, async_op=False):
         return self.resolve().barrier(async_op)
+
+    def send_recv(self, send, dst, recv, src):
+        return self.resolve().send_recv(send, dst, recv, src)
 
     @property
     def process_group(self) -> dist.ProcessGroup:

@@ -154,6 +154,36 @@ def hook_without_compression_for_small_buckets(rank, n, store_path):
             return q.wire_total.sent, state.step
 
 
+def state_built_before_the_group(rank, n, store_path):
+    """As Lightning does: the hook state on the default group (None) is built before
+    init_process_group; the run equals one whose state was built after."""
+    from braid import comm
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    early = ddp.comm_hook(None, comm.Int8Quantizer(seed=rank), min_compress_bytes=0)
+    runs = []
+    with process_group(rank, n, store_path):
+        late = ddp.comm_hook(None, comm.Int8Quantizer(seed=rank), min_compress_bytes=0)
+        for state, hook in (early, late):
+            m = DDP(_model(), bucket_cap_mb=0.004)
+            m.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(m.parameters(), lr=0.05)
+            for step in range(4):  # past the warm-up: compressed
+                opt.zero_grad()
+                x, y = _batch(rank, step, 0)
+                ((m(x) - y) ** 2).mean().backward()
+                opt.step()
+            runs.append((torch.cat([p.detach().reshape(-1) for p in m.parameters()]),
+                         state.compression.wire_total.sent))
+    (early_params, early_sent), (late_params, late_sent) = runs
+    return bool(torch.equal(early_params, late_params)) and early_sent == late_sent > 0
+
+
+def test_hook_state_built_before_init_process_group():
+    assert run_ranks(state_built_before_the_group, 2) == [True, True]
+
+
 def test_small_buckets_go_uncompressed():
     assert run_ranks(hook_without_compression_for_small_buckets, 2) == [(0, 4), (0, 4)]
 
