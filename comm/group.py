@@ -21,6 +21,7 @@ Collectives of one group must be issued in the same order on every rank, as torc
 from __future__ import annotations
 
 import abc
+import threading
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -44,8 +45,10 @@ _DIST_OP = {
     REDUCE_OPS["band"]: dist.ReduceOp.BAND, REDUCE_OPS["bor"]: dist.ReduceOp.BOR,
     REDUCE_OPS["bxor"]: dist.ReduceOp.BXOR,
 }
-# torch 2.13 renamed all_gather_into_tensor; both spellings take (output, input, group, async_op).
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor; both spellings take the same
+# arguments.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Group(abc.ABC):
@@ -169,11 +172,31 @@ class GroupWork:
                 self._run_finish()
                 return [result]
 
-            self._future = self._work.get_future().then(finished)
+            try:
+                source = self._work.get_future()
+            except RuntimeError:  # gloo's reduce-scatter work has no future: a thread waits for it
+                source = _future_of_wait(self._work)
+            self._future = source.then(finished)
         return self._future
 
     def __repr__(self) -> str:
         return f"<braid.comm.group.GroupWork {'done' if self.is_completed() else 'running'}>"
+
+
+def _future_of_wait(work: Any) -> torch.futures.Future:
+    """A future completed (with None, or the error) once ``work.wait()`` returns, by a thread."""
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - the future carries it to its waiter
+            fut.set_exception(e)
+            return
+        fut.set_result(None)
+
+    threading.Thread(target=wait, daemon=True, name="braid-group-wait").start()
+    return fut
 
 
 class WorkList:
@@ -347,7 +370,7 @@ class ProcessGroupAdapter(Group):
         group = self.group
 
         def launch(out, inp, async_op):
-            return dist.reduce_scatter_tensor(out.view(-1), inp.view(-1), op=reduce_op, group=group,
+            return _reduce_scatter_single(out.view(-1), inp.view(-1), op=reduce_op, group=group,
                                               async_op=async_op)
 
         return self._issue(launch, (output,), (input,), async_op, self._average(output) if average else None,
