@@ -15,6 +15,8 @@ unit / ``fully_shard`` module) and the same batches:
 - ``fsdp2-gloo-overlap``, ``fsdp2-braid-comms-overlap``: both again with async unshards and
   explicit forward prefetch, which on CPU is what lets FSDP2's all-gathers overlap compute;
 - ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
+- ``braid-zero2-on-gloo``, ``braid-zero3-on-gloo``: the same wrapper over the gloo group FSDP2
+  uses (braid's group interface over a ProcessGroup): the carrier held equal, the schedules compared;
 - ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
@@ -123,6 +125,10 @@ IMPLS: dict[str, Callable] = {
     "fsdp2-braid-comms-overlap": lambda model, c: _fsdp2(model, c, braid_comms=True, overlap=True),
     "braid-zero2": lambda model, c: _braid_wrapper(model, c, stage=2),
     "braid-zero3": lambda model, c: _braid_wrapper(model, c, stage=3),
+    # braid's wrapper over the very gloo group FSDP2 runs on (comm/group.py's ProcessGroupAdapter):
+    # what the wrapper's own scheduling costs or saves, the carrier held equal.
+    "braid-zero2-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=2),
+    "braid-zero3-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=3),
     # FSDP2's step with collectives that move nothing (FSDP2's own work and the arithmetic): the
     # floor of FSDP2 on any backend.
     "fsdp2-nocomm": lambda model, c: _fsdp2(model, LocalCommunicator(c.rank, c.world_size), braid_comms=True),

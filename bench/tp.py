@@ -8,6 +8,8 @@ with separate q/k/v projections and a GELU MLP) and the same plan (q, k, v and t
 projection split by columns, the output and down projections by rows):
 
 - ``braid``: braid.comm.tp layers on a braid communicator;
+- ``braid-on-gloo``: the same layers on the gloo group DTensor's mesh uses (braid's group
+  interface over a ProcessGroup): the carrier held equal, the layers' own cost compared;
 - ``dtensor``: torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
   gloo DeviceMesh;
 - ``compute``: the braid layers on a stand-in communicator that moves nothing, so the step is a
@@ -36,12 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from braid.comm import tp
 
 from . import report, turns
 from .models import BLOCK_PLAN, Block
 
-IMPLS = ("braid", "dtensor", "compute")
+IMPLS = ("braid", "braid-on-gloo", "dtensor", "compute")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOpti
     ref_grad = x.grad.clone()
     builders = {
         "braid": lambda: tp.parallelize(copy.deepcopy(dense), c, BLOCK_PLAN),
+        "braid-on-gloo": lambda: tp.parallelize(copy.deepcopy(dense), dist.group.WORLD, BLOCK_PLAN),
         "dtensor": lambda: _dtensor_block(dense, world_size),
         "compute": lambda: tp.parallelize(copy.deepcopy(dense), LocalCommunicator(rank, world_size),
                                           BLOCK_PLAN, src=None),
@@ -177,14 +181,14 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["#      shape (dim x heads x hidden x batch x seq)   impl      step (ms)  exposed (ms)"
+    lines = ["#      shape (dim x heads x hidden x batch x seq)   impl           step (ms)  exposed (ms)"
              "  vs dtensor      err"]
     for r in records:
         shape = f"{r['dim']}x{r['heads']}x{r['hidden']}x{r['batch']}x{r['seq']}"
         exposed = "-" if r["exposed_ms"] is None else f"{r['exposed_ms']:.2f}"
         ratio = "-" if r["ratio_vs_dtensor"] is None else f"{r['ratio_vs_dtensor']:.3f}"
         err = "-" if r["err"] is None else f"{r['err']:.2g}"
-        lines.append(f"  {shape:>47}   {r['impl']:<8} {r['step_ms']:>10.2f}  {exposed:>12}"
+        lines.append(f"  {shape:>47}   {r['impl']:<13} {r['step_ms']:>10.2f}  {exposed:>12}"
                      f"  {ratio:>10}  {err:>7}")
     return "\n".join(lines)
 

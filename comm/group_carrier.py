@@ -1,4 +1,5 @@
-"""torch process groups (gloo, NCCL, braid's c10d backend) as carriers of braid's compressed bytes.
+"""torch process groups (gloo, NCCL, braid's c10d backend) as carriers of braid's compressed bytes,
+through braid's group interface (comm/group.py).
 
 braid compresses on the tensor's device; a :class:`GroupCarrier` moves the packed bytes with the
 group's all-to-all and all-gather, and sums what arrives in rank order, in float32, so results
@@ -22,11 +23,9 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .group import adapter
 from .hosts import host_identity, host_numbers
 from .work import seconds
-
-# torch 2.13 renamed all_gather_into_tensor; both spellings take (output, input, group).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessGroup:
@@ -47,46 +46,30 @@ def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessG
 
 
 class GroupCarrier:
-    """One process group as the carrier of packed bytes: equal-split all-to-all and all-gather, and
-    the fixed-order reductions built on them. Calls block on CPU tensors and are stream-ordered on
+    """One group as the carrier of packed bytes: equal-split all-to-all and all-gather, and the
+    fixed-order reductions built on them. The bytes move through braid's group interface
+    (comm/group.py) over the ProcessGroup; calls block on CPU tensors and are stream-ordered on
     CUDA ones (as the group's synchronous collectives are). Tensors on a device the group has no
-    backend for (CUDA tensors over a CPU-only group) travel through host memory."""
+    backend for (CUDA tensors over a gloo group) travel through host memory."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
-        self.rank = group.rank()
-        self.size = group.size()
-        self._device_types = {d.type for d in getattr(group, "_device_types", ())}
-
-    def _move(self, collective: Callable, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self._device_types and inp.device.type not in self._device_types:
-            staged = torch.empty(out.shape, dtype=out.dtype)
-            collective(staged, inp.cpu(), group=self.group)
-            out.copy_(staged)
-        else:
-            collective(out, inp, group=self.group)
+        self._group = adapter(group)
+        self.rank = self._group.rank
+        self.size = self._group.world_size
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``inp`` in ``size`` equal pieces, piece j to rank j; ``out`` piece j from rank j."""
-        self._move(dist.all_to_all_single, out, inp)
+        self._group.all_to_all(out, inp)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` = every rank's ``inp``, in rank order."""
-        self._move(_all_gather_single, out, inp)
+        self._group.all_gather(out, inp)
 
     def all_reduce(self, tensor: torch.Tensor, average: bool) -> None:
-        """The group's own all-reduce (sum; avg divides after), for buckets that travel as they are."""
-        if self._device_types and tensor.device.type not in self._device_types:
-            staged = tensor.cpu()
-            dist.all_reduce(staged, group=self.group)
-            tensor.copy_(staged)
-        else:
-            dist.all_reduce(tensor, group=self.group)
-        if average and self.size > 1:
-            if tensor.is_floating_point():
-                tensor.div_(self.size)
-            else:
-                tensor.div_(self.size, rounding_mode="trunc")
+        """The group's own all-reduce (sum; avg divides after, integers truncating), for buckets
+        that travel as they are."""
+        self._group.all_reduce(tensor, "avg" if average else "sum")
 
     def sum_slices(self, x: torch.Tensor, per: int) -> torch.Tensor:
         """Reduce-scatter in a fixed order: slice ``rank`` (``per`` elements) of the 1-D ``x``,
