@@ -523,8 +523,10 @@ def as_group(group: Any, arg: str = "group", where: Optional[str] = None) -> Gro
 def check_device(group: Any, device: torch.device, what: str) -> None:
     """Raises a ValueError (``what`` says whose tensors) when tensors on ``device`` cannot travel
     over ``group``: CUDA tensors on a braid build without CUDA, CPU tensors on an NCCL group, ..."""
-    # A duck-typed stand-in is trusted with every device: it knows its own.
-    reason = group.device_problem(torch.device(device)) if isinstance(group, Group) else None
+    # A duck-typed stand-in is trusted with every device: it knows its own. Meta tensors (a
+    # module built on the meta device, then materialized) carry nothing.
+    device = torch.device(device)
+    reason = group.device_problem(device) if isinstance(group, Group) and device.type != "meta" else None
     if reason:
         raise ValueError(f"{what} are on {device}, but {reason}")
 

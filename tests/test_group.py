@@ -128,9 +128,8 @@ def test_communicator_is_a_group_with_capabilities():
         assert isinstance(c, Group) and as_group(c) is c
         assert {"compressed_all_reduce", "hierarchical"} <= c.capabilities
         check_device(c, torch.device("cpu"), "x")
-        if not comm.communicator._CUDA_BUILD:
-            with pytest.raises(ValueError, match="x are on meta, but a braid Communicator takes CPU tensors"):
-                check_device(c, torch.device("meta"), "x")
+        assert "a braid Communicator takes CPU" in c.device_problem(torch.device("meta"))
+        check_device(c, torch.device("meta"), "x")  # meta tensors carry nothing: no refusal
     finally:
         c.close()
 
@@ -148,17 +147,22 @@ def _device_refusals(rank, world_size, store_path):
         check_device(g, torch.device("cpu"), "parameters")
         check_device(g, torch.device("cuda"), "parameters")  # gloo serves CUDA (through host memory)
         g._backends = {"cuda": "nccl"}  # what an NCCL group reports
-        try:
-            fsdp.shard(nn.Linear(4, 4), g)
-        except ValueError as e:
-            return str(e)
-        return "no error"
+        messages = []
+        for build in (lambda: fsdp.shard(nn.Linear(4, 4), g),
+                      lambda: tp.ColumnParallelLinear(4, 4, communicator=g)):
+            try:
+                build()
+                messages.append("no error")
+            except ValueError as e:
+                messages.append(str(e))
+        return messages
 
 
 def test_cpu_parameters_on_a_cuda_only_group_are_refused():
-    messages = run_ranks(_device_refusals, 2)
-    assert all("shard: the module's parameters are on cpu, but the process group serves cuda (nccl) "
-               "tensors only, not cpu" in m for m in messages), messages
+    for zero, column in run_ranks(_device_refusals, 2):
+        assert ("shard: the module's parameters are on cpu, but the process group serves cuda (nccl) "
+                "tensors only, not cpu") in zero, zero
+        assert "ColumnParallelLinear: the weights are on cpu, but the process group serves cuda" in column
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +270,54 @@ def test_zero_on_cuda_parameters(kind, stage, mixed):
         pytest.skip("needs a braid build with CUDA")
     losses = run_ranks(_zero_on_gpu, 2, kind, stage, mixed)
     assert losses[0][-1] < losses[0][0], losses
+
+
+def _fsdp2_on_gpu(rank, world_size, store_path, kind):
+    """FSDP2 on CUDA parameters over a gloo mesh, with braid's comm objects (on the Communicator,
+    or built with None: the mesh's own group through braid's group interface), against FSDP2's
+    own collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ctx, device = _gpu_group("gloo", rank, world_size, store_path)
+    with ctx:
+        c = make_comm(rank, world_size, store_path) if kind == "communicator" else None
+        mesh = init_device_mesh("cuda", (world_size,))
+        models = []
+        for use_braid in (False, True):
+            torch.manual_seed(0)
+            m = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2).to(device)
+            for block in m.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            if use_braid:
+                fsdp.use_braid_comms(m, c)
+            models.append(m)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank)).to(device)
+        losses = []
+        for _ in range(3):
+            step = []
+            for m, o in zip(models, opts):
+                o.zero_grad()
+                loss = F.cross_entropy(m(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+                loss.backward()
+                o.step()
+                step.append(loss.item())
+            losses.append(step)
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **GPU_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        return losses
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ("group", "communicator"))
+def test_fsdp2_with_braid_comms_on_cuda(kind):
+    if kind == "communicator" and not comm.communicator._CUDA_BUILD:
+        pytest.skip("needs a braid build with CUDA")
+    for ref, braid in run_ranks(_fsdp2_on_gpu, 2, kind)[0]:
+        assert abs(ref - braid) <= 1e-4 * abs(ref), (ref, braid)
 
 
 @needs_two_gpus

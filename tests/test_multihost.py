@@ -458,10 +458,12 @@ def test_sharded_wrapper_across_hosts_matches_ddp(stage):
 def test_tensor_parallel_across_hosts_matches_dense(sequence_parallel):
     """braid.comm.tp's block and training across 2 x 2 hosts equal the dense model's."""
     layout = LAYOUTS["2x2"]
-    checked = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "_run_block", sequence_parallel)
+    checked = run_ranks(module_across_hosts, len(layout), layout, "test_tp", "on_communicator", "_run_block",
+                        sequence_parallel)
     assert checked == [16] * len(layout)
     losses = run_ranks(
-        module_across_hosts, len(layout), layout, "test_tp", "_run_training", sequence_parallel, 3
+        module_across_hosts, len(layout), layout, "test_tp", "on_communicator", "_run_training",
+        sequence_parallel, 3
     )
     assert all(run == losses[0] for run in losses)
 

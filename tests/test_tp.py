@@ -36,6 +36,12 @@ def _with_carrier(rank, world_size, store_path, kind, fn, *args):
         return fn(c, rank, world_size, *args)
 
 
+def on_communicator(rank, world_size, store_path, name, *args):
+    """The rank function ``name`` of this file on a braid Communicator (test_multihost.py runs it
+    across simulated hosts, naming it)."""
+    return _with_carrier(rank, world_size, store_path, "communicator", globals()[name], *args)
+
+
 def _check_grads(model: nn.Module, dense: nn.Module, c) -> int:
     """Compares every parameter's gradient with the matching slice of the dense model's gradient;
     returns how many tensors were compared."""

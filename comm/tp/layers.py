@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..group import as_group
+from ..group import as_group, check_device
 from .regions import (all_gather, all_reduce, gather_from_region, reduce_from_region, reduce_scatter,
                       reduce_scatter_to_sequence_region, scatter_to_region, split)
 
@@ -171,6 +171,7 @@ class _ParallelLinear(nn.Module):
         self._load_dense(dense, src=None)
 
     def _load_dense(self, dense: nn.Linear, src: Optional[int]) -> None:
+        check_device(self.communicator, self.weight.device, f"{type(self).__name__}: the weights")
         with torch.no_grad():
             weight = _dense_source(dense.weight, self.communicator, src)
             self.weight.copy_(split(weight, self.split_dim, self.communicator))
@@ -348,6 +349,7 @@ class VocabParallelEmbedding(nn.Module):
         self._load_dense(dense, src=None)
 
     def _load_dense(self, dense: nn.Embedding, src: Optional[int]) -> None:
+        check_device(self.communicator, self.weight.device, f"{type(self).__name__}: the weights")
         with torch.no_grad():
             self.weight.copy_(split(_dense_source(dense.weight, self.communicator, src), 0,
                                     self.communicator))
