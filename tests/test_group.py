@@ -272,54 +272,6 @@ def test_zero_on_cuda_parameters(kind, stage, mixed):
     assert losses[0][-1] < losses[0][0], losses
 
 
-def _fsdp2_on_gpu(rank, world_size, store_path, kind):
-    """FSDP2 on CUDA parameters over a gloo mesh, with braid's comm objects (on the Communicator,
-    or built with None: the mesh's own group through braid's group interface), against FSDP2's
-    own collectives."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    ctx, device = _gpu_group("gloo", rank, world_size, store_path)
-    with ctx:
-        c = make_comm(rank, world_size, store_path) if kind == "communicator" else None
-        mesh = init_device_mesh("cuda", (world_size,))
-        models = []
-        for use_braid in (False, True):
-            torch.manual_seed(0)
-            m = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2).to(device)
-            for block in m.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-            if use_braid:
-                fsdp.use_braid_comms(m, c)
-            models.append(m)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank)).to(device)
-        losses = []
-        for _ in range(3):
-            step = []
-            for m, o in zip(models, opts):
-                o.zero_grad()
-                loss = F.cross_entropy(m(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-                loss.backward()
-                o.step()
-                step.append(loss.item())
-            losses.append(step)
-        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **GPU_TOL, msg=lambda m, n=name: f"{n}: {m}")
-        return losses
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ("group", "communicator"))
-def test_fsdp2_with_braid_comms_on_cuda(kind):
-    if kind == "communicator" and not comm.communicator._CUDA_BUILD:
-        pytest.skip("needs a braid build with CUDA")
-    for ref, braid in run_ranks(_fsdp2_on_gpu, 2, kind)[0]:
-        assert abs(ref - braid) <= 1e-4 * abs(ref), (ref, braid)
-
-
 @needs_two_gpus
 @pytest.mark.gpu
 def test_tp_and_zero_over_nccl():
