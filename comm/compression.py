@@ -25,7 +25,8 @@ import torch
 
 from . import _C, group_carrier
 from .device_kernels import CpuKernels, kernels_for
-from .group_carrier import GroupCarrier, GroupWork, HostGroups
+from .group import GroupWork
+from .group_carrier import GroupCarrier, HostGroups
 from .vocabulary import AVG, Op, compressed_op_code
 from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
 from .work import Work
@@ -232,7 +233,7 @@ class Compressor:
         default group; CPU or CUDA tensors, quantized on their device and summed in rank order in
         float32, the group moving the bytes), or a :class:`~braid.comm.group_carrier.HostGroups`
         (exact inside a host, compressed across hosts). Async calls return a
-        :class:`CompressedWork` (braid) or a :class:`~braid.comm.group_carrier.GroupWork`
+        :class:`CompressedWork` (braid) or a :class:`~braid.comm.group.GroupWork`
         (process groups)."""
         if isinstance(comm, CompressionHost):
             return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)

@@ -121,44 +121,63 @@ class Group(abc.ABC):
 
 
 class GroupWork:
-    """An async call on a process group: the group's work, and what runs once when it is done
-    (the division of an average, a copy back from host memory). ``wait()``, ``is_completed()``,
-    ``get_future()`` (a future of ``[result]``), as braid's own works."""
+    """An async call on a group: a process group's work, or the future of a job braid issued
+    (compression over a process group: comm/group_carrier.py's issue thread, or a CUDA stream),
+    and what runs once when it is done (the division of an average, a copy back from host
+    memory). ``wait()``, ``is_completed()``, ``get_future()`` (a future of ``[result]``), as
+    braid's own works."""
 
-    __slots__ = ("_work", "_finish", "_result", "_finished", "_future")
+    __slots__ = ("_work", "_finish", "_result", "_finished", "_future", "_done")
 
-    def __init__(self, work: Any, finish: Optional[Callable[[], None]], result: torch.Tensor):
+    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None,
+                 result: Optional[torch.Tensor] = None):
         self._work, self._finish, self._result = work, finish, result
         self._finished = finish is None
         self._future: Optional[torch.futures.Future] = None
+        self._done: Optional[threading.Event] = None
+        if isinstance(work, torch.futures.Future):  # a job's future: its value is the result
+            self._future, self._done = work, threading.Event()
+            work.add_done_callback(lambda _: self._done.set())
 
     def _run_finish(self) -> None:
         if not self._finished:
             self._finished = True
             self._finish()
 
-    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
-        """Waits for the call and completes the result; raises the group's error. With
-        ``timeout`` (seconds or a timedelta) returns False if it is still running then."""
-        if self._future is not None:  # the future's callback finishes the result
-            if timeout is not None:
-                secs = seconds(timeout, zero_ok=True)
-                if not self._work.wait(timedelta(seconds=secs)):
-                    return False
-            self._future.wait()
-            return True
+    def _wait_source(self, timeout: Optional[Union[float, timedelta]]) -> bool:
+        """Waits for the work or job itself; False if ``timeout`` passed first."""
         if timeout is None:
-            self._work.wait()
-        elif not self._work.wait(timedelta(seconds=seconds(timeout, zero_ok=True))):
+            if self._done is None:
+                self._work.wait()
+            return True
+        secs = seconds(timeout, zero_ok=True)
+        if self._done is not None:
+            return self._done.wait(secs)
+        return bool(self._work.wait(timedelta(seconds=secs)))
+
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Waits for the call and completes the result (CUDA: makes the current stream wait);
+        raises the call's error. With ``timeout`` (seconds or a timedelta) returns False if it is
+        still running then; 0 polls."""
+        if not self._wait_source(timeout):
             return False
-        self._run_finish()
+        if self._future is not None:  # the future's callback finishes the result
+            self._future.wait()
+        else:
+            self._run_finish()
         return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._done.is_set() if self._done is not None else self._work.is_completed()
 
     def is_success(self) -> bool:
-        return self._work.is_completed() and self._work.exception() is None
+        if not self.is_completed():
+            return False
+        try:
+            self.wait(0)
+        except Exception:  # noqa: BLE001 - the call's error: not a success
+            return False
+        return True
 
     def get_future(self) -> torch.futures.Future:
         """A future holding ``[result]`` once the call is done and its result complete (on CUDA
@@ -392,8 +411,8 @@ class ProcessGroupAdapter(Group):
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         if output.numel() != input.numel() or input.numel() % self._size:
-            raise ValueError(f"all_to_all: input and output must have the same number of elements, "
-                             f"divisible by world_size ({self._size}); got {input.numel()} and {output.numel()}")
+            raise ValueError(f"all_to_all: input and output must have the same number of elements, divisible "
+                             f"by world_size ({self._size}); got {input.numel()} and {output.numel()}")
         group = self.group
 
         def launch(out, inp, async_op):
@@ -512,8 +531,9 @@ def as_group(group: Any, arg: str = "group", where: Optional[str] = None) -> Gro
     if isinstance(group, dist.ProcessGroup):
         return adapter(group)
     if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{prefix}{arg}: this rank is not a member of the group (torch.distributed.new_group "
-                         "returned GroupMember.NON_GROUP_MEMBER here): only the group's ranks may use it")
+        raise ValueError(f"{prefix}{arg}: this rank is not a member of the group (torch.distributed."
+                         "new_group returned GroupMember.NON_GROUP_MEMBER here): only the group's ranks "
+                         "may use it")
     if all(hasattr(group, name) for name in GROUP_METHODS):
         return group
     raise TypeError(f"{prefix}{arg} must be a braid.comm.Communicator, a torch.distributed.ProcessGroup or "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from datetime import timedelta
 from typing import Callable, Optional, Union
 
 import torch
@@ -25,7 +24,6 @@ import torch.distributed as dist
 
 from .group import adapter
 from .hosts import host_identity, host_numbers
-from .work import seconds
 
 
 def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessGroup:
@@ -258,30 +256,3 @@ def issue(job: Callable[[], None], result: list, device: torch.device) -> torch.
         fut.set_result(result)
         return fut
     return _ISSUE.submit(job, result)
-
-
-class GroupWork:
-    """Handle of an async all-reduce over a process group: ``wait()``, ``is_completed()``,
-    ``get_future()`` (a future of ``[tensor]``, as braid's and torch's works give)."""
-
-    def __init__(self, fut: torch.futures.Future):
-        self._fut = fut
-        self._done = threading.Event()
-        fut.add_done_callback(lambda _: self._done.set())
-
-    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
-        """Blocks until done (CUDA: makes the current stream wait) and raises the call's error. With
-        ``timeout`` (seconds or a timedelta) returns False if it is still running then; 0 polls."""
-        if timeout is not None and not self._done.wait(seconds(timeout, zero_ok=True)):
-            return False
-        self._fut.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-    def __repr__(self) -> str:
-        return f"<braid.comm.GroupWork all_reduce {'done' if self._fut.done() else 'running'}>"

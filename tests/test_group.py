@@ -119,7 +119,7 @@ def test_as_group_errors_name_the_argument():
         as_group("gloo", "comm", "where")
     lazy = as_group(None, "process_group")
     with pytest.raises(ValueError, match="process_group is None .* not initialized"):
-        lazy.world_size
+        _ = lazy.world_size
 
 
 def test_communicator_is_a_group_with_capabilities():
@@ -223,12 +223,13 @@ def _zero_on_gpu(rank, world_size, store_path, kind, stage, mixed):
         c = dist.group.WORLD if c is None else c
         torch.manual_seed(0)
         dense = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2).to(device)
-        policy = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        policy = (fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if mixed else None)
         sharded = fsdp.shard(copy.deepcopy(dense), c, stage=stage, bucket_cap_mb=0.01, mp_policy=policy)
         assert all(p.device == device for p in sharded.parameters())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (dense, sharded)]
-        ids = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(r)).to(device)
-               for r in range(world_size)]
+        ids = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(r))
+               .to(device) for r in range(world_size)]
 
         def loss_of(m, batch):
             logits = m(batch[:, :-1])

@@ -302,7 +302,8 @@ def test_transformer_block_under_torch_compile_matches_dense(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
 @pytest.mark.parametrize("kind,world_size", _cases((2, 3, 4), (3,)))
 def test_vocab_parallel_embedding_matches_dense(kind, world_size, sequence_parallel):
-    assert run_ranks(_with_carrier, world_size, kind, _run_embedding, sequence_parallel) == [True] * world_size
+    results = run_ranks(_with_carrier, world_size, kind, _run_embedding, sequence_parallel)
+    assert results == [True] * world_size
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))

@@ -91,7 +91,8 @@ class MixedPrecision:
             return policy
         if all(hasattr(policy, a) for a in ("param_dtype", "reduce_dtype", "output_dtype",
                                              "cast_forward_inputs")):
-            return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs)
+            return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
+                       policy.cast_forward_inputs)
         raise TypeError("mp_policy must be None, a braid.comm.fsdp.MixedPrecision or a "
                         f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
 
@@ -113,7 +114,10 @@ def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
         return tree
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return tree_map(cast, tree)
 
 
 class ShardedModule(nn.Module):

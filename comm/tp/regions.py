@@ -11,7 +11,8 @@ Each region is a pair of collectives, one in the forward and its adjoint in the 
     reduce_scatter_to_sequence_region  reduce-scatter (seq) | all-gather (seq)
 
 Every rank of the group must call the same regions in the same order (they are collectives). The
-group is a braid Communicator, a torch.distributed ProcessGroup or None (the default group). Gradients are never reduced in place in the tensor autograd hands in: that tensor can
+group is a braid Communicator, a torch.distributed ProcessGroup or None (the default group).
+Gradients are never reduced in place in the tensor autograd hands in: that tensor can
 be shared with another branch of the graph (the two inputs of an add receive the same gradient).
 """
 from __future__ import annotations
