@@ -261,15 +261,19 @@ class Compressor:
         self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
         calls, step = self._next_call(key, step)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        n = comm.world_size
+        n, es = comm.world_size, flat.element_size()
         if step < self.warmup_steps or n == 1:
             work = comm.all_reduce(flat, op_code, async_op)
-            dense = dense_wire_bytes(flat.numel() * flat.element_size(), n)
-            stats = WireStats(dense, dense, dense)
+            stats = self.exact_wire_stats(flat.numel() * es, n)
             finish = None
         else:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
-            work, finish, stats = self._compressed(comm, flat, op_code, key, seed, async_op)
+            work, finish = self._compressed(comm, flat, op_code, key, seed, async_op)
+            if _exact_on_hosts(comm):  # the host path: exact inside each host, compressed across
+                stats = self.wire_stats(flat.numel(), es, comm.num_hosts, comm.local_world_size,
+                                        float32_fallback=True)
+            else:
+                stats = self.wire_stats(flat.numel(), es, n)
         self._count(stats)
 
         def done() -> None:
@@ -296,19 +300,20 @@ class Compressor:
         """The all-reduce over a process group carrier: the warm-up's exact reduction or the
         compressed one, as one job (comm/group_carrier.py's issue: in order on CPU, on the
         current stream on CUDA)."""
-        n, nbytes = carrier.size, flat.numel() * flat.element_size()
+        n, es = carrier.size, flat.element_size()
         if step < self.warmup_steps or n == 1 or flat.numel() == 0:
-            dense = dense_wire_bytes(nbytes, n)
-            stats = WireStats(dense, dense, dense)
+            stats = self.exact_wire_stats(flat.numel() * es, n)
 
             def run() -> None:
                 carrier.reduce_exact(flat, op_code == AVG, n)
         else:
             seed = _mix64(self.seed, carrier.rank, _key_hash(key), calls)
             if isinstance(carrier, HostGroups):
-                stats, run = self._on_hosts(carrier, flat, op_code, key, seed)
+                run = self._on_hosts(carrier, flat, op_code, key, seed)
+                stats = self.wire_stats(flat.numel(), es, carrier.inter.size, carrier.intra.size)
             else:
-                stats, run = self._on_group(carrier, flat, op_code, key, seed, n)
+                run = self._on_group(carrier, flat, op_code, key, seed, n)
+                stats = self.wire_stats(flat.numel(), es, n)
         self._count(stats)
 
         def job() -> None:
@@ -323,36 +328,56 @@ class Compressor:
 
     def _on_group(
         self, c: GroupCarrier, flat: torch.Tensor, op_code: int, key: Hashable, seed: int, divisor: int
-    ) -> tuple:
+    ) -> Callable[[], None]:
         """The compressed all-reduce of the 1-D ``flat`` over ``c`` (avg divides by ``divisor``):
-        returns (WireStats, the function that runs it). Kernels of flat's device."""
+        returns the function that runs it. Kernels of flat's device."""
+        raise NotImplementedError
+
+    # -- wire statistics: what each path moves, computed here only ---------------------------
+    @staticmethod
+    def exact_wire_stats(nbytes: int, world_size: int) -> WireStats:
+        """The uncompressed all-reduce of ``nbytes`` (warm-up steps, a group of one)."""
+        dense = dense_wire_bytes(nbytes, world_size)
+        return WireStats(dense, dense, dense)
+
+    def wire_stats(self, numel: int, elem_size: int, peers: int, local: int = 1, *,
+                   float32_fallback: bool = False) -> WireStats:
+        """Bytes one rank moves in a compressed all-reduce of ``numel`` elements of ``elem_size``
+        bytes: compressed among ``peers`` ranks (or hosts, when each host's ``local`` ranks first
+        reduce exactly among themselves: a reduce-scatter and an all-gather of the host's slices),
+        against the uncompressed all-reduce over every rank. ``float32_fallback``: a top-k's dense
+        fallback travels as float32 (the communicator's host path), not in the tensor's dtype."""
+        per = -(-numel // local)
+        moved = self._compressed_bytes(per, peers, elem_size, float32_fallback) if peers > 1 else 0
+        moved += 2 * (local - 1) * per * elem_size
+        return WireStats(moved, moved, dense_wire_bytes(numel * elem_size, peers * local))
+
+    def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
+        """Bytes one rank sends compressing ``count`` elements among ``peers`` ranks."""
         raise NotImplementedError
 
     def _on_hosts(self, hosts: HostGroups, flat: torch.Tensor, op_code: int, key: Hashable, seed: int
-                  ) -> tuple:
+                  ) -> Callable[[], None]:
         """Exact inside the host, compressed across hosts: the host reduce-scatters ``flat`` (sum
         in local rank order, rounded once to its dtype), this rank's slice is compressed once (its
         own residual) and all-reduced among the ranks of its local index on every host (avg
         divides by every rank), and the host all-gathers the slices."""
-        local, numel, es = hosts.intra.size, flat.numel(), flat.element_size()
-        per = -(-numel // local)
+        per = -(-flat.numel() // hosts.intra.size)
         mine = torch.empty(per, dtype=flat.dtype, device=flat.device)
         average = op_code == AVG
         if hosts.inter.size == 1:  # one host: nothing is compressed
-            across = WireStats(0, 0, 0)
 
             def run_across() -> None:
                 hosts.inter.reduce_exact(mine, average, hosts.size)
         else:
-            across, run_across = self._on_group(hosts.inter, mine, op_code, key, seed, hosts.size)
+            run_across = self._on_group(hosts.inter, mine, op_code, key, seed, hosts.size)
 
         def run() -> None:
             mine.copy_(hosts.intra.sum_slices(flat, per))
             run_across()
             hosts.intra.gather_slices(mine, flat)
 
-        sent = across.sent + 2 * (local - 1) * per * es
-        return WireStats(sent, sent, dense_wire_bytes(numel * es, hosts.size)), run
+        return run
 
     def _check_numel(self, numel: int) -> None:
         """Raises ValueError for a tensor size this compressor cannot carry (none by default)."""
@@ -371,7 +396,7 @@ class Compressor:
 
     def _compressed(self, comm: BraidCollectives, flat: torch.Tensor, op_code: int, key: Hashable, seed: int,
                     async_op: bool) -> tuple:
-        """Issues the compressed collective; returns (work or None, finish, WireStats)."""
+        """Issues the compressed collective; returns (work or None, finish)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -401,6 +426,9 @@ class _BlockQuantizer(Compressor):
     def wire_bytes(self, count: int) -> int:
         """Size of ``count`` quantized elements: values, padding to 4 bytes, scales."""
         return _C.quantized_bytes(count, self.bits, self.block)
+
+    def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
+        return 2 * (peers - 1) * self.wire_bytes(self.chunk_elems(count, peers))  # all-to-all + all-gather
 
     def chunk_elems(self, numel: int, world_size: int) -> int:
         """Elements of each rank's chunk: numel / world_size rounded up to whole blocks."""
@@ -438,8 +466,7 @@ class _BlockQuantizer(Compressor):
             _C.dequantize(gathered, self.bits, self.block, flat, chunk)
             self._scratch[key] = bufs
 
-        moved = 2 * (n - 1) * cb  # all-to-all, then all-gather, of one chunk per peer
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+        return work, finish
 
     def _chunk_buffers(self, key: Hashable, n: int, chunk: int, cb: int, device: torch.device) -> list:
         """send, recv, accumulator, gathered of a quantized all-reduce among ``n`` ranks: kept per
@@ -481,8 +508,7 @@ class _BlockQuantizer(Compressor):
             kern.dequantize(gathered, self.bits, self.block, flat, chunk)
             self._scratch[key] = bufs
 
-        moved = 2 * (n - 1) * cb
-        return WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n)), run
+        return run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, quantized between hosts: the host reduce-scatters the tensor (local
@@ -502,9 +528,7 @@ class _BlockQuantizer(Compressor):
         def finish() -> None:
             self._scratch[key] = [padded, mine]
 
-        es, cb = flat.element_size(), self.wire_bytes(chunk)
-        moved = 2 * (hosts - 1) * cb + 2 * (local - 1) * per * es  # between hosts + exact on the host
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+        return work, finish
 
     def _compressed_pipelined(self, comm, flat, op_code, key, seed, async_op):
         """Every rank on a host of its own: the quantized all-reduce between hosts pipelined in
@@ -516,8 +540,7 @@ class _BlockQuantizer(Compressor):
             flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == AVG,
             self.stochastic,
             seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
-        moved = 2 * (n - 1) * self.wire_bytes(chunk)
-        return work, None, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+        return work, None
 
 
 class Int8Quantizer(_BlockQuantizer):
@@ -581,6 +604,14 @@ class TopK(Compressor):
         """Elements kept of a tensor of ``numel``."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))
 
+    def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
+        if self.sparse(count, peers, elem_size):
+            return (peers - 1) * 8 * self.k(count)  # (value, index) pairs through an all-gather
+        # The dense fallback sends input + residual: float32 with error feedback (and on the
+        # communicator's host path), the tensor's dtype without.
+        fallback = 4 if self.error_feedback or float32_fallback else elem_size
+        return dense_wire_bytes(count * fallback, peers)
+
     def sparse(self, numel: int, world_size: int, elem_size: int = 4) -> bool:
         """Whether the (values, indices) all-gather is smaller than the dense tensor."""
         return self.k(numel) * world_size * 8 <= numel * elem_size
@@ -605,8 +636,7 @@ class TopK(Compressor):
                 if dense is not flat:
                     flat.copy_(dense)
 
-            moved = dense_wire_bytes(dense.numel() * dense.element_size(), n)
-            return work, finish_dense, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
+            return work, finish_dense
         k = self.k(numel)
         send = self._select(CpuKernels, flat, residual, k)
         gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
@@ -615,8 +645,7 @@ class TopK(Compressor):
         def finish() -> None:
             self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == AVG, n)
 
-        moved = (n - 1) * 8 * k
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, n))
+        return work, finish
 
     @staticmethod
     def _select(kern, flat: torch.Tensor, residual: Optional[torch.Tensor], k: int) -> torch.Tensor:
@@ -674,8 +703,7 @@ class TopK(Compressor):
             c.all_gather(gathered, send)
             self._sum_gathered(kern, gathered, n, k, flat, average, divisor)
 
-        moved = (n - 1) * 8 * k if sparse else dense_wire_bytes(numel * (4 if self.error_feedback else es), n)
-        return WireStats(moved, moved, dense_wire_bytes(numel * es, n)), run
+        return run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, top-k between hosts: the host reduce-scatters the tensor, this
@@ -700,9 +728,7 @@ class TopK(Compressor):
         def finish() -> None:
             self._scratch[key] = bufs
 
-        between = (hosts - 1) * 8 * k if sparse else dense_wire_bytes(per * 4, hosts)
-        moved = between + 2 * (local - 1) * per * es
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+        return work, finish
 
 
 class Cast(Compressor):
@@ -728,10 +754,13 @@ class Cast(Compressor):
     def _config(self) -> dict:
         return {"dtype": self.dtype, **super()._config()}
 
+    def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
+        return dense_wire_bytes(count * torch.finfo(self.dtype).bits // 8, peers)  # 16-bit values
+
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
         if _exact_on_hosts(comm):
             return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
-        n, numel = comm.world_size, flat.numel()
+        numel = flat.numel()
         residual = self._residual_for(key, numel)
         bufs = self._sent_buffer(key, numel, flat.device)
         sent = bufs[0]
@@ -743,8 +772,7 @@ class Cast(Compressor):
             flat.copy_(sent)
             self._scratch[key] = bufs
 
-        moved = dense_wire_bytes(numel * sent.element_size(), n)
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), n))
+        return work, finish
 
     def _sent_buffer(self, key: Hashable, numel: int, device: torch.device) -> list:
         """[the 16-bit copy that travels], kept per key between calls."""
@@ -765,29 +793,26 @@ class Cast(Compressor):
             flat.copy_(sent)
             self._scratch[key] = bufs
 
-        moved = dense_wire_bytes(numel * torch.finfo(self.dtype).bits // 8, c.size)
-        return WireStats(moved, moved, dense_wire_bytes(numel * flat.element_size(), c.size)), run
+        return run
 
     def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
         """Exact on each host, cast between hosts: the host reduce-scatters the tensor, this
         rank's slice (+ its residual) is rounded once to ``dtype`` and all-reduced among the ranks
         of the same local index on the other hosts, and the host all-gathers the slices."""
-        local, hosts, numel, es = comm.local_world_size, comm.num_hosts, flat.numel(), flat.element_size()
-        per = -(-numel // local)
+        local = comm.local_world_size
+        per = -(-flat.numel() // local)
 
         def make() -> list:  # padded, slice, sent, accumulator
             return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype), torch.empty(per)]
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
-        sent = bufs[2]
         work = comm.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == AVG,
                                             async_op)
 
         def finish() -> None:
             self._scratch[key] = bufs
 
-        moved = dense_wire_bytes(per * sent.element_size(), hosts) + 2 * (local - 1) * per * es
-        return work, finish, WireStats(moved, moved, dense_wire_bytes(numel * es, comm.world_size))
+        return work, finish
 
 
 COMPRESSOR_NAMES = ("int8", "int4", "topk", "bf16", "fp16")

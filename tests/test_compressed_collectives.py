@@ -11,7 +11,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
-from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, _C
+from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, WireStats, _C
 from braid.comm.compression import _key_hash, _mix64, dense_wire_bytes
 from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
 from helpers import compression_reference as ref
@@ -458,3 +458,32 @@ def compressed_arguments(rank, n, store_path):
 
 def test_compressed_arguments_and_world_of_one():
     assert run_ranks(compressed_arguments, 1) == [[]]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_wire_stats_of_the_host_paths(dtype):
+    """Compressor.wire_stats, the one place wire statistics are computed, against the bytes each
+    path moves written out: per host local ranks reduce-scatter and all-gather their slices exactly
+    (2 (local - 1) slices of their dtype), and every slice is compressed among the hosts."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    for numel, local, hosts in ((10_000, 2, 3), (4097, 3, 2), (64, 2, 2)):
+        per = -(-numel // local)
+        inside = 2 * (local - 1) * per * es
+        dense = dense_wire_bytes(numel * es, local * hosts)
+        for q in (Int8Quantizer(), Int4Quantizer(block=32)):
+            chunk = q.chunk_elems(per, hosts)
+            across = 2 * (hosts - 1) * q.wire_bytes(chunk)
+            assert q.wire_stats(numel, es, hosts, local) == WireStats(across + inside, across + inside, dense)
+        for ratio in (0.01, 0.6):  # sparse, then the dense fallback
+            for ef in (True, False):
+                q = TopK(ratio, error_feedback=ef)
+                sparse = q.k(per) * hosts * 8 <= per * es
+                for host_path in (True, False):
+                    fallback = 4 if ef or host_path else es
+                    across = (hosts - 1) * 8 * q.k(per) if sparse else dense_wire_bytes(per * fallback, hosts)
+                    got = q.wire_stats(numel, es, hosts, local, float32_fallback=host_path)
+                    assert got == WireStats(across + inside, across + inside, dense), (ratio, ef, host_path)
+        q = Cast(torch.bfloat16)
+        across = dense_wire_bytes(per * 2, hosts)
+        assert q.wire_stats(numel, es, hosts, local) == WireStats(across + inside, across + inside, dense)
+        assert q.wire_stats(numel, es, 1, local).sent == inside  # one host: nothing compressed
