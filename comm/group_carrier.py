@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .group import adapter
+from .group import Group, adapter
 from .hosts import host_identity, host_numbers
 
 
@@ -46,13 +46,15 @@ def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessG
 class GroupCarrier:
     """One group as the carrier of packed bytes: equal-split all-to-all and all-gather, and the
     fixed-order reductions built on them. The bytes move through braid's group interface
-    (comm/group.py) over the ProcessGroup; calls block on CPU tensors and are stream-ordered on
-    CUDA ones (as the group's synchronous collectives are). Tensors on a device the group has no
-    backend for (CUDA tensors over a gloo group) travel through host memory."""
+    (comm/group.py): over a ProcessGroup (adapted), or over any braid Group, a Communicator
+    included (its fused compressed all-reduce then runs as this algorithm, call by call; use it
+    from one thread only). Calls block on CPU tensors and are stream-ordered on CUDA ones (as the
+    group's synchronous collectives are). Tensors on a device the group has no backend for (CUDA
+    tensors over a gloo group) travel through host memory."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: Union[dist.ProcessGroup, Group]):
         self.group = group
-        self._group = adapter(group)
+        self._group = adapter(group) if isinstance(group, dist.ProcessGroup) else group
         self.rank = self._group.rank
         self.size = self._group.world_size
 
@@ -110,6 +112,21 @@ class GroupCarrier:
         return f"<braid GroupCarrier rank {self.rank} of {self.size}>"
 
 
+def _check_members(group: dist.ProcessGroup, intra: dist.ProcessGroup, inter: dist.ProcessGroup) -> None:
+    """intra and inter hold ranks of group only, and share exactly this rank."""
+    if not dist.is_initialized():
+        return
+    members = set(dist.get_process_group_ranks(group))
+    for name, g in (("intra", intra), ("inter", inter)):
+        outside = sorted(set(dist.get_process_group_ranks(g)) - members)
+        if outside:
+            raise ValueError(f"{name} holds ranks {outside}, which are not in group")
+    shared = set(dist.get_process_group_ranks(intra)) & set(dist.get_process_group_ranks(inter))
+    if len(shared) != 1:
+        raise ValueError(f"intra and inter must share exactly one rank (this one), they share "
+                         f"{sorted(shared)}")
+
+
 class HostGroups:
     """A process group split by host, for compressed all-reduces that are exact inside a host and
     compressed only across hosts (ZeRO++ qgZ's idea): the host reduce-scatters the tensor exactly
@@ -118,27 +135,25 @@ class HostGroups:
 
     Build it with :func:`host_groups` (from the ranks' host identity), or from groups of your own:
     every host must hold the same number of ranks, so ``intra.size() * inter.size()`` must equal
-    ``group.size()``, and both must hold this rank and ranks of ``group`` only.
+    ``group.size()``, and both must hold this rank and ranks of ``group`` only. The three may also
+    be braid Groups (Communicators over the job, this host's ranks, and this local index's ranks:
+    the host-aware pair of a braid job), whose membership the caller vouches for.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], intra: dist.ProcessGroup,
-                 inter: dist.ProcessGroup):
-        group = checked_group(group, "group")
-        intra, inter = checked_group(intra, "intra"), checked_group(inter, "inter")
-        if intra.size() * inter.size() != group.size():
+    def __init__(self, group: Optional[Union[dist.ProcessGroup, Group]],
+                 intra: Union[dist.ProcessGroup, Group], inter: Union[dist.ProcessGroup, Group]):
+        if all(isinstance(g, Group) for g in (group, intra, inter)):
+            sizes = (group.world_size, intra.world_size, inter.world_size)
+        else:
+            group = checked_group(group, "group")
+            intra, inter = checked_group(intra, "intra"), checked_group(inter, "inter")
+            sizes = (group.size(), intra.size(), inter.size())
+        if sizes[1] * sizes[2] != sizes[0]:
             raise ValueError(f"intra and inter: intra.size() * inter.size() must equal group.size() "
-                             f"({group.size()}), got {intra.size()} * {inter.size()}: every host must hold "
+                             f"({sizes[0]}), got {sizes[1]} * {sizes[2]}: every host must hold "
                              "the same number of ranks")
-        if dist.is_initialized():
-            members = set(dist.get_process_group_ranks(group))
-            for name, g in (("intra", intra), ("inter", inter)):
-                outside = sorted(set(dist.get_process_group_ranks(g)) - members)
-                if outside:
-                    raise ValueError(f"{name} holds ranks {outside}, which are not in group")
-            shared = set(dist.get_process_group_ranks(intra)) & set(dist.get_process_group_ranks(inter))
-            if len(shared) != 1:
-                raise ValueError(f"intra and inter must share exactly one rank (this one), they share "
-                                 f"{sorted(shared)}")
+        if isinstance(group, dist.ProcessGroup):
+            _check_members(group, intra, inter)
         self.group, self.intra, self.inter = GroupCarrier(group), GroupCarrier(intra), GroupCarrier(inter)
         self.rank, self.size = self.group.rank, self.group.size
 

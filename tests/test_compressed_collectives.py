@@ -487,3 +487,39 @@ def test_wire_stats_of_the_host_paths(dtype):
         across = dense_wire_bytes(per * 2, hosts)
         assert q.wire_stats(numel, es, hosts, local) == WireStats(across + inside, across + inside, dense)
         assert q.wire_stats(numel, es, 1, local).sent == inside  # one host: nothing compressed
+
+
+def fused_equals_generic(rank, n, store_path, seed):
+    """The communicator's fused compressed all-reduce (its compressed_all_reduce capability) and
+    the compressor's one algorithm over the group interface (GroupCarrier over the same
+    Communicator) give the same bits, residuals included, warm-up and compressed calls alike."""
+    from braid.comm.group_carrier import GroupCarrier
+
+    log = CaseLog()
+    with make_comm(rank, n, store_path) as c:
+        carrier = GroupCarrier(c)
+        makers = {"int8": lambda: Int8Quantizer(block=64),
+                  "int8 nearest": lambda: Int8Quantizer(stochastic=False),
+                  "int4": lambda: Int4Quantizer(block=32), "topk": lambda: TopK(0.02),
+                  "topk dense": lambda: TopK(0.6), "bf16": lambda: Cast(torch.bfloat16)}
+        for name, make in makers.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                fused, generic = make(), make()
+                for call in range(4):
+                    x = make_input(seed + call, rank, 2053, dtype)
+                    a, b = x.clone(), x.clone()
+                    c.all_reduce(a, op="avg", compression=fused, key="k")
+                    generic.all_reduce(carrier, b, "avg", key="k")
+                    what = f"{name} {dtype} call {call}"
+                    log.check(what, b, a)
+                    if fused.residual("k") is not None:
+                        log.check(f"{what} residual", generic.residual("k"), fused.residual("k"),
+                                  rank_specific=True)
+                    log.expect(f"{what} wire", fused.last_wire_bytes == generic.last_wire_bytes,
+                               f"{fused.last_wire_bytes} vs {generic.last_wire_bytes}")
+        return log.summary()
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_fused_path_equals_the_algorithm_over_the_group_interface(n):
+    assert_ranks_agree(run_ranks(fused_equals_generic, n, 71), min_cases=100)

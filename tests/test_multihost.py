@@ -41,13 +41,15 @@ LAYOUTS = {
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
 
-def hosts_comm(rank, n, store_path, layout, tiny=True, **kwargs):
+def hosts_comm(rank, n, store_path, layout, tiny=True, rank_in=None, **kwargs):
     """A communicator whose ranks sit on the simulated hosts of ``layout``: by BRAID_HOST_ID, or,
     when the ranks really run on separate hosts (network namespaces: BRAID_TEST_REAL_HOSTS=1), by
-    their own host identity."""
+    their own host identity. ``rank_in``: (rank, size) in a communicator over some of the ranks
+    (give each such communicator its own ``prefix``)."""
     env = dict(TINY_ENV) if tiny else {}
     if os.environ.get("BRAID_TEST_REAL_HOSTS") != "1":
         env["BRAID_HOST_ID"] = f"host{layout[rank]}"
+    rank, n = rank_in or (rank, n)
     with environment(env):
         return make_comm(rank, n, store_path, **(TINY_TCP if tiny else {}), **kwargs)
 
@@ -472,6 +474,53 @@ def test_tensor_parallel_across_hosts_matches_dense(sequence_parallel):
 def test_compressed_all_reduce_across_hosts_equals_one_host(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(compressed_across_hosts, len(layout), layout, 3), min_cases=12)
+
+
+def host_path_equals_host_pair(rank, n, store_path, layout, seed):
+    """A Communicator across hosts compresses exactly inside each host and compressed across (its
+    fused host path); the compressor's one hierarchical algorithm over the host pair (HostGroups of
+    a Communicator per host and one per local index, through the group interface) gives the same
+    bits, residuals and wire bytes. The warm-up's exact calls follow each carrier's exact order
+    (the communicator: host partials, then hosts; the pair: every rank in rank order), so there
+    they agree to float32 rounding only."""
+    from braid.comm.group_carrier import HostGroups
+
+    log = CaseLog()
+    hosts = hosts_of(layout)
+    host = next(i for i, members in enumerate(hosts) if rank in members)
+    local = hosts[host].index(rank)
+    whole = hosts_comm(rank, n, store_path, layout)
+    intra = hosts_comm(rank, n, store_path, layout, prefix=f"intra{host}/", rank_in=(local, len(hosts[host])))
+    inter = hosts_comm(rank, n, store_path, layout, prefix=f"inter{local}/", rank_in=(host, len(hosts)))
+    pair = HostGroups(whole, intra, inter)
+    makers = {"int8": lambda: comm.Int8Quantizer(block=64), "int4": lambda: comm.Int4Quantizer(block=32),
+              "topk": lambda: comm.TopK(0.02), "topk dense": lambda: comm.TopK(0.6),
+              "bf16": lambda: comm.Cast(torch.bfloat16)}
+    for name, make in makers.items():
+        fused, generic = make(), make()
+        for call in range(4):
+            x = make_input(seed + call, rank, 3001, torch.float32)
+            a, b = x.clone(), x.clone()
+            whole.all_reduce(a, op="avg", compression=fused, key="k")
+            generic.all_reduce(pair, b, "avg", key="k")
+            if call < fused.warmup_steps:
+                log.expect(f"{name} call {call} (exact)", torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+                continue
+            log.check(f"{name} call {call}", b, a)
+            if fused.residual("k") is not None:
+                log.check(f"{name} call {call} residual", generic.residual("k"), fused.residual("k"),
+                          rank_specific=True)
+            log.expect(f"{name} call {call} wire", fused.last_wire_bytes == generic.last_wire_bytes,
+                       f"{fused.last_wire_bytes} vs {generic.last_wire_bytes}")
+    for c in (inter, intra, whole):
+        c.close()
+    return log.summary()
+
+
+@pytest.mark.parametrize("name", ["2x2", "2x2-interleaved"])
+def test_communicator_host_path_equals_the_algorithm_on_the_host_pair(name):
+    layout = LAYOUTS[name]
+    assert_ranks_agree(run_ranks(host_path_equals_host_pair, len(layout), layout, 5), min_cases=40)
 
 
 def test_silent_peer_on_other_host_times_out_naming_it():
