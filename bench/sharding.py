@@ -2,6 +2,7 @@
 
     python -m braid.bench sharding                      # 2 ranks, the default model
     python -m braid.bench sharding --impls fsdp2-gloo,braid-zero3 --json results/sharding.json
+    python -m braid.bench sharding --carrier nccl --nproc 8      # on 8 GPUs
 
 Implementations (:data:`IMPLS`; each entry says how to wrap the model, so adding one is one entry),
 in the same processes, on the same model (bench/models.py ``LanguageModel``, every block its own
@@ -17,6 +18,9 @@ unit / ``fully_shard`` module) and the same batches:
 - ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
 - ``braid-zero2-on-gloo``, ``braid-zero3-on-gloo``: the same wrapper over the gloo group FSDP2
   uses (braid's group interface over a ProcessGroup): the carrier held equal, the schedules compared;
+- ``fsdp2-nccl``, ``fsdp2-braid-comms-on-nccl``, ``braid-zero3-on-nccl``: FSDP2, FSDP2 with braid's
+  comm objects and braid's wrapper on an NCCL group, every tensor on the rank's GPU
+  (``--carrier nccl``; those rows compare with ``fsdp2-nccl``);
 - ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
@@ -31,7 +35,9 @@ implementation's losses over the warm-up steps and fsdp2-gloo's, a check that ea
 training (the two stand-ins compute something else: no check).
 
 --json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
-"params", "world_size", "batch", "seq", "step_ms", "ratio_vs_fsdp2_gloo", "mem_mb", "err"}]}.
+"params", "world_size", "batch", "seq", "step_ms", "carrier", "ratio_vs_fsdp2", "mem_mb", "err"}]};
+ratio_vs_fsdp2 and err are against FSDP2 on the same carrier: ``fsdp2-nccl`` for NCCL rows, else
+``fsdp2-gloo``.
 """
 from __future__ import annotations
 
@@ -84,10 +90,11 @@ def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    device = next(model.parameters()).device.type
     if group is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
     else:
-        mesh = DeviceMesh.from_group(group, "cpu")
+        mesh = DeviceMesh.from_group(group, device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -116,6 +123,13 @@ def _braid_wrapper(model: LanguageModel, c, stage: int) -> torch.nn.Module:
     return fsdp.shard(model, c, stage=stage)
 
 
+def _nccl() -> dist.ProcessGroup:
+    """The run's NCCL group (made by the rank before the implementations are built)."""
+    return _nccl_groups[0]
+
+
+_nccl_groups: list = []
+
 # name -> builder(model, communicator) returning the model to train.
 IMPLS: dict[str, Callable] = {
     "fsdp2-gloo": lambda model, c: _fsdp2(model, c, braid_comms=False),
@@ -129,6 +143,12 @@ IMPLS: dict[str, Callable] = {
     # what the wrapper's own scheduling costs or saves, the carrier held equal.
     "braid-zero2-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=2),
     "braid-zero3-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=3),
+    # On an NCCL group, every tensor on the rank's GPU (--carrier nccl): FSDP2 with its own
+    # collectives and with braid's comm objects (built with None: FSDP2's NCCL group), braid's
+    # wrapper at stage 3.
+    "fsdp2-nccl": lambda model, c: _fsdp2(model, c, braid_comms=False, group=_nccl()),
+    "fsdp2-braid-comms-on-nccl": lambda model, c: _fsdp2(model, None, braid_comms=True, group=_nccl()),
+    "braid-zero3-on-nccl": lambda model, c: _braid_wrapper(model, _nccl(), stage=3),
     # FSDP2's step with collectives that move nothing (FSDP2's own work and the arithmetic): the
     # floor of FSDP2 on any backend.
     "fsdp2-nocomm": lambda model, c: _fsdp2(model, LocalCommunicator(c.rank, c.world_size), braid_comms=True),
@@ -137,6 +157,20 @@ IMPLS: dict[str, Callable] = {
 }
 # Stand-ins that compute something else on purpose: their losses are not checked.
 UNCHECKED = ("fsdp2-nocomm", "local")
+# The carrier of each implementation (--carrier keeps those it names; None moves nothing).
+CARRIER_OF = {
+    "fsdp2-gloo": "gloo", "fsdp2-gloo-overlap": "gloo",
+    "braid-zero2-on-gloo": "gloo", "braid-zero3-on-gloo": "gloo",
+    "fsdp2-braid-comms": "braid", "fsdp2-braid-comms-overlap": "braid", "fsdp2-braid-backend": "braid",
+    "braid-zero2": "braid", "braid-zero3": "braid",
+    "fsdp2-nccl": "nccl", "fsdp2-braid-comms-on-nccl": "nccl", "braid-zero3-on-nccl": "nccl",
+    "fsdp2-nocomm": None, "local": None,
+}
+
+
+def _reference(impl: str) -> str:
+    """The FSDP2 run a row is compared with: on NCCL for NCCL rows, else on gloo."""
+    return "fsdp2-nccl" if CARRIER_OF[impl] == "nccl" else REFERENCE
 
 
 @dataclass(frozen=True)
@@ -175,35 +209,41 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
     return loss.item()
 
 
-def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progress) -> list[dict]:
+def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progress,
+           device: torch.device) -> list[dict]:
     shape = config.model
     ids = torch.randint(0, shape.vocab, (config.batch, config.seq + 1),
-                        generator=torch.Generator().manual_seed(1 + rank))
+                        generator=torch.Generator().manual_seed(1 + rank)).to(device)
     models, opts, losses = {}, {}, {}
     nparams = 0
     run = config.run
     for impl in run.impls:
         torch.manual_seed(0)
-        dense = LanguageModel(shape.vocab, shape.dim, shape.heads, shape.hidden, shape.layers)
+        dense = LanguageModel(shape.vocab, shape.dim, shape.heads, shape.hidden, shape.layers).to(device)
         nparams = sum(p.numel() for p in dense.parameters())
         models[impl] = IMPLS[impl](dense, c)
         opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
         progress(impl, "warmup", 4 * nparams)
         losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(run.warmup)]
-    steps = {impl: functools.partial(_step, models[impl], opts[impl], ids, shape.vocab) for impl in models}
+    steps = {impl: turns.synchronized(functools.partial(_step, models[impl], opts[impl], ids, shape.vocab),
+                                      device) for impl in models}
     step = turns.time_in_turns(steps, run, progress, 4 * nparams)
     held = [float(_memory_bytes(models[i], opts[i])) for i in models]
     memory = dict(zip(models, turns.max_over_ranks(held)))
-    ref = losses.get(REFERENCE)
-    errors = {impl: max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl not in UNCHECKED
-              else None for impl in models}
+    errors = {}
+    for impl in models:
+        ref = losses.get(_reference(impl))
+        errors[impl] = (max(abs(a - b) for a, b in zip(losses[impl], ref)) if ref and impl not in UNCHECKED
+                        else None)
     records = []
     for impl in models:
         records.append({
             "impl": impl, "params": nparams, "world_size": world_size,
             "batch": config.batch, "seq": config.seq,
             "step_ms": round(step[impl] * 1e3, 2),
-            "ratio_vs_fsdp2_gloo": round(step[impl] / step[REFERENCE], 3) if REFERENCE in step else None,
+            "carrier": CARRIER_OF[impl],
+            "ratio_vs_fsdp2": (round(step[impl] / step[_reference(impl)], 3) if _reference(impl) in step
+                               else None),
             "mem_mb": round(memory[impl] / 2**20, 1),
             "err": None if errors[impl] is None else float(f"{errors[impl]:.3g}"),
         })
@@ -212,16 +252,18 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
     with turns.rank_session(rank, world_size, store_port, config.run) as c:
+        device = turns.device_of(config.run, rank)
+        _nccl_groups[:] = [turns.nccl_group(config.run)]
         progress = report.Progress(len(config.run.impls) * (1 + config.run.rounds), enabled=rank == 0)
-        records = _bench(c, rank, world_size, config, progress)
+        records = _bench(c, rank, world_size, config, progress, device)
         progress.close()
     return _report(config, records, world_size) if rank == 0 else 0
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["#  impl                        step (ms)  vs fsdp2-gloo  memory (MiB)      err"]
+    lines = ["#  impl                        step (ms)       vs fsdp2  memory (MiB)      err"]
     for r in records:
-        ratio = "-" if r["ratio_vs_fsdp2_gloo"] is None else f"{r['ratio_vs_fsdp2_gloo']:.3f}"
+        ratio = "-" if r["ratio_vs_fsdp2"] is None else f"{r['ratio_vs_fsdp2']:.3f}"
         err = "-" if r["err"] is None else f"{r['err']:.2g}"
         lines.append(f"   {r['impl']:<26} {r['step_ms']:>10.1f}  {ratio:>13}  {r['mem_mb']:>12.1f}  {err:>7}")
     return "\n".join(lines)
@@ -237,7 +279,8 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     # them by rounding only. A wrong gradient changes the loss after one step by far more.
     bad = [r for r in records if r["err"] is not None and not r["err"] <= 1e-3]
     if bad:
-        print("# losses differ from fsdp2-gloo: " + ", ".join(f"{r['impl']} ({r['err']:.3g})" for r in bad))
+        print("# losses differ from FSDP2's on the same carrier: "
+              + ", ".join(f"{r['impl']} ({r['err']:.3g})" for r in bad))
     print(f"# wall time {time.time() - config.run.started:.1f} s, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     if config.run.json_path:
@@ -254,6 +297,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     turns.add_run_arguments(p, IMPLS, warmup=2, steps=2, rounds=5, timeout=300.0, deadline=3600.0,
                             nproc_help="ranks to spawn")
+    turns.add_carrier_argument(p)
     return p
 
 
@@ -262,7 +306,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     started = time.time()
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    run = turns.run_options(parser, args, IMPLS, started)
+    run = turns.with_carriers(parser, args, turns.run_options(parser, args, IMPLS, started), CARRIER_OF)
     if args.warmup < 2:  # the first loss comes before any update: alone it checks nothing
         parser.error("--warmup must be at least 2: the losses of the warm-up steps after the first "
                      "update are what is compared with fsdp2-gloo")

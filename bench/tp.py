@@ -2,6 +2,7 @@
 
     python -m braid.bench tp                     # 2 ranks, the default block shapes
     python -m braid.bench tp --shapes 512x8x2048x4x256 --json results/tp.json
+    python -m braid.bench tp --carrier nccl --nproc 8   # on 8 GPUs: braid's layers vs DTensor, NCCL
 
 Implementations, in the same processes, on the same block (bench/models.py: pre-norm attention
 with separate q/k/v projections and a GELU MLP) and the same plan (q, k, v and the MLP's up
@@ -10,6 +11,8 @@ projection split by columns, the output and down projections by rows):
 - ``braid``: braid.comm.tp layers on a braid communicator;
 - ``braid-on-gloo``: the same layers on the gloo group DTensor's mesh uses (braid's group
   interface over a ProcessGroup): the carrier held equal, the layers' own cost compared;
+- ``braid-on-nccl``, ``dtensor-on-nccl``: both on an NCCL group, every tensor on the rank's GPU
+  (``--carrier nccl``; each row's ratio is then against DTensor on NCCL);
 - ``dtensor``: torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on a
   gloo DeviceMesh;
 - ``compute``: the braid layers on a stand-in communicator that moves nothing, so the step is a
@@ -25,7 +28,8 @@ the input gradient from the dense block run locally, a check that the sharded st
 computation.
 
 --json writes {"benchmark": "tp", "date", "machine", "config", "records": [{"impl", "dim", "heads",
-"hidden", "batch", "seq", "world_size", "step_ms", "exposed_ms", "ratio_vs_dtensor", "err"}]}.
+"hidden", "batch", "seq", "world_size", "step_ms", "exposed_ms", "carrier", "ratio_vs_dtensor", "err"}]};
+ratio_vs_dtensor is against DTensor on the same carrier (NCCL for NCCL rows, else gloo).
 """
 from __future__ import annotations
 
@@ -44,7 +48,15 @@ from braid.comm import tp
 from . import report, turns
 from .models import BLOCK_PLAN, Block
 
-IMPLS = ("braid", "braid-on-gloo", "dtensor", "compute")
+IMPLS = ("braid", "braid-on-gloo", "dtensor", "braid-on-nccl", "dtensor-on-nccl", "compute")
+# The carrier of each implementation (--carrier keeps those it names; None moves nothing).
+CARRIER_OF = {"braid": "braid", "braid-on-gloo": "gloo", "dtensor": "gloo", "braid-on-nccl": "nccl",
+              "dtensor-on-nccl": "nccl", "compute": None}
+
+
+def _reference(impl: str) -> str:
+    """The DTensor run a row is compared with: the one on NCCL for NCCL rows, else on gloo."""
+    return "dtensor-on-nccl" if CARRIER_OF[impl] == "nccl" else "dtensor"
 
 
 @dataclass(frozen=True)
@@ -109,11 +121,15 @@ class LocalCommunicator:
         return self._done(async_op)
 
 
-def _dtensor_block(dense: Block, world_size: int) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
+def _dtensor_block(dense: Block, world_size: int, device: torch.device, group=None) -> torch.nn.Module:
+    """DTensor's TP of ``dense`` on a mesh over ``group`` (default: the run's gloo group)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    if group is None:
+        mesh = init_device_mesh(device.type, (world_size,))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return parallelize_module(copy.deepcopy(dense), mesh, {k: styles[v]() for k, v in BLOCK_PLAN.items()})
 
@@ -127,18 +143,20 @@ def _step(model: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor) -> tor
 
 
 def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOptions,
-                 progress: report.Progress) -> list[dict]:
+                 progress: report.Progress, device: torch.device, nccl) -> list[dict]:
     torch.manual_seed(0)
-    dense = Block(shape.dim, shape.heads, shape.hidden)
+    dense = Block(shape.dim, shape.heads, shape.hidden).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).requires_grad_()
-    weights = torch.randn(shape.batch, shape.seq, shape.dim, generator=g) / shape.seq
+    x = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).to(device).requires_grad_()
+    weights = torch.randn(shape.batch, shape.seq, shape.dim, generator=g).to(device) / shape.seq
     ref_out = _step(dense, x, weights).detach()
     ref_grad = x.grad.clone()
     builders = {
         "braid": lambda: tp.parallelize(copy.deepcopy(dense), c, BLOCK_PLAN),
         "braid-on-gloo": lambda: tp.parallelize(copy.deepcopy(dense), dist.group.WORLD, BLOCK_PLAN),
-        "dtensor": lambda: _dtensor_block(dense, world_size),
+        "dtensor": lambda: _dtensor_block(dense, world_size, device),
+        "braid-on-nccl": lambda: tp.parallelize(copy.deepcopy(dense), nccl, BLOCK_PLAN),
+        "dtensor-on-nccl": lambda: _dtensor_block(dense, world_size, device, nccl),
         "compute": lambda: tp.parallelize(copy.deepcopy(dense), LocalCommunicator(rank, world_size),
                                           BLOCK_PLAN, src=None),
     }
@@ -151,7 +169,8 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOpti
                            (x.grad - ref_grad).abs().max().item())
         for _ in range(run.warmup - 1):
             _step(model, x, weights)
-    steps = {impl: functools.partial(_step, model, x, weights) for impl, model in models.items()}
+    steps = {impl: turns.synchronized(functools.partial(_step, model, x, weights), device)
+             for impl, model in models.items()}
     step = turns.time_in_turns(steps, run, progress, shape.batch * shape.seq * shape.dim * 4)
     errors = dict(zip(errors, turns.max_over_ranks(list(errors.values()))))
     compute = step.get("compute")
@@ -162,7 +181,9 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOpti
             "batch": shape.batch, "seq": shape.seq, "world_size": world_size,
             "step_ms": round(step[impl] * 1e3, 3),
             "exposed_ms": None if compute is None else round((step[impl] - compute) * 1e3, 3),
-            "ratio_vs_dtensor": round(step[impl] / step["dtensor"], 3) if "dtensor" in step else None,
+            "carrier": CARRIER_OF[impl],
+            "ratio_vs_dtensor": (round(step[impl] / step[_reference(impl)], 3) if _reference(impl) in step
+                                 else None),
             # The stand-in communicator computes something else on purpose: no check.
             "err": None if impl == "compute" else float(f"{errors[impl]:.3g}"),
         })
@@ -172,10 +193,11 @@ def _bench_shape(shape: Shape, c, rank: int, world_size: int, run: turns.RunOpti
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
     run = config.run
     with turns.rank_session(rank, world_size, store_port, run) as c:
+        device, nccl = turns.device_of(run, rank), turns.nccl_group(run)
         progress = report.Progress(len(config.shapes) * len(run.impls) * (1 + run.rounds), enabled=rank == 0)
         records = []
         for shape in config.shapes:
-            records += _bench_shape(shape, c, rank, world_size, run, progress)
+            records += _bench_shape(shape, c, rank, world_size, run, progress, device, nccl)
         progress.close()
     return _report(config, records) if rank == 0 else 0
 
@@ -210,6 +232,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                         + " ".join(map(str, DEFAULT_SHAPES)) + ")")
     turns.add_run_arguments(p, IMPLS, warmup=3, steps=3, rounds=5, timeout=120.0, deadline=1800.0,
                             nproc_help="ranks (the TP degree) to spawn")
+    turns.add_carrier_argument(p)
     return p
 
 
@@ -218,7 +241,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     started = time.time()
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    run = turns.run_options(parser, args, IMPLS, started)
+    run = turns.with_carriers(parser, args, turns.run_options(parser, args, IMPLS, started), CARRIER_OF)
     for shape in args.shapes:
         for name, value in (("heads", shape.heads), ("hidden", shape.hidden)):
             if value % run.world_size:

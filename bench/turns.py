@@ -1,4 +1,4 @@
-"""What the model benchmarks (tp, sharding) share: run options, a rank's session, timing in turns.
+"""What the model benchmarks (tp, sharding) share: run options, carriers, a rank's session, timing in turns.
 
 Implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
 barrier, then ``steps`` calls of one implementation timed together; a round's time per call is
@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 
 import torch
@@ -39,6 +39,7 @@ class RunOptions:
     bind: str
     machine: dict
     json_path: str | None
+    carriers: tuple[str, ...] = ("braid", "gloo")
 
 
 def parse_dims(cls: type, text: str, spelling: str):
@@ -52,6 +53,66 @@ def parse_dims(cls: type, text: str, spelling: str):
 
 def format_dims(value) -> str:
     return "x".join(str(getattr(value, f.name)) for f in fields(value))
+
+
+# What moves a benchmark's bytes: braid's Communicator, the run's gloo group, or an NCCL group (CUDA
+# tensors, one GPU per rank). Each implementation names its carrier (None: it moves nothing).
+CARRIERS = ("braid", "gloo", "nccl")
+
+
+def add_carrier_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--carrier", default="braid,gloo",
+                   help="comma-separated carriers of the implementations to run, from "
+                        f"{','.join(CARRIERS)} (default braid,gloo); nccl runs every implementation on "
+                        "CUDA tensors, one GPU per rank")
+
+
+def with_carriers(parser: argparse.ArgumentParser, args: argparse.Namespace, run: "RunOptions",
+                  carrier_of: Mapping[str, str | None]) -> "RunOptions":
+    """``run`` keeping the implementations whose carrier ``--carrier`` names (and those that move
+    nothing); errors through ``parser``."""
+    chosen = tuple(dict.fromkeys(c.strip() for c in args.carrier.split(",") if c.strip()))
+    unknown = [c for c in chosen if c not in CARRIERS]
+    if unknown or not chosen:
+        parser.error(f"--carrier: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(CARRIERS)}")
+    if "nccl" in chosen:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < run.world_size and run.launcher != "torchrun":
+            parser.error(f"--carrier nccl needs one CUDA device per rank: {run.world_size} ranks, "
+                         f"{gpus} GPUs here")
+    impls = tuple(i for i in run.impls if carrier_of[i] is None or carrier_of[i] in chosen)
+    if not any(carrier_of[i] is not None for i in impls):
+        parser.error(f"--impls and --carrier leave nothing that communicates (carriers {', '.join(chosen)})")
+    return replace(run, impls=impls, carriers=chosen)
+
+
+def device_of(run: "RunOptions", rank: int) -> torch.device:
+    """Where a rank's tensors live: its GPU when the run has the nccl carrier, else the CPU."""
+    if "nccl" not in run.carriers:
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def nccl_group(run: "RunOptions"):
+    """An NCCL process group over every rank, when the run has the nccl carrier (else None). A
+    collective: every rank calls it at the same point."""
+    return dist.new_group(backend="nccl") if "nccl" in run.carriers else None
+
+
+def synchronized(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``step`` followed by a wait for the device (a timed CUDA step must include its kernels)."""
+    if device.type != "cuda":
+        return step
+
+    def run_and_wait():
+        out = step()
+        torch.cuda.synchronize(device)
+        return out
+    return run_and_wait
 
 
 def add_run_arguments(p: argparse.ArgumentParser, impls: Sequence[str], *, warmup: int, steps: int,
