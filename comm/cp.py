@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from .communicator import Communicator
 from .group import Group, as_group
 
-CommunicatorLike = Union[Communicator, "dist.ProcessGroup"]
+CommunicatorLike = Union[Communicator, "dist.ProcessGroup", None]  # None: the default group
 
 # (query rows, key rows, causal) of one block computation; rows as slices of the local shard.
 _Piece = tuple[slice, slice, bool]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from braid import comm
 from braid.comm import cp
+from braid.comm.group import as_group
 from helpers.ranks import make_comm, new_store_path, process_group, run_ranks
 
 TOL = {torch.float64: {"atol": 1e-12, "rtol": 1e-12}, torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
@@ -60,7 +61,7 @@ def _ring(q, k, v, do, communicator, causal, balanced, scale=None):
 
 
 def _check_cases(communicator, cases):
-    n = communicator.world_size if isinstance(communicator, comm.Communicator) else communicator.size()
+    n = as_group(communicator).world_size
     for dtype, causal, balanced, shape in cases:
         batch, heads, kv_heads, per_rank, dim = shape
         q, k, v, do = _inputs(batch, heads, kv_heads, per_rank * n, dim, dtype, seed=len(shape) + per_rank)
@@ -168,12 +169,15 @@ def _run_through_process_group(rank, world_size, store_path):
         # The same ring through gloo: the torch ProcessGroup path is not tied to braid's backend.
         gloo = dist.new_group(backend="gloo")
         _check_cases(gloo, [(torch.float64, True, True, (1, 2, 2, 2, 8))])
+        _check_cases(None, [(torch.float64, True, False, (1, 2, 2, 3, 6))])  # None: the default group
     return True
 
 
-def test_ring_attention_through_the_braid_backend():
-    """The same results with the ring on torch.distributed's point-to-point (braid's backend, gloo)."""
-    assert run_ranks(_run_through_process_group, 2) == [True] * 2
+@pytest.mark.parametrize("world_size", (2, 3))
+def test_ring_attention_through_the_braid_backend(world_size):
+    """The same results with the ring on torch.distributed's point-to-point (braid's backend, gloo,
+    and None: the default group)."""
+    assert run_ranks(_run_through_process_group, world_size) == [True] * world_size
 
 
 def _run_model(rank, world_size, store_path):
