@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from braid import comm
 from braid.comm import cp
 from braid.comm.group import as_group
 from helpers.ranks import make_comm, new_store_path, process_group, run_ranks
