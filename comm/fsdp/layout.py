@@ -49,7 +49,7 @@ class Bucket:
     shard: nn.Parameter = None
     synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2); -1: stale
     local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
-    work: Any = None              # in-flight all-gather: (work, version keeper)
+    work: Any = None              # in-flight all-gather: (work, version keeper, decode or None)
     unit: Any = None              # the Unit holding it
 
 
@@ -155,9 +155,10 @@ def collect_parameters(module: nn.Module, unit_specs: list) -> Parameters:
     return found
 
 
-def plan_buckets(found: Parameters, pids: list, cap_bytes: int, world_size: int) -> list:
+def plan_buckets(found: Parameters, pids: list, cap_bytes: int, world_size: int, align: int = 1) -> list:
     """Buckets of the parameters ``pids``: consecutive parameters of one (dtype, requires_grad)
-    group, each bucket closed before exceeding ``cap_bytes``."""
+    group, each bucket closed before exceeding ``cap_bytes``; shards a multiple of ``align``
+    elements (a quantizer's block, for quantized gathers)."""
     groups: dict = {}
     for pid in pids:
         p = found.params[pid]
@@ -168,22 +169,23 @@ def plan_buckets(found: Parameters, pids: list, cap_bytes: int, world_size: int)
         for pid, p in group:
             nbytes = p.numel() * p.element_size()
             if current and size + nbytes > cap_bytes:
-                buckets.append(new_bucket(current, dtype, trainable, world_size))
+                buckets.append(new_bucket(current, dtype, trainable, world_size, align))
                 current, size = [], 0
             current.append(Slot(found.keys[pid], found.owners[pid], 0, p.numel(), p.shape, p))
             size += nbytes
         if current:
-            buckets.append(new_bucket(current, dtype, trainable, world_size))
+            buckets.append(new_bucket(current, dtype, trainable, world_size, align))
     return buckets
 
 
-def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int) -> Bucket:
-    """A bucket of ``slots`` laid end to end, padded to a multiple of ``n`` ranks."""
+def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int, align: int = 1) -> Bucket:
+    """A bucket of ``slots`` laid end to end, padded to ``n`` shards of a multiple of ``align``
+    elements each."""
     offset = 0
     for s in slots:
         s.offset = offset
         offset += s.numel
-    padded = -(-offset // n) * n
+    padded = -(-offset // (n * align)) * n * align
     return Bucket(slots, dtype, trainable, padded, padded // n)
 
 

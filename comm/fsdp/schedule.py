@@ -34,8 +34,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..device_kernels import kernels_for
+from ..wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
+# Buckets whose gathers a param_compression quantizes (others, frozen integer or float64 ones, travel
+# exactly).
+QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
 # each holds a unit's full buffers, so this bounds stage 3's memory above the shards.
 MAX_GATHERS_IN_FLIGHT = 2
@@ -53,8 +58,10 @@ class Schedule:
     added to its shard's gradient."""
 
     def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
-                 units: list, root: Optional[Unit]):
+                 units: list, root: Optional[Unit], param_compression: Any = None):
         self.communicator = communicator
+        self.param_compression = param_compression  # a block quantizer: gathers travel quantized
+        self.wire = {"all_gather": WireStats(0, 0, 0), "reduce_scatter": WireStats(0, 0, 0)}
         self.stage = stage
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -119,17 +126,48 @@ class Schedule:
             # refills its unsharded parameters), so its counter is put back once the gather is
             # done (_wait_gather).
             keep = torch.autograd._unsafe_preserve_version_counter(b.full)
-            b.work = (c.all_gather(wire(b.full.detach()), gather_input(b), async_op=True), keep)
+            out, inp, decode = self._gather_buffers(b)
+            b.work = (c.all_gather(out, inp, async_op=True), keep, decode)
+            self._count("all_gather", inp.numel() * inp.element_size(),
+                        b.shard_numel * b.full.element_size())
         unit.in_flight = True
         self.in_flight.append(unit)
+
+    def _gather_buffers(self, b: Bucket) -> tuple:
+        """(output, input, decode or None) of a bucket's all-gather. Quantized (qwZ): this rank's
+        shard block-quantized once (rounded to nearest, so the forward's and the backward's
+        gathers agree), the payloads gathered, every rank decoding the same bytes into the full
+        buffer: identical weights everywhere, the master shards untouched."""
+        q = self.param_compression
+        if q is None or b.dtype not in QUANTIZABLE or b.compute_dtype not in QUANTIZABLE:
+            return wire(b.full.detach()), gather_input(b), None
+        kern = kernels_for(b.full.device)
+        n, per = self.communicator.world_size, b.shard_numel
+        payload = kern.quantize(b.shard.detach(), None, q.bits, q.block, False, 0,
+                                self.communicator.rank * per, per, 1)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+
+        def decode() -> None:
+            kern.dequantize(gathered, q.bits, q.block, b.full.detach(), per)
+
+        return gathered, payload, decode
+
+    def _count(self, kind: str, piece_bytes: int, dense_piece_bytes: int) -> None:
+        """Adds one collective of ``piece_bytes`` per rank (an all-gather or reduce-scatter sends
+        and receives n - 1 pieces) to the wire totals of ``kind``."""
+        peers = self.communicator.world_size - 1
+        self.wire[kind] = self.wire[kind] + WireStats(peers * piece_bytes, peers * piece_bytes,
+                                                      peers * dense_piece_bytes)
 
     def _wait_gather(self, unit: Unit) -> None:
         if not unit.in_flight:
             return
         for b in unit.buckets:
             if b.work is not None:
-                (work, keep), b.work = b.work, None
+                (work, keep, decode), b.work = b.work, None
                 work.wait()
+                if decode is not None:
+                    decode()
                 keep.__exit__(None, None, None)  # the counter as it was at the launch
         unit.in_flight = False
         unit.gathered = True
@@ -254,6 +292,8 @@ class Schedule:
             sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
             reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
             work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
+            piece = b.shard_numel * reduced.element_size()
+            self._count("reduce_scatter", piece, piece)
             self.pending.append((b, work, reduced, grad))
             self._retire(MAX_REDUCES_IN_FLIGHT)
         if self.stage == 3 and b.unit is not self.root:

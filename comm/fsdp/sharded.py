@@ -34,7 +34,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ..compression import Int4Quantizer, Int8Quantizer
 from ..group import as_group, check_device
+from ..wire import WireStats
 from ..vocabulary import WIRE_DTYPES
 from . import state
 from .layout import REDUCE_DTYPES, Unit, collect_parameters, fill, plan_buckets, resolve_units
@@ -61,6 +63,19 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise TypeError(f"prefetch must be an int, got {type(prefetch).__name__}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+
+
+def _check_param_compression(param_compression: Any, stage: Any) -> None:
+    if param_compression is None:
+        return
+    if not isinstance(param_compression, (Int8Quantizer, Int4Quantizer)):
+        raise TypeError("param_compression must be None or a block quantizer (braid.comm.Int8Quantizer or "
+                        f"Int4Quantizer), got {type(param_compression).__name__}: weights are gathered "
+                        "whole, so top-k cannot carry them (use mp_policy's param_dtype for 16-bit gathers)")
+    if stage != 3:
+        raise ValueError(f"param_compression needs stage=3, got stage={stage}: at stages 1 and 2 the full "
+                         "parameters persist and the optimizer updates them in place, so quantized gathers "
+                         "would overwrite the master weights")
 
 
 class MixedPrecision:
@@ -132,12 +147,15 @@ class ShardedModule(nn.Module):
 
     def __init__(self, module: nn.Module, communicator: Any = None, *, stage: int = 3,
                  bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
-                 units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None):
+                 units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
+                 param_compression: Any = None):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
+        _check_param_compression(param_compression, stage)
         communicator = as_group(communicator, "communicator", "shard")
         policy = MixedPrecision.of(mp_policy)
         super().__init__()
         self.mp_policy = policy
+        self.param_compression = param_compression
         self.module = module
         self.communicator = communicator
         self.stage = stage
@@ -145,7 +163,8 @@ class ShardedModule(nn.Module):
         self.prefetch = prefetch
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
-        self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root)
+        self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
+                                  param_compression)
         self._schedule.install()
 
     def _build(self, unit_specs: list, cap_bytes: int) -> tuple:
@@ -169,7 +188,8 @@ class ShardedModule(nn.Module):
             units.append(root)
         shards = []
         for unit, pids in zip(units, members + [root_members]):
-            for bucket in plan_buckets(found, pids, cap_bytes, c.world_size):
+            align = self.param_compression.block if self.param_compression is not None else 1
+            for bucket in plan_buckets(found, pids, cap_bytes, c.world_size, align):
                 bucket.compute_dtype, bucket.reduce_dtype = (
                     self.mp_policy.dtypes(bucket.dtype) if self.mp_policy else (bucket.dtype, bucket.dtype))
                 fill(bucket, c, keep_full=self.stage != 3, device=found.device)
@@ -284,6 +304,15 @@ class ShardedModule(nn.Module):
         self.gather_params()
 
     # -- accounting --------------------------------------------------------------------------
+    def wire_stats(self, reset: bool = True) -> dict:
+        """Bytes this rank sent and received in the all-gathers and the reduce-scatters since the
+        last call (or construction): ``{"all_gather": WireStats, "reduce_scatter": WireStats}``,
+        ``dense`` being what they would move uncompressed. ``reset`` starts the next count."""
+        stats = dict(self._schedule.wire)
+        if reset:
+            self._schedule.wire = {k: WireStats(0, 0, 0) for k in stats}
+        return stats
+
     def memory_stats(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now for parameters (shards and live full buffers), gradients
         (shard gradients and live full-size ones) and, given the optimizer, its state tensors.
@@ -320,7 +349,8 @@ class ShardedModule(nn.Module):
 
 def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
           reshard_after_forward: bool = True, prefetch: int = 1,
-          units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None) -> ShardedModule:
+          units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
+          param_compression: Any = None) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``communicator`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
 
@@ -343,6 +373,13 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             ``MixedPrecisionPolicy``): e.g. ``param_dtype=torch.bfloat16`` gathers and computes in
             bfloat16 while the optimizer's shards stay float32, and ``reduce_dtype=torch.float32``
             reduces gradients in float32.
+        param_compression: stage 3: gather the weights block-quantized (ZeRO++'s qwZ):
+            ``comm.Int8Quantizer(block=...)`` (3.9x fewer bytes than float32) or
+            ``comm.Int4Quantizer(...)``. Each rank quantizes its shard once per gather, rounding
+            to nearest (the quantizer's ``stochastic``, ``error_feedback`` and ``seed`` do not
+            apply to weights), and every rank decodes the same bytes, so the gathered weights
+            are identical everywhere; the optimizer's shards and ``full_state_dict()`` stay exact.
+            Shards are padded to whole quantization blocks.
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
@@ -352,4 +389,4 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
     """
     return ShardedModule(module, communicator, stage=stage, bucket_cap_mb=bucket_cap_mb,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
-                         mp_policy=mp_policy)
+                         mp_policy=mp_policy, param_compression=param_compression)
