@@ -195,7 +195,10 @@ class Compressor:
         """The error-feedback residual of ``key`` (None before its first compressed call)."""
         return self._residuals.get(key)
 
-    def _residual_for(self, key: Hashable, numel: int, device: torch.device = _CPU) -> Optional[torch.Tensor]:
+    def residual_for(self, key: Hashable, numel: int, device: torch.device = _CPU) -> Optional[torch.Tensor]:
+        """The float32 error-feedback residual of ``key`` for a tensor of ``numel`` elements on
+        ``device``: zeros for a new key or a new size, moved to ``device`` if it was loaded
+        elsewhere; None without error feedback."""
         if not self.error_feedback:
             return None
         r = self._residuals.get(key)
@@ -205,6 +208,10 @@ class Compressor:
         elif r.device != device:  # loaded from a checkpoint mapped to another device
             r = self._residuals[key] = r.to(device)
         return r
+
+    def seed_for(self, rank: int, key: Hashable, call: int) -> int:
+        """The stochastic rounding seed of ``rank``'s ``call``-th compression of ``key``."""
+        return _mix64(self.seed, rank, _key_hash(key), call)
 
     def _take_scratch(self, key: Hashable, make: Callable[[], list], fits: Callable[[list], bool]) -> list:
         """Buffers owned by one call until it finishes (a second call in flight with the same key
@@ -445,7 +452,7 @@ class _BlockQuantizer(Compressor):
         cb = self.wire_bytes(chunk)
         bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
         send, recv, acc, gathered = bufs
-        residual = self._residual_for(key, numel)
+        residual = self.residual_for(key, numel)
         _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
         work = comm.quantized_all_reduce(
             send,
@@ -493,7 +500,7 @@ class _BlockQuantizer(Compressor):
         def run() -> None:
             bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
             send, recv, acc, gathered = bufs
-            residual = self._residual_for(key, numel, flat.device)
+            residual = self.residual_for(key, numel, flat.device)
             kern.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
             c.all_to_all(recv, send)
             acc.zero_()
@@ -522,7 +529,7 @@ class _BlockQuantizer(Compressor):
         padded, mine = self._take_scratch(key, lambda: list(_slice_buffers(flat, local)),
                                           lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         work = comm.host_quantized_all_reduce(
-            flat, self._residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == AVG,
+            flat, self.residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == AVG,
             self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
@@ -537,7 +544,7 @@ class _BlockQuantizer(Compressor):
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         work = comm.pipelined_quantized_all_reduce(
-            flat, self._residual_for(key, numel), self.bits, self.block, chunk, op_code == AVG,
+            flat, self.residual_for(key, numel), self.bits, self.block, chunk, op_code == AVG,
             self.stochastic,
             seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
         return work, None
@@ -625,7 +632,7 @@ class TopK(Compressor):
         if _exact_on_hosts(comm):
             return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel, es = comm.world_size, flat.numel(), flat.element_size()
-        residual = self._residual_for(key, numel)
+        residual = self.residual_for(key, numel)
         if residual is not None:
             _C.error_feedback(flat, residual, None)  # residual = input + residual
         if not self.sparse(numel, n, es):
@@ -689,7 +696,7 @@ class TopK(Compressor):
         average = op_code == AVG
 
         def run() -> None:
-            residual = self._residual_for(key, numel, flat.device)
+            residual = self.residual_for(key, numel, flat.device)
             if residual is not None:
                 kern.error_feedback(flat, residual, None)  # residual = input + residual
             if not sparse:
@@ -722,7 +729,7 @@ class TopK(Compressor):
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
                                   and b[2].numel() == k)
-        work = comm.host_top_k_all_reduce(flat, self._residual_for(key, per), *bufs, k, sparse,
+        work = comm.host_top_k_all_reduce(flat, self.residual_for(key, per), *bufs, k, sparse,
                                              op_code == AVG, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
@@ -761,7 +768,7 @@ class Cast(Compressor):
         if _exact_on_hosts(comm):
             return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         numel = flat.numel()
-        residual = self._residual_for(key, numel)
+        residual = self.residual_for(key, numel)
         bufs = self._sent_buffer(key, numel, flat.device)
         sent = bufs[0]
         # One pass: sent = round(input + residual), residual = what the rounding dropped.
@@ -788,7 +795,7 @@ class Cast(Compressor):
         def run() -> None:
             bufs = self._sent_buffer(key, numel, flat.device)
             sent = bufs[0]
-            kern.cast(flat, self._residual_for(key, numel, flat.device), sent)
+            kern.cast(flat, self.residual_for(key, numel, flat.device), sent)
             c.reduce_exact(sent, op_code == AVG, divisor)
             flat.copy_(sent)
             self._scratch[key] = bufs
@@ -806,7 +813,7 @@ class Cast(Compressor):
             return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype), torch.empty(per)]
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
-        work = comm.host_cast_all_reduce(flat, self._residual_for(key, per), *bufs, op_code == AVG,
+        work = comm.host_cast_all_reduce(flat, self.residual_for(key, per), *bufs, op_code == AVG,
                                             async_op)
 
         def finish() -> None:

@@ -390,7 +390,7 @@ def test_top_k_refuses_more_elements_than_int32_indices_before_touching_its_stat
 
 def test_compressor_state_round_trips():
     q = comm.Int8Quantizer(block=128, seed=9)
-    q._residual_for("a", 100).normal_()
+    q.residual_for("a", 100).normal_()
     q._calls["a"] = 5
     clone = pickle.loads(pickle.dumps(q))
     assert clone.block == 128 and clone.seed == 9 and clone._calls == {"a": 5}

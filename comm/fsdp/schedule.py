@@ -58,9 +58,11 @@ class Schedule:
     added to its shard's gradient."""
 
     def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
-                 units: list, root: Optional[Unit], param_compression: Any = None):
+                 units: list, root: Optional[Unit], param_compression: Any = None,
+                 grad_compression: Any = None):
         self.communicator = communicator
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized
+        self.grad_compression = grad_compression    # a block quantizer: reduce-scatters travel quantized
         self.wire = {"all_gather": WireStats(0, 0, 0), "reduce_scatter": WireStats(0, 0, 0)}
         self.stage = stage
         self.prefetch = prefetch
@@ -151,6 +153,30 @@ class Schedule:
             kern.dequantize(gathered, q.bits, q.block, b.full.detach(), per)
 
         return gathered, payload, decode
+
+    def _quantized_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any) -> tuple:
+        """qgZ: the bucket's gradient (+ its error-feedback residual) quantized once into one piece
+        per rank, an all-to-all of the pieces, and (``decode``, after the wait) this rank's n
+        pieces decoded and summed in rank order in float32, divided by n. Returns (work, None,
+        decode)."""
+        c, kern = self.communicator, kernels_for(grad.device)
+        n, per = c.world_size, b.shard_numel
+        key = ("braid.fsdp.grad", b.index)
+        residual = q.residual_for(key, grad.numel(), grad.device)
+        seed = q.seed_for(c.rank, key, b.reductions)
+        payload = kern.quantize(grad, residual, q.bits, q.block, q.stochastic, seed, 0, per, n)
+        cb = payload.numel() // n
+        received = torch.empty_like(payload)
+        work = c.all_to_all(received, payload, async_op=True)
+        self._count("reduce_scatter", cb, per * grad.element_size())
+
+        def decode() -> torch.Tensor:
+            acc = torch.zeros(per, dtype=torch.float32, device=grad.device)
+            for r in range(n):  # rank order: the same sum on every rank, every run
+                kern.dequantize_accumulate(received[r * cb:(r + 1) * cb], q.bits, q.block, acc)
+            return acc.div_(n)
+
+        return work, None, decode
 
     def _count(self, kind: str, piece_bytes: int, dense_piece_bytes: int) -> None:
         """Adds one collective of ``piece_bytes`` per rank (an all-gather or reduce-scatter sends
@@ -290,11 +316,17 @@ class Schedule:
             # Mixed precision: the gradient travels in reduce_dtype (a copy; stage 1's persistent
             # buffer keeps accumulating in the compute dtype).
             sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
-            reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
-            work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
-            piece = b.shard_numel * reduced.element_size()
-            self._count("reduce_scatter", piece, piece)
-            self.pending.append((b, work, reduced, grad))
+            q = self.grad_compression
+            b.reductions += 1
+            if q is not None and sent.dtype in QUANTIZABLE and b.reductions > q.warmup_steps:
+                work, reduced, decode = self._quantized_reduce_scatter(b, sent, q)
+            else:
+                reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
+                work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
+                piece = b.shard_numel * reduced.element_size()
+                self._count("reduce_scatter", piece, piece)
+                decode = None
+            self.pending.append((b, work, reduced, grad, decode))
             self._retire(MAX_REDUCES_IN_FLIGHT)
         if self.stage == 3 and b.unit is not self.root:
             # Every use of the bucket's parameters in this backward is done (autograd produced
@@ -333,8 +365,10 @@ class Schedule:
         until at most ``keep`` remain. Each result goes into its shard's ``.grad``."""
         with torch.no_grad():
             while self.pending and (len(self.pending) > keep or self.pending[0][1].is_completed()):
-                b, work, reduced, grad = self.pending.pop(0)
+                b, work, reduced, grad, decode = self.pending.pop(0)
                 work.wait()
+                if decode is not None:
+                    reduced = decode()
                 if reduced.dtype != b.shard.dtype:  # mixed precision: into the master shard's dtype
                     reduced = reduced.to(b.shard.dtype)
                 if b.shard.grad is None:

@@ -65,7 +65,11 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
 
 
-def _check_param_compression(param_compression: Any, stage: Any) -> None:
+def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
+    if grad_compression is not None and not isinstance(grad_compression, (Int8Quantizer, Int4Quantizer)):
+        raise TypeError("grad_compression must be None or a block quantizer (braid.comm.Int8Quantizer or "
+                        f"Int4Quantizer), got {type(grad_compression).__name__}: the reduce-scatter sends "
+                        "every rank one quantized piece (use mp_policy's reduce_dtype for 16-bit reductions)")
     if param_compression is None:
         return
     if not isinstance(param_compression, (Int8Quantizer, Int4Quantizer)):
@@ -148,14 +152,15 @@ class ShardedModule(nn.Module):
     def __init__(self, module: nn.Module, communicator: Any = None, *, stage: int = 3,
                  bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
                  units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
-                 param_compression: Any = None):
+                 param_compression: Any = None, grad_compression: Any = None):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
-        _check_param_compression(param_compression, stage)
+        _check_compression(param_compression, grad_compression, stage)
         communicator = as_group(communicator, "communicator", "shard")
         policy = MixedPrecision.of(mp_policy)
         super().__init__()
         self.mp_policy = policy
         self.param_compression = param_compression
+        self.grad_compression = grad_compression
         self.module = module
         self.communicator = communicator
         self.stage = stage
@@ -164,7 +169,7 @@ class ShardedModule(nn.Module):
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
         self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
-                                  param_compression)
+                                  param_compression, grad_compression)
         self._schedule.install()
 
     def _build(self, unit_specs: list, cap_bytes: int) -> tuple:
@@ -188,8 +193,11 @@ class ShardedModule(nn.Module):
             units.append(root)
         shards = []
         for unit, pids in zip(units, members + [root_members]):
-            align = self.param_compression.block if self.param_compression is not None else 1
+            # Quantized pieces are whole blocks: every shard a multiple of each quantizer's block.
+            align = math.lcm(*(q.block for q in (self.param_compression, self.grad_compression)
+                               if q is not None), 1)
             for bucket in plan_buckets(found, pids, cap_bytes, c.world_size, align):
+                bucket.index = len(shards)
                 bucket.compute_dtype, bucket.reduce_dtype = (
                     self.mp_policy.dtypes(bucket.dtype) if self.mp_policy else (bucket.dtype, bucket.dtype))
                 fill(bucket, c, keep_full=self.stage != 3, device=found.device)
@@ -315,7 +323,8 @@ class ShardedModule(nn.Module):
 
     def memory_stats(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now for parameters (shards and live full buffers), gradients
-        (shard gradients and live full-size ones) and, given the optimizer, its state tensors.
+        (shard gradients and live full-size ones), with ``grad_compression`` its error-feedback
+        residuals, and, given the optimizer, its state tensors.
         Storage shared by several tensors is counted once."""
         seen: set = set()
 
@@ -336,6 +345,9 @@ class ShardedModule(nn.Module):
             "grads": size([b.shard.grad for b in buckets] + [b.full.grad for b in buckets]
                           + [p[3] for p in self._schedule.pending]),
         }
+        q = self.grad_compression
+        if q is not None:  # qgZ's error-feedback residuals, one per bucket
+            stats["residuals"] = size(q.residual(("braid.fsdp.grad", b.index)) for b in buckets)
         if optimizer is not None:
             stats["optimizer"] = size(t for entry in optimizer.state.values() for t in entry.values()
                                       if isinstance(t, torch.Tensor))
@@ -350,7 +362,7 @@ class ShardedModule(nn.Module):
 def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
           reshard_after_forward: bool = True, prefetch: int = 1,
           units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
-          param_compression: Any = None) -> ShardedModule:
+          param_compression: Any = None, grad_compression: Any = None) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``communicator`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
 
@@ -380,6 +392,13 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             apply to weights), and every rank decodes the same bytes, so the gathered weights
             are identical everywhere; the optimizer's shards and ``full_state_dict()`` stay exact.
             Shards are padded to whole quantization blocks.
+        grad_compression: reduce-scatter the gradients block-quantized (ZeRO++'s qgZ), at any
+            stage: ``comm.Int4Quantizer()`` or ``Int8Quantizer()``. Each rank quantizes its
+            bucket gradient once into one piece per rank (error feedback: what the rounding
+            dropped is added to the next step's gradient, a float32 residual of the bucket's
+            size kept in the compressor, checkpointed with ``q.state_dict()``), the pieces go by
+            an all-to-all, and each rank decodes its pieces and sums them in rank order in
+            float32. The compressor's first ``warmup_steps`` reductions are exact.
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
@@ -389,4 +408,5 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
     """
     return ShardedModule(module, communicator, stage=stage, bucket_cap_mb=bucket_cap_mb,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
-                         mp_policy=mp_policy, param_compression=param_compression)
+                         mp_policy=mp_policy, param_compression=param_compression,
+                         grad_compression=grad_compression)
