@@ -53,6 +53,8 @@ class Bucket:
     unit: Any = None              # the Unit holding it
     reductions: int = 0           # gradient reduce-scatters so far (a compressor's warm-up counts them)
     index: int = 0                # position among the module's buckets (names its compression residual)
+    secondary: Any = None         # hpZ: this rank's piece of the full buffer for its host, between forward
+                                  # and backward
 
 
 @dataclass

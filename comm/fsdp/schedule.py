@@ -59,11 +59,13 @@ class Schedule:
 
     def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
                  units: list, root: Optional[Unit], param_compression: Any = None,
-                 grad_compression: Any = None):
+                 grad_compression: Any = None, intra: Any = None):
         self.communicator = communicator
+        self.intra = intra  # hpZ: the group of this rank's host, which the backward's gathers use
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized
         self.grad_compression = grad_compression    # a block quantizer: reduce-scatters travel quantized
-        self.wire = {"all_gather": WireStats(0, 0, 0), "reduce_scatter": WireStats(0, 0, 0)}
+        self.wire = {"all_gather": WireStats(0, 0, 0), "all_gather_in_host": WireStats(0, 0, 0),
+                     "reduce_scatter": WireStats(0, 0, 0)}
         self.stage = stage
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -128,8 +130,16 @@ class Schedule:
             # refills its unsharded parameters), so its counter is put back once the gather is
             # done (_wait_gather).
             keep = torch.autograd._unsafe_preserve_version_counter(b.full)
+            if b.secondary is not None:
+                # hpZ: the backward's gather inside the host, from the pieces kept after the forward.
+                piece, b.secondary = b.secondary, None
+                work = self.intra.all_gather(wire(b.full.detach()), wire(piece), async_op=True)
+                b.work = (work, keep, None, piece)
+                self._count("all_gather_in_host", piece.numel() * piece.element_size(),
+                            piece.numel() * piece.element_size(), self.intra.world_size)
+                continue
             out, inp, decode = self._gather_buffers(b)
-            b.work = (c.all_gather(out, inp, async_op=True), keep, decode)
+            b.work = (c.all_gather(out, inp, async_op=True), keep, decode, inp)
             self._count("all_gather", inp.numel() * inp.element_size(),
                         b.shard_numel * b.full.element_size())
         unit.in_flight = True
@@ -178,10 +188,10 @@ class Schedule:
 
         return work, None, decode
 
-    def _count(self, kind: str, piece_bytes: int, dense_piece_bytes: int) -> None:
-        """Adds one collective of ``piece_bytes`` per rank (an all-gather or reduce-scatter sends
-        and receives n - 1 pieces) to the wire totals of ``kind``."""
-        peers = self.communicator.world_size - 1
+    def _count(self, kind: str, piece_bytes: int, dense_piece_bytes: int, ranks: int = 0) -> None:
+        """Adds one collective of ``piece_bytes`` per rank among ``ranks`` (default: the group's; an
+        all-gather or reduce-scatter sends and receives ranks - 1 pieces) to the totals of ``kind``."""
+        peers = (ranks or self.communicator.world_size) - 1
         self.wire[kind] = self.wire[kind] + WireStats(peers * piece_bytes, peers * piece_bytes,
                                                       peers * dense_piece_bytes)
 
@@ -190,7 +200,7 @@ class Schedule:
             return
         for b in unit.buckets:
             if b.work is not None:
-                (work, keep, decode), b.work = b.work, None
+                (work, keep, decode, _), b.work = b.work, None
                 work.wait()
                 if decode is not None:
                     decode()
@@ -206,11 +216,18 @@ class Schedule:
             self._launch_gather(other)
         self._wait_gather(unit)
 
-    def reshard(self, unit: Unit) -> None:
-        """Frees ``unit``'s full buffers (after its all-gathers, if in flight)."""
+    def reshard(self, unit: Unit, keep_secondary: bool = False) -> None:
+        """Frees ``unit``'s full buffers (after its all-gathers, if in flight). ``keep_secondary``
+        (hpZ, after a forward): each rank first keeps its host piece of every full buffer, which
+        the backward's gather then collects inside the host."""
         if unit.in_flight:
             self._wait_gather(unit)
         for b in unit.buckets:
+            b.secondary = None
+            if keep_secondary and unit.gathered:
+                local, me = self.intra.world_size, self.intra.rank
+                seg = b.padded // local
+                b.secondary = b.full.detach()[me * seg:(me + 1) * seg].clone()
             free(b)
         unit.gathered = False
 
@@ -272,7 +289,7 @@ class Schedule:
         # again before the backward: the parameters then stay until their gradients are done.
         last = self.order_done and self.order and self.order[-1] is unit
         if self.reshard_after_forward and hooked and not last:
-            self.reshard(unit)
+            self.reshard(unit, keep_secondary=self.intra is not None)
 
     # -- backward ----------------------------------------------------------------------------
     def _queue_finish(self) -> None:

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ..compression import Int4Quantizer, Int8Quantizer
-from ..group import as_group, check_device
+from ..group import as_group, check_device, process_group_of
+from ..group_carrier import HostGroups, host_groups
 from ..wire import WireStats
 from ..vocabulary import WIRE_DTYPES
 from . import state
@@ -63,6 +64,29 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise TypeError(f"prefetch must be an int, got {type(prefetch).__name__}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+
+
+def _host_group(hierarchical: Any, group: Any, stage: Any, reshard_after_forward: Any) -> Any:
+    """hpZ: the group of this rank's host (None without ``hierarchical``)."""
+    if hierarchical is False:
+        return None
+    if not isinstance(hierarchical, (bool, HostGroups)):
+        raise TypeError(f"hierarchical must be a bool or a HostGroups, got {type(hierarchical).__name__}")
+    if stage != 3 or not reshard_after_forward:
+        raise ValueError(f"hierarchical needs stage=3 and reshard_after_forward=True (got stage={stage}, "
+                         f"reshard_after_forward={reshard_after_forward}): it keeps a host-local copy of the "
+                         "weights a forward frees, for the backward's gather")
+    hosts = hierarchical
+    if hierarchical is True:
+        pg = process_group_of(group)
+        if pg is None:
+            raise ValueError("hierarchical=True splits a torch ProcessGroup by host; over a braid "
+                             "Communicator pass hierarchical=HostGroups(c, host_comm, local_index_comm)")
+        hosts = host_groups(pg)
+    if hosts.size != group.world_size or hosts.rank != group.rank:
+        raise ValueError(f"hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not the "
+                         f"group's (rank {group.rank} of {group.world_size})")
+    return as_group(hosts.intra.group, "hierarchical")
 
 
 def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
@@ -152,10 +176,12 @@ class ShardedModule(nn.Module):
     def __init__(self, module: nn.Module, communicator: Any = None, *, stage: int = 3,
                  bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
                  units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
-                 param_compression: Any = None, grad_compression: Any = None):
+                 param_compression: Any = None, grad_compression: Any = None,
+                 hierarchical: Union[bool, HostGroups] = False):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
         _check_compression(param_compression, grad_compression, stage)
         communicator = as_group(communicator, "communicator", "shard")
+        intra = _host_group(hierarchical, communicator, stage, reshard_after_forward)
         policy = MixedPrecision.of(mp_policy)
         super().__init__()
         self.mp_policy = policy
@@ -169,7 +195,7 @@ class ShardedModule(nn.Module):
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
         self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
-                                  param_compression, grad_compression)
+                                  param_compression, grad_compression, intra)
         self._schedule.install()
 
     def _build(self, unit_specs: list, cap_bytes: int) -> tuple:
@@ -308,6 +334,8 @@ class ShardedModule(nn.Module):
     def _load(self, state_dict: dict, strict: bool, full: bool) -> None:
         self._schedule.check_idle("load_state_dict")
         buckets = list(self._schedule.buckets())
+        for b in buckets:  # hpZ's host copies hold the old weights
+            b.secondary = None
         state.load(buckets, self.communicator.rank, self.module, self._keys, state_dict, strict, full)
         self.gather_params()
 
@@ -341,7 +369,8 @@ class ShardedModule(nn.Module):
 
         buckets = list(self._schedule.buckets())
         stats = {
-            "params": size([b.shard for b in buckets] + [b.full for b in buckets]),
+            "params": size([b.shard for b in buckets] + [b.full for b in buckets]
+                           + [b.secondary for b in buckets]),
             "grads": size([b.shard.grad for b in buckets] + [b.full.grad for b in buckets]
                           + [p[3] for p in self._schedule.pending]),
         }
@@ -362,7 +391,8 @@ class ShardedModule(nn.Module):
 def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
           reshard_after_forward: bool = True, prefetch: int = 1,
           units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
-          param_compression: Any = None, grad_compression: Any = None) -> ShardedModule:
+          param_compression: Any = None, grad_compression: Any = None,
+          hierarchical: Union[bool, HostGroups] = False) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``communicator`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
 
@@ -399,6 +429,12 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             size kept in the compressor, checkpointed with ``q.state_dict()``), the pieces go by
             an all-to-all, and each rank decodes its pieces and sums them in rank order in
             float32. The compressor's first ``warmup_steps`` reductions are exact.
+        hierarchical: stage 3 (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of
+            the unit's weights for its host (1 / ranks-per-host of them, reported by
+            ``memory_stats``), and the backward gathers them inside the host: that gather never
+            crosses hosts. True splits the group (a ProcessGroup or None) by host identity with
+            ``group_carrier.host_groups``, a collective over the whole job (every rank calls
+            ``shard``); or pass a ``HostGroups`` (over Communicators too).
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
@@ -409,4 +445,4 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
     return ShardedModule(module, communicator, stage=stage, bucket_cap_mb=bucket_cap_mb,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
                          mp_policy=mp_policy, param_compression=param_compression,
-                         grad_compression=grad_compression)
+                         grad_compression=grad_compression, hierarchical=hierarchical)
