@@ -1,6 +1,8 @@
 """Collectives across simulated hosts: braid vs gloo (and braid's compressed all-reduces) on links
 shaped to 1 and 10 Gbit and unshaped, with the plain-TCP floor of the same link measured in the run,
-and the DDP step of the ~25M-parameter LM (``python -m braid.bench ddp``, its ranks on the hosts).
+and the DDP step of the ~25M-parameter LM (``python -m braid.bench ddp``, its ranks on the hosts),
+and, with ``--sharding-links``, the sharded training step (``python -m braid.bench sharding``: FSDP2
+on gloo, braid's ZeRO-3 exact and with ZeRO++'s quantized gathers and reduce-scatters).
 
 The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
 /dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
@@ -356,6 +358,45 @@ def _ddp_rows(hosts: SimulatedHosts, per_host: int, link: int, args, world: int,
     return rows
 
 
+SHARDING_IMPLS = ("fsdp2-gloo,braid-zero3,braid-zero3-int8-weights,braid-zero3-int4-grads,"
+                  "braid-zero3-int8-weights-int4-grads")
+
+
+def run_sharding(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
+    """The sharding benchmark (``python -m braid.bench sharding``) with its ranks on the simulated
+    hosts, started as torchrun would."""
+    world = 2 * per_host
+    with tempfile.TemporaryDirectory(prefix="braid-multihost-sharding-") as tmp:
+        out = os.path.join(tmp, "sharding.json")
+        procs = []
+        for rank in range(world):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
+                   "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.addresses[0],
+                   "MASTER_PORT": str(STORE_PORT + 3)}
+            argv = [sys.executable, "-m", "braid.bench", "sharding", "--impls", args.sharding_impls,
+                    "--model", args.sharding_model, "--rounds", "3", "--timeout", str(args.timeout),
+                    "--json", out]
+            procs.append(hosts.popen(rank // per_host, argv, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True))
+        for rank, p in enumerate(procs):
+            try:
+                stdout, err = p.communicate(timeout=args.deadline)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"sharding rank {rank} did not finish within {args.deadline} s") from None
+            if p.returncode not in (0, 3):  # 3: findings, reported in the table
+                raise RuntimeError(f"sharding rank {rank} exited {p.returncode}:\n{err[-3000:]}")
+            if rank == 0:
+                print("\n".join("  " + line for line in stdout.splitlines() if not line.startswith("[")),
+                      flush=True)
+        with open(out) as f:
+            rows = json.load(f)["records"]
+    for r in rows:
+        r.update(link_mbit=link, per_host=per_host, hosts=2)
+    return rows
+
+
 def link_name(link: int) -> str:
     return "unshaped" if link == 0 else (f"{link // 1000} Gbit" if link % 1000 == 0 else f"{link} Mbit")
 
@@ -486,6 +527,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         help="batch x sequence per rank of the DDP step, one table each (default 1x32,4x128: "
         "what communication costs a step depends on the compute it can hide behind)",
     )
+    parser.add_argument(
+        "--sharding-links", type=parse_links, default=[],
+        help="links on which the sharded training step is measured (default none; e.g. 1000,10000)")
+    parser.add_argument("--sharding-layouts", type=parse_layouts, default=[1, 2],
+                        help="2xL layouts of the sharded step (default 2x1,2x2)")
+    parser.add_argument("--sharding-impls", default=SHARDING_IMPLS,
+                        help=f"implementations of the sharded step (default {SHARDING_IMPLS})")
+    parser.add_argument("--sharding-model", default="8192x256x4x1024x4",
+                        help="VOCABxDIMxHEADSxHIDDENxLAYERS of the sharded step (default 8192x256x4x1024x4, "
+                             "6M parameters)")
     parser.add_argument("--json", type=output_path(), help="write the records as JSON to this path")
     parser.add_argument(
         "--plot", type=output_path(".png"), help="write a PNG of time against size to this path"
@@ -526,6 +577,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print(f"DDP step, {link_name(link)} link, 2 hosts x 1 rank:", flush=True)
         with SimulatedHosts(2, rate_mbit=link or None) as hosts:
             ddp_rows += run_ddp(hosts, 1, link, args)
+    sharding_rows = []
+    for link in args.sharding_links:
+        for per in args.sharding_layouts:
+            print(f"Sharded step, {link_name(link)} link, 2 hosts x {per} rank(s):", flush=True)
+            with SimulatedHosts(2, rate_mbit=link or None) as hosts:
+                sharding_rows += run_sharding(hosts, per, link, args)
     if records:
         print()
         print(table(records, floor))
@@ -541,6 +598,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
                 "records": records,
                 "tcp_floor": {str(k): {"1": v[0], "4": v[1]} for k, v in floor.items()},
                 "ddp": ddp_rows,
+                "sharding": sharding_rows,
             },
         )
     if args.plot and records:
