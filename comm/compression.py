@@ -293,6 +293,12 @@ class Compressor:
             return None, stats
         return CompressedWork(work, done, tensor), stats
 
+    def next_call(self, key: Hashable) -> int:
+        """Counts a call of ``key`` and returns its number among the key's calls (0 first): what a
+        caller compressing on its own (the sharded wrapper's reduce-scatters) compares with
+        ``warmup_steps`` and seeds its rounding with. The count is part of the state dict."""
+        return self._next_call(key, None)[0]
+
     def _next_call(self, key: Hashable, step: Optional[int]) -> tuple:
         """Counts a call of ``key``: (its number among the key's calls, the warm-up's step)."""
         calls = self._calls.get(key, 0)

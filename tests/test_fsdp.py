@@ -9,6 +9,7 @@ SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which tur
 in near-zero gradients into O(lr) parameter differences.
 """
 import contextlib
+import pickle
 import copy
 import types
 
@@ -499,8 +500,9 @@ def _run_quantized_gathers(rank, world_size, store_path, kind, bits):
                 "head_err": float((sharded.full_state_dict()["head.weight"] - exact_head).abs().max())}
 
 
-@pytest.mark.parametrize("kind,bits", (("communicator", 8), ("gloo", 8), ("gloo", 4), ("braid", 8)))
-def test_quantized_weight_gathers_train_like_exact_with_exact_masters(kind, bits):
+@pytest.mark.parametrize("kind,bits,world_size", (("communicator", 8, 2), ("gloo", 8, 3), ("gloo", 4, 2),
+                                                 ("braid", 8, 4)))
+def test_quantized_weight_gathers_train_like_exact_with_exact_masters(kind, bits, world_size):
     """qwZ: every rank gathers the same quantized weights (bitwise), the master shards stay exact,
     the gathers move 3.8x (int8, block 64) / 6.4x (int4, block 32) fewer bytes, and training
     follows the exact run. The forward and backward see weights off by at most half a quantization
@@ -508,8 +510,8 @@ def test_quantized_weight_gathers_train_like_exact_with_exact_masters(kind, bits
     steps stay within 0.06% (int8) and 0.9% (int4) of the exact run's; the bounds, 0.5% and 3%,
     leave room for other seeds and orders, and a missing or doubled gradient reduction (which
     halves or doubles the updates) moves the losses of steps 2-4 by more."""
-    results = run_ranks(_run_quantized_gathers, 2, kind, bits)
-    assert results[0]["gathered"] == results[1]["gathered"]  # identical weights on every rank
+    results = run_ranks(_run_quantized_gathers, world_size, kind, bits)
+    assert all(r["gathered"] == results[0]["gathered"] for r in results)  # identical weights everywhere
     rtol, ratio = (5e-3, 3.7) if bits == 8 else (3e-2, 6.3)
     for r in results:
         assert r["quantized"], "the gathered weights are the exact ones: nothing was quantized"
@@ -533,24 +535,25 @@ def _run_quantized_reduce_scatters(rank, world_size, store_path, kind, bits, sta
         losses = _train(sharded, opts[1], rank, 6, 1, None)
         wire = sharded.wire_stats()
         stats = sharded.memory_stats()
-        residuals = [q.residual(("braid.fsdp.grad", i)) for i in range(len(sharded.shards))]
+        residuals = [q.residual(key) for key in q.state_dict()["residuals"]]
         return {"losses": losses, "ref": ref_losses, "reduce_ratio": wire["reduce_scatter"].ratio,
                 "residual_bytes": stats.get("residuals", 0),
                 "residuals_nonzero": sum(int(r is not None and bool(r.abs().sum() > 0)) for r in residuals),
                 "params": digest(sharded.full_state_dict().values())}
 
 
+@pytest.mark.parametrize("world_size", (2, 4))
 @pytest.mark.parametrize("kind,bits,stage,weights_too", (("communicator", 4, 3, False), ("gloo", 4, 2, False),
                                                          ("gloo", 8, 3, True), ("braid", 4, 1, False)))
-def test_quantized_gradient_reduce_scatters_train_like_exact(kind, bits, stage, weights_too):
+def test_quantized_gradient_reduce_scatters_train_like_exact(kind, bits, stage, weights_too, world_size):
     """qgZ: the reduce-scatters move 3.8x (int8, block 64) / 6.4x (int4, block 32) fewer bytes
     once the two exact warm-up steps are over, every rank keeps an error-feedback residual per
     bucket, the gathered state is identical on every rank, and training follows the exact run:
     measured, the losses of six SGD steps stay within 0.07% of the exact run's (int4 gradients,
     and int8 gradients with int8 weights); the bound, 1%, leaves room for other seeds, while a
     doubled or halved update moves them by 2-25% from step 2 on."""
-    results = run_ranks(_run_quantized_reduce_scatters, 2, kind, bits, stage, weights_too)
-    assert results[0]["params"] == results[1]["params"]
+    results = run_ranks(_run_quantized_reduce_scatters, world_size, kind, bits, stage, weights_too)
+    assert all(r["params"] == results[0]["params"] for r in results)
     # Bytes per element: 1 + 4 / 64 (int8, block 64) or 1/2 + 4 / 32 (int4, block 32), against 4.
     compressed = 4 / (1 + 4 / 64) if bits == 8 else 4 / (0.5 + 4 / 32)
     for r in results:
@@ -559,6 +562,38 @@ def test_quantized_gradient_reduce_scatters_train_like_exact(kind, bits, stage, 
         assert r["residuals_nonzero"] > 0 and r["residual_bytes"] > 0, r
         torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-2, atol=0)
         assert r["losses"][-1] < r["losses"][0], r["losses"]
+
+
+def _run_compressed_resume(rank, world_size, store_path):
+    """ZeRO-3 with int8 weights and int4 gradients (stochastic rounding, error feedback): 5 steps
+    straight, against 3 steps, a checkpoint (sharded state, optimizer, compressor), a new wrapper
+    and 2 more steps."""
+    with process_group(rank, world_size, store_path):
+        def build():
+            q = comm.Int4Quantizer(block=32, seed=7)
+            m = fsdp.shard(_model(), dist.group.WORLD, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
+                           param_compression=comm.Int8Quantizer(block=64), grad_compression=q)
+            return m, q, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        straight, _, opt = build()
+        _train(straight, opt, rank, 5, 1, None)
+        first, q, opt = build()
+        _train(first, opt, rank, 3, 1, None)
+        saved = pickle.loads(pickle.dumps((first.sharded_state_dict(), opt.state_dict(), q.state_dict())))
+        resumed, q2, opt2 = build()
+        resumed.load_sharded_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        q2.load_state_dict(saved[2])
+        _train(resumed, opt2, rank, 2, 1, None)
+        _assert_exact(resumed.full_state_dict(), straight.full_state_dict())
+        return sum(int(q2.residual(k).abs().sum() > 0) for k in saved[2]["residuals"])
+
+
+def test_compressed_training_resumes_bit_for_bit():
+    """Checkpoint and resume with quantized gathers and reduce-scatters ends bit for bit where the
+    uninterrupted run does: the compressor's state (residuals, call counts that drive the warm-up
+    and the rounding seeds) carries over."""
+    assert all(n > 0 for n in run_ranks(_run_compressed_resume, 2))
 
 
 def _run_hierarchical(rank, world_size, store_path, quantized):

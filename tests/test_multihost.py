@@ -456,6 +456,18 @@ def test_sharded_wrapper_across_hosts_matches_ddp(stage):
     run_ranks(module_across_hosts, len(layout), layout, "test_fsdp", "_run_vs_ddp", stage, 1, True, 1)
 
 
+@pytest.mark.parametrize("name", ["2x1", "2x2"])
+def test_zero_plus_plus_across_hosts_trains_like_exact(name):
+    """ZeRO-3 with int8 weight gathers and int8 gradient reduce-scatters on a Communicator across
+    simulated hosts (TCP between them): the same checks as on one host (test_fsdp.py)."""
+    layout = LAYOUTS[name]
+    results = run_ranks(module_across_hosts, len(layout), layout, "test_fsdp",
+                        "_run_quantized_reduce_scatters", "communicator", 8, 3, True)
+    assert all(r["params"] == results[0]["params"] for r in results)
+    for r in results:
+        torch.testing.assert_close(r["losses"], r["ref"], rtol=1e-2, atol=0)
+
+
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
 def test_tensor_parallel_across_hosts_matches_dense(sequence_parallel):
     """braid.comm.tp's block and training across 2 x 2 hosts equal the dense model's."""

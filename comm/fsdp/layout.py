@@ -51,7 +51,6 @@ class Bucket:
     local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
     work: Any = None              # in-flight all-gather: (work, version keeper, decode or None)
     unit: Any = None              # the Unit holding it
-    reductions: int = 0           # gradient reduce-scatters so far (a compressor's warm-up counts them)
     index: int = 0                # position among the module's buckets (names its compression residual)
     secondary: Any = None         # hpZ: this rank's piece of the full buffer for its host, between forward
                                   # and backward

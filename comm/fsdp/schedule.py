@@ -50,6 +50,11 @@ MAX_GATHERS_IN_FLIGHT = 2
 MAX_REDUCES_IN_FLIGHT = 2
 
 
+def grad_key(b: Bucket) -> tuple:
+    """The key of a bucket's gradient in a grad_compression compressor (its residual, its calls)."""
+    return ("braid.fsdp.grad", b.index)
+
+
 class Schedule:
     """The collectives of one sharded module, issued from its forward and autograd hooks.
 
@@ -164,16 +169,16 @@ class Schedule:
 
         return gathered, payload, decode
 
-    def _quantized_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any) -> tuple:
+    def _quantized_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any, call: int) -> tuple:
         """qgZ: the bucket's gradient (+ its error-feedback residual) quantized once into one piece
         per rank, an all-to-all of the pieces, and (``decode``, after the wait) this rank's n
         pieces decoded and summed in rank order in float32, divided by n. Returns (work, None,
         decode)."""
         c, kern = self.communicator, kernels_for(grad.device)
         n, per = c.world_size, b.shard_numel
-        key = ("braid.fsdp.grad", b.index)
+        key = grad_key(b)
         residual = q.residual_for(key, grad.numel(), grad.device)
-        seed = q.seed_for(c.rank, key, b.reductions)
+        seed = q.seed_for(c.rank, key, call)
         payload = kern.quantize(grad, residual, q.bits, q.block, q.stochastic, seed, 0, per, n)
         cb = payload.numel() // n
         received = torch.empty_like(payload)
@@ -334,9 +339,9 @@ class Schedule:
             # buffer keeps accumulating in the compute dtype).
             sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
             q = self.grad_compression
-            b.reductions += 1
-            if q is not None and sent.dtype in QUANTIZABLE and b.reductions > q.warmup_steps:
-                work, reduced, decode = self._quantized_reduce_scatter(b, sent, q)
+            call = q.next_call(grad_key(b)) if q is not None and sent.dtype in QUANTIZABLE else None
+            if call is not None and call >= q.warmup_steps:
+                work, reduced, decode = self._quantized_reduce_scatter(b, sent, q, call)
             else:
                 reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
                 work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)

@@ -41,7 +41,7 @@ from ..wire import WireStats
 from ..vocabulary import WIRE_DTYPES
 from . import state
 from .layout import REDUCE_DTYPES, Unit, collect_parameters, fill, plan_buckets, resolve_units
-from .schedule import Schedule
+from .schedule import Schedule, grad_key
 
 _MB = 1 << 20
 
@@ -376,7 +376,7 @@ class ShardedModule(nn.Module):
         }
         q = self.grad_compression
         if q is not None:  # qgZ's error-feedback residuals, one per bucket
-            stats["residuals"] = size(q.residual(("braid.fsdp.grad", b.index)) for b in buckets)
+            stats["residuals"] = size(q.residual(grad_key(b)) for b in buckets)
         if optimizer is not None:
             stats["optimizer"] = size(t for entry in optimizer.state.values() for t in entry.values()
                                       if isinstance(t, torch.Tensor))
@@ -428,7 +428,9 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             dropped is added to the next step's gradient, a float32 residual of the bucket's
             size kept in the compressor, checkpointed with ``q.state_dict()``), the pieces go by
             an all-to-all, and each rank decodes its pieces and sums them in rank order in
-            float32. The compressor's first ``warmup_steps`` reductions are exact.
+            float32. The compressor's first ``warmup_steps`` reductions of each bucket are exact.
+            To resume a run bit for bit, save and load ``grad_compression.state_dict()`` (its
+            residuals and call counts) with the sharded state and the optimizer's.
         hierarchical: stage 3 (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of
             the unit's weights for its host (1 / ranks-per-host of them, reported by
             ``memory_stats``), and the backward gathers them inside the host: that gather never
