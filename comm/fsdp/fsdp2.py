@@ -38,7 +38,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..compression import Int4Quantizer, Int8Quantizer
+from ..device_kernels import kernels_for
 from ..group import as_group, check_device
+from ..vocabulary import AVG, op_code
 from ..vocabulary import WIRE_DTYPES
 
 # Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
@@ -102,12 +105,26 @@ def _carrier(nbytes: int) -> Optional[torch.dtype]:
     return None
 
 
-class _BraidComm:
-    """What both collectives share: the group (None: FSDP2's own, per call) and plain buffers."""
+# Tensors a compression quantizes (others travel exactly).
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
-    def __init__(self, communicator: Any = None):
-        self.communicator = None if communicator is None else as_group(communicator, "communicator",
-                                                                        type(self).__name__)
+
+def _pad(numel: int, block: int) -> int:
+    """``numel`` rounded up to whole quantization blocks."""
+    return max(block, -(-numel // block) * block)
+
+
+class _BraidComm:
+    """What both collectives share: the group (None: FSDP2's own, per call), the compression (a
+    block quantizer or None) and plain buffers."""
+
+    def __init__(self, communicator: Any = None, compression: Any = None):
+        what = type(self).__name__
+        self.communicator = None if communicator is None else as_group(communicator, "communicator", what)
+        if compression is not None and not isinstance(compression, (Int8Quantizer, Int4Quantizer)):
+            raise TypeError(f"{what}: compression must be None or a block quantizer (braid.comm."
+                            f"Int8Quantizer or Int4Quantizer), got {type(compression).__name__}")
+        self.compression = compression
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat buffer for a collective: ordinary memory of ``device`` (braid copies through its
@@ -123,7 +140,9 @@ class BraidAllGather(_BraidComm, AllGather):
         c = _group_for(self.communicator, group, "BraidAllGather")
         _check_devices(c, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
         out, inp, after = output_tensor, input_tensor, None
-        if out.dtype not in WIRE_DTYPES:
+        if self.compression is not None and out.dtype in _QUANTIZABLE:
+            out, inp, after = self._quantized(c, output_tensor, input_tensor)
+        elif out.dtype not in WIRE_DTYPES:
             out, inp, after = self._as_wire(c, output_tensor, input_tensor)
         work = c.all_gather(out, inp, async_op=async_op)
         if not async_op:
@@ -131,6 +150,21 @@ class BraidAllGather(_BraidComm, AllGather):
                 after()
             return None
         return BraidWork(work, after)
+
+    def _quantized(self, c: Any, output: torch.Tensor, input: torch.Tensor):
+        """qwZ: this rank's piece quantized once (to nearest), the payloads gathered, every rank
+        decoding the same bytes (its own included): identical weights everywhere."""
+        q, n, m = self.compression, c.world_size, input.numel()
+        kern, chunk = kernels_for(input.device), _pad(m, self.compression.block)
+        payload = kern.quantize(input.reshape(-1), None, q.bits, q.block, False, 0, c.rank * chunk, chunk, 1)
+        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+
+        def decode() -> None:
+            decoded = torch.empty(n * chunk, dtype=output.dtype, device=output.device)
+            kern.dequantize(gathered, q.bits, q.block, decoded, chunk)
+            output.view(n, m).copy_(decoded.view(n, chunk)[:, :m])
+
+        return gathered, payload, decode
 
     @staticmethod
     def _as_wire(c: Any, output: torch.Tensor, input: torch.Tensor):
@@ -169,11 +203,43 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
                                  "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
             input_tensor.mul_(op.factor)
             op = "sum"
+        if self.compression is not None and input_tensor.dtype in _QUANTIZABLE:
+            return self._quantized(c, output_tensor, input_tensor, op_code(op) == AVG, async_op)
         work = c.reduce_scatter(output_tensor, input_tensor, op=op, async_op=async_op)
         return BraidWork(work) if async_op else None
 
+    def _quantized(self, c: Any, output: torch.Tensor, input: torch.Tensor, average: bool,
+                   async_op: bool) -> Optional[dist.Work]:
+        """qgZ: the gradient quantized once into one piece per rank (stochastic rounding as the
+        compressor says; no error feedback: FSDP2 names no module per call to keep a residual
+        for), an all-to-all, and this rank's pieces decoded and summed in rank order in float32."""
+        q, n, m = self.compression, c.world_size, output.numel()
+        kern, chunk = kernels_for(input.device), _pad(m, self.compression.block)
+        rows = torch.zeros(n, chunk, dtype=input.dtype, device=input.device)
+        rows[:, :m] = input.view(n, m)
+        seed = q.seed_for(c.rank, "braid.fsdp2.grad", q.next_call("braid.fsdp2.grad"))
+        payload = kern.quantize(rows.view(-1), None, q.bits, q.block, q.stochastic, seed, 0, chunk, n)
+        cb = payload.numel() // n
+        received = torch.empty_like(payload)
+        work = c.all_to_all(received, payload, async_op=True)
 
-def fsdp2_comms(communicator: Any = None) -> tuple[BraidAllGather, BraidReduceScatter]:
+        def decode() -> None:
+            acc = torch.zeros(chunk, dtype=torch.float32, device=input.device)
+            for r in range(n):  # rank order: the same sum on every rank
+                kern.dequantize_accumulate(received[r * cb:(r + 1) * cb], q.bits, q.block, acc)
+            if average:
+                acc.div_(n)
+            output.copy_(acc[:m].view(output.shape))
+
+        if async_op:
+            return BraidWork(work, decode)
+        work.wait()
+        decode()
+        return None
+
+
+def fsdp2_comms(communicator: Any = None, *, param_compression: Any = None,
+                grad_compression: Any = None) -> tuple[BraidAllGather, BraidReduceScatter]:
     """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``communicator``:
     a braid Communicator, any torch ProcessGroup, or None (each call runs on the group FSDP2 hands
     it, through braid's group interface).
@@ -185,18 +251,32 @@ def fsdp2_comms(communicator: Any = None) -> tuple[BraidAllGather, BraidReduceSc
                 m.set_custom_reduce_scatter(rs)
 
     (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the group's.
+
+    ``param_compression`` (``comm.Int8Quantizer()`` or ``Int4Quantizer()``): the weights' gathers
+    travel block-quantized, rounded to nearest, identical on every rank (ZeRO++'s qwZ; FSDP2 keeps
+    its exact sharded parameters). ``grad_compression``: the gradients' reduce-scatters travel
+    block-quantized by an all-to-all and are summed in float32 (qgZ), without error feedback
+    (``error_feedback=False`` is required: FSDP2 names no module per call to keep a residual for).
     """
-    return BraidAllGather(communicator), BraidReduceScatter(communicator)
+    if grad_compression is not None and getattr(grad_compression, "error_feedback", False):
+        raise ValueError("grad_compression: FSDP2's reduce-scatters carry no identity of their module, so "
+                         "braid keeps no error-feedback residual for them: pass a quantizer with "
+                         "error_feedback=False (braid's own fsdp.shard keeps residuals per bucket)")
+    return (BraidAllGather(communicator, param_compression),
+            BraidReduceScatter(communicator, grad_compression))
 
 
-def use_braid_comms(module: torch.nn.Module, communicator: Any = None) -> int:
+def use_braid_comms(module: torch.nn.Module, communicator: Any = None, *, param_compression: Any = None,
+                    grad_compression: Any = None) -> int:
     """Installs braid's collectives on every ``fully_shard`` module inside ``module`` (itself
-    included); returns how many were set. Call after ``fully_shard``, before the first forward."""
+    included); returns how many were set. Call after ``fully_shard``, before the first forward.
+    ``param_compression`` / ``grad_compression``: as for :func:`fsdp2_comms`."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    all_gather, reduce_scatter = fsdp2_comms(communicator)
+    all_gather, reduce_scatter = fsdp2_comms(communicator, param_compression=param_compression,
+                                             grad_compression=grad_compression)
     count = 0
     for m in module.modules():
         if isinstance(m, FSDPModule):
