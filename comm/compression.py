@@ -440,6 +440,27 @@ class _BlockQuantizer(Compressor):
         """Size of ``count`` quantized elements: values, padding to 4 bytes, scales."""
         return _C.quantized_bytes(count, self.bits, self.block)
 
+    # -- the format, on any device: what every path outside the communicator's fused calls uses --
+    def encode(self, x: torch.Tensor, residual: Optional[torch.Tensor], seed: int, index_base: int,
+               chunk: int, nchunks: int, out: Optional[torch.Tensor] = None, *,
+               stochastic: Optional[bool] = None) -> torch.Tensor:
+        """``nchunks`` chunks of ``chunk`` elements of ``x`` (+ ``residual``, which then keeps what
+        the rounding dropped) as payloads of ``wire_bytes(chunk)`` bytes each, into ``out`` (or a
+        new uint8 tensor), which is returned. ``stochastic`` overrides the quantizer's rounding
+        (weights are always rounded to nearest)."""
+        rounding = self.stochastic if stochastic is None else stochastic
+        return kernels_for(x.device).quantize(x, residual, self.bits, self.block, rounding, seed, index_base,
+                                              chunk, nchunks, out=out)
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor, chunk: int) -> None:
+        """``out`` (its first elements, any float dtype) = the chunks of ``chunk`` elements in
+        ``payload``, one after the other."""
+        kernels_for(out.device).dequantize(payload, self.bits, self.block, out, chunk)
+
+    def decode_accumulate(self, payload: torch.Tensor, accumulator: torch.Tensor) -> None:
+        """``accumulator`` (float32) += the one chunk in ``payload``."""
+        kernels_for(accumulator.device).dequantize_accumulate(payload, self.bits, self.block, accumulator)
+
     def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
         return 2 * (peers - 1) * self.wire_bytes(self.chunk_elems(count, peers))  # all-to-all + all-gather
 
@@ -501,24 +522,23 @@ class _BlockQuantizer(Compressor):
         n, numel = c.size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
-        kern = kernels_for(flat.device)
+        kernels_for(flat.device)  # a device without kernels fails here
 
         def run() -> None:
             bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
             send, recv, acc, gathered = bufs
             residual = self.residual_for(key, numel, flat.device)
-            kern.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
+            self.encode(flat, residual, seed, 0, chunk, n, out=send)
             c.all_to_all(recv, send)
             acc.zero_()
             for r in range(n):
-                kern.dequantize_accumulate(recv[r * cb : (r + 1) * cb], self.bits, self.block, acc)
+                self.decode_accumulate(recv[r * cb : (r + 1) * cb], acc)
             if op_code == AVG:
                 acc.div_(divisor)
             mine = send[:cb]  # free again once the all-to-all is done
-            kern.quantize(acc, None, self.bits, self.block, self.stochastic, _mix64(seed, 1), c.rank * chunk,
-                          chunk, 1, out=mine)
+            self.encode(acc, None, _mix64(seed, 1), c.rank * chunk, chunk, 1, out=mine)
             c.all_gather(gathered, mine)
-            kern.dequantize(gathered, self.bits, self.block, flat, chunk)
+            self.decode(gathered, flat, chunk)
             self._scratch[key] = bufs
 
         return run

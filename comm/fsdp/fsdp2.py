@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from ..compression import Int4Quantizer, Int8Quantizer
-from ..device_kernels import kernels_for
 from ..group import as_group, check_device
 from ..vocabulary import AVG, op_code
 from ..vocabulary import WIRE_DTYPES
@@ -155,13 +154,13 @@ class BraidAllGather(_BraidComm, AllGather):
         """qwZ: this rank's piece quantized once (to nearest), the payloads gathered, every rank
         decoding the same bytes (its own included): identical weights everywhere."""
         q, n, m = self.compression, c.world_size, input.numel()
-        kern, chunk = kernels_for(input.device), _pad(m, self.compression.block)
-        payload = kern.quantize(input.reshape(-1), None, q.bits, q.block, False, 0, c.rank * chunk, chunk, 1)
+        chunk = _pad(m, self.compression.block)
+        payload = q.encode(input.reshape(-1), None, 0, c.rank * chunk, chunk, 1, stochastic=False)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
 
         def decode() -> None:
             decoded = torch.empty(n * chunk, dtype=output.dtype, device=output.device)
-            kern.dequantize(gathered, q.bits, q.block, decoded, chunk)
+            q.decode(gathered, decoded, chunk)
             output.view(n, m).copy_(decoded.view(n, chunk)[:, :m])
 
         return gathered, payload, decode
@@ -214,11 +213,11 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         compressor says; no error feedback: FSDP2 names no module per call to keep a residual
         for), an all-to-all, and this rank's pieces decoded and summed in rank order in float32."""
         q, n, m = self.compression, c.world_size, output.numel()
-        kern, chunk = kernels_for(input.device), _pad(m, self.compression.block)
+        chunk = _pad(m, self.compression.block)
         rows = torch.zeros(n, chunk, dtype=input.dtype, device=input.device)
         rows[:, :m] = input.view(n, m)
         seed = q.seed_for(c.rank, "braid.fsdp2.grad", q.next_call("braid.fsdp2.grad"))
-        payload = kern.quantize(rows.view(-1), None, q.bits, q.block, q.stochastic, seed, 0, chunk, n)
+        payload = q.encode(rows.view(-1), None, seed, 0, chunk, n)
         cb = payload.numel() // n
         received = torch.empty_like(payload)
         work = c.all_to_all(received, payload, async_op=True)
@@ -226,7 +225,7 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         def decode() -> None:
             acc = torch.zeros(chunk, dtype=torch.float32, device=input.device)
             for r in range(n):  # rank order: the same sum on every rank
-                kern.dequantize_accumulate(received[r * cb:(r + 1) * cb], q.bits, q.block, acc)
+                q.decode_accumulate(received[r * cb:(r + 1) * cb], acc)
             if average:
                 acc.div_(n)
             output.copy_(acc[:m].view(output.shape))

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..device_kernels import kernels_for
 from ..wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
@@ -158,14 +157,12 @@ class Schedule:
         q = self.param_compression
         if q is None or b.dtype not in QUANTIZABLE or b.compute_dtype not in QUANTIZABLE:
             return wire(b.full.detach()), gather_input(b), None
-        kern = kernels_for(b.full.device)
         n, per = self.communicator.world_size, b.shard_numel
-        payload = kern.quantize(b.shard.detach(), None, q.bits, q.block, False, 0,
-                                self.communicator.rank * per, per, 1)
+        payload = q.encode(b.shard.detach(), None, 0, self.communicator.rank * per, per, 1, stochastic=False)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
 
         def decode() -> None:
-            kern.dequantize(gathered, q.bits, q.block, b.full.detach(), per)
+            q.decode(gathered, b.full.detach(), per)
 
         return gathered, payload, decode
 
@@ -174,12 +171,12 @@ class Schedule:
         per rank, an all-to-all of the pieces, and (``decode``, after the wait) this rank's n
         pieces decoded and summed in rank order in float32, divided by n. Returns (work, None,
         decode)."""
-        c, kern = self.communicator, kernels_for(grad.device)
+        c = self.communicator
         n, per = c.world_size, b.shard_numel
         key = grad_key(b)
         residual = q.residual_for(key, grad.numel(), grad.device)
         seed = q.seed_for(c.rank, key, call)
-        payload = kern.quantize(grad, residual, q.bits, q.block, q.stochastic, seed, 0, per, n)
+        payload = q.encode(grad, residual, seed, 0, per, n)
         cb = payload.numel() // n
         received = torch.empty_like(payload)
         work = c.all_to_all(received, payload, async_op=True)
@@ -188,7 +185,7 @@ class Schedule:
         def decode() -> torch.Tensor:
             acc = torch.zeros(per, dtype=torch.float32, device=grad.device)
             for r in range(n):  # rank order: the same sum on every rank, every run
-                kern.dequantize_accumulate(received[r * cb:(r + 1) * cb], q.bits, q.block, acc)
+                q.decode_accumulate(received[r * cb:(r + 1) * cb], acc)
             return acc.div_(n)
 
         return work, None, decode
