@@ -9,7 +9,8 @@ import torch  # noqa: F401  (the extension links against torch: load it first)
 
 from . import backend as _backend
 from .communicator import Communicator, P2POp, Work, init
-from .compression import Cast, CompressedWork, Compressor, Int4Quantizer, Int8Quantizer, TopK, WireStats
+from .compression import (Cast, CompressedWork, Compressor, FP8Quantizer, Int4Quantizer, Int8Quantizer, TopK,
+                          WireStats)
 from .errors import CollectiveMismatch, CommClosed, CommError, CommTimeout, PeerError
 
 _backend.register()  # dist.init_process_group("braid") from here on
@@ -34,5 +35,5 @@ def __dir__():
     return sorted(set(globals()) | set(_PARTS))
 
 __all__ = ["Communicator", "P2POp", "Work", "init", "CommError", "CommTimeout", "PeerError",
-           "CollectiveMismatch", "CommClosed", "Compressor", "Int8Quantizer", "Int4Quantizer", "TopK",
-           "Cast", "WireStats", "CompressedWork"]
+           "CollectiveMismatch", "CommClosed", "Compressor", "Int8Quantizer", "Int4Quantizer", "FP8Quantizer",
+           "TopK", "Cast", "WireStats", "CompressedWork"]

@@ -18,6 +18,7 @@ from . import _C
 from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
+from .group_carrier import GroupCarrier
 from .hosts import host_identity, host_numbers
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
@@ -429,6 +430,11 @@ class Communicator(CompressionHost, Group):
             hint = " (a class: pass an instance, e.g. Int8Quantizer())" if is_class else ""
             raise TypeError("compression must be a braid.comm compressor (Int8Quantizer(), Int4Quantizer(), "
                             f"TopK(ratio), Cast(dtype)) or None, got {compression!r}{hint}")
+        if not compression.fused:  # no fused call: the compressor's algorithm over these collectives
+            work = compression.all_reduce(GroupCarrier(self), tensor, op, key=key,
+                                          async_op=_async_flag(async_op), step=step)
+            self.last_wire_bytes = compression.last_wire_bytes
+            return work
         work, self.last_wire_bytes = compression.all_reduce_on(self._c, tensor, op, key=key,
                                                                async_op=_async_flag(async_op), step=step)
         return work

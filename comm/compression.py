@@ -158,6 +158,11 @@ class Compressor:
         self.wire_total = WireStats(0, 0, 0)
         self.last_wire_bytes: Optional[WireStats] = None  # of the last call, whatever carried it
 
+    # Whether braid's communicator has a fused call for this compressor (its compressed_all_reduce
+    # capability); without one a Communicator runs the compressor's algorithm through its own
+    # collectives, as a process group does.
+    fused = True
+
     # -- state -----------------------------------------------------------------------------
     def _config(self) -> dict:
         return {"error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps, "seed": self.seed}
@@ -259,6 +264,9 @@ class Compressor:
         """The compressed all-reduce of the CPU ``tensor`` in place over a braid communicator's
         collectives ``comm`` (``op``, ``key`` and ``step`` as in :meth:`all_reduce`). Returns its
         work (None unless ``async_op``) and its wire statistics, which the communicator records."""
+        if not self.fused:
+            raise TypeError(f"{type(self).__name__} has no fused call in braid's communicator: reduce with "
+                            "Communicator.all_reduce(t, compression=q) or q.all_reduce(c, t)")
         op_code = compressed_op_code(op)
         _check_tensor(tensor)
         if tensor.device.type != "cpu":
@@ -333,7 +341,8 @@ class Compressor:
             run()
             _copy_back(flat, tensor)
 
-        work = GroupWork(group_carrier.issue(job, [tensor], tensor.device))
+        inline = (carrier.group if isinstance(carrier, HostGroups) else carrier).inline
+        work = GroupWork(group_carrier.issue(job, [tensor], tensor.device, inline))
         if async_op:
             return work
         work.wait()
@@ -417,7 +426,7 @@ class Compressor:
         return f"{type(self).__name__}({args})"
 
 
-class _BlockQuantizer(Compressor):
+class BlockQuantizer(Compressor):
     """Block quantization with one float32 scale per block (absmax / qmax)."""
 
     bits = 8
@@ -576,7 +585,7 @@ class _BlockQuantizer(Compressor):
         return work, None
 
 
-class Int8Quantizer(_BlockQuantizer):
+class Int8Quantizer(BlockQuantizer):
     """int8 values with one float32 scale per ``block`` elements (3.94x smaller than float32 at
     block 256). ``stochastic`` rounding is unbiased; otherwise round to nearest."""
 
@@ -596,7 +605,7 @@ class Int8Quantizer(_BlockQuantizer):
         )
 
 
-class Int4Quantizer(_BlockQuantizer):
+class Int4Quantizer(BlockQuantizer):
     """int4 values (two per byte, range -7..7) with one float32 scale per ``block`` elements
     (7.5x smaller than float32 at block 128)."""
 
@@ -614,6 +623,77 @@ class Int4Quantizer(_BlockQuantizer):
         super().__init__(
             block, stochastic, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed
         )
+
+
+class FP8Quantizer(BlockQuantizer):
+    """float8 e4m3 values with one float32 scale per ``block`` elements (absmax / 448), rounded to
+    nearest even: the bytes of int8 (3.94x smaller than float32 at block 256), with a relative grid
+    (3 mantissa bits) that keeps small values of a block that int8's uniform grid rounds to 0.
+
+    It has no fused path in braid's C++ core: over a braid Communicator it runs the compressors'
+    one algorithm through the communicator's collectives (comm/group_carrier.py), as over any
+    process group; its format is written with torch operations, so it runs on any device torch
+    has float8 for. Always rounds to nearest (``stochastic`` is not available)."""
+
+    bits = 8
+    fused = False
+    FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+
+    def __init__(self, block: int = 256, *, error_feedback: bool = True, warmup_steps: int = 2,
+                 seed: int = 0):
+        super().__init__(block, False, error_feedback=error_feedback, warmup_steps=warmup_steps, seed=seed)
+
+    def _config(self) -> dict:
+        config = super()._config()
+        del config["stochastic"]
+        return config
+
+    def _layout(self, chunk: int) -> tuple:
+        """(blocks per chunk, bytes of the values with their padding to 4, bytes per chunk)."""
+        nb = -(-chunk // self.block)
+        values = chunk + (-chunk) % 4
+        return nb, values, values + 4 * nb
+
+    def encode(self, x, residual, seed, index_base, chunk, nchunks, out=None, *, stochastic=None):
+        nb, values, cb = self._layout(chunk)
+        numel = x.numel()
+        staged = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)  # zero padded
+        staged[:numel] = x.reshape(-1)
+        if residual is not None:
+            staged[:numel] += residual
+        blocks = torch.zeros(nchunks, nb * self.block, dtype=torch.float32, device=x.device)
+        blocks[:, :chunk] = staged.view(nchunks, chunk)
+        blocks = blocks.view(nchunks, nb, self.block)
+        scale = blocks.abs().amax(-1) / self.FP8_MAX
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (blocks / safe.unsqueeze(-1)).clamp(-self.FP8_MAX, self.FP8_MAX).to(torch.float8_e4m3fn)
+        if residual is not None:  # what the rounding dropped, for the next call
+            decoded = (q.to(torch.float32) * scale.unsqueeze(-1)).view(nchunks, -1)[:, :chunk].reshape(-1)
+            residual.copy_(staged[:numel] - decoded[:numel])
+        payload = out if out is not None else torch.empty(nchunks * cb, dtype=torch.uint8, device=x.device)
+        rows = payload.view(nchunks, cb)
+        rows[:, :chunk] = q.view(nchunks, -1)[:, :chunk].view(torch.uint8)
+        rows[:, chunk:values] = 0
+        rows[:, values:] = scale.contiguous().view(torch.uint8).view(nchunks, 4 * nb)
+        return payload
+
+    def _decoded(self, payload: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The float32 values of the chunks in ``payload``, as (chunks, chunk)."""
+        nb, values, cb = self._layout(chunk)
+        rows = payload.view(-1, cb)
+        q = rows[:, :chunk].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        scale = rows[:, values:].contiguous().view(torch.float32)
+        n = rows.shape[0]
+        padded = torch.zeros(n, nb * self.block, dtype=torch.float32, device=payload.device)
+        padded[:, :chunk] = q
+        return (padded.view(n, nb, self.block) * scale.unsqueeze(-1)).view(n, -1)[:, :chunk]
+
+    def decode(self, payload, out, chunk):
+        flat = out.view(-1)
+        flat.copy_(self._decoded(payload, chunk).reshape(-1)[:flat.numel()])
+
+    def decode_accumulate(self, payload, accumulator):
+        accumulator.add_(self._decoded(payload, accumulator.numel()).view(-1))
 
 
 class TopK(Compressor):
@@ -848,13 +928,13 @@ class Cast(Compressor):
         return work, finish
 
 
-COMPRESSOR_NAMES = ("int8", "int4", "topk", "bf16", "fp16")
+COMPRESSOR_NAMES = ("int8", "int4", "fp8", "topk", "bf16", "fp16")
 
 
 def compressor(name: str) -> Compressor:
-    """A compressor with its defaults by name: "int8", "int4", "topk" (1%), "bf16" or "fp16"
+    """A compressor with its defaults by name: "int8", "int4", "fp8", "topk" (1%), "bf16" or "fp16"
     (casts); ValueError naming ``compression`` for another name."""
-    makers = {"int8": Int8Quantizer, "int4": Int4Quantizer, "topk": TopK,
+    makers = {"int8": Int8Quantizer, "int4": Int4Quantizer, "fp8": FP8Quantizer, "topk": TopK,
               "bf16": lambda: Cast(torch.bfloat16), "fp16": lambda: Cast(torch.float16)}
     if name not in makers:
         raise ValueError(f"compression must be one of {', '.join(map(repr, COMPRESSOR_NAMES))}, a braid.comm "

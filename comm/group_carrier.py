@@ -55,6 +55,8 @@ class GroupCarrier:
     def __init__(self, group: Union[dist.ProcessGroup, Group]):
         self.group = group
         self._group = adapter(group) if isinstance(group, dist.ProcessGroup) else group
+        # A braid Group (a Communicator) is used from the caller's thread too: its jobs run inline.
+        self.inline = not isinstance(group, dist.ProcessGroup)
         self.rank = self._group.rank
         self.size = self._group.world_size
 
@@ -261,10 +263,22 @@ def _run(job: Callable[[], None], result: list, fut: torch.futures.Future) -> No
 _ISSUE = _IssueThread()
 
 
-def issue(job: Callable[[], None], result: list, device: torch.device) -> torch.futures.Future:
+def issue(job: Callable[[], None], result: list, device: torch.device, inline: bool = False
+          ) -> torch.futures.Future:
     """Runs ``job`` (kernels and a carrier's collectives) for tensors on ``device``; returns a
-    future of ``result``. CPU: on the issue thread, in submission order. CUDA: now, on the current
+    future of ``result``. CPU: on the issue thread, in submission order, or now with ``inline``
+    (a carrier over a braid Communicator, whose other calls the caller issues from its own thread:
+    two threads would interleave them differently on different ranks). CUDA: now, on the current
     stream; the future is a ``Future(devices=[device])`` completed on that stream."""
+    if inline and device.type != "cuda":
+        fut = torch.futures.Future()
+        try:
+            job()
+        except Exception as e:  # noqa: BLE001 - the caller's wait() or the future raises it
+            fut.set_exception(e)
+            return fut
+        fut.set_result(result)
+        return fut
     if device.type == "cuda":
         fut = torch.futures.Future(devices=[device])
         job()

@@ -523,3 +523,39 @@ def fused_equals_generic(rank, n, store_path, seed):
 @pytest.mark.parametrize("n", (2, 3))
 def test_fused_path_equals_the_algorithm_over_the_group_interface(n):
     assert_ranks_agree(run_ranks(fused_equals_generic, n, 71), min_cases=100)
+
+
+def fp8_over_both_carriers(rank, n, store_path):
+    """FP8Quantizer (no fused call) over a Communicator and over a gloo group: the same algorithm,
+    so the same bits; within float8's rounding of the exact average; the Communicator records the
+    wire bytes."""
+    import torch.distributed as dist
+    from helpers.ranks import process_group
+
+    from braid.comm import FP8Quantizer
+
+    log = CaseLog()
+    with process_group(rank, n, store_path), make_comm(rank, n, store_path) as c:
+        # Without error feedback, so that each call's error is its own rounding.
+        a, b = FP8Quantizer(block=64, error_feedback=False), FP8Quantizer(block=64, error_feedback=False)
+        for call in range(4):
+            inputs = [make_input(11 + call, r, 3001, torch.float32) for r in range(n)]
+            x, y = inputs[rank].clone(), inputs[rank].clone()
+            c.all_reduce(x, op="avg", compression=a, key="k")
+            b.all_reduce(dist.group.WORLD, y, "avg", key="k")
+            log.check(f"call {call}: communicator equals gloo", x, y)
+            exact = reduce_reference(inputs, "avg", n)
+            if call < 2:
+                log.check(f"call {call}: warm-up exact", x, exact)
+                continue
+            # Two roundings (each input, then the sum) of at most 1/16 of the value each, plus
+            # subnormal steps near zero: a bound that a wrong sum, scale or piece breaks.
+            bound = (sum(t.abs() for t in inputs) / n + exact.abs()) * (1 / 16 + 1e-6) + 1e-3
+            log.expect(f"call {call}: near exact", bool(((x - exact).abs() <= bound).all()))
+            log.expect(f"call {call}: wire", c.last_wire_bytes == a.last_wire_bytes
+                       and a.last_wire_bytes.ratio > 3.5, f"{c.last_wire_bytes}")
+        return log.summary()
+
+
+def test_fp8_quantizer_over_a_communicator_and_a_process_group():
+    assert_ranks_agree(run_ranks(fp8_over_both_carriers, 3), min_cases=10)

@@ -402,3 +402,50 @@ def test_compressor_state_round_trips():
         comm.Int8Quantizer(block=64, seed=9).load_state_dict(q.state_dict())
     with pytest.raises(ValueError, match="TopK"):
         comm.TopK(0.1).load_state_dict(q.state_dict())
+
+
+def _fp8_reference(x: torch.Tensor, block: int, chunk: int) -> torch.Tensor:
+    """FP8Quantizer's decoded values in plain torch: each chunk of ``chunk`` elements (zero padded)
+    cut in blocks, scale = block absmax / 448, values rounded to float8 e4m3 (nearest even)."""
+    n = -(-x.numel() // chunk)
+    padded = torch.zeros(n * chunk)
+    padded[:x.numel()] = x.float().reshape(-1)
+    out = torch.empty_like(padded)
+    for c in range(n):
+        for lo in range(c * chunk, (c + 1) * chunk, block):
+            hi = min(lo + block, (c + 1) * chunk)
+            b = padded[lo:hi]
+            scale = b.abs().max() / 448
+            q = b / scale if scale > 0 else b
+            out[lo:hi] = q.clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return out[:x.numel()]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("numel,block,chunk,nchunks", ((100, 32, 100, 1), (1000, 64, 256, 4), (96, 32, 96, 1),
+                                                       (5, 256, 8, 1)))
+def test_fp8_format_matches_reference(dtype, numel, block, chunk, nchunks):
+    """FP8Quantizer: payload size is the int8 format's (values, padding to 4, float32 scales per
+    block), decoded values are the torch reference's bit for bit (partial blocks and a zero block
+    included), the residual keeps exactly what the rounding dropped, decode-accumulate adds it."""
+    q = comm.FP8Quantizer(block=block)
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 5).to(dtype)
+    x[: min(block, numel)] = 0  # a zero block: scale 0, values 0
+    numel = min(numel, chunk * nchunks)
+    x = x[:numel]
+    residual = torch.zeros(numel)
+    payload = q.encode(x, residual, 0, 0, chunk, nchunks)
+    assert payload.numel() == nchunks * q.wire_bytes(chunk) == nchunks * _C.quantized_bytes(chunk, 8, block)
+    decoded = torch.empty(numel)
+    q.decode(payload, decoded, chunk)
+    expected = _fp8_reference(x, block, chunk)
+    assert torch.equal(decoded, expected)
+    assert torch.equal(residual, x.float() - expected)
+    acc = torch.ones(chunk)
+    q.decode_accumulate(payload[: q.wire_bytes(chunk)], acc)
+    assert torch.equal(acc[: min(chunk, numel)], 1 + expected[: min(chunk, numel)])
+    # float8 e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (half a step), or half a
+    # subnormal step (2^-10 of the scale) near zero; 1e-6 for the float32 products around it.
+    xf = x.float()
+    tol = xf.abs() * (1 / 16 + 1e-6) + xf.abs().max() / 448 * 2.0**-10
+    assert bool(((decoded - xf).abs() <= tol).all())

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..compression import Int4Quantizer, Int8Quantizer
+from ..compression import BlockQuantizer
 from ..group import as_group, check_device
 from ..vocabulary import AVG, op_code
 from ..vocabulary import WIRE_DTYPES
@@ -120,9 +120,10 @@ class _BraidComm:
     def __init__(self, communicator: Any = None, compression: Any = None):
         what = type(self).__name__
         self.communicator = None if communicator is None else as_group(communicator, "communicator", what)
-        if compression is not None and not isinstance(compression, (Int8Quantizer, Int4Quantizer)):
+        if compression is not None and not isinstance(compression, BlockQuantizer):
             raise TypeError(f"{what}: compression must be None or a block quantizer (braid.comm."
-                            f"Int8Quantizer or Int4Quantizer), got {type(compression).__name__}")
+                            f"Int8Quantizer, Int4Quantizer or FP8Quantizer), got "
+                            f"{type(compression).__name__}")
         self.compression = compression
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..compression import Int4Quantizer, Int8Quantizer
+from ..compression import BlockQuantizer
 from ..group import as_group, check_device, process_group_of
 from ..group_carrier import HostGroups, host_groups
 from ..wire import WireStats
@@ -90,16 +90,18 @@ def _host_group(hierarchical: Any, group: Any, stage: Any, reshard_after_forward
 
 
 def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
-    if grad_compression is not None and not isinstance(grad_compression, (Int8Quantizer, Int4Quantizer)):
-        raise TypeError("grad_compression must be None or a block quantizer (braid.comm.Int8Quantizer or "
-                        f"Int4Quantizer), got {type(grad_compression).__name__}: the reduce-scatter sends "
-                        "every rank one quantized piece (use mp_policy's reduce_dtype for 16-bit reductions)")
+    if grad_compression is not None and not isinstance(grad_compression, BlockQuantizer):
+        raise TypeError("grad_compression must be None or a block quantizer (braid.comm.Int8Quantizer, "
+                        f"Int4Quantizer or FP8Quantizer), got {type(grad_compression).__name__}: the "
+                        "reduce-scatter sends every rank one quantized piece (use mp_policy's reduce_dtype "
+                        "for 16-bit reductions)")
     if param_compression is None:
         return
-    if not isinstance(param_compression, (Int8Quantizer, Int4Quantizer)):
-        raise TypeError("param_compression must be None or a block quantizer (braid.comm.Int8Quantizer or "
-                        f"Int4Quantizer), got {type(param_compression).__name__}: weights are gathered "
-                        "whole, so top-k cannot carry them (use mp_policy's param_dtype for 16-bit gathers)")
+    if not isinstance(param_compression, BlockQuantizer):
+        raise TypeError("param_compression must be None or a block quantizer (braid.comm.Int8Quantizer, "
+                        f"Int4Quantizer or FP8Quantizer), got {type(param_compression).__name__}: weights "
+                        "are gathered whole, so top-k cannot carry them (use mp_policy's param_dtype for "
+                        "16-bit gathers)")
     if stage != 3:
         raise ValueError(f"param_compression needs stage=3, got stage={stage}: at stages 1 and 2 the full "
                          "parameters persist and the optimizer updates them in place, so quantized gathers "
