@@ -61,7 +61,8 @@ def _train(rank, mode, c, *, bucket_view, static_graph, accumulate, steps, compi
     state = None
     if mode != "gloo":
         compression = {"exact": None, "int8": comm.Int8Quantizer(seed=rank),
-                       "int4": comm.Int4Quantizer(seed=rank), "topk": comm.TopK(0.05)}[mode]
+                       "int4": comm.Int4Quantizer(seed=rank), "topk": comm.TopK(0.05),
+                       "fp8": comm.FP8Quantizer()}[mode]
         state, hook = ddp.comm_hook(c, compression, min_compress_bytes=0)
         m.register_comm_hook(state, hook)
     # aot_eager: dynamo and AOT autograd as in training with torch.compile, without the minutes
