@@ -305,57 +305,43 @@ def run_ddp(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]
 
 
 def _ddp_rows(hosts: SimulatedHosts, per_host: int, link: int, args, world: int, out: str) -> list[dict]:
-    procs = []
-    for rank in range(world):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank % per_host),
-            "LOCAL_WORLD_SIZE": str(per_host),
-            "MASTER_ADDR": hosts.addresses[0],
-            "MASTER_PORT": str(STORE_PORT + 2),
-        }
-        argv = [
-            sys.executable,
-            "-m",
-            "braid.bench",
-            "ddp",
-            "--modes",
-            args.ddp_modes,
-            "--steps",
-            str(args.ddp_steps),
-            "--warmup",
-            "3",
-            "--shapes",
-            args.ddp_shapes,
-            "--timeout",
-            str(args.timeout),
-            "--json",
-            out,
-        ]
-        if link and "compute" in args.ddp_modes.split(","):
-            argv += ["--link-mbit", str(link)]  # the row 'floor': what no exchange can beat on this link
-        procs.append(
-            hosts.popen(
-                rank // per_host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    for rank, p in enumerate(procs):
-        try:
-            stdout, err = p.communicate(timeout=args.deadline)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"DDP rank {rank} did not finish within {args.deadline} s") from None
-        if p.returncode != 0:
-            raise RuntimeError(f"DDP rank {rank} exited {p.returncode}:\n{err[-3000:]}")
-        if rank == 0:
-            print("\n".join("  " + line for line in stdout.splitlines()), flush=True)
+    argv = ["ddp", "--modes", args.ddp_modes, "--steps", str(args.ddp_steps), "--warmup", "3",
+            "--shapes", args.ddp_shapes, "--timeout", str(args.timeout), "--json", out]
+    if link and "compute" in args.ddp_modes.split(","):
+        argv += ["--link-mbit", str(link)]  # the row 'floor': what no exchange can beat on this link
+    run_bench_ranks(hosts, per_host, argv, STORE_PORT + 2, args.deadline, "DDP")
     with open(out) as f:
         rows = json.load(f)["rows"]
     for r in rows:
         r.update(link_mbit=link, per_host=per_host, hosts=2)
     return rows
+
+
+def run_bench_ranks(hosts: SimulatedHosts, per_host: int, argv: list, port: int, deadline: float,
+                    what: str, ok: tuple = (0,)) -> None:
+    """``python -m braid.bench ARGV`` with 2 x ``per_host`` ranks on the simulated hosts, started
+    as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...); prints rank 0's output
+    (progress lines left out) and raises if a rank misses ``deadline`` or exits with a status not
+    in ``ok``."""
+    world = 2 * per_host
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
+               "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(port)}
+        procs.append(hosts.popen(rank // per_host, [sys.executable, "-m", "braid.bench", *argv], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, p in enumerate(procs):
+        try:
+            stdout, err = p.communicate(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what} rank {rank} did not finish within {deadline} s") from None
+        if p.returncode not in ok:
+            raise RuntimeError(f"{what} rank {rank} exited {p.returncode}:\n{err[-3000:]}")
+        if rank == 0:
+            print("\n".join("  " + line for line in stdout.splitlines() if not line.startswith("[")),
+                  flush=True)
 
 
 SHARDING_IMPLS = ("fsdp2-gloo,braid-zero3,braid-zero3-int8-weights,braid-zero3-int4-grads,"
@@ -365,31 +351,12 @@ SHARDING_IMPLS = ("fsdp2-gloo,braid-zero3,braid-zero3-int8-weights,braid-zero3-i
 def run_sharding(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
     """The sharding benchmark (``python -m braid.bench sharding``) with its ranks on the simulated
     hosts, started as torchrun would."""
-    world = 2 * per_host
     with tempfile.TemporaryDirectory(prefix="braid-multihost-sharding-") as tmp:
         out = os.path.join(tmp, "sharding.json")
-        procs = []
-        for rank in range(world):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_host),
-                   "LOCAL_WORLD_SIZE": str(per_host), "MASTER_ADDR": hosts.addresses[0],
-                   "MASTER_PORT": str(STORE_PORT + 3)}
-            argv = [sys.executable, "-m", "braid.bench", "sharding", "--impls", args.sharding_impls,
-                    "--model", args.sharding_model, "--rounds", "3", "--timeout", str(args.timeout),
-                    "--json", out]
-            procs.append(hosts.popen(rank // per_host, argv, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True))
-        for rank, p in enumerate(procs):
-            try:
-                stdout, err = p.communicate(timeout=args.deadline)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise RuntimeError(f"sharding rank {rank} did not finish within {args.deadline} s") from None
-            if p.returncode not in (0, 3):  # 3: findings, reported in the table
-                raise RuntimeError(f"sharding rank {rank} exited {p.returncode}:\n{err[-3000:]}")
-            if rank == 0:
-                print("\n".join("  " + line for line in stdout.splitlines() if not line.startswith("[")),
-                      flush=True)
+        argv = ["sharding", "--impls", args.sharding_impls, "--model", args.sharding_model, "--rounds", "3",
+                "--timeout", str(args.timeout), "--json", out]
+        # 3: the run finished with findings (a loss off), which its table shows.
+        run_bench_ranks(hosts, per_host, argv, STORE_PORT + 3, args.deadline, "sharding", ok=(0, 3))
         with open(out) as f:
             rows = json.load(f)["records"]
     for r in rows:
