@@ -273,9 +273,19 @@ def _assert_exact(actual, expected):
         assert torch.equal(actual[k], expected[k]), k
 
 
+def _fully_sharded(mesh):
+    """The test model with ``fully_shard`` on each block and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model()
+    for block in m.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
 def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False, kind="communicator"):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     with process_group(rank, world_size, store_path):
         # "gloo": built with None, the comms run on the group FSDP2 hands them (its mesh's).
@@ -283,10 +293,7 @@ def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False, kind=
         mesh = init_device_mesh("cpu", (world_size,))
         models = []
         for use_braid in (False, True):
-            m = _model()
-            for block in m.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(m, mesh=mesh)
+            m = _fully_sharded(mesh)
             if use_braid:
                 assert fsdp.use_braid_comms(m, c) == LAYERS + 1
                 if divide_factor is not None:
@@ -323,17 +330,13 @@ def _run_fsdp2_compressed(rank, world_size, store_path, kind, weights, grads):
     """FSDP2 with braid's comm objects compressing its gathers (int8) and/or reduce-scatters (int4,
     no error feedback), against FSDP2 on gloo."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     with process_group(rank, world_size, store_path):
         c = None if kind == "gloo" else _carrier_in(kind, rank, world_size, store_path)
         mesh = init_device_mesh("cpu", (world_size,))
         models = []
         for compressed in (False, True):
-            m = _model()
-            for block in m.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(m, mesh=mesh)
+            m = _fully_sharded(mesh)
             if compressed:
                 q_weights = comm.Int8Quantizer(block=64) if weights else None
                 q_grads = comm.Int4Quantizer(block=32, error_feedback=False) if grads else None
