@@ -345,7 +345,7 @@ def run_bench_ranks(hosts: SimulatedHosts, per_host: int, argv: list, port: int,
 
 
 SHARDING_IMPLS = ("fsdp2-gloo,braid-zero3,braid-zero3-int8-weights,braid-zero3-int4-grads,"
-                  "braid-zero3-int8-weights-int4-grads")
+                  "braid-zero3-int8-weights-int4-grads,braid-zero3-hpz,braid-zero3-int8-weights-int4-grads-hpz")
 
 
 def run_sharding(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
@@ -354,7 +354,9 @@ def run_sharding(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[
     with tempfile.TemporaryDirectory(prefix="braid-multihost-sharding-") as tmp:
         out = os.path.join(tmp, "sharding.json")
         argv = ["sharding", "--impls", args.sharding_impls, "--model", args.sharding_model, "--rounds", "3",
-                "--timeout", str(args.timeout), "--json", out]
+                "--timeout", str(args.timeout), "--json", out, "--uplink", "eth0"]
+        if link:
+            argv += ["--link-mbit", str(link)]
         # 3: the run finished with findings (a loss off), which its table shows.
         run_bench_ranks(hosts, per_host, argv, STORE_PORT + 3, args.deadline, "sharding", ok=(0, 3))
         with open(out) as f:

@@ -24,6 +24,9 @@ unit / ``fully_shard`` module) and the same batches:
 - ``braid-zero3-int8-weights``, ``braid-zero3-int4-grads``, ``braid-zero3-int8-weights-int4-grads``:
   ZeRO++ on braid's Communicator: int8 weight gathers (qwZ), int4 gradient reduce-scatters
   (qgZ), both; for slow links between hosts (``multihost --sharding-links``), not one host;
+- ``braid-zero3-hpz``, ``braid-zero3-int8-weights-int4-grads-hpz``: the same over the
+  Communicator split by host (``split_by_host``): hpZ's in-host backward gathers, exact and with
+  int8 weights and int4 gradients summed exactly inside the host and quantized across;
 - ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
@@ -39,7 +42,10 @@ training (the two stand-ins compute something else: no check).
 
 --json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
 "params", "world_size", "batch", "seq", "step_ms", "carrier", "ratio_vs_fsdp2", "mem_mb",
-"sent_mb_per_step", "err"}]};
+"sent_mb_per_step", "uplink_mb_per_step", "link_floor_ms", "err"}]};
+``uplink_mb_per_step`` (with ``--uplink IFACE``) is what the busiest host sent through that interface
+per step, by the kernel's counter; ``link_floor_ms`` (with ``--link-mbit``) those bytes over the
+link's rate, the least time the step's traffic needs;
 ratio_vs_fsdp2 and err are against FSDP2 on the same carrier: ``fsdp2-nccl`` for NCCL rows, else
 ``fsdp2-gloo``.
 """
@@ -124,13 +130,25 @@ def _braid_group() -> dist.ProcessGroup:
     return _braid_groups[0]
 
 
+_host_splits: list = []
+
+
+def _split(c: comm.Communicator):
+    """The run's Communicator split by host (``split_by_host``, collective: made on first use,
+    every rank building the implementations in the same order)."""
+    if not _host_splits:
+        _host_splits.append(c.split_by_host())
+    return _host_splits[0]
+
+
 def _braid_wrapper(model: LanguageModel, c, stage: int, weights: str | None = None,
-                   grads: str | None = None) -> torch.nn.Module:
+                   grads: str | None = None, hosts: bool = False) -> torch.nn.Module:
     """braid's wrapper; ``weights`` / ``grads``: "int8" or "int4" quantized gathers (qwZ) /
-    reduce-scatters (qgZ), ZeRO++'s compression across slow links."""
+    reduce-scatters (qgZ), ZeRO++'s compression across slow links; ``hosts``: hierarchical
+    (hpZ, and qgZ exact inside a host) over the Communicator split by host."""
     quantizers = {None: lambda: None, "int8": comm.Int8Quantizer, "int4": comm.Int4Quantizer}
     return fsdp.shard(model, c, stage=stage, param_compression=quantizers[weights](),
-                      grad_compression=quantizers[grads]())
+                      grad_compression=quantizers[grads](), hierarchical=_split(c) if hosts else False)
 
 
 def _nccl() -> dist.ProcessGroup:
@@ -158,6 +176,11 @@ IMPLS: dict[str, Callable] = {
     "braid-zero3-int4-grads": lambda model, c: _braid_wrapper(model, c, stage=3, grads="int4"),
     "braid-zero3-int8-weights-int4-grads": lambda model, c: _braid_wrapper(model, c, stage=3, weights="int8",
                                                                            grads="int4"),
+    # The same with the Communicator split by host: hpZ (the backward's gathers inside the host),
+    # exact and with all of ZeRO++ (int8 weights, hpZ, int4 gradients summed exactly in the host).
+    "braid-zero3-hpz": lambda model, c: _braid_wrapper(model, c, stage=3, hosts=True),
+    "braid-zero3-int8-weights-int4-grads-hpz": lambda model, c: _braid_wrapper(
+        model, c, stage=3, weights="int8", grads="int4", hosts=True),
     # On an NCCL group, every tensor on the rank's GPU (--carrier nccl): FSDP2 with its own
     # collectives and with braid's comm objects (built with None: FSDP2's NCCL group), braid's
     # wrapper at stage 3.
@@ -174,7 +197,8 @@ IMPLS: dict[str, Callable] = {
 UNCHECKED = ("fsdp2-nocomm", "local")
 # Quantized runs follow the exact one within rounding of their weights and gradients: measured
 # within 0.06-0.9% of the loss in tests/test_fsdp.py; the bound is 1% of a loss of order 10.
-COMPRESSED = ("braid-zero3-int8-weights", "braid-zero3-int4-grads", "braid-zero3-int8-weights-int4-grads")
+COMPRESSED = ("braid-zero3-int8-weights", "braid-zero3-int4-grads", "braid-zero3-int8-weights-int4-grads",
+              "braid-zero3-int8-weights-int4-grads-hpz")
 LOSS_TOL = 0.1
 # The carrier of each implementation (--carrier keeps those it names; None moves nothing).
 CARRIER_OF = {
@@ -183,6 +207,7 @@ CARRIER_OF = {
     "fsdp2-braid-comms": "braid", "fsdp2-braid-comms-overlap": "braid", "fsdp2-braid-backend": "braid",
     "braid-zero2": "braid", "braid-zero3": "braid", "braid-zero3-int8-weights": "braid",
     "braid-zero3-int4-grads": "braid", "braid-zero3-int8-weights-int4-grads": "braid",
+    "braid-zero3-hpz": "braid", "braid-zero3-int8-weights-int4-grads-hpz": "braid",
     "fsdp2-nccl": "nccl", "fsdp2-braid-comms-on-nccl": "nccl", "braid-zero3-on-nccl": "nccl",
     "fsdp2-nocomm": None, "local": None,
 }
@@ -199,6 +224,36 @@ class Config:
     model: ModelShape
     batch: int
     seq: int
+    uplink: str | None = None   # the interface whose sent bytes are counted (a host's uplink)
+    link_mbit: int = 0          # its rate: the link floor of each step
+
+
+def _tx_bytes(interface: str) -> int:
+    """Bytes the kernel counts as sent through ``interface`` so far."""
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+class UplinkCounter:
+    """Bytes that leave this host through ``interface`` during each implementation's timed steps,
+    read by one rank per host (``reads``) around every step: all of the host's ranks step
+    together, so the host's traffic of a step lies between the reads."""
+
+    def __init__(self, interface: str | None, reads: bool):
+        self.interface = interface if reads else None
+        self.sent: dict[str, int] = {}
+
+    def wrap(self, impl: str, step: Callable[[], object]) -> Callable[[], object]:
+        if self.interface is None:
+            return step
+        self.sent.setdefault(impl, 0)
+
+        def counted():
+            before = _tx_bytes(self.interface)
+            out = step()
+            self.sent[impl] += _tx_bytes(self.interface) - before
+            return out
+        return counted
 
 
 def _memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -245,8 +300,9 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
         opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
         progress(impl, "warmup", 4 * nparams)
         losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(run.warmup)]
-    steps = {impl: turns.synchronized(functools.partial(_step, models[impl], opts[impl], ids, shape.vocab),
-                                      device) for impl in models}
+    uplink = UplinkCounter(config.uplink, reads=c.local_rank == 0)
+    steps = {impl: uplink.wrap(impl, turns.synchronized(
+        functools.partial(_step, models[impl], opts[impl], ids, shape.vocab), device)) for impl in models}
     for m in models.values():
         if isinstance(m, fsdp.ShardedModule):
             m.wire_stats()  # counts the timed steps from here
@@ -256,6 +312,8 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
                    else None) for impl, m in models.items()}
     held = [float(_memory_bytes(models[i], opts[i])) for i in models]
     memory = dict(zip(models, turns.max_over_ranks(held)))
+    # The busiest host's uplink (one rank per host reads; the others report 0).
+    through = dict(zip(models, turns.max_over_ranks([float(uplink.sent.get(i, 0)) / timed for i in models])))
     errors = {}
     for impl in models:
         ref = losses.get(_reference(impl))
@@ -273,6 +331,11 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
             "mem_mb": round(memory[impl] / 2**20, 1),
             # braid's wrapper: bytes this rank sent per step (gathers and reduce-scatters).
             "sent_mb_per_step": None if sent[impl] is None else round(sent[impl] / 2**20, 3),
+            # --uplink: bytes through the busiest host's uplink per step (the kernel's counter),
+            # and with --link-mbit the time the link needs for them: no step can be shorter.
+            "uplink_mb_per_step": round(through[impl] / 2**20, 3) if config.uplink else None,
+            "link_floor_ms": (round(through[impl] * 8 / (config.link_mbit * 1e6) * 1e3, 1)
+                              if config.uplink and config.link_mbit else None),
             "err": None if errors[impl] is None else float(f"{errors[impl]:.3g}"),
         })
     return records
@@ -285,18 +348,30 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
         progress = report.Progress(len(config.run.impls) * (1 + config.run.rounds), enabled=rank == 0)
         records = _bench(c, rank, world_size, config, progress, device)
         progress.close()
+        for hosts in _host_splits:
+            hosts.intra.group.close()
+            hosts.inter.group.close()
+        _host_splits.clear()
     return _report(config, records, world_size) if rank == 0 else 0
 
 
 def _table(records: list[dict]) -> str:
-    lines = ["#  impl                                  step (ms)       vs fsdp2  memory (MiB)"
-             "  sent/step (MiB)      err"]
+    uplink = records[0].get("uplink_mb_per_step") is not None
+    floor = records[0].get("link_floor_ms") is not None
+    lines = ["#  impl                                      step (ms)       vs fsdp2  memory (MiB)"
+             "  sent/step (MiB)      err" + ("  uplink/step (MiB)" if uplink else "")
+             + ("  link floor (ms)" if floor else "")]
     for r in records:
         ratio = "-" if r["ratio_vs_fsdp2"] is None else f"{r['ratio_vs_fsdp2']:.3f}"
         err = "-" if r["err"] is None else f"{r['err']:.2g}"
         sent = "-" if r["sent_mb_per_step"] is None else f"{r['sent_mb_per_step']:.2f}"
-        lines.append(f"   {r['impl']:<36} {r['step_ms']:>10.1f}  {ratio:>13}  {r['mem_mb']:>12.1f}"
-                     f"  {sent:>15}  {err:>7}")
+        line = (f"   {r['impl']:<40} {r['step_ms']:>10.1f}  {ratio:>13}  {r['mem_mb']:>12.1f}"
+                f"  {sent:>15}  {err:>7}")
+        if uplink:
+            line += f"  {r['uplink_mb_per_step']:>17.2f}"
+        if floor:
+            line += f"  {r['link_floor_ms']:>15.1f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -330,6 +405,12 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     turns.add_run_arguments(p, IMPLS, warmup=2, steps=2, rounds=5, timeout=300.0, deadline=3600.0,
                             nproc_help="ranks to spawn")
     turns.add_carrier_argument(p)
+    p.add_argument("--uplink", default=None, metavar="IFACE",
+                   help="count the bytes each step sends through this network interface (a host's uplink, "
+                        "read by one rank per host; python -m braid.bench multihost passes eth0)")
+    p.add_argument("--link-mbit", type=int, default=0,
+                   help="the --uplink's rate (Mbit/s): adds each step's link floor, its uplink bytes over "
+                        "that rate (default 0: none)")
     return p
 
 
@@ -347,7 +428,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
             parser.error(f"--{name} must be at least 1")
     if args.model.dim % args.model.heads:
         parser.error(f"--model {args.model}: dim must divide by heads")
-    return turns.start(_run_rank, Config(run, args.model, args.batch, args.seq), run, "sharding")
+    if args.link_mbit < 0:
+        parser.error("--link-mbit must be 0 (no link floor) or positive")
+    if args.link_mbit and not args.uplink:
+        parser.error("--link-mbit needs --uplink (the floor is the uplink's bytes over the link's rate)")
+    if args.uplink and not os.path.exists(f"/sys/class/net/{args.uplink}/statistics/tx_bytes"):
+        parser.error(f"--uplink {args.uplink}: no such network interface here")
+    config = Config(run, args.model, args.batch, args.seq, args.uplink, args.link_mbit)
+    return turns.start(_run_rank, config, run, "sharding")
 
 
 if __name__ == "__main__":

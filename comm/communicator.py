@@ -18,7 +18,7 @@ from . import _C
 from .compression import CompressedWork, Compressor
 from .errors import CommError, CommTimeout
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
-from .group_carrier import GroupCarrier
+from .group_carrier import GroupCarrier, HostGroups
 from .hosts import host_identity, host_numbers
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
@@ -216,6 +216,7 @@ class Communicator(CompressionHost, Group):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
         self._staging = (staging_chunk_bytes, staging_slots)
+        self._device = device
         self._stagers: dict = {}
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):
@@ -229,6 +230,7 @@ class Communicator(CompressionHost, Group):
         tun.validate()  # before waiting for the peers: bad settings fail at once
         try:
             host_ids = self._host_ids()
+            self._hosts = host_ids
             self._c = _C.Communicator(rank, world_size, tun, self._timeout_s, host_ids)
         except Exception as e:
             self._tell_peers(e)
@@ -347,6 +349,26 @@ class Communicator(CompressionHost, Group):
     def num_hosts(self) -> int:
         """Number of hosts the ranks span (told apart by host_identity())."""
         return self._c.num_hosts
+
+    def split_by_host(self) -> HostGroups:
+        """This communicator split by host, for algorithms that are exact inside a host and
+        compressed across hosts (ZeRO++'s hierarchical sharding, the compressed all-reduce's
+        host path): a :class:`~braid.comm.group_carrier.HostGroups` of this communicator, a new
+        one over this host's ranks and a new one over the ranks with this rank's local index
+        (one per host). Collective: every rank calls it, in the same order as its other
+        communicator constructions. Raises ValueError when the hosts hold different numbers of
+        ranks. Close the two new communicators (``hosts.intra.group``, ``hosts.inter.group``)
+        when done; closing this one does not close them."""
+        hosts = self._hosts
+        sizes = [hosts.count(h) for h in range(max(hosts) + 1)]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"split_by_host: the hosts hold {sizes} ranks; every host must hold the same "
+                             "number (set BRAID_HOST_ID to group ranks differently)")
+        host, local = hosts[self._rank], self.local_rank
+        common = {"timeout": self._timeout_s, "device": self._device}
+        intra = Communicator(self._store, local, sizes[0], prefix=f"{self._prefix}host{host}/", **common)
+        inter = Communicator(self._store, host, len(sizes), prefix=f"{self._prefix}local{local}/", **common)
+        return HostGroups(self, intra, inter)
 
     @property
     def timeout(self) -> timedelta:

@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import shutil
+import os
 import subprocess
 import sys
 import time
@@ -129,6 +130,37 @@ def test_multihost_benchmark_runs(tmp_path):
     assert "plain TCP between the two hosts" in proc.stdout
 
 
+@pytest.mark.skipif(not os.path.exists("/sys/class/net/lo/statistics/tx_bytes"), reason="no loopback counter")
+def test_sharding_uplink_counter_counts_what_a_step_sends():
+    """The sharding benchmark's uplink counter: bytes a step sends through the interface (here
+    1 MiB over loopback) are counted for that implementation only, and a rank that does not read
+    (not its host's first) counts nothing."""
+    import socket
+
+    from braid.bench.sharding import UplinkCounter
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    payload = bytes(1 << 20)
+
+    def step():
+        client.sendall(payload)
+        got = 0
+        while got < len(payload):
+            got += len(peer.recv(1 << 20))
+
+    counter = UplinkCounter("lo", reads=True)
+    counter.wrap("a", step)()
+    counter.wrap("b", lambda: None)()
+    idle = UplinkCounter("lo", reads=False)
+    idle.wrap("a", step)()
+    for s in (client, peer, server):
+        s.close()
+    assert len(payload) <= counter.sent["a"] < 2 * len(payload), counter.sent
+    assert counter.sent["b"] < 64 << 10 and idle.sent == {}, (counter.sent, idle.sent)
+
+
 def test_ddp_link_floor_against_a_hand_computation():
     """The DDP benchmark's link floor: the hooks stamp every gradient of a real backward, and the
     floor of given ready times packs DDP's buckets in ready order and serializes them on the link
@@ -225,6 +257,8 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["tp", "--nproc", "-1"], "--nproc must be at least 1"),
     (["sharding", "--timeout", "0"], "must be positive"),
     (["sharding", "--warmup", "1"], "--warmup must be at least 2"),
+    (["sharding", "--link-mbit", "1000"], "--link-mbit needs --uplink"),
+    (["sharding", "--uplink", "braid-nosuch0"], "no such network interface"),
     (["compression", "--numel", ""], "expected a count"),
     (["compression", "--repeats", "0"], "--repeats must be at least 1"),
     (["multihost", "--layouts", "3x1"], "layouts are 2xL"),

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..group import as_group
+from ..group_carrier import GroupCarrier
 from ..wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
@@ -47,6 +49,40 @@ MAX_GATHERS_IN_FLIGHT = 2
 # gradient until done, so without a bound the backward of stages 2 and 3 would peak at the whole
 # unsharded gradient. Past it the oldest is waited for (it is usually done by then).
 MAX_REDUCES_IN_FLIGHT = 2
+
+
+class _Done:
+    """The work of a reduction finished when it was issued."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class HostLayout:
+    """Where the group's ranks sit, for reduce-scatters exact inside a host and compressed across
+    (hierarchical qgZ). ``rows[i]`` lists the group ranks of local rank i's cross-host group
+    (``hosts.inter`` of that rank), in that group's rank order: what this host must send local
+    rank i to exchange across hosts. Found by two small all-gathers (collective, at
+    construction), so any placement of ranks on hosts works, not only host-major ranks."""
+
+    def __init__(self, hosts: Any, group: Any, device: torch.device):
+        self.intra = as_group(hosts.intra.group, "hierarchical")
+        self.inter = as_group(hosts.inter.group, "hierarchical")
+        self.intra_carrier = GroupCarrier(hosts.intra.group)
+        local, across = self.intra.world_size, self.inter.world_size
+        mine = torch.tensor([group.rank], dtype=torch.int64, device=device)
+        members = torch.empty(across, dtype=torch.int64, device=device)
+        self.inter.all_gather(members, mine)
+        rows = torch.empty(local * across, dtype=torch.int64, device=device)
+        self.intra.all_gather(rows, members)
+        if sorted(rows.tolist()) != list(range(group.world_size)):
+            raise ValueError(f"hierarchical: the HostGroups do not cover the group's {group.world_size} "
+                             f"ranks once each (this host's cross-host groups hold ranks {rows.tolist()})")
+        self.order = rows  # group ranks, local rank by local rank
+        self.rows = rows.view(local, across).tolist()
 
 
 def grad_key(b: Bucket) -> tuple:
@@ -63,13 +99,18 @@ class Schedule:
 
     def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
                  units: list, root: Optional[Unit], param_compression: Any = None,
-                 grad_compression: Any = None, intra: Any = None):
+                 grad_compression: Any = None, hosts: Any = None, device: Optional[torch.device] = None):
         self.communicator = communicator
-        self.intra = intra  # hpZ: the group of this rank's host, which the backward's gathers use
+        # hpZ: the group of this rank's host, which the backward's gathers use.
+        hpz = hosts is not None and stage == 3 and reshard_after_forward
+        self.intra = as_group(hosts.intra.group, "hierarchical") if hpz else None
+        # Hierarchical qgZ: gradients summed exactly inside the host, quantized across hosts.
+        self.layout = (HostLayout(hosts, communicator, device or torch.device("cpu"))
+                       if hosts is not None and grad_compression is not None else None)
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized
         self.grad_compression = grad_compression    # a block quantizer: reduce-scatters travel quantized
         self.wire = {"all_gather": WireStats(0, 0, 0), "all_gather_in_host": WireStats(0, 0, 0),
-                     "reduce_scatter": WireStats(0, 0, 0)}
+                     "reduce_scatter": WireStats(0, 0, 0), "reduce_scatter_in_host": WireStats(0, 0, 0)}
         self.stage = stage
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -171,20 +212,43 @@ class Schedule:
         per rank, an all-to-all of the pieces, and (``decode``, after the wait) this rank's n
         pieces decoded and summed in rank order in float32, divided by n. Returns (work, None,
         decode)."""
-        c = self.communicator
-        n, per = c.world_size, b.shard_numel
-        key = grad_key(b)
-        residual = q.residual_for(key, grad.numel(), grad.device)
-        seed = q.seed_for(c.rank, key, call)
-        payload = q.encode(grad, residual, seed, 0, per, n)
-        cb = payload.numel() // n
+        return self._exchange_quantized(b, grad, q, call, self.communicator, grad.element_size())
+
+    def _hierarchical_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any, call: int) -> tuple:
+        """Hierarchical qgZ: the host sums the bucket's gradient exactly (an all-to-all inside the
+        host, in float32, in local rank order), so that local rank i holds the host's sum of the
+        pieces of its cross-host group's ranks; those are quantized once (error feedback on this
+        host's partial sum) and exchanged by an all-to-all across hosts, each rank decoding the
+        hosts' pieces in host order in float32 and dividing by n. One host: nothing is
+        quantized. Returns (work, reduced or None, decode or None)."""
+        layout, n, per = self.layout, self.communicator.world_size, b.shard_numel
+        across = layout.inter.world_size
+        arranged = grad.view(n, per).index_select(0, layout.order.to(grad.device)).view(-1)
+        partial = layout.intra_carrier.sum_slices(arranged, across * per)  # float32
+        host_bytes = across * per * grad.element_size()
+        self._count("reduce_scatter_in_host", host_bytes, host_bytes, layout.intra.world_size)
+        if across == 1:
+            return _Done(), partial.div_(n), None
+        return self._exchange_quantized(b, partial, q, call, layout.inter, grad.element_size())
+
+    def _exchange_quantized(self, b: Bucket, x: torch.Tensor, q: Any, call: int, group: Any,
+                            dense_elem: int) -> tuple:
+        """``x`` (+ the bucket's residual) quantized into ``group.world_size`` pieces of the
+        shard's size, piece j sent to the group's rank j by an all-to-all; ``decode`` sums what
+        arrives in the group's rank order in float32 and divides by the whole group's size.
+        Returns (work, None, decode)."""
+        m, per, key = group.world_size, b.shard_numel, grad_key(b)
+        residual = q.residual_for(key, x.numel(), x.device)
+        payload = q.encode(x, residual, q.seed_for(self.communicator.rank, key, call), 0, per, m)
+        cb = payload.numel() // m
         received = torch.empty_like(payload)
-        work = c.all_to_all(received, payload, async_op=True)
-        self._count("reduce_scatter", cb, per * grad.element_size())
+        work = group.all_to_all(received, payload, async_op=True)
+        self._count("reduce_scatter", cb, per * dense_elem, m)
+        n = self.communicator.world_size
 
         def decode() -> torch.Tensor:
-            acc = torch.zeros(per, dtype=torch.float32, device=grad.device)
-            for r in range(n):  # rank order: the same sum on every rank, every run
+            acc = torch.zeros(per, dtype=torch.float32, device=x.device)
+            for r in range(m):  # the group's rank order: the same sum on every rank, every run
                 q.decode_accumulate(received[r * cb:(r + 1) * cb], acc)
             return acc.div_(n)
 
@@ -338,7 +402,9 @@ class Schedule:
             q = self.grad_compression
             call = q.next_call(grad_key(b)) if q is not None and sent.dtype in QUANTIZABLE else None
             if call is not None and call >= q.warmup_steps:
-                work, reduced, decode = self._quantized_reduce_scatter(b, sent, q, call)
+                reduce = (self._quantized_reduce_scatter if self.layout is None
+                          else self._hierarchical_reduce_scatter)
+                work, reduced, decode = reduce(b, sent, q, call)
             else:
                 reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
                 work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)

@@ -66,27 +66,32 @@ def _check_args(module: Any, stage: Any, bucket_cap_mb: Any, reshard_after_forwa
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
 
 
-def _host_group(hierarchical: Any, group: Any, stage: Any, reshard_after_forward: Any) -> Any:
-    """hpZ: the group of this rank's host (None without ``hierarchical``)."""
+def _hosts_of(hierarchical: Any, group: Any, stage: Any, reshard_after_forward: Any,
+              grad_compression: Any) -> Optional[HostGroups]:
+    """The group split by host for ``hierarchical`` (None without it)."""
     if hierarchical is False:
         return None
     if not isinstance(hierarchical, (bool, HostGroups)):
         raise TypeError(f"hierarchical must be a bool or a HostGroups, got {type(hierarchical).__name__}")
-    if stage != 3 or not reshard_after_forward:
-        raise ValueError(f"hierarchical needs stage=3 and reshard_after_forward=True (got stage={stage}, "
-                         f"reshard_after_forward={reshard_after_forward}): it keeps a host-local copy of the "
-                         "weights a forward frees, for the backward's gather")
+    if not (stage == 3 and reshard_after_forward) and grad_compression is None:
+        raise ValueError(f"hierarchical needs stage=3 with reshard_after_forward=True (hpZ: a host-local "
+                         f"copy of the weights a forward frees, for the backward's gather) or a "
+                         f"grad_compression (reduce-scatters exact inside a host, compressed across); got "
+                         f"stage={stage}, reshard_after_forward={reshard_after_forward}, no grad_compression")
     hosts = hierarchical
     if hierarchical is True:
         pg = process_group_of(group)
-        if pg is None:
-            raise ValueError("hierarchical=True splits a torch ProcessGroup by host; over a braid "
-                             "Communicator pass hierarchical=HostGroups(c, host_comm, local_index_comm)")
-        hosts = host_groups(pg)
+        if pg is not None:
+            hosts = host_groups(pg)
+        elif hasattr(group, "split_by_host"):
+            hosts = group.split_by_host()
+        else:
+            raise ValueError(f"hierarchical=True cannot split a {type(group).__name__} by host: pass "
+                             "hierarchical=HostGroups(group, host_group, local_index_group)")
     if hosts.size != group.world_size or hosts.rank != group.rank:
         raise ValueError(f"hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not the "
                          f"group's (rank {group.rank} of {group.world_size})")
-    return as_group(hosts.intra.group, "hierarchical")
+    return hosts
 
 
 def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
@@ -183,7 +188,7 @@ class ShardedModule(nn.Module):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
         _check_compression(param_compression, grad_compression, stage)
         communicator = as_group(communicator, "communicator", "shard")
-        intra = _host_group(hierarchical, communicator, stage, reshard_after_forward)
+        hosts = _hosts_of(hierarchical, communicator, stage, reshard_after_forward, grad_compression)
         policy = MixedPrecision.of(mp_policy)
         super().__init__()
         self.mp_policy = policy
@@ -197,7 +202,7 @@ class ShardedModule(nn.Module):
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
         self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
-                                  param_compression, grad_compression, intra)
+                                  param_compression, grad_compression, hosts, self.device)
         self._schedule.install()
 
     def _build(self, unit_specs: list, cap_bytes: int) -> tuple:
@@ -344,8 +349,11 @@ class ShardedModule(nn.Module):
     # -- accounting --------------------------------------------------------------------------
     def wire_stats(self, reset: bool = True) -> dict:
         """Bytes this rank sent and received in the all-gathers and the reduce-scatters since the
-        last call (or construction): ``{"all_gather": WireStats, "reduce_scatter": WireStats}``,
-        ``dense`` being what they would move uncompressed. ``reset`` starts the next count."""
+        last call (or construction): ``{"all_gather", "all_gather_in_host", "reduce_scatter",
+        "reduce_scatter_in_host": WireStats}`` (the ``_in_host`` ones: ``hierarchical``'s
+        exchanges inside this rank's host; the others cross the whole group, or with
+        ``hierarchical`` qgZ the hosts), ``dense`` being what they would move uncompressed.
+        ``reset`` starts the next count."""
         stats = dict(self._schedule.wire)
         if reset:
             self._schedule.wire = {k: WireStats(0, 0, 0) for k in stats}
@@ -433,12 +441,17 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             float32. The compressor's first ``warmup_steps`` reductions of each bucket are exact.
             To resume a run bit for bit, save and load ``grad_compression.state_dict()`` (its
             residuals and call counts) with the sharded state and the optimizer's.
-        hierarchical: stage 3 (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of
-            the unit's weights for its host (1 / ranks-per-host of them, reported by
-            ``memory_stats``), and the backward gathers them inside the host: that gather never
-            crosses hosts. True splits the group (a ProcessGroup or None) by host identity with
-            ``group_carrier.host_groups``, a collective over the whole job (every rank calls
-            ``shard``); or pass a ``HostGroups`` (over Communicators too).
+        hierarchical: the group split by host. At stage 3 with ``reshard_after_forward``
+            (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of the unit's
+            weights for its host (1 / ranks-per-host of them, reported by ``memory_stats``),
+            and the backward gathers them inside the host: that gather never crosses hosts.
+            With ``grad_compression`` (any stage; hierarchical qgZ): the gradients are summed
+            exactly inside the host (float32) and only the cross-host exchange is quantized,
+            one quantization per host (``wire_stats()["reduce_scatter_in_host"]`` counts the
+            host's traffic). True splits a ProcessGroup (or None) by host identity with
+            ``group_carrier.host_groups`` and a Communicator with its ``split_by_host()``,
+            collectives over the whole job (every rank calls ``shard``); or pass a
+            ``HostGroups``.
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
