@@ -350,6 +350,14 @@ class Communicator(CompressionHost, Group):
         """Number of hosts the ranks span (told apart by host_identity())."""
         return self._c.num_hosts
 
+    def connections(self) -> dict:
+        """The TCP connections this rank holds now: ``{"peers": ranks on other hosts connected to,
+        "sockets": their sockets}``. Connections open when an algorithm first uses a pair of ranks
+        (``BRAID_TCP_CONNECT=lazy``, the default), so they count the peers used, not the world:
+        a ring across hosts holds two. ``BRAID_TCP_CONNECT=eager`` opens every pair's while the
+        communicator is built."""
+        return {"peers": self._c.tcp_peers, "sockets": self._c.tcp_sockets}
+
     def split_by_host(self) -> HostGroups:
         """This communicator split by host, for algorithms that are exact inside a host and
         compressed across hosts (ZeRO++'s hierarchical sharding, the compressed all-reduce's

@@ -762,3 +762,87 @@ def test_recv_from_any_source(layout):
         by_sender.setdefault(sender, []).append(values[0])
     assert by_sender == {r: [10.0 * r, 10.0 * r + 1] for r in range(1, n)}, got
     assert got[-1] == (n - 1, [1.0, 1.0], [2.0, 2.0]), got
+
+
+# ----------------------------------------------------------------------------------------------
+# Connections: on demand, and strangers at the listeners.
+
+
+def connections_on_demand(rank, n, store_path, layout, connect):
+    """Four hosts of one rank, the ring between hosts: the connections each rank holds after
+    building the communicator and after an all_reduce (BRAID_TCP_CONNECT=``connect``)."""
+    with environment({"BRAID_TCP_CONNECT": connect}):
+        with hosts_comm(rank, n, store_path, layout, algo="ring") as c:
+            built = c.connections()
+            t = torch.full((5000,), float(rank + 1))
+            c.all_reduce(t)
+            return {"built": built, "after": c.connections(), "exact": bool((t == n * (n + 1) / 2).all())}
+
+
+@pytest.mark.parametrize("connect", ["lazy", "eager"])
+def test_connections_open_on_demand(connect):
+    """On demand (the default) a communicator opens no TCP connection while it is built, and an
+    all_reduce whose ring joins four hosts leaves each rank connected to its two neighbours, not
+    to all three others; eager connects every pair while building."""
+    layout = [0, 1, 2, 3]
+    sockets = 2 * int(TINY_ENV["BRAID_NSOCKS"])  # two channels
+    for r in run_ranks(connections_on_demand, 4, layout, connect):
+        assert r["exact"], r
+        if connect == "lazy":
+            assert r["built"] == {"peers": 0, "sockets": 0}, r
+            assert r["after"] == {"peers": 2, "sockets": 2 * sockets}, r
+        else:
+            assert r["built"] == r["after"] == {"peers": 3, "sockets": 3 * sockets}, r
+
+
+def dribble(sock, stop):
+    """Sends a byte every 50 ms, 40 times or until ``stop``."""
+    for _ in range(40):
+        if stop.wait(0.05):
+            return
+        sock.send(b"B")
+
+
+def strangers_at_the_listeners(rank, n, store_path, layout):
+    """Every rank's listener gets 80 idle connections, one with garbage and one dribbling bytes
+    (from rank 0, once every listener is published) before the ranks' first all_reduce; returns
+    how long that all_reduce took and whether it was right."""
+    import socket
+    import threading
+    import time
+    from datetime import timedelta
+
+    from helpers.ranks import open_store
+
+    store = open_store(store_path)
+    with hosts_comm(rank, n, store_path, layout) as c:
+        held, stop = [], threading.Event()
+        if rank == 0:
+            for r in range(n):
+                host, port = store.get(f"{c._prefix}tcp/{r}").decode().rsplit(":", 1)
+                held += [socket.create_connection((host, int(port)), timeout=5) for _ in range(80)]
+                garbage = socket.create_connection((host, int(port)), timeout=5)
+                garbage.sendall(bytes(range(200)))
+                held.append(garbage)
+                slow = socket.create_connection((host, int(port)), timeout=5)
+                held.append(slow)
+                threading.Thread(target=dribble, args=(slow, stop), daemon=True).start()
+            store.set("strangers/ready", "1")
+        store.wait(["strangers/ready"], timedelta(seconds=30))
+        start = time.monotonic()
+        t = torch.full((5000,), float(rank + 1))
+        c.all_reduce(t)
+        took = time.monotonic() - start
+        stop.set()
+        for s in held:
+            s.close()
+        return {"seconds": took, "exact": bool((t == n * (n + 1) / 2).all())}
+
+
+def test_strangers_at_the_listeners_do_not_stall_the_first_collective():
+    """Strangers holding connections to every rank's listener (idle, garbage, a slow talker; more
+    than the acceptor authenticates at once) cost the ranks' first all_reduce, which opens the
+    connections between hosts, well under one handshake deadline (5 s): each incoming
+    connection is authenticated on its own deadline, the oldest dropped past 64 at once."""
+    for r in run_ranks(strangers_at_the_listeners, 4, [0, 0, 1, 1]):
+        assert r["exact"] and r["seconds"] < 2.5, r

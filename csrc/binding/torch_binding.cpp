@@ -315,6 +315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           "Raises ValueError naming the first knob out of its range.")
       .def_readwrite("nsocks", &Tunables::nsocks)
+      .def_readwrite("tcp_lazy", &Tunables::tcp_lazy)
       .def_readwrite("socket_chunk_bytes", &Tunables::socket_chunk_bytes)
       .def_readwrite("cross_oneshot_max_bytes", &Tunables::cross_oneshot_max_bytes)
       .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes);
@@ -344,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("connect_tcp", &Communicator::connect_tcp, py::arg("endpoints"), py::arg("labels"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("tcp_bytes_sent", &Communicator::tcp_bytes_sent)
+      .def_property_readonly("tcp_peers", &Communicator::tcp_peers)
+      .def_property_readonly("tcp_sockets", &Communicator::tcp_sockets)
       .def_property_readonly("tcp_bytes_received", &Communicator::tcp_bytes_received)
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world_size", &Communicator::world_size)

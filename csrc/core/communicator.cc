@@ -94,6 +94,7 @@ std::string Communicator::listen_tcp(const std::string& bind_ip, const std::vect
   cfg.chunk_bytes = tun_.socket_chunk_bytes;
   cfg.timeout = timeout_;
   cfg.secret = secret;
+  cfg.lazy = tun_.tcp_lazy;
   tcp_ = std::make_unique<TcpTransport>(rank_, world_, bind_ip, std::move(cfg));
   return tcp_->address();
 }

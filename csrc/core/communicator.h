@@ -106,6 +106,9 @@ class Communicator {
   void connect_tcp(const std::vector<std::string>& endpoints, const std::vector<std::string>& labels);
   // Payload bytes this rank sent and received over TCP so far.
   uint64_t tcp_bytes_sent() const { return tcp_ ? tcp_->bytes_sent() : 0; }
+  // Ranks on other hosts this rank holds connections to now, and their sockets.
+  int tcp_peers() const { return tcp_ ? tcp_->connected_peers() : 0; }
+  int tcp_sockets() const { return tcp_ ? tcp_->open_sockets() : 0; }
   uint64_t tcp_bytes_received() const { return tcp_ ? tcp_->bytes_received() : 0; }
 
   // Blocking when `async` is false (returns null); otherwise returns the queued Work.

@@ -146,6 +146,12 @@ Tunables Tunables::from_env() {
   if (env("BRAID_SKEW_ROUNDS") != nullptr)
     t.skew_rounds = static_cast<int>(std::min<size_t>(env_size("BRAID_SKEW_ROUNDS", 0), 2));
   t.nsocks = env_size_as<int>("BRAID_NSOCKS", t.nsocks);
+  if (const char* c = env("BRAID_TCP_CONNECT")) {
+    const std::string v = c;
+    if (v != "lazy" && v != "eager")
+      throw std::invalid_argument("BRAID_TCP_CONNECT must be lazy or eager; got '" + v + "'");
+    t.tcp_lazy = v == "lazy";
+  }
   t.socket_chunk_bytes = env_size("BRAID_SOCKET_CHUNK_BYTES", t.socket_chunk_bytes);
   t.cross_oneshot_max_bytes = env_size("BRAID_CROSS_ONESHOT_MAX_BYTES", t.cross_oneshot_max_bytes);
   t.cross_piece_bytes = env_size("BRAID_CROSS_PIECE_BYTES", t.cross_piece_bytes);

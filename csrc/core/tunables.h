@@ -79,6 +79,12 @@ struct Tunables {
   // BRAID_CROSS_PIECE_BYTES: an owner reduces its part in pieces of this size as they arrive,
   // and sends each reduced piece on while the next ones travel.
   size_t cross_piece_bytes = 1024 * 1024;
+  // BRAID_TCP_CONNECT: "lazy" opens the connections to a rank on another host when an algorithm
+  // first uses that pair (descriptors and setup grow with the peers used, not with the number
+  // of ranks: a ring holds 2 neighbours where a full mesh at 1,000 ranks would hold 2,000
+  // sockets); "eager" opens every pair's while the communicator is built (errors such as an
+  // unreachable host then surface there, and the first collective pays no setup).
+  bool tcp_lazy = true;
 
   static Tunables from_env();
   // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,

@@ -1,13 +1,16 @@
 // The TCP transport between two in-process ranks (one thread each) and against a hand-driven
 // peer: striping across sockets at chunk boundaries, both directions and channels at once,
 // partial reads and writes, EOF, abort frames, size and descriptor mismatches, refused strangers
-// and wrong secrets, and fuzzed frames that must fail cleanly without touching memory around the
+// and wrong secrets, strangers holding connections while the job connects, connections on demand
+// (and a failure reaching a peer never connected), and fuzzed frames that must fail cleanly
+// without touching memory around the
 // receive buffer.
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <random>
@@ -281,6 +284,20 @@ std::string accept_while(TcpTransport& t0, const std::function<void(const std::s
   return error;
 }
 
+// Rank 1 sends `bytes` to rank 0 (each on its own thread): they arrive intact.
+void check_data_flows(TcpTransport& t0, TcpTransport& t1, size_t bytes) {
+  std::vector<char> a = pattern(bytes, 1), b(bytes);
+  P2POp s = op(0, true, a.data(), a.size()), r = op(1, false, b.data(), b.size());
+  std::thread sender([&] {
+    P2POp* ops[] = {&s};
+    t1.run(ops, 1);
+  });
+  P2POp* ops[] = {&r};
+  t0.run(ops, 1);
+  sender.join();
+  CHECK(a == b);
+}
+
 }  // namespace
 
 // A stranger who sends garbage and one who proves a different secret are refused (rank 0 closes
@@ -305,16 +322,7 @@ BRAID_TEST(strangers_and_wrong_secrets_are_refused_and_the_job_goes_on) {
     t1.connect({ep, t1.address()}, {true, false}, {"rank 0", "rank 1"});
   });
   CHECK_MSG(error.empty(), error);
-  std::vector<char> a = pattern(10000, 1), b(10000);
-  P2POp s = op(0, true, a.data(), a.size()), r = op(1, false, b.data(), b.size());
-  std::thread sender([&] {
-    P2POp* ops[] = {&s};
-    t1.run(ops, 1);
-  });
-  P2POp* ops[] = {&r};
-  t0.run(ops, 1);
-  sender.join();
-  CHECK(a == b);
+  check_data_flows(t0, t1, 10000);
 }
 
 // Frames from an authenticated peer that are wrong in every way the receiver can see: each must
@@ -390,4 +398,136 @@ BRAID_TEST(fuzzed_frames_fail_cleanly) {
     ++cases;
   }
   CHECK_EQ(cases, 60);
+}
+
+// Strangers holding connections to rank 0's listener while it connects (idle ones, one dribbling
+// a hello a byte at a time, one sending garbage), more of them than the acceptor authenticates
+// at once: the real rank 1 still connects within a second (each handshake is served on its own
+// deadline, the oldest dropped when too many are pending), and data flows.
+BRAID_TEST(strangers_cannot_stall_the_handshake) {
+  TcpTransport t0(0, 2, "127.0.0.1", config(2, 7, 20));
+  TcpTransport t1(1, 2, "127.0.0.1", config(2, 7, 20));
+  std::vector<braid::Fd> strangers;
+  std::atomic<bool> stop{false};
+  std::thread dribbler;
+  double seconds = 1e9;
+  std::string error = accept_while(t0, [&](const std::string& ep) {
+    const braid::SockAddr to = braid::parse_endpoint(ep);
+    const auto deadline = braid::Clock::now() + std::chrono::seconds(5);
+    for (int i = 0; i < 80; ++i) strangers.push_back(braid::connect_to(to, deadline, "rank 0"));
+    braid::Fd garbage = braid::connect_to(to, deadline, "rank 0");
+    const std::vector<char> junk = pattern(48, 3);
+    (void)!::write(garbage.get(), junk.data(), junk.size());
+    dribbler = std::thread([&] {
+      braid::Fd slow = braid::connect_to(to, deadline, "rank 0");
+      for (int i = 0; i < 40 && !stop.load(); ++i) {
+        (void)!::write(slow.get(), "\x42", 1);
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    });
+    const auto start = braid::Clock::now();
+    t1.connect({ep, t1.address()}, {true, false}, {"rank 0", "rank 1"});
+    seconds = std::chrono::duration<double>(braid::Clock::now() - start).count();
+  });
+  stop.store(true);
+  dribbler.join();
+  CHECK_MSG(error.empty(), error);
+  CHECK_MSG(seconds < 1.0, "rank 1 took " + std::to_string(seconds) + " s to connect");
+  check_data_flows(t0, t1, 50000);
+}
+
+namespace {
+TcpConfig lazy_config(int sockets, double timeout_s = 5) {
+  TcpConfig c = config(sockets, 7, timeout_s);
+  c.lazy = true;
+  return c;
+}
+}  // namespace
+
+// On demand: connect() opens nothing; the first message between the pair opens its sockets,
+// whichever rank uses the pair first (here the lower rank, which waits for the higher rank's
+// connection, and then the other way round on a fresh pair).
+BRAID_TEST(lazy_connections_open_at_first_use) {
+  for (int first : {0, 1}) {
+    TcpTransport t0(0, 2, "127.0.0.1", lazy_config(2));
+    TcpTransport t1(1, 2, "127.0.0.1", lazy_config(2));
+    const std::vector<std::string> eps = {t0.address(), t1.address()};
+    t0.connect(eps, {false, true}, {"rank 0", "rank 1"});
+    t1.connect(eps, {true, false}, {"rank 0", "rank 1"});
+    CHECK_EQ(t0.connected_peers(), 0);
+    CHECK_EQ(t1.connected_peers(), 0);
+    TcpTransport* ts[2] = {&t0, &t1};
+    std::vector<char> a = pattern(30000, first), b(30000);
+    P2POp s = op(1 - first, true, a.data(), a.size()), r = op(first, false, b.data(), b.size());
+    std::thread receiver([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the sender uses the pair first
+      P2POp* ops[] = {&r};
+      ts[1 - first]->run(ops, 1);
+    });
+    P2POp* ops[] = {&s};
+    ts[first]->run(ops, 1);
+    receiver.join();
+    CHECK(a == b);
+    for (TcpTransport* t : ts) {
+      CHECK_EQ(t->connected_peers(), 1);
+      CHECK_EQ(t->open_sockets(), 2 * braid::kNumChannels);
+    }
+  }
+}
+
+// On demand, a peer that is gone (its listener closed after a failure) is an error at once, not
+// a wait until the deadline.
+BRAID_TEST(lazy_connection_to_a_gone_peer_fails_at_once) {
+  auto t0 = std::make_unique<TcpTransport>(0, 2, "127.0.0.1", lazy_config(1, 30));
+  TcpTransport t1(1, 2, "127.0.0.1", lazy_config(1, 30));
+  const std::vector<std::string> eps = {t0->address(), t1.address()};
+  t0->connect(eps, {false, true}, {"rank 0", "rank 1"});
+  t1.connect(eps, {true, false}, {"rank 0 (on host-a)", "rank 1"});
+  t0->publish_failure(ErrorKind::kMismatch, "rank 0 saw a mismatch");
+  std::vector<char> a(100);
+  P2POp s = op(0, true, a.data(), a.size());
+  P2POp* ops[] = {&s};
+  const auto start = braid::Clock::now();
+  const std::string msg = CHECK_THROWS_KIND(ErrorKind::kMismatch, t1.run(ops, 1));
+  CHECK_MSG(msg.find("rank 0 saw a mismatch [reported by rank 0 (on host-a)]") != std::string::npos, msg);
+  CHECK(braid::Clock::now() - start < std::chrono::seconds(2));
+  // Closed (the process gone): a connection is refused, a PeerError naming the rank.
+  t0.reset();
+  const std::string gone = CHECK_THROWS_KIND(ErrorKind::kPeer, [&] {
+    TcpTransport probe(1, 2, "127.0.0.1", lazy_config(1, 30));
+    probe.connect(eps, {true, false}, {"rank 0 (on host-a)", "rank 1"});
+    P2POp s2 = op(0, true, a.data(), a.size());
+    P2POp* ops2[] = {&s2};
+    probe.run(ops2, 1);
+  }());
+  CHECK_MSG(gone.find("rank 0 (on host-a)") != std::string::npos, gone);
+}
+
+// A failing rank tells a peer it holds no connection to (on demand) at once: a notice on a
+// connection of its own; the peer's wait for it fails with the same error.
+BRAID_TEST(failure_reaches_a_peer_never_connected) {
+  TcpTransport t0(0, 2, "127.0.0.1", lazy_config(1, 30));
+  TcpTransport t1(1, 2, "127.0.0.1", lazy_config(1, 30));
+  const std::vector<std::string> eps = {t0.address(), t1.address()};
+  t0.connect(eps, {false, true}, {"rank 0", "rank 1 (on host-b)"});
+  t1.connect(eps, {true, false}, {"rank 0", "rank 1"});
+  std::vector<char> buf(100);
+  std::string msg;
+  const auto start = braid::Clock::now();
+  std::thread waiter([&] {
+    // Rank 0 waits for data from rank 1 (the higher rank: rank 0 asks it to connect, and it
+    // does, from its acceptor).
+    P2POp r = op(1, false, buf.data(), buf.size());
+    P2POp* ops[] = {&r};
+    try {
+      t0.run(ops, 1);
+    } catch (const CommError& e) {
+      msg = std::to_string(static_cast<int>(e.kind())) + ": " + e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  t1.publish_failure(ErrorKind::kMismatch, "rank 1 saw a mismatch");
+  waiter.join();
+  CHECK_MSG(msg.find(std::to_string(static_cast<int>(ErrorKind::kMismatch)) + ": rank 1 saw a mismatch [reported by rank 1 (on host-b)]") == 0, msg);
+  CHECK(braid::Clock::now() - start < std::chrono::seconds(3));
 }

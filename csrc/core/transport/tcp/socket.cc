@@ -117,7 +117,9 @@ int ms_until(Clock::time_point deadline) {
 }
 }  // namespace
 
-Fd connect_to(const SockAddr& to, Clock::time_point deadline, const std::string& what) {
+std::string errno_text(int err) { return err == 0 ? "connection closed" : std::strerror(err); }
+
+Fd connect_to(const SockAddr& to, Clock::time_point deadline, const std::string& what, bool retry_refused) {
   int last_err = 0;
   auto backoff = std::chrono::milliseconds(1);
   while (Clock::now() < deadline) {
@@ -145,7 +147,7 @@ Fd connect_to(const SockAddr& to, Clock::time_point deadline, const std::string&
       return fd;
     }
     last_err = errno;
-    if (last_err != ECONNREFUSED && last_err != ETIMEDOUT && last_err != EINTR && last_err != EAGAIN &&
+    if ((last_err != ECONNREFUSED || !retry_refused) && last_err != ETIMEDOUT && last_err != EINTR && last_err != EAGAIN &&
         last_err != ENETUNREACH && last_err != EHOSTUNREACH)
       throw CommError(ErrorKind::kPeer, "could not connect to " + what + " at " + to.str() + ": " +
                                             std::strerror(last_err));

@@ -60,9 +60,12 @@ SockAddr parse_ip(const std::string& ip);
 
 // A listening socket on `ip` (an IP literal) and a port the kernel picks.
 Fd listen_on(const std::string& ip, SockAddr* bound);
-// Connects to `to` before `deadline` (retrying refusals: the peer's listener may not be up yet).
-// Throws CommError(kTimeout) past the deadline, CommError(kPeer) on other failures.
-Fd connect_to(const SockAddr& to, Clock::time_point deadline, const std::string& what);
+// Connects to `to` before `deadline`, retrying refusals when `retry_refused` (the peer's listener
+// may not be up yet; where it must be, a refusal means the peer is gone). Throws
+// CommError(kTimeout) past the deadline, CommError(kPeer) on other failures.
+Fd connect_to(const SockAddr& to, Clock::time_point deadline, const std::string& what, bool retry_refused = true);
+// strerror, or "connection closed" for 0 (an EOF).
+std::string errno_text(int err);
 // Exactly `n` bytes, before `deadline`; false on EOF, error or deadline (`why` says which).
 bool read_exact(int fd, void* buf, size_t n, Clock::time_point deadline, std::string* why);
 bool write_exact(int fd, const void* buf, size_t n, Clock::time_point deadline, std::string* why);

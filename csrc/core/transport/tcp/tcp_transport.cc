@@ -22,21 +22,9 @@
 namespace braid {
 
 namespace {
-// A connection that has not finished its handshake within this long is dropped, so that a
-// stranger who connects and says nothing holds up the legitimate peers only this long.
-constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 // Longest a poll sleeps before looking at the deadline, aborts and signals again.
 constexpr int kPollSliceMs = 50;
 constexpr auto kInterruptAfter = std::chrono::milliseconds(100);
-
-std::array<uint8_t, kMacBytes> proof_mac(const std::vector<uint8_t>& secret, const char* role, const Hello& h,
-                                         const uint8_t* nonce) {
-  std::vector<uint8_t> msg(role, role + std::strlen(role));
-  const auto* hb = reinterpret_cast<const uint8_t*>(&h);
-  msg.insert(msg.end(), hb, hb + sizeof(h));
-  msg.insert(msg.end(), nonce, nonce + kNonceBytes);
-  return hmac_sha256(secret.data(), secret.size(), msg.data(), msg.size());
-}
 
 uint64_t derive_comm_id(const std::vector<uint8_t>& secret) {
   static const char kLabel[] = "braid-communicator-id";
@@ -46,7 +34,6 @@ uint64_t derive_comm_id(const std::vector<uint8_t>& secret) {
   return id;
 }
 
-std::string errno_text(int err) { return err == 0 ? "connection closed" : std::strerror(err); }
 }  // namespace
 
 struct TcpTransport::Stripe {
@@ -74,167 +61,19 @@ TcpTransport::TcpTransport(int rank, int world_size, const std::string& bind_ip,
   listener_ = listen_on(bind_ip, &bound_);
   wake_fd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_) throw_system_error("eventfd", errno);
+  stop_fd_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!stop_fd_) throw_system_error("eventfd", errno);
   peers_.resize(static_cast<size_t>(world_size));
   remote_.assign(static_cast<size_t>(world_size), false);
+  addrs_.resize(static_cast<size_t>(world_size));
+  installed_.assign(static_cast<size_t>(world_size), 0);
+  ready_.reset(new std::atomic<bool>[static_cast<size_t>(world_size)]);
+  connect_mu_.reset(new std::mutex[static_cast<size_t>(world_size)]);
+  requested_.assign(static_cast<size_t>(world_size), false);
+  for (int r = 0; r < world_size; ++r) ready_[static_cast<size_t>(r)].store(false);
 }
 
 TcpTransport::~TcpTransport() { close(); }
-
-void TcpTransport::connect(const std::vector<std::string>& endpoints, const std::vector<bool>& remote,
-                           const std::vector<std::string>& labels) {
-  if (static_cast<int>(endpoints.size()) != world_ || static_cast<int>(remote.size()) != world_ ||
-      static_cast<int>(labels.size()) != world_)
-    throw std::invalid_argument("connect needs one endpoint, remote flag and label per rank");
-  remote_ = remote;
-  const int per_peer = kNumChannels * cfg_.sockets;
-  int expected = 0;
-  for (int r = 0; r < world_; ++r) {
-    peers_[r].label = labels[r];
-    if (!remote_[r]) continue;
-    peers_[r].socks.resize(static_cast<size_t>(per_peer));
-    if (r > rank_) expected += per_peer;
-  }
-  const auto deadline = Clock::now() + cfg_.timeout;
-  std::atomic<bool> stop{false};
-  std::thread acceptor;
-  if (expected > 0)
-    acceptor = std::thread([&] {
-      while (!stop.load() && accepted_.load() < expected && Clock::now() < deadline) {
-        struct pollfd p{listener_.get(), POLLIN, 0};
-        if (::poll(&p, 1, kPollSliceMs) <= 0) continue;
-        sockaddr_storage from{};
-        socklen_t len = sizeof(from);
-        Fd fd(::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC));
-        if (!fd) continue;
-        SockAddr a;
-        a.storage = from;
-        a.len = len;
-        std::string why;
-        if (!accept_one(std::move(fd), std::min(deadline, Clock::now() + kHandshakeTimeout), &why))
-          std::fprintf(stderr, "braid: rank %d refused a connection from %s: %s\n", rank_, a.str().c_str(),
-                       why.c_str());
-      }
-    });
-  struct Join {
-    std::thread& t;
-    std::atomic<bool>& stop;
-    ~Join() {
-      stop.store(true);
-      if (t.joinable()) t.join();
-    }
-  } join{acceptor, stop};
-  for (int r = 0; r < rank_; ++r) {
-    if (!remote_[r]) continue;
-    SockAddr to;
-    try {
-      to = parse_endpoint(endpoints[r]);
-    } catch (const std::invalid_argument& e) {
-      throw CommError(ErrorKind::kGeneric, "rank " + std::to_string(r) + " published a bad address: " + e.what());
-    }
-    for (int c = 0; c < kNumChannels; ++c)
-      for (int i = 0; i < cfg_.sockets; ++i) handshake_connect(r, c, i, to, deadline);
-  }
-  stop.store(expected == 0);
-  if (acceptor.joinable()) acceptor.join();
-  if (accepted_.load() < expected) {
-    std::string missing;
-    std::lock_guard<std::mutex> lk(accept_mu_);
-    for (int r = rank_ + 1; r < world_; ++r) {
-      if (!remote_[r]) continue;
-      for (const Fd& s : peers_[r].socks)
-        if (!s) {
-          missing += (missing.empty() ? "" : ", ") + peers_[r].label;
-          break;
-        }
-    }
-    throw CommError(ErrorKind::kTimeout, "rank " + std::to_string(rank_) + " timed out connecting: no authenticated " +
-                                             "connection from " + missing + " within " +
-                                             std::to_string(std::chrono::duration<double>(cfg_.timeout).count()) + " s");
-  }
-  listener_.reset();  // nobody else may connect from now on
-}
-
-void TcpTransport::handshake_connect(int peer, int channel, int index, const SockAddr& to,
-                                     Clock::time_point deadline) {
-  const std::string& who = peers_[peer].label;
-  Fd fd = connect_to(to, deadline, who);
-  Hello h{};
-  h.magic = kHelloMagic;
-  h.version = kWireVersion;
-  h.comm_id = comm_id_;
-  h.from = rank_;
-  h.to = peer;
-  h.channel = channel;
-  h.index = index;
-  random_bytes(h.nonce, kNonceBytes);
-  Challenge c{};
-  std::string why;
-  const auto hs_deadline = std::min(deadline, Clock::now() + kHandshakeTimeout);
-  if (!write_exact(fd.get(), &h, sizeof(h), hs_deadline, &why) || !read_exact(fd.get(), &c, sizeof(c), hs_deadline, &why))
-    throw CommError(ErrorKind::kPeer, "handshake with " + who + " at " + to.str() + " failed: " + why +
-                                          " (it refused this rank: a different job or secret?)");
-  const auto expect = proof_mac(cfg_.secret, "braid-accept", h, c.nonce);
-  if (c.magic != kHelloMagic || c.version != kWireVersion || !digest_equal(c.mac, expect.data(), kMacBytes))
-    throw CommError(ErrorKind::kGeneric, "the process at " + to.str() + " that answered for " + who +
-                                             " could not prove the job's secret: refusing to send it data");
-  Proof p{};
-  const auto mine = proof_mac(cfg_.secret, "braid-connect", h, c.nonce);
-  std::memcpy(p.mac, mine.data(), kMacBytes);
-  uint8_t verdict = 0;
-  if (!write_exact(fd.get(), &p, sizeof(p), hs_deadline, &why) || !read_exact(fd.get(), &verdict, 1, hs_deadline, &why) ||
-      verdict != kAccepted)
-    throw CommError(ErrorKind::kPeer, who + " refused this rank's connection" + (why.empty() ? "" : ": " + why));
-  set_nodelay(fd.get());
-  set_nonblocking(fd.get());
-  peers_[peer].socks[static_cast<size_t>(sock_index(static_cast<Channel>(channel), index))] = std::move(fd);
-}
-
-bool TcpTransport::accept_one(Fd fd, Clock::time_point deadline, std::string* why) {
-  Hello h{};
-  if (!read_exact(fd.get(), &h, sizeof(h), deadline, why)) return false;
-  if (h.magic != kHelloMagic || h.version != kWireVersion) {
-    *why = "not a braid connection (bad magic or version)";
-    return false;
-  }
-  if (h.comm_id != comm_id_) {
-    *why = "another communicator or job (communicator id differs)";
-    return false;
-  }
-  if (h.to != rank_ || h.from <= rank_ || h.from >= world_ || !remote_[static_cast<size_t>(h.from)] || h.channel < 0 ||
-      h.channel >= kNumChannels || h.index < 0 || h.index >= cfg_.sockets) {
-    *why = "unexpected ranks or socket index in its hello";
-    return false;
-  }
-  const size_t slot = static_cast<size_t>(sock_index(static_cast<Channel>(h.channel), h.index));
-  {
-    std::lock_guard<std::mutex> lk(accept_mu_);
-    if (peers_[static_cast<size_t>(h.from)].socks[slot]) {
-      *why = "a second connection for a socket already connected";
-      return false;
-    }
-  }
-  Challenge c{};
-  c.magic = kHelloMagic;
-  c.version = kWireVersion;
-  random_bytes(c.nonce, kNonceBytes);
-  const auto mac = proof_mac(cfg_.secret, "braid-accept", h, c.nonce);
-  std::memcpy(c.mac, mac.data(), kMacBytes);
-  Proof p{};
-  if (!write_exact(fd.get(), &c, sizeof(c), deadline, why) || !read_exact(fd.get(), &p, sizeof(p), deadline, why))
-    return false;
-  const auto expect = proof_mac(cfg_.secret, "braid-connect", h, c.nonce);
-  if (!digest_equal(p.mac, expect.data(), kMacBytes)) {
-    *why = "it could not prove the job's secret";
-    return false;
-  }
-  if (!write_exact(fd.get(), &kAccepted, 1, deadline, why)) return false;
-  set_nodelay(fd.get());
-  set_nonblocking(fd.get());
-  std::lock_guard<std::mutex> lk(accept_mu_);
-  peers_[static_cast<size_t>(h.from)].socks[slot] = std::move(fd);
-  accepted_.fetch_add(1);
-  return true;
-}
 
 void TcpTransport::start(Lane& lane, const P2POp& op) {
   const size_t k = static_cast<size_t>(cfg_.sockets);
@@ -384,8 +223,10 @@ bool TcpTransport::pump_recv(Peer& p, int peer, Lane& lane, P2POp& op) {
         }
       }
       if (s.pos >= sizeof(FrameHeader) && s.pos == sizeof(FrameHeader) + s.hdr.length) {
-        if (s.hdr.kind == static_cast<uint8_t>(FrameKind::kAbort))
+        if (s.hdr.kind == static_cast<uint8_t>(FrameKind::kAbort)) {
+          peer_reported_.store(true);
           throw CommError(static_cast<ErrorKind>(s.hdr.error), s.abort_text + " [reported by " + peers_[peer].label + "]");
+        }
         s.next_chunk(lane.stripes.size(), lane.nchunks);
       }
     }
@@ -398,7 +239,7 @@ bool TcpTransport::pump_recv(Peer& p, int peer, Lane& lane, P2POp& op) {
 bool TcpTransport::incoming(int peer, Channel channel) {
   check_abort();
   Peer& p = peers_[static_cast<size_t>(peer)];
-  if (p.shut) return false;
+  if (p.shut || !ensure_connected(peer)) return false;
   const Lane& lane = p.lanes[0][static_cast<int>(channel)];
   if (lane.active) return true;
   struct pollfd fd = {p.socks[static_cast<size_t>(first_socket(lane, channel))].get(), POLLIN, 0};
@@ -410,6 +251,7 @@ bool TcpTransport::advance(P2POp& op) {
   check_abort();
   Peer& p = peers_[static_cast<size_t>(op.peer)];
   if (p.shut) fail_io(op.peer, op, "is unreachable: this rank's connections were shut down after a failure");
+  if (!ensure_connected(op.peer)) return false;
   Lane& lane = p.lanes[op.send ? 1 : 0][static_cast<int>(op.channel)];
   if (!lane.active) start(lane, op);
   const bool finished = op.send ? pump_send(p, op.peer, lane, op) : pump_recv(p, op.peer, lane, op);
@@ -432,7 +274,13 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
                         std::chrono::milliseconds slice) {
   std::vector<struct pollfd> fds;
   fds.push_back({wake_fd_.get(), POLLIN, 0});
+  std::vector<int> unconnected;  // peers this rank waits to connect to it (the acceptor wakes it)
   for (int i = 0; i < nops; ++i) {
+    if (!ready(ops[i]->peer)) {
+      if (rank_ > ops[i]->peer) return;  // this rank connects: let the caller advance it
+      unconnected.push_back(ops[i]->peer);
+      continue;
+    }
     Peer& p = peers_[static_cast<size_t>(ops[i]->peer)];
     Lane& lane = p.lanes[ops[i]->send ? 1 : 0][static_cast<int>(ops[i]->channel)];
     if (!lane.active && ops[i]->send) return;  // not started: let the caller advance it
@@ -449,6 +297,8 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
   for (;;) {
     check_abort();
     if (interrupted()) return;
+    for (int peer : unconnected)
+      if (ready(peer)) return;
     const int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(slice.count(), kPollSliceMs)));
     if (rc < 0 && errno != EINTR) throw_system_error("poll", errno);
     if (rc > 0) {
@@ -468,7 +318,8 @@ void TcpTransport::wait(P2POp* const* ops, int nops, const std::function<bool()>
       std::string waiting, missing;
       for (int i = 0; i < nops; ++i) {
         waiting += (i ? ", " : "") + ops[i]->describe();
-        const std::string& who = peers_[static_cast<size_t>(ops[i]->peer)].label;
+        const std::string who = peers_[static_cast<size_t>(ops[i]->peer)].label +
+                                (ready(ops[i]->peer) ? "" : " (it never connected to this rank)");
         if (missing.find(who) == std::string::npos) missing += (missing.empty() ? "" : ", ") + who;
       }
       throw CommError(ErrorKind::kTimeout,
@@ -499,8 +350,20 @@ void TcpTransport::request_abort(const std::string& msg, ErrorKind kind) {
 
 void TcpTransport::publish_failure(ErrorKind kind, const std::string& msg) noexcept {
   const std::string text = msg.substr(0, kMaxAbortText);
+  {
+    // No new connections from here on: one authenticated later is answered with this failure
+    // (a peer that connects late raises at once instead of waiting for data that will not come).
+    std::lock_guard<std::mutex> lk(accept_mu_);
+    failed_ = true;
+    failed_kind_ = kind == ErrorKind::kNone ? ErrorKind::kGeneric : kind;
+    failed_text_ = text;
+  }
+  if (kind != ErrorKind::kTimeout && kind != ErrorKind::kClosed && !peer_reported_.load())
+    notify_failure(failed_kind_, text);
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer& p = peers_[r];
+    // The acceptor may be connecting to this peer (a request): its sockets are written then.
+    std::lock_guard<std::mutex> connecting(connect_mu_[r]);
     if (p.shut || p.socks.empty()) continue;
     for (size_t i = 0; i < p.socks.size(); ++i) {
       if (!p.socks[i]) continue;
@@ -534,6 +397,7 @@ void TcpTransport::publish_failure(ErrorKind kind, const std::string& msg) noexc
 }
 
 void TcpTransport::close() noexcept {
+  stop_acceptor();
   for (Peer& p : peers_)
     for (Fd& s : p.socks) s.reset();
   listener_.reset();
