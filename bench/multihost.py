@@ -2,7 +2,9 @@
 shaped to 1 and 10 Gbit and unshaped, with the plain-TCP floor of the same link measured in the run,
 and the DDP step of the ~25M-parameter LM (``python -m braid.bench ddp``, its ranks on the hosts),
 and, with ``--sharding-links``, the sharded training step (``python -m braid.bench sharding``: FSDP2
-on gloo, braid's ZeRO-3 exact and with ZeRO++'s quantized gathers and reduce-scatters).
+on gloo, braid's ZeRO-3 exact and with ZeRO++'s quantized gathers and reduce-scatters). With
+``--hosts 4,8,16``: many hosts, each group's setup and sockets, and 4 KiB and 8 MiB all_reduces of
+gloo and of braid with each of its algorithms, against the ring optimum.
 
 The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
 /dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
@@ -66,6 +68,15 @@ def parse_layouts(text: str) -> list[int]:
     return out
 
 
+def parse_host_counts(text: str) -> list[int]:
+    out = []
+    for part in filter(None, text.split(",")):
+        if not part.strip().isdigit() or not 1 <= int(part) <= 64:
+            raise argparse.ArgumentTypeError(f"expected integers in 1..64, got {part!r}")
+        out.append(int(part))
+    return out
+
+
 def parse_links(text: str) -> list[int]:
     out = []
     for part in filter(None, text.split(",")):
@@ -97,19 +108,31 @@ def rank_main(settings: dict) -> int:
     rank, world, per_host = settings["rank"], settings["world"], settings["per_host"]
     timeout = timedelta(seconds=settings["timeout"])
     store = dist.TCPStore(settings["master"], STORE_PORT, world, is_master=rank == 0, timeout=timeout)
+    # Setup: each library's group built and its first (4-byte) all_reduce done, and the sockets
+    # that left this process holding (braid connects on demand: its count grows with what runs).
+    before, t0 = _sockets(), time.perf_counter()
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("gloo/", store), rank=rank, world_size=world, timeout=timeout
     )
+    dist.all_reduce(torch.ones(1))
+    gloo_setup, gloo_sockets = time.perf_counter() - t0, _sockets() - before
+    t0 = time.perf_counter()
     c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=settings["timeout"])
+    c.all_reduce(torch.ones(1))
+    braid_setup = time.perf_counter() - t0
+    # Each algorithm forced (BRAID_ALGO), beside braid's own choice.
+    forced = {f"braid-{algo}": comm.Communicator(dist.PrefixStore(f"braid-{algo}/", store), rank, world,
+                                                 timeout=settings["timeout"], algo=algo)
+              for algo in settings.get("algos", [])}
     reports_link = c.local_rank == 0
-    impls = list(IMPLS) + list(settings["compressors"])
+    impls = list(IMPLS) + list(forced) + list(settings["compressors"])
     records = []
     for nbytes in settings["sizes"]:
         count = nbytes // 4
         # Exact all-reduces sum rank + 1 (the result is known, #wrong is checked); compressors get
         # gradient-like values (seeded normal): constant values would be a degenerate input for
         # top-k's selection (every magnitude tied).
-        inputs = {impl: torch.full((count,), float(rank + 1)) for impl in IMPLS}
+        inputs = {impl: torch.full((count,), float(rank + 1)) for impl in [*IMPLS, *forced]}
         noise = torch.randn(count, generator=torch.Generator().manual_seed(rank))
         inputs.update({impl: noise for impl in settings["compressors"]})
         expected = world * (world + 1) / 2
@@ -121,6 +144,8 @@ def rank_main(settings: dict) -> int:
         def call(impl: str, t: torch.Tensor, compressors=compressors, nbytes=nbytes) -> None:
             if impl == "braid":
                 c.all_reduce(t)
+            elif impl in forced:
+                forced[impl].all_reduce(t)
             elif impl == "gloo":
                 dist.all_reduce(t)
             else:
@@ -151,7 +176,7 @@ def rank_main(settings: dict) -> int:
                     call(impl, t)
                 elapsed = time.perf_counter() - t0
                 tx = _tx_bytes() - tx0
-                if impl in IMPLS:
+                if impl in IMPLS or impl in forced:
                     wrong = int((t != expected).sum())
                 stats = torch.tensor([elapsed, tx if reports_link else 0, wrong], dtype=torch.float64)
                 gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
@@ -172,13 +197,15 @@ def rank_main(settings: dict) -> int:
                 "impl": impl,
                 "bytes": nbytes,
                 "count": count,
-                "hosts": 2,
+                "hosts": settings.get("hosts", 2),
+                "algorithm": (c if impl == "braid" else forced.get(impl, c)).all_reduce_algorithm(nbytes)
+                if impl != "gloo" else None,
                 "per_host": per_host,
                 "link_mbit": settings["link_mbit"],
                 "time_us": sec * 1e6,
                 "algbw": algbw,
                 "busbw": algbw * 2 * (world - 1) / world,
-                "wrong": b["wrong"] if impl in IMPLS else None,
+                "wrong": b["wrong"] if impl in IMPLS or impl in forced else None,
                 "link_bytes_per_call": b["link_bytes"] / iters[impl],
                 "iters": iters[impl],
             }
@@ -187,11 +214,31 @@ def rank_main(settings: dict) -> int:
             records.append(record)
         if rank == 0:
             print(f"PROGRESS {human_bytes(nbytes)} done", flush=True)
+    held = torch.tensor([c.connections()["sockets"], gloo_sockets, braid_setup, gloo_setup],
+                        dtype=torch.float64)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    setup = {"hosts": settings.get("hosts", 2), "per_host": per_host, "link_mbit": settings["link_mbit"],
+             "braid_sockets": int(held[0]), "gloo_sockets": int(held[1]), "braid_setup_s": held[2].item(),
+             "gloo_setup_s": held[3].item()}
+    for other in forced.values():
+        other.close()
     c.close()
     dist.destroy_process_group()
     if rank == 0:
         print("RECORDS " + json.dumps(records), flush=True)
+        print("SETUP " + json.dumps(setup), flush=True)
     return 0
+
+
+def _sockets() -> int:
+    """Socket descriptors this process holds."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,13 +293,18 @@ def tcp_floor(hosts: SimulatedHosts, streams: int, total: int) -> float:
 # The launcher.
 
 
-def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[dict]:
-    world = 2 * per_host
+def run_config(hosts: SimulatedHosts, per_host: int, link: int, args, algos: Sequence[str] = ()) -> tuple:
+    """The collectives on ``hosts`` x ``per_host`` ranks (``algos``: braid's all_reduce algorithms
+    also timed forced); returns (records, setup)."""
+    n_hosts = len(hosts.addresses)
+    world = n_hosts * per_host
     procs = []
     for rank in range(world):
         settings = {
             "rank": rank,
             "world": world,
+            "hosts": n_hosts,
+            "algos": list(algos),
             "per_host": per_host,
             "master": hosts.addresses[0],
             "sizes": args.sizes,
@@ -271,13 +323,15 @@ def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[di
                 text=True,
             )
         )
-    records = None
+    records = setup = None
     deadline = time.monotonic() + args.deadline
     for line in procs[0].stdout:
         if line.startswith("PROGRESS "):
             print(f"  {line[len('PROGRESS ') :].strip()}", flush=True)
         elif line.startswith("RECORDS "):
             records = json.loads(line[len("RECORDS ") :])
+        elif line.startswith("SETUP "):
+            setup = json.loads(line[len("SETUP ") :])
         if time.monotonic() > deadline:
             break
     for rank, p in enumerate(procs):
@@ -290,7 +344,7 @@ def run_config(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[di
             raise RuntimeError(f"rank {rank} exited {p.returncode}:\n{err[-3000:]}")
     if records is None:
         raise RuntimeError("rank 0 reported no results")
-    return records
+    return records, setup
 
 
 DDP_MODES = "compute,gloo,braid,bf16,int8,int4,topk"
@@ -439,6 +493,47 @@ def plot(path: str, records: Sequence[dict]) -> None:
     save_panels(fig, axes, path, "braid vs gloo all_reduce between two simulated hosts (lower is better)")
 
 
+SCALE_ALGOS = "oneshot,doubling,leaders,ring"
+
+
+def scale_table(records: Sequence[dict], setups: Sequence[dict]) -> str:
+    """Many hosts: setup and sockets per rank, then each size's times beside gloo's and the ring
+    optimum 2 (H - 1) / H x S over the link's rate."""
+    lines = ["Many hosts (setup: the group built and its first 4-byte all_reduce, slowest rank; sockets: "
+             "the most a rank holds at the end):",
+             f"{'hosts':>9} {'link':>9} {'braid setup':>12} {'sockets':>8} {'gloo setup':>11} {'sockets':>8}"]
+    for u in setups:
+        lines.append(f"{str(u['hosts']) + 'x' + str(u['per_host']):>9} {link_name(u['link_mbit']):>9} "
+                     f"{u['braid_setup_s']:>11.3f}s {u['braid_sockets']:>8} {u['gloo_setup_s']:>10.3f}s "
+                     f"{u['gloo_sockets']:>8}")
+    lines.append(f"{'hosts':>9} {'size':>8} {'impl':<18} {'algorithm':<13} {'ms':>9} {'vs gloo':>8} "
+                 f"{'vs ring opt':>11}")
+    gloo = {(r["hosts"], r["per_host"], r["link_mbit"], r["bytes"]): r["time_us"] for r in records
+            if r["impl"] == "gloo"}
+    for r in records:
+        key = (r["hosts"], r["per_host"], r["link_mbit"], r["bytes"])
+        h = r["hosts"]
+        optimum = 2 * (h - 1) / h * r["bytes"] / (r["link_mbit"] * 1e6 / 8) if r["link_mbit"] else None
+        vs_opt = f"{r['time_us'] / 1e6 / optimum:.2f}x" if optimum and r["bytes"] >= 1 << 20 else "-"
+        lines.append(f"{str(h) + 'x' + str(r['per_host']):>9} {human_bytes(r['bytes']):>8} {r['impl']:<18} "
+                     f"{r.get('algorithm') or '-':<13} {r['time_us'] / 1e3:>9.2f} "
+                     f"{r['time_us'] / gloo[key]:>7.2f}x {vs_opt:>11}")
+    return "\n".join(lines)
+
+
+def run_scale(args) -> tuple:
+    """Every --hosts x --ranks-per-host layout on --scale-link: (records, setups)."""
+    records, setups = [], []
+    for n_hosts in args.hosts:
+        for per in args.ranks_per_host:
+            print(f"{n_hosts} hosts x {per} rank(s), {link_name(args.scale_link)} links:", flush=True)
+            with SimulatedHosts(n_hosts, rate_mbit=args.scale_link or None) as hosts:
+                got, setup = run_config(hosts, per, args.scale_link, args, args.algos)
+            records += got
+            setups.append(setup)
+    return records, setups
+
+
 def ddp_table(rows: Sequence[dict]) -> str:
     lines = [f"{'link':>9} {'shape':>7} {'mode':<8} {'step ms':>9} {'vs gloo':>8} {'loss':>9}"]
     gloo = {(r["link_mbit"], r["batch"], r["seq"]): r["step_s"] for r in rows if r["mode"] == "gloo"}
@@ -506,6 +601,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     parser.add_argument("--sharding-model", default="8192x256x4x1024x4",
                         help="VOCABxDIMxHEADSxHIDDENxLAYERS of the sharded step (default 8192x256x4x1024x4, "
                              "6M parameters)")
+    parser.add_argument("--hosts", type=parse_host_counts, default=[],
+                        help="many hosts: numbers of hosts to measure (e.g. 4,8,16; default none), each "
+                             "with --ranks-per-host ranks, on --scale-link links, at --sizes (default then "
+                             "4K,8M)")
+    parser.add_argument("--ranks-per-host", type=parse_host_counts, default=[1],
+                        help="ranks on each of --hosts (default 1)")
+    parser.add_argument("--scale-link", type=int, default=100,
+                        help="Mbit/s of each host's uplink with --hosts (default 100; 0: unshaped)")
+    parser.add_argument("--algos", default=SCALE_ALGOS,
+                        help=f"with --hosts, braid's all_reduce algorithms timed forced beside its own "
+                             f"choice (default {SCALE_ALGOS})")
     parser.add_argument("--json", type=output_path(), help="write the records as JSON to this path")
     parser.add_argument(
         "--plot", type=output_path(".png"), help="write a PNG of time against size to this path"
@@ -520,6 +626,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
             parser.error(f"--compressors: unknown {name!r} (choose from {', '.join(COMPRESSORS)})")
     if args.iters < 2 or args.rounds < 1:
         parser.error("--iters must be >= 2 and --rounds >= 1")
+    args.algos = [a for a in args.algos.split(",") if a]
+    for name in args.algos:
+        if name not in ("oneshot", "doubling", "leaders", "hierarchical", "ring"):
+            parser.error(f"--algos: unknown {name!r} (oneshot, doubling, leaders, hierarchical, ring)")
+    if args.scale_link < 0:
+        parser.error("--scale-link must be 0 (unshaped) or positive")
     if args.quick:
         args.sizes, args.links, args.layouts, args.iters, args.ddp_steps = (
             list(QUICK_SIZES),
@@ -532,6 +644,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     if reason is not None:
         print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
         return 0
+    if args.hosts:
+        if "--sizes" not in (argv or sys.argv):
+            args.sizes = [4 << 10, 8 << 20]
+        args.compressors = []
+        records, setups = run_scale(args)
+        print()
+        print(scale_table(records, setups))
+        if args.json:
+            write_json(args.json, {"benchmark": "multihost-scale", "machine": machine_info(),
+                                   "records": records, "setup": setups})
+        return 1 if sum((r["wrong"] or 0) for r in records) else 0
     records, floor = [], {}
     configs = [(link, per) for link in args.links for per in args.layouts]
     for i, (link, per) in enumerate(configs):
@@ -540,7 +663,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
             if link not in floor:
                 total = 256 << 20 if link in (0, 10000) else 64 << 20
                 floor[link] = (tcp_floor(hosts, 1, total), tcp_floor(hosts, 4, total))
-            records += run_config(hosts, per, link, args)
+            records += run_config(hosts, per, link, args)[0]
     ddp_rows = []
     for link in args.ddp_links:
         print(f"DDP step, {link_name(link)} link, 2 hosts x 1 rank:", flush=True)

@@ -266,6 +266,8 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["multihost", "--compressors", "zip"], "unknown 'zip'"),
     (["multihost", "--iters", "1"], "--iters must be >= 2"),
     (["multihost", "--plot", "x.pdf"], "must end in .png"),
+    (["multihost", "--hosts", "4,0"], "expected integers in 1..64"),
+    (["multihost", "--hosts", "4", "--algos", "tree"], "unknown 'tree'"),
     (["staging", "--sizes", "0"], "--sizes takes positive integers"),
     (["staging", "--nproc", "1"], "--nproc must be at least 2"),
 ])

@@ -163,7 +163,7 @@ def test_python_tables_match_the_core():
     from braid.comm import _C, vocabulary
 
     assert vocabulary.REDUCE_OPS == _C.REDUCE_OPS
-    assert _C.ALGORITHMS == ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders")
+    assert _C.ALGORITHMS == ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders", "doubling")
 
 
 def test_the_extension_uses_no_iostreams():

@@ -37,6 +37,7 @@ LAYOUTS = {
     "2+1+1": [0, 0, 1, 2],
     "3x1": [0, 1, 2],
     "1+2+1-interleaved": [1, 0, 2, 1],  # uneven hosts whose ranks are not contiguous
+    "5x1": [0, 1, 2, 3, 4],  # log-round algorithms with a host past a power of two
 }
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
@@ -70,6 +71,37 @@ def cross_host_reference(inputs, op, layout):
     return reduce_reference(partials, op, len(layout))
 
 
+def doubling_reference(parts, op, n):
+    """Recursive doubling among ``parts`` (members in order): members p.. folded into the ones p
+    below them (p the largest power of two <= the members), then pairs 2^k apart combined, the
+    lower member's partial first, in the accumulator type; rounded once, avg divided by n."""
+    acc_dtype = torch.float32 if parts[0].dtype in (torch.float16, torch.bfloat16) else parts[0].dtype
+    step = "sum" if op == "avg" else op
+    acc = [x.to(acc_dtype) for x in parts]
+    p = 1 << (len(acc).bit_length() - 1)
+    for e in range(len(acc) - p):
+        acc[e] = reduce_reference([acc[e], acc[e + p]], step, 1)
+    mask = 1
+    while mask < p:
+        acc = [reduce_reference([acc[min(i, i ^ mask)], acc[max(i, i ^ mask)]], step, 1) for i in range(p)]
+        mask <<= 1
+    return reduce_reference([acc[0]], op, n).to(parts[0].dtype)
+
+
+def doubling_cross_host_reference(inputs, op, layout):
+    """all_reduce with recursive doubling between the host leaders: host partials (rank order,
+    rounded), then doubling among the hosts in host order."""
+    host_op = "sum" if op == "avg" else op
+    partials = [reduce_reference([inputs[r] for r in ranks], host_op, 1) for ranks in hosts_of(layout)]
+    return doubling_reference(partials, op, len(layout))
+
+
+def reference_of(algorithm):
+    """The reference of the all_reduce order an algorithm across hosts promises."""
+    return {"ring": ring_cross_host_reference, "doubling": doubling_cross_host_reference}.get(
+        algorithm, cross_host_reference)
+
+
 # ----------------------------------------------------------------------------------------------
 # Rank functions.
 
@@ -85,12 +117,10 @@ def all_reduce_across_hosts(rank, n, store_path, layout, seed):
         for dtype in DTYPES:
             for count in COUNTS:
                 inputs = [make_input(seed, r, count, dtype) for r in range(n)]
-                # One rank on each of three hosts takes the ring between hosts past the small sizes.
-                ring = c.all_reduce_algorithm(count * inputs[0].element_size()) == "ring"
+                # Three hosts take the ring between hosts past the small sizes.
+                reference = reference_of(c.all_reduce_algorithm(count * inputs[0].element_size()))
                 for op in ops_for(dtype):
-                    expected = (ring_cross_host_reference if ring else cross_host_reference)(
-                        inputs, op, layout
-                    )
+                    expected = reference(inputs, op, layout)
                     t = inputs[rank].clone()
                     c.all_reduce(t, op=op)
                     log.check(f"{dtype} count {count} {op}", t, expected)
@@ -175,7 +205,8 @@ def forced_algorithms(rank, n, store_path, layout, seed):
                     for op in ("sum", "avg", "max"):
                         t = inputs[rank].clone()
                         c.all_reduce(t, op=op)
-                        log.check(f"{algo} {dtype} {count} {op}", t, cross_host_reference(inputs, op, layout))
+                        chosen = c.all_reduce_algorithm(count * inputs[0].element_size())
+                        log.check(f"{algo} {dtype} {count} {op}", t, reference_of(chosen)(inputs, op, layout))
     return log.summary()
 
 
@@ -278,11 +309,8 @@ def compressed_across_hosts(rank, n, store_path, layout, seed):
                 across.all_reduce(t1, op="avg", compression=a)
                 one_host.all_reduce(t2, op="avg", compression=b)
                 if step < a.warmup_steps:
-                    log.check(
-                        f"{type(a).__name__} warm-up step {step}",
-                        t1,
-                        cross_host_reference(inputs, "avg", layout),
-                    )
+                    exact = reference_of(across.all_reduce_algorithm(3001 * 4))
+                    log.check(f"{type(a).__name__} warm-up step {step}", t1, exact(inputs, "avg", layout))
                 else:
                     log.check(f"{type(a).__name__} step {step}", t1, t2)
     return log.summary()
@@ -336,7 +364,7 @@ def test_ranks_forcing_different_algorithms_raise_a_mismatch():
         assert seen["type"] == "CollectiveMismatch", (r, seen)
 
 
-@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1", "1+2+1-interleaved"])
+@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1", "1+2+1-interleaved", "5x1"])
 def test_data_movement_across_hosts(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(data_movement_across_hosts, len(layout), layout, 5), min_cases=50)
@@ -846,3 +874,32 @@ def test_strangers_at_the_listeners_do_not_stall_the_first_collective():
     connection is authenticated on its own deadline, the oldest dropped past 64 at once."""
     for r in run_ranks(strangers_at_the_listeners, 4, [0, 0, 1, 1]):
         assert r["exact"] and r["seconds"] < 2.5, r
+
+
+def doubling_across_hosts(rank, n, store_path, layout, algo, seed):
+    """Recursive doubling between host leaders (forced, or chosen for small messages at many
+    hosts): every dtype and op at counts around the one-shot limit, exact against its tree."""
+    log = CaseLog()
+    with environment({"BRAID_CROSS_DOUBLING_MIN_HOSTS": "4"}):
+        with hosts_comm(rank, n, store_path, layout, algo=algo) as c:
+            small = c.all_reduce_algorithm(64)
+            log.expect("doubling chosen", small == "doubling", small)
+            for dtype in DTYPES:
+                for count in (0, 1, 7, 64, 1001):
+                    inputs = [make_input(seed, r, count, dtype) for r in range(n)]
+                    reference = reference_of(c.all_reduce_algorithm(count * inputs[0].element_size()))
+                    for op in ops_for(dtype):
+                        t = inputs[rank].clone()
+                        c.all_reduce(t, op=op)
+                        log.check(f"{dtype} count {count} {op}", t, reference(inputs, op, layout))
+            log.expect("connections", c.connections()["peers"] <= 3, c.connections())
+    return log.summary()
+
+
+@pytest.mark.parametrize("layout,algo", [([0, 1, 2, 3, 4], "auto"), ([0, 0, 1, 2, 3], "auto"),
+                                         ([0, 1, 2], "doubling")])
+def test_recursive_doubling_between_hosts(layout, algo):
+    """Small all_reduces among 4-5 hosts (and 3, forced) go by recursive doubling between the host
+    leaders: exact against its reduction tree (extras folded in, pairs 2^k apart, lower first),
+    bitwise identical on every rank; with larger counts the same run takes the ring."""
+    assert_ranks_agree(run_ranks(doubling_across_hosts, len(layout), layout, algo, 23), min_cases=100)

@@ -318,6 +318,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("tcp_lazy", &Tunables::tcp_lazy)
       .def_readwrite("socket_chunk_bytes", &Tunables::socket_chunk_bytes)
       .def_readwrite("cross_oneshot_max_bytes", &Tunables::cross_oneshot_max_bytes)
+      .def_readwrite("cross_doubling_min_hosts", &Tunables::cross_doubling_min_hosts)
       .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes);
 
   py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")

@@ -72,11 +72,14 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   const Algo algo = all_reduce_algo(bytes);
   const bool can_slice = topo_.uniform() && local > 1;
-  // Between hosts: around a ring (BRAID_ALGO=ring, or one rank on each of more than two hosts),
-  // else directly (every member with every other; one round trip for small messages).
+  // Between hosts: around a ring (BRAID_ALGO=ring, or large messages among more than two hosts),
+  // by recursive doubling (small messages among many hosts), else directly (every member with
+  // every other; one round trip for small messages).
   auto between_hosts = [&](const PeerGroup& g, const void* from, void* to, size_t n) {
     if (algo == Algo::kRing)
       ring_all_reduce(g, dt, op, from, to, n, world_, tun_.cross_piece_bytes);
+    else if (algo == Algo::kDoubling)
+      doubling_all_reduce(g, dt, op, from, to, n, world_);
     else
       direct_all_reduce(g, dt, op, from, to, n, world_, tun_.cross_piece_bytes, algo == Algo::kOneShot);
   };
@@ -225,14 +228,14 @@ void Communicator::cross_broadcast(void* data, size_t bytes, int root, const Col
               data, data);
   if (topo_.local_rank() == 0) {
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-    direct_broadcast(g, data, bytes, root_host);
+    tree_broadcast(g, data, bytes, root_host);
   }
   if (topo_.host != root_host) host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, bytes, 0, data, data);
 }
 
 void Communicator::cross_barrier(const CollectiveDesc& d) {
   host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
-  if (topo_.local_rank() == 0) direct_barrier(cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d));
+  if (topo_.local_rank() == 0) dissemination_barrier(cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d));
   host_step(CollKind::kBarrier, DType::kUInt8, ReduceOp::kSum, 0, 0, nullptr, nullptr);
 }
 
@@ -329,11 +332,11 @@ void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
       direct_all_gather(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes));
       break;
     case CollKind::kBroadcast:
-      direct_broadcast(g, r.out, bytes, topo_.host_of[static_cast<size_t>(r.root)]);
+      tree_broadcast(g, r.out, bytes, topo_.host_of[static_cast<size_t>(r.root)]);
       break;
     case CollKind::kBarrier:
     case CollKind::kExchange:
-      direct_barrier(g);
+      dissemination_barrier(g);
       break;
     case CollKind::kAllToAll: {
       std::vector<DirectBlock> sends, recvs;

@@ -117,6 +117,7 @@ const char* algo_name(Algo a) {
     case Algo::kRing: return "ring";
     case Algo::kHierarchical: return "hierarchical";
     case Algo::kLeaders: return "leaders";
+    case Algo::kDoubling: return "doubling";
   }
   return "unknown";
 }
@@ -154,6 +155,7 @@ Tunables Tunables::from_env() {
   }
   t.socket_chunk_bytes = env_size("BRAID_SOCKET_CHUNK_BYTES", t.socket_chunk_bytes);
   t.cross_oneshot_max_bytes = env_size("BRAID_CROSS_ONESHOT_MAX_BYTES", t.cross_oneshot_max_bytes);
+  t.cross_doubling_min_hosts = env_size_as<int>("BRAID_CROSS_DOUBLING_MIN_HOSTS", t.cross_doubling_min_hosts);
   t.cross_piece_bytes = env_size("BRAID_CROSS_PIECE_BYTES", t.cross_piece_bytes);
   return t;
 }
@@ -180,6 +182,8 @@ void Tunables::validate() const {
   if (nsocks < 1 || nsocks > 64) throw std::invalid_argument("nsocks (BRAID_NSOCKS) must be between 1 and 64");
   if (socket_chunk_bytes < 4096 || socket_chunk_bytes > (size_t(1) << 30))
     throw std::invalid_argument("socket_chunk_bytes (BRAID_SOCKET_CHUNK_BYTES) must be between 4 KiB and 1 GiB");
+  if (cross_doubling_min_hosts < 2)
+    throw std::invalid_argument("cross_doubling_min_hosts (BRAID_CROSS_DOUBLING_MIN_HOSTS) must be at least 2");
   if (cross_oneshot_max_bytes > (size_t(1) << 30))
     throw std::invalid_argument("cross_oneshot_max_bytes (BRAID_CROSS_ONESHOT_MAX_BYTES) must be at most 1 GiB");
   if (cross_piece_bytes < 1024 || cross_piece_bytes > (size_t(1) << 30))

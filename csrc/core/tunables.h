@@ -16,8 +16,9 @@ enum class Algo : uint32_t {
   // Across hosts (ranks on one host take the automatic choice for these):
   kHierarchical = 4,  // reduce-scatter on the host, slices across hosts, all-gather on the host
   kLeaders = 5,       // host sums through the host leaders, then a broadcast on each host
+  kDoubling = 6,      // through the host leaders, recursive doubling between them (small messages)
 };
-constexpr int kNumAlgos = 6;
+constexpr int kNumAlgos = 7;
 const char* algo_name(Algo a);
 Algo parse_algo(const std::string& s);  // throws std::invalid_argument
 
@@ -76,6 +77,13 @@ struct Tunables {
   // trip (every host leader sends its host's sum to every other) instead of a reduce-scatter to
   // owners and their results back (two message latencies, but each link carries 2/n of it).
   size_t cross_oneshot_max_bytes = 64 * 1024;
+  // BRAID_CROSS_DOUBLING_MIN_HOSTS: from this many hosts up, those small all_reduce messages go
+  // by recursive doubling between the host leaders (ceil(log2 H) rounds, a pair of ranks per
+  // round) instead of the one round trip in which every leader sends to every other: fewer
+  // messages per leader and log2 H connections instead of H - 1. Measured with 4 KiB on 100 Mbit
+  // links: 0.65 against 0.99 ms at 4 hosts, 1.03 against 2.44 at 8, 1.5 against 5.4 at 16; equal
+  // at 3 (docs/results/2026-11-26-xeon-2vcpu.md, "Many hosts"). At 2 hosts both are one exchange.
+  int cross_doubling_min_hosts = 4;
   // BRAID_CROSS_PIECE_BYTES: an owner reduces its part in pieces of this size as they arrive,
   // and sends each reduced piece on while the next ones travel.
   size_t cross_piece_bytes = 1024 * 1024;

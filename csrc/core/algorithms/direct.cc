@@ -166,24 +166,6 @@ void direct_all_gather(const PeerGroup& g, const void* in, void* out, const std:
   t.run();
 }
 
-void direct_broadcast(const PeerGroup& g, void* data, size_t bytes, int root) {
-  Transfers t(g);
-  if (g.me == root) {
-    for (int m = 0; m < g.size(); ++m)
-      if (m != root) t.add(m, true, data, bytes);
-  } else {
-    t.add(root, false, data, bytes);
-  }
-  t.run();
-}
-
-void direct_barrier(const PeerGroup& g) {
-  std::vector<DirectBlock> both;
-  for (int m = 0; m < g.size(); ++m)
-    if (m != g.me) both.push_back({m, nullptr, 0});
-  direct_exchange(g, both, both);
-}
-
 void direct_exchange(const PeerGroup& g, const std::vector<DirectBlock>& sends, const std::vector<DirectBlock>& recvs) {
   Transfers t(g);
   for (const DirectBlock& b : sends) t.add(b.member, true, b.data, b.bytes);

@@ -44,12 +44,6 @@ void direct_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void
 // member's block (may alias its place in `out`).
 void direct_all_gather(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes);
 
-// Member `root`'s `bytes` at `data` to every member.
-void direct_broadcast(const PeerGroup& g, void* data, size_t bytes, int root);
-
-// Returns once every member has arrived.
-void direct_barrier(const PeerGroup& g);
-
 // One transfer of an exchange: `bytes` at `data` to or from member `member`.
 struct DirectBlock {
   int member;
@@ -71,5 +65,16 @@ namespace braid {
 // member sends and receives 2 (n - 1) / n of the message, one peer at a time.
 void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count, int divisor,
                      size_t piece_bytes);
+
+// out = the reduction of every member's `in` by recursive doubling (log_rounds.cc): ceil(log2 n)
+// pairwise exchanges of the whole message (two more when n is not a power of two), a fixed
+// reduction tree, identical bits on every member. For small messages among many members.
+void doubling_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count,
+                         int divisor);
+// Member `root`'s `bytes` at `data` to every member down a binomial tree (ceil(log2 n) rounds).
+void tree_broadcast(const PeerGroup& g, void* data, size_t bytes, int root);
+// Returns once every member has arrived: a dissemination barrier (ceil(log2 n) rounds, each
+// member signalling one member and hearing from one per round).
+void dissemination_barrier(const PeerGroup& g);
 
 }  // namespace braid
