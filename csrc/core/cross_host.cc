@@ -60,6 +60,16 @@ PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vec
   g.desc = &d;
   return g;
 }
+// All-gather between hosts: direct at two members (each sends its block once either way), around
+// the ring from three (one neighbour each way instead of every member sending to every other at
+// once, as for all_reduce).
+void gather_between_hosts(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
+                          size_t piece_bytes) {
+  if (g.size() > 2)
+    ring_all_gather(g, in, out, bytes, piece_bytes);
+  else
+    direct_all_gather(g, in, out, bytes);
+}
 }  // namespace
 
 void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count,
@@ -177,7 +187,7 @@ void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, con
     char* part = scratch_.get(kSlotPart, static_cast<size_t>(hosts) * bytes);
     char* grouped = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
-    direct_all_gather(g, in, part, std::vector<size_t>(static_cast<size_t>(hosts), bytes));
+    gather_between_hosts(g, in, part, std::vector<size_t>(static_cast<size_t>(hosts), bytes), tun_.cross_piece_bytes);
     host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(hosts) * bytes, 0, part,
               grouped);
     for (int i = 0; i < local; ++i)
@@ -208,7 +218,7 @@ void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, con
   host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, bytes, 0, in, by_host + host_off[h]);
   if (topo_.local_rank() == 0) {
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-    direct_all_gather(g, by_host + host_off[h], by_host, host_bytes);
+    gather_between_hosts(g, by_host + host_off[h], by_host, host_bytes, tun_.cross_piece_bytes);
   }
   host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(world_) * bytes, 0, by_host,
             by_host);
@@ -329,7 +339,7 @@ void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
                             tun_.cross_piece_bytes);
       break;
     case CollKind::kAllGather:
-      direct_all_gather(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes));
+      gather_between_hosts(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes), tun_.cross_piece_bytes);
       break;
     case CollKind::kBroadcast:
       tree_broadcast(g, r.out, bytes, topo_.host_of[static_cast<size_t>(r.root)]);

@@ -66,6 +66,12 @@ namespace braid {
 void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count, int divisor,
                      size_t piece_bytes);
 
+// out = the members' blocks in member order (member m's of bytes[m] bytes; `in` is this member's,
+// which may alias its place in `out`), passed around the ring in pieces of `piece_bytes`: n - 1
+// steps, one neighbour each way (ring_p2p.cc).
+void ring_all_gather(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
+                     size_t piece_bytes);
+
 // out = the reduction of every member's `in` by recursive doubling (log_rounds.cc): ceil(log2 n)
 // pairwise exchanges of the whole message (two more when n is not a power of two), a fixed
 // reduction tree, identical bits on every member. For small messages among many members.

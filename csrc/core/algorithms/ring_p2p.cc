@@ -1,5 +1,5 @@
-// Ring all-reduce over any Transport (between hosts): reduce-scatter then all-gather around the
-// ring, one neighbour each way, pieces pipelined within each step.
+// Ring all-reduce and all-gather over any Transport (between hosts): reduce-scatter then
+// all-gather around the ring, one neighbour each way, pieces pipelined within each step.
 //
 //   reduce-scatter step s (0 .. n-2): send chunk (me - s) to the right (my input at s = 0, the
 //     partial received at step s - 1 plus my input after), receive chunk (me - s - 1) from the
@@ -95,6 +95,51 @@ void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, 
         const int c = me - (p.step - steps);
         add(right, true, dst + (chunk_lo(c) + p.a) * es, (p.b - p.a) * es);
       }
+    }
+    if (!t.step() && handled == incoming.size()) return;
+  }
+}
+
+// All-gather around the ring: in step s (0 .. n-2) a member sends the right neighbour block
+// (me - s) (its own at s = 0, after that the one it received at step s - 1) and receives block
+// (me - s - 1) from the left, piece by piece, each piece passed on as soon as it is in.
+void ring_all_gather(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
+                     size_t piece_bytes) {
+  const int n = g.size(), me = g.me;
+  std::vector<size_t> offset(static_cast<size_t>(n) + 1, 0);
+  for (int m = 0; m < n; ++m) offset[static_cast<size_t>(m) + 1] = offset[static_cast<size_t>(m)] + bytes[static_cast<size_t>(m)];
+  char* dst = static_cast<char*>(out);
+  char* own = dst + offset[static_cast<size_t>(me)];
+  if (own != in && bytes[static_cast<size_t>(me)] > 0) std::memmove(own, in, bytes[static_cast<size_t>(me)]);
+  if (n == 1) return;
+  const size_t piece = std::max<size_t>(1, piece_bytes);
+  auto pieces = [&](size_t len) { return std::max<size_t>(1, (len + piece - 1) / piece); };
+  const int right = (me + 1) % n, left = (me + n - 1) % n;
+  Transfers t(g);
+  struct Piece {
+    int step;
+    char* data;
+    size_t len;
+    P2POp* recv;
+  };
+  std::vector<Piece> incoming;
+  for (int s = 0; s < n - 1; ++s) {
+    const size_t blk = static_cast<size_t>(((me - s - 1) % n + n) % n), len = bytes[blk];
+    for (size_t k = 0; k < pieces(len); ++k) {
+      const size_t a = std::min(len, k * piece), b = std::min(len, (k + 1) * piece);
+      incoming.push_back({s, dst + offset[blk] + a, b - a, &t.add(left, false, dst + offset[blk] + a, b - a)});
+    }
+  }
+  const size_t mine = bytes[static_cast<size_t>(me)];
+  for (size_t k = 0; k < pieces(mine); ++k) {
+    const size_t a = std::min(mine, k * piece), b = std::min(mine, (k + 1) * piece);
+    t.add(right, true, own + a, b - a);
+  }
+  size_t handled = 0;
+  for (;;) {
+    for (; handled < incoming.size() && incoming[handled].recv->done; ++handled) {
+      const Piece& p = incoming[handled];
+      if (p.step < n - 2) t.add(right, true, p.data, p.len);
     }
     if (!t.step() && handled == incoming.size()) return;
   }
