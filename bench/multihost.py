@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from . import costmodel
 from .report import human_bytes, machine_info, output_path, panel_grid, save_panels, write_json
 from .simhosts import SimulatedHosts, unavailable_reason
 
@@ -651,6 +652,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         records, setups = run_scale(args)
         print()
         print(scale_table(records, setups))
+        print()
+        print(costmodel.report(records))
         if args.json:
             write_json(args.json, {"benchmark": "multihost-scale", "machine": machine_info(),
                                    "records": records, "setup": setups})

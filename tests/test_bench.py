@@ -161,6 +161,26 @@ def test_sharding_uplink_counter_counts_what_a_step_sends():
     assert counter.sent["b"] < 64 << 10 and idle.sent == {}, (counter.sent, idle.sent)
 
 
+def test_cost_model_counts_and_fit():
+    """The many-hosts cost model: each algorithm's latencies, messages and uplink bytes as its
+    docstring states them (worked out by hand at 5 and 8 hosts), and a fit that recovers alpha,
+    gamma and a contention factor from times the model itself produced (to 0.1%: the contention
+    factor is read off large messages whole, their small latency share included)."""
+    from braid.bench import costmodel as cm
+
+    assert [cm.rounds(a, 5) for a in cm.ALGORITHMS] == [1, 4, 8, 2]  # doubling: 2 rounds + fold in/out
+    assert [cm.rounds(a, 8) for a in cm.ALGORITHMS] == [1, 3, 14, 2]
+    assert [cm.messages(a, 8) for a in cm.ALGORITHMS] == [7, 3, 14, 14]
+    assert [cm.uplink_bytes(a, 8, 800) for a in cm.ALGORITHMS] == [5600, 2400, 1400, 1400]
+    truth = cm.Model(alpha=50e-6, gamma=5e-6, contention={"oneshot": 1.2, "leaders": 1.5})
+    points = [(a, h, s, 12.5e6, truth.time(a, h, s, 12.5e6))
+              for a in cm.ALGORITHMS for h in (4, 8, 16) for s in (4096, 8 << 20)]
+    got = cm.fit(points)
+    assert (got.alpha, got.gamma) == pytest.approx((50e-6, 5e-6), rel=1e-3)
+    assert got.contention == pytest.approx({"oneshot": 1.2, "leaders": 1.5}, rel=1e-3)
+    assert got.best(1024, 4096, 12.5e9) == "doubling"
+
+
 def test_ddp_link_floor_against_a_hand_computation():
     """The DDP benchmark's link floor: the hooks stamp every gradient of a real backward, and the
     floor of given ready times packs DDP's buckets in ready order and serializes them on the link

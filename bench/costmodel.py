@@ -1,0 +1,173 @@
+"""A latency-bandwidth (alpha-beta) model of braid's all_reduce algorithms between hosts, fitted to
+what ``python -m braid.bench multihost --hosts ...`` measured, to explain the algorithm table at
+scales this machine cannot run (16 to 1,024 hosts, 1 to 100 Gbit).
+
+Each algorithm's time for S bytes among H hosts (one leader per host): ``alpha`` per message
+latency on its critical path, ``gamma`` per message a leader sends (each costs the sender and
+the receiver their handling, concurrent or not), and the bytes a leader's uplink carries over the
+link rate:
+
+- one-shot: every leader sends its S bytes to the H - 1 others at once: alpha + (H - 1) S / rate;
+- recursive doubling: log2 p exchanges of S bytes (p the largest power of two <= H), two more when
+  H is not a power of two (the extras fold in and get the result back), each alpha + S / rate;
+- ring: 2 (H - 1) steps of S / H bytes: 2 (H - 1) (alpha + S / (H rate));
+- leaders' direct exchange: two phases of H - 1 messages of S / H bytes each way from every
+  leader at once: 2 (alpha + (H - 1) S / (H rate)), the same bytes as the ring in two latencies;
+
+each plus gamma times its messages per leader (one-shot H - 1, doubling its rounds, ring and
+direct 2 (H - 1)).
+
+``fit`` finds alpha and gamma (relative least squares over the measurements, the rate known) and
+a contention factor per algorithm that sends to several peers at once (the ratio of measured to
+modelled time of its large messages, capturing what the alpha-beta model leaves out: many flows sharing one
+uplink lose to one flow per direction). The fitted model is printed beside the measurements and
+extrapolated; it is a model, its predictions are not measurements.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ALGORITHMS = ("oneshot", "doubling", "ring", "leaders")
+# Algorithms whose leaders talk to several peers at once.
+CONCURRENT = ("oneshot", "leaders")
+
+
+def rounds(algorithm: str, hosts: int) -> int:
+    """Message latencies on the critical path of one all_reduce among ``hosts`` leaders."""
+    if hosts < 2:
+        return 0
+    if algorithm == "oneshot":
+        return 1
+    if algorithm == "doubling":
+        p = 1 << (hosts.bit_length() - 1)
+        return int(math.log2(p)) + (2 if p != hosts else 0)
+    if algorithm == "ring":
+        return 2 * (hosts - 1)
+    if algorithm == "leaders":
+        return 2
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def messages(algorithm: str, hosts: int) -> int:
+    """Messages one leader sends in one all_reduce among ``hosts`` leaders."""
+    if hosts < 2:
+        return 0
+    if algorithm == "oneshot":
+        return hosts - 1
+    if algorithm == "doubling":
+        return rounds("doubling", hosts)
+    if algorithm in ("ring", "leaders"):
+        return 2 * (hosts - 1)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def uplink_bytes(algorithm: str, hosts: int, nbytes: float) -> float:
+    """Bytes one leader's uplink carries on the critical path."""
+    if hosts < 2:
+        return 0.0
+    if algorithm == "oneshot":
+        return (hosts - 1) * nbytes
+    if algorithm == "doubling":
+        return rounds("doubling", hosts) * nbytes
+    if algorithm in ("ring", "leaders"):
+        return 2 * (hosts - 1) / hosts * nbytes
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+@dataclass
+class Model:
+    alpha: float                  # seconds per message latency on the critical path
+    gamma: float = 0.0            # seconds per message a leader sends
+    contention: dict = field(default_factory=dict)  # algorithm -> factor on its bytes' time
+
+    def time(self, algorithm: str, hosts: int, nbytes: float, rate_bytes_s: float) -> float:
+        """Modelled seconds of one all_reduce."""
+        wire = uplink_bytes(algorithm, hosts, nbytes) / rate_bytes_s * self.contention.get(algorithm, 1.0)
+        return rounds(algorithm, hosts) * self.alpha + messages(algorithm, hosts) * self.gamma + wire
+
+    def best(self, hosts: int, nbytes: float, rate_bytes_s: float) -> str:
+        return min(ALGORITHMS, key=lambda a: self.time(a, hosts, nbytes, rate_bytes_s))
+
+
+def fit(points: Sequence[tuple]) -> Model:
+    """A model from measured (algorithm, hosts, bytes, rate bytes/s, seconds) points: each
+    concurrent algorithm's contention factor from its largest messages (median ratio of measured
+    time to the pure bandwidth term), then alpha by relative least squares on what the bytes
+    leave over."""
+    contention = {}
+    for algo in CONCURRENT:
+        big = [(h, s, r, t) for a, h, s, r, t in points if a == algo and s >= 1 << 20]
+        ratios = sorted(t / (uplink_bytes(algo, h, s) / r) for h, s, r, t in big
+                        if uplink_bytes(algo, h, s) > 0)
+        if ratios:
+            contention[algo] = max(1.0, ratios[len(ratios) // 2])
+    model = Model(0.0, 0.0, contention)
+    # Relative least squares (minimizing the sum of (modelled / measured - 1)^2): the small
+    # messages, whose time is mostly latency, weigh as much as the large ones. Normal equations
+    # of the two unknowns; a negative one is dropped and the other refitted alone.
+    rows = [(rounds(a, h) / t, messages(a, h) / t, 1 - model.time(a, h, s, r) / t)
+            for a, h, s, r, t in points]
+
+    def solve(use_alpha: bool, use_gamma: bool) -> tuple:
+        aa = sum(x * x for x, _, _ in rows) if use_alpha else 0.0
+        gg = sum(y * y for _, y, _ in rows) if use_gamma else 0.0
+        ag = sum(x * y for x, y, _ in rows) if use_alpha and use_gamma else 0.0
+        ab = sum(x * z for x, _, z in rows) if use_alpha else 0.0
+        gb = sum(y * z for _, y, z in rows) if use_gamma else 0.0
+        det = aa * gg - ag * ag
+        if use_alpha and use_gamma:
+            return ((ab * gg - gb * ag) / det, (gb * aa - ab * ag) / det) if det else (0.0, 0.0)
+        return (ab / aa if aa else 0.0, 0.0) if use_alpha else (0.0, gb / gg if gg else 0.0)
+
+    alpha, gamma = solve(True, True)
+    if alpha < 0 or gamma < 0:
+        alpha, gamma = solve(True, False) if gamma < 0 else solve(False, True)
+    model.alpha, model.gamma = max(0.0, alpha), max(0.0, gamma)
+    return model
+
+
+def points_of(records: Sequence[dict]) -> list:
+    """(algorithm, hosts, bytes, rate bytes/s, seconds) of the forced-algorithm records of a
+    ``multihost --hosts`` run with shaped links."""
+    out = []
+    for r in records:
+        impl = r["impl"]
+        if not impl.startswith("braid-") or not r["link_mbit"]:
+            continue
+        algo = impl[len("braid-"):]
+        if algo in ALGORITHMS:
+            out.append((algo, r["hosts"], r["bytes"], r["link_mbit"] * 1e6 / 8, r["time_us"] / 1e6))
+    return out
+
+
+def report(records: Sequence[dict], hosts=(16, 64, 256, 1024), gbits=(1, 10, 100),
+           sizes=(4 << 10, 8 << 20)) -> str:
+    """The fitted model: its parameters, its error on the measurements, and the algorithm it
+    predicts fastest (with its time) past what was run."""
+    points = points_of(records)
+    if not points:
+        return "cost model: no forced-algorithm measurements on a shaped link to fit"
+    m = fit(points)
+    errors = [abs(m.time(a, h, s, r) / t - 1) for a, h, s, r, t in points]
+    lines = [f"Cost model (fitted to {len(points)} measurements): alpha {m.alpha * 1e6:.0f} us per latency, "
+             f"gamma {m.gamma * 1e6:.0f} us per message sent; contention "
+             + ", ".join(f"{a} {c:.2f}x" for a, c in m.contention.items())
+             + f"; error on the measurements: median {sorted(errors)[len(errors) // 2] * 100:.0f}%, "
+             f"worst {max(errors) * 100:.0f}%",
+             "Predicted fastest (model, not measured): " + f"{'hosts':>6} {'link':>8} "
+             + " ".join(f"{_size(s):>22}" for s in sizes)]
+    for h in hosts:
+        for g in gbits:
+            rate = g * 1e9 / 8
+            cells = []
+            for s in sizes:
+                a = m.best(h, s, rate)
+                cells.append(f"{a} {m.time(a, h, s, rate) * 1e3:.2f} ms".rjust(22))
+            lines.append(" " * 41 + f"{h:>6} {str(g) + ' Gbit':>8} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
