@@ -903,3 +903,27 @@ def test_recursive_doubling_between_hosts(layout, algo):
     leaders: exact against its reduction tree (extras folded in, pairs 2^k apart, lower first),
     bitwise identical on every rank; with larger counts the same run takes the ring."""
     assert_ranks_agree(run_ranks(doubling_across_hosts, len(layout), layout, algo, 23), min_cases=100)
+
+
+def one_rank_cannot_listen(rank, n, store_path, layout):
+    """Rank 1 names a network interface that does not exist; every rank's construction ends."""
+    import time
+
+    from helpers import outcome
+
+    env = {"BRAID_SOCKET_IFNAME": "=braid-no-such-if0"} if rank == 1 else {}
+    start = time.monotonic()
+    with environment(env):
+        seen = outcome(hosts_comm, rank, n, store_path, layout, timeout=60.0)
+    return {**seen, "seconds": time.monotonic() - start}
+
+
+def test_a_rank_failing_the_bootstrap_makes_every_rank_raise_at_once():
+    """A rank that cannot take part (here: no such interface to listen on) publishes why before it
+    raises, and every other rank, waiting for the TCP endpoints, raises that reason within seconds
+    instead of at its 60 s deadline."""
+    results = run_ranks(one_rank_cannot_listen, 3, [0, 1, 2])
+    for r in results:
+        assert r["type"] is not None and r["seconds"] < 10, r
+        assert "braid-no-such-if0" in r["message"], r
+    assert all("rank 1 could not join" in r["message"] for i, r in enumerate(results) if i != 1), results
