@@ -1,4 +1,7 @@
-"""braid.comm: collective communication for PyTorch (shared-memory CPU collectives).
+"""braid.comm: collective communication for PyTorch: on one host through shared memory, between
+hosts over TCP (connections opened as algorithms use them), CPU tensors and CUDA ones; the same
+collectives over any torch ProcessGroup through braid's group interface (comm/group.py), and the
+layers built on them (ddp, fsdp, tp, cp).
 
     from braid import comm
     c = comm.init()                  # torchrun environment or the default process group
