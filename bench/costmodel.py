@@ -129,17 +129,12 @@ def fit(points: Sequence[tuple]) -> Model:
 
 
 def points_of(records: Sequence[dict]) -> list:
-    """(algorithm, hosts, bytes, rate bytes/s, seconds) of the forced-algorithm records of a
-    ``multihost --hosts`` run with shaped links."""
-    out = []
-    for r in records:
-        impl = r["impl"]
-        if not impl.startswith("braid-") or not r["link_mbit"]:
-            continue
-        algo = impl[len("braid-"):]
-        if algo in ALGORITHMS:
-            out.append((algo, r["hosts"], r["bytes"], r["link_mbit"] * 1e6 / 8, r["time_us"] / 1e6))
-    return out
+    """(algorithm, hosts, bytes, rate bytes/s, seconds) of the records of a ``multihost --hosts``
+    run with shaped links whose braid all-reduce was forced to one of the modelled algorithms (the
+    algorithm the record reports; braid's own choice repeats one of them and is left out, so that
+    no measurement counts twice)."""
+    return [(r["algorithm"], r["hosts"], r["bytes"], r["link_mbit"] * 1e6 / 8, r["time_us"] / 1e6)
+            for r in records if r["impl"] != "braid" and r.get("algorithm") in ALGORITHMS and r["link_mbit"]]
 
 
 def report(records: Sequence[dict], hosts=(16, 64, 256, 1024), gbits=(1, 10, 100),
@@ -147,8 +142,9 @@ def report(records: Sequence[dict], hosts=(16, 64, 256, 1024), gbits=(1, 10, 100
     """The fitted model: its parameters, its error on the measurements, and the algorithm it
     predicts fastest (with its time) past what was run."""
     points = points_of(records)
-    if not points:
-        return "cost model: no forced-algorithm measurements on a shaped link to fit"
+    if len({p[0] for p in points}) < 2:
+        return ("cost model: not fitted (it needs measurements of two algorithms or more on a shaped link: "
+                "--algos)")
     m = fit(points)
     errors = [abs(m.time(a, h, s, r) / t - 1) for a, h, s, r, t in points]
     lines = [f"Cost model (fitted to {len(points)} measurements): alpha {m.alpha * 1e6:.0f} us per latency, "

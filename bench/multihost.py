@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from . import costmodel
 from .report import human_bytes, machine_info, output_path, panel_grid, save_panels, write_json
-from .simhosts import SimulatedHosts, unavailable_reason
+from .simhosts import INTERFACE, SimulatedHosts, tx_bytes, unavailable_reason
 
 IMPLS = ("braid", "gloo")
 # name: (braid.comm class, its arguments)
@@ -39,6 +39,7 @@ COMPRESSORS = {
 }
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 QUICK_SIZES = (4 << 10, 1 << 20, 16 << 20)
+SCALE_SIZES = (4 << 10, 8 << 20)  # with --hosts: a latency-bound and a bandwidth-bound message
 STORE_PORT = 29517
 # Each timed batch lasts at least this long (more iterations for small messages), so that link
 # counters and clocks are read over a meaningful span.
@@ -91,11 +92,6 @@ def parse_links(text: str) -> list[int]:
 # Inside a simulated host: one rank.
 
 
-def _tx_bytes() -> int:
-    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
-        return int(f.read())
-
-
 def rank_main(settings: dict) -> int:
     """One rank: times every implementation at every size, alternating, and prints JSON records
     (rank 0 prints the ones of the whole run)."""
@@ -125,6 +121,7 @@ def rank_main(settings: dict) -> int:
     forced = {f"braid-{algo}": comm.Communicator(dist.PrefixStore(f"braid-{algo}/", store), rank, world,
                                                  timeout=settings["timeout"], algo=algo)
               for algo in settings.get("algos", [])}
+    exact = {"braid": c, **forced}  # braid's exact all-reduces, by implementation
     reports_link = c.local_rank == 0
     impls = list(IMPLS) + list(forced) + list(settings["compressors"])
     records = []
@@ -143,10 +140,8 @@ def rank_main(settings: dict) -> int:
         }
 
         def call(impl: str, t: torch.Tensor, compressors=compressors, nbytes=nbytes) -> None:
-            if impl == "braid":
-                c.all_reduce(t)
-            elif impl in forced:
-                forced[impl].all_reduce(t)
+            if impl in exact:
+                exact[impl].all_reduce(t)
             elif impl == "gloo":
                 dist.all_reduce(t)
             else:
@@ -171,13 +166,13 @@ def rank_main(settings: dict) -> int:
                 t = x.clone()
                 wrong = 0
                 c.barrier()
-                tx0, t0 = _tx_bytes(), time.perf_counter()
+                tx0, t0 = tx_bytes(), time.perf_counter()
                 for _ in range(iters[impl]):
                     t.copy_(x)
                     call(impl, t)
                 elapsed = time.perf_counter() - t0
-                tx = _tx_bytes() - tx0
-                if impl in IMPLS or impl in forced:
+                tx = tx_bytes() - tx0
+                if impl == "gloo" or impl in exact:
                     wrong = int((t != expected).sum())
                 stats = torch.tensor([elapsed, tx if reports_link else 0, wrong], dtype=torch.float64)
                 gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
@@ -199,14 +194,13 @@ def rank_main(settings: dict) -> int:
                 "bytes": nbytes,
                 "count": count,
                 "hosts": settings.get("hosts", 2),
-                "algorithm": (c if impl == "braid" else forced.get(impl, c)).all_reduce_algorithm(nbytes)
-                if impl != "gloo" else None,
+                "algorithm": exact[impl].all_reduce_algorithm(nbytes) if impl in exact else None,
                 "per_host": per_host,
                 "link_mbit": settings["link_mbit"],
                 "time_us": sec * 1e6,
                 "algbw": algbw,
                 "busbw": algbw * 2 * (world - 1) / world,
-                "wrong": b["wrong"] if impl in IMPLS or impl in forced else None,
+                "wrong": b["wrong"] if impl == "gloo" or impl in exact else None,
                 "link_bytes_per_call": b["link_bytes"] / iters[impl],
                 "iters": iters[impl],
             }
@@ -409,7 +403,7 @@ def run_sharding(hosts: SimulatedHosts, per_host: int, link: int, args) -> list[
     with tempfile.TemporaryDirectory(prefix="braid-multihost-sharding-") as tmp:
         out = os.path.join(tmp, "sharding.json")
         argv = ["sharding", "--impls", args.sharding_impls, "--model", args.sharding_model, "--rounds", "3",
-                "--timeout", str(args.timeout), "--json", out, "--uplink", "eth0"]
+                "--timeout", str(args.timeout), "--json", out, "--uplink", INTERFACE]
         if link:
             argv += ["--link-mbit", str(link)]
         # 3: the run finished with findings (a loss off), which its table shows.
@@ -561,8 +555,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     parser.add_argument(
         "--sizes",
         type=parse_sizes,
-        default=list(DEFAULT_SIZES),
-        help="all_reduce sizes in bytes (default 4K,64K,1M,16M,64M)",
+        default=None,
+        help="all_reduce sizes in bytes (default 4K,64K,1M,16M,64M; with --hosts 4K,8M)",
     )
     parser.add_argument(
         "--compressors",
@@ -633,6 +627,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
             parser.error(f"--algos: unknown {name!r} (oneshot, doubling, leaders, hierarchical, ring)")
     if args.scale_link < 0:
         parser.error("--scale-link must be 0 (unshaped) or positive")
+    if args.sizes is None:
+        args.sizes = list(SCALE_SIZES if args.hosts else DEFAULT_SIZES)
     if args.quick:
         args.sizes, args.links, args.layouts, args.iters, args.ddp_steps = (
             list(QUICK_SIZES),
@@ -646,8 +642,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
         return 0
     if args.hosts:
-        if "--sizes" not in (argv or sys.argv):
-            args.sizes = [4 << 10, 8 << 20]
         args.compressors = []
         records, setups = run_scale(args)
         print()

@@ -67,6 +67,7 @@ from braid.comm import fsdp
 
 from . import launch, report, turns
 from .models import LanguageModel
+from .simhosts import tx_bytes
 from .tp import LocalCommunicator
 
 REFERENCE = "fsdp2-gloo"
@@ -228,12 +229,6 @@ class Config:
     link_mbit: int = 0          # its rate: the link floor of each step
 
 
-def _tx_bytes(interface: str) -> int:
-    """Bytes the kernel counts as sent through ``interface`` so far."""
-    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
-        return int(f.read())
-
-
 class UplinkCounter:
     """Bytes that leave this host through ``interface`` during each implementation's timed steps,
     read by one rank per host (``reads``) around every step: all of the host's ranks step
@@ -249,9 +244,9 @@ class UplinkCounter:
         self.sent.setdefault(impl, 0)
 
         def counted():
-            before = _tx_bytes(self.interface)
+            before = tx_bytes(self.interface)
             out = step()
-            self.sent[impl] += _tx_bytes(self.interface) - before
+            self.sent[impl] += tx_bytes(self.interface) - before
             return out
         return counted
 

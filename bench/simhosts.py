@@ -69,6 +69,13 @@ class SimulatedHostsError(RuntimeError):
     """Setting up simulated hosts failed (a command failed or timed out, or the machine cannot make them)."""
 
 
+def tx_bytes(interface: str = INTERFACE) -> int:
+    """Bytes the kernel counts as sent through ``interface`` so far (in a simulated host, its
+    uplink by default)."""
+    with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
 def find_tool(name: str) -> Optional[str]:
     """Absolute path of the executable ``name``, searching PATH and then the usual (s)bin directories."""
     path = os.pathsep.join([os.environ.get("PATH", os.defpath), *_EXTRA_PATH])

@@ -470,6 +470,15 @@ class BlockQuantizer(Compressor):
         """``accumulator`` (float32) += the one chunk in ``payload``."""
         kernels_for(accumulator.device).dequantize_accumulate(payload, self.bits, self.block, accumulator)
 
+    def decode_sum(self, payloads: torch.Tensor, n: int, accumulator: torch.Tensor) -> torch.Tensor:
+        """``accumulator`` (float32) += the ``n`` equal chunks in ``payloads``, one after the other
+        (in rank order where they came from n ranks: the same sum on every rank, every run);
+        returns ``accumulator``."""
+        cb = payloads.numel() // n
+        for r in range(n):
+            self.decode_accumulate(payloads[r * cb:(r + 1) * cb], accumulator)
+        return accumulator
+
     def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
         return 2 * (peers - 1) * self.wire_bytes(self.chunk_elems(count, peers))  # all-to-all + all-gather
 
@@ -539,9 +548,7 @@ class BlockQuantizer(Compressor):
             residual = self.residual_for(key, numel, flat.device)
             self.encode(flat, residual, seed, 0, chunk, n, out=send)
             c.all_to_all(recv, send)
-            acc.zero_()
-            for r in range(n):
-                self.decode_accumulate(recv[r * cb : (r + 1) * cb], acc)
+            self.decode_sum(recv, n, acc.zero_())
             if op_code == AVG:
                 acc.div_(divisor)
             mine = send[:cb]  # free again once the all-to-all is done

@@ -272,12 +272,7 @@ def issue(job: Callable[[], None], result: list, device: torch.device, inline: b
     stream; the future is a ``Future(devices=[device])`` completed on that stream."""
     if inline and device.type != "cuda":
         fut = torch.futures.Future()
-        try:
-            job()
-        except Exception as e:  # noqa: BLE001 - the caller's wait() or the future raises it
-            fut.set_exception(e)
-            return fut
-        fut.set_result(result)
+        _run(job, result, fut)
         return fut
     if device.type == "cuda":
         fut = torch.futures.Future(devices=[device])

@@ -40,8 +40,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from ..compression import BlockQuantizer
 from ..group import as_group, check_device
-from ..vocabulary import AVG, op_code
-from ..vocabulary import WIRE_DTYPES
+from ..vocabulary import AVG, WIRE_DTYPES, op_code
+from .schedule import QUANTIZABLE
 
 # Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
 # gather only copies, so float16 carries any 2-byte pattern unchanged.
@@ -104,15 +104,6 @@ def _carrier(nbytes: int) -> Optional[torch.dtype]:
     return None
 
 
-# Tensors a compression quantizes (others travel exactly).
-_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _pad(numel: int, block: int) -> int:
-    """``numel`` rounded up to whole quantization blocks."""
-    return max(block, -(-numel // block) * block)
-
-
 class _BraidComm:
     """What both collectives share: the group (None: FSDP2's own, per call), the compression (a
     block quantizer or None) and plain buffers."""
@@ -140,7 +131,7 @@ class BraidAllGather(_BraidComm, AllGather):
         c = _group_for(self.communicator, group, "BraidAllGather")
         _check_devices(c, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
         out, inp, after = output_tensor, input_tensor, None
-        if self.compression is not None and out.dtype in _QUANTIZABLE:
+        if self.compression is not None and out.dtype in QUANTIZABLE:
             out, inp, after = self._quantized(c, output_tensor, input_tensor)
         elif out.dtype not in WIRE_DTYPES:
             out, inp, after = self._as_wire(c, output_tensor, input_tensor)
@@ -155,7 +146,7 @@ class BraidAllGather(_BraidComm, AllGather):
         """qwZ: this rank's piece quantized once (to nearest), the payloads gathered, every rank
         decoding the same bytes (its own included): identical weights everywhere."""
         q, n, m = self.compression, c.world_size, input.numel()
-        chunk = _pad(m, self.compression.block)
+        chunk = q.chunk_elems(m, 1)  # whole quantization blocks
         payload = q.encode(input.reshape(-1), None, 0, c.rank * chunk, chunk, 1, stochastic=False)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
 
@@ -203,7 +194,7 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
                                  "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
             input_tensor.mul_(op.factor)
             op = "sum"
-        if self.compression is not None and input_tensor.dtype in _QUANTIZABLE:
+        if self.compression is not None and input_tensor.dtype in QUANTIZABLE:
             return self._quantized(c, output_tensor, input_tensor, op_code(op) == AVG, async_op)
         work = c.reduce_scatter(output_tensor, input_tensor, op=op, async_op=async_op)
         return BraidWork(work) if async_op else None
@@ -214,19 +205,16 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         compressor says; no error feedback: FSDP2 names no module per call to keep a residual
         for), an all-to-all, and this rank's pieces decoded and summed in rank order in float32."""
         q, n, m = self.compression, c.world_size, output.numel()
-        chunk = _pad(m, self.compression.block)
+        chunk = q.chunk_elems(m, 1)  # whole quantization blocks
         rows = torch.zeros(n, chunk, dtype=input.dtype, device=input.device)
         rows[:, :m] = input.view(n, m)
         seed = q.seed_for(c.rank, "braid.fsdp2.grad", q.next_call("braid.fsdp2.grad"))
         payload = q.encode(rows.view(-1), None, seed, 0, chunk, n)
-        cb = payload.numel() // n
         received = torch.empty_like(payload)
         work = c.all_to_all(received, payload, async_op=True)
 
         def decode() -> None:
-            acc = torch.zeros(chunk, dtype=torch.float32, device=input.device)
-            for r in range(n):  # rank order: the same sum on every rank
-                q.decode_accumulate(received[r * cb:(r + 1) * cb], acc)
+            acc = q.decode_sum(received, n, torch.zeros(chunk, dtype=torch.float32, device=input.device))
             if average:
                 acc.div_(n)
             output.copy_(acc[:m].view(output.shape))

@@ -35,7 +35,6 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..group import as_group
-from ..group_carrier import GroupCarrier
 from ..wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
@@ -63,15 +62,16 @@ class _Done:
 
 class HostLayout:
     """Where the group's ranks sit, for reduce-scatters exact inside a host and compressed across
-    (hierarchical qgZ). ``rows[i]`` lists the group ranks of local rank i's cross-host group
-    (``hosts.inter`` of that rank), in that group's rank order: what this host must send local
-    rank i to exchange across hosts. Found by two small all-gathers (collective, at
-    construction), so any placement of ranks on hosts works, not only host-major ranks."""
+    (hierarchical qgZ). ``order`` lists, local rank by local rank, the group ranks of that local
+    rank's cross-host group (``hosts.inter`` of that rank) in that group's rank order: what this
+    host must send local rank i to exchange across hosts. Found by two small all-gathers
+    (collective, at construction), so any placement of ranks on hosts works, not only host-major
+    ranks."""
 
     def __init__(self, hosts: Any, group: Any, device: torch.device):
         self.intra = as_group(hosts.intra.group, "hierarchical")
         self.inter = as_group(hosts.inter.group, "hierarchical")
-        self.intra_carrier = GroupCarrier(hosts.intra.group)
+        self.intra_carrier = hosts.intra  # the host's fixed-order float32 sums (GroupCarrier.sum_slices)
         local, across = self.intra.world_size, self.inter.world_size
         mine = torch.tensor([group.rank], dtype=torch.int64, device=device)
         members = torch.empty(across, dtype=torch.int64, device=device)
@@ -81,8 +81,7 @@ class HostLayout:
         if sorted(rows.tolist()) != list(range(group.world_size)):
             raise ValueError(f"hierarchical: the HostGroups do not cover the group's {group.world_size} "
                              f"ranks once each (this host's cross-host groups hold ranks {rows.tolist()})")
-        self.order = rows  # group ranks, local rank by local rank
-        self.rows = rows.view(local, across).tolist()
+        self.order = rows
 
 
 def grad_key(b: Bucket) -> tuple:
@@ -248,9 +247,7 @@ class Schedule:
 
         def decode() -> torch.Tensor:
             acc = torch.zeros(per, dtype=torch.float32, device=x.device)
-            for r in range(m):  # the group's rank order: the same sum on every rank, every run
-                q.decode_accumulate(received[r * cb:(r + 1) * cb], acc)
-            return acc.div_(n)
+            return q.decode_sum(received, m, acc).div_(n)
 
         return work, None, decode
 

@@ -33,14 +33,13 @@ constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
 constexpr size_t kMaxHandshakes = 64;
 // The verdict byte of a connection whose proof of the secret was wrong.
 constexpr uint8_t kRefused = 0x5A;
-// The verdict byte of an acceptor whose rank has failed, followed by the error: its kind (one
-// byte), the length of its text (two bytes, little-endian) and the text.
+// The verdict byte of an acceptor whose rank has failed, followed by the error (error_record).
 constexpr uint8_t kFailed = 0x3C;
 // The channel of a hello that asks the (higher) rank it reaches to connect to the sender: the
 // lower rank of a pair wants the pair, on demand.
 constexpr int kRequestChannel = -1;
 // The channel of a hello that carries a failure: after the handshake the connector sends the
-// error (its kind, one byte; its length, two bytes little-endian; the text) and closes.
+// error (error_record) and closes.
 constexpr int kNoticeChannel = -2;
 // How long publish_failure spends in all on notices to peers it holds no connection to.
 constexpr auto kNoticeBudget = std::chrono::seconds(1);
@@ -53,6 +52,24 @@ std::array<uint8_t, kMacBytes> proof_mac(const std::vector<uint8_t>& secret, con
   msg.insert(msg.end(), hb, hb + sizeof(h));
   msg.insert(msg.end(), nonce, nonce + kNonceBytes);
   return hmac_sha256(secret.data(), secret.size(), msg.data(), msg.size());
+}
+
+// An error as it crosses in a handshake (a failed acceptor's answer, a notice): its kind (one
+// byte), the length of its text (two bytes, little-endian) and the text.
+std::string error_record(ErrorKind kind, const std::string& text) {
+  const size_t n = std::min<size_t>(text.size(), kMaxAbortText);
+  std::string record{static_cast<char>(kind), static_cast<char>(n & 0xff), static_cast<char>(n >> 8)};
+  return record + text.substr(0, n);
+}
+// The text length of a record's three-byte head (bounded: no length is trusted).
+size_t error_text_length(const uint8_t* head) {
+  return std::min<size_t>(head[1] | (size_t{head[2]} << 8), kMaxAbortText);
+}
+// The kind of a record's head; an unknown one is a PeerError.
+ErrorKind error_kind_of(const uint8_t* head) {
+  const bool known = head[0] >= static_cast<uint8_t>(ErrorKind::kGeneric) &&
+                     head[0] <= static_cast<uint8_t>(ErrorKind::kClosed);
+  return known ? static_cast<ErrorKind>(head[0]) : ErrorKind::kPeer;
 }
 
 std::string seconds_text(std::chrono::nanoseconds d) {
@@ -199,13 +216,11 @@ Fd TcpTransport::handshake_connect(int peer, int channel, int index, Clock::time
           uint8_t head[3] = {0, 0, 0};
           std::string text;
           if (read_exact(fd.get(), head, sizeof(head), hs_deadline, &why)) {
-            text.resize(std::min<size_t>(head[1] | (size_t{head[2]} << 8), kMaxAbortText));
+            text.resize(error_text_length(head));
             if (!read_exact(fd.get(), &text[0], text.size(), hs_deadline, &why)) text.clear();
           }
-          const bool known = head[0] >= static_cast<uint8_t>(ErrorKind::kGeneric) &&
-                             head[0] <= static_cast<uint8_t>(ErrorKind::kClosed);
-          throw CommError(known ? static_cast<ErrorKind>(head[0]) : ErrorKind::kPeer,
-                          (text.empty() ? who + " has failed" : text) + " [reported by " + who + "]");
+          throw CommError(error_kind_of(head), (text.empty() ? who + " has failed" : text) + " [reported by " +
+                                                   who + "]");
         }
         if (verdict != kAccepted)
           throw CommError(ErrorKind::kPeer, who + " at " + to.str() + " refused this rank's proof of the job's " +
@@ -239,12 +254,7 @@ void TcpTransport::serve_request(int peer) {
 
 void TcpTransport::notify_failure(ErrorKind kind, const std::string& text) noexcept {
   const auto deadline = Clock::now() + kNoticeBudget;
-  const size_t n = std::min<size_t>(text.size(), kMaxAbortText);
-  std::string message;
-  message += static_cast<char>(kind);
-  message += static_cast<char>(n & 0xff);
-  message += static_cast<char>(n >> 8);
-  message += text.substr(0, n);
+  const std::string message = error_record(kind, text);
   for (int r = 0; r < world_ && Clock::now() < deadline; ++r) {
     if (!remote_[static_cast<size_t>(r)] || ready(r)) continue;  // connected peers get an abort frame
     try {
@@ -374,12 +384,7 @@ int TcpTransport::step_handshake(Handshake& h) {
         }
         std::lock_guard<std::mutex> lk(accept_mu_);
         if (failed_ && h.hello.channel != kNoticeChannel) {
-          const size_t n = std::min<size_t>(failed_text_.size(), kMaxAbortText);
-          h.verdict.assign(1, static_cast<char>(kFailed));
-          h.verdict += static_cast<char>(failed_kind_);
-          h.verdict += static_cast<char>(n & 0xff);
-          h.verdict += static_cast<char>(n >> 8);
-          h.verdict += failed_text_.substr(0, n);
+          h.verdict = static_cast<char>(kFailed) + error_record(failed_kind_, failed_text_);
           h.why = "this rank has failed: told it so";
         }
         break;
@@ -389,15 +394,13 @@ int TcpTransport::step_handshake(Handshake& h) {
         if (h.hello.channel == kNoticeChannel) break;
         return install(h) ? 1 : -1;
       case 4:
-        h.notice.resize(std::min<size_t>(h.notice_head[1] | (size_t{h.notice_head[2]} << 8), kMaxAbortText));
+        h.notice.resize(error_text_length(h.notice_head));
         if (h.notice.empty()) h.notice = "(no message)";
         break;
       case 5: {
-        const uint8_t k = h.notice_head[0];
-        const bool known = k >= static_cast<uint8_t>(ErrorKind::kGeneric) && k <= static_cast<uint8_t>(ErrorKind::kClosed);
         peer_reported_.store(true);
         request_abort(h.notice + " [reported by " + peers_[static_cast<size_t>(h.hello.from)].label + "]",
-                      known ? static_cast<ErrorKind>(k) : ErrorKind::kPeer);
+                      error_kind_of(h.notice_head));
         return 1;
       }
       default: break;
