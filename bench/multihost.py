@@ -31,6 +31,9 @@ from .report import human_bytes, machine_info, output_path, panel_grid, save_pan
 from .simhosts import INTERFACE, SimulatedHosts, tx_bytes, unavailable_reason
 
 IMPLS = ("braid", "gloo")
+# reduce_scatter beside the all_reduces (--scale-ops): braid's (the ring between hosts from three
+# hosts on) and gloo's, each rank's chunk of nbytes / world checked.
+RS_IMPLS = ("braid-rs", "gloo-rs")
 # name: (braid.comm class, its arguments)
 COMPRESSORS = {
     "int8": ("Int8Quantizer", {}),
@@ -101,6 +104,8 @@ def rank_main(settings: dict) -> int:
     import torch.distributed as dist
     from braid import comm
 
+    # torch 2.13 renamed reduce_scatter_tensor; both spellings take the same arguments.
+    _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     torch.set_num_threads(1)
     rank, world, per_host = settings["rank"], settings["world"], settings["per_host"]
     timeout = timedelta(seconds=settings["timeout"])
@@ -123,14 +128,17 @@ def rank_main(settings: dict) -> int:
               for algo in settings.get("algos", [])}
     exact = {"braid": c, **forced}  # braid's exact all-reduces, by implementation
     reports_link = c.local_rank == 0
-    impls = list(IMPLS) + list(forced) + list(settings["compressors"])
+    rs_impls = list(RS_IMPLS) if settings.get("reduce_scatter") else []
+    impls = list(IMPLS) + list(forced) + list(settings["compressors"]) + rs_impls
     records = []
     for nbytes in settings["sizes"]:
         count = nbytes // 4
         # Exact all-reduces sum rank + 1 (the result is known, #wrong is checked); compressors get
         # gradient-like values (seeded normal): constant values would be a degenerate input for
         # top-k's selection (every magnitude tied).
-        inputs = {impl: torch.full((count,), float(rank + 1)) for impl in [*IMPLS, *forced]}
+        inputs = {impl: torch.full((count,), float(rank + 1)) for impl in [*IMPLS, *forced, *rs_impls]}
+        chunk = count // world
+        rs_out = torch.empty(chunk)
         noise = torch.randn(count, generator=torch.Generator().manual_seed(rank))
         inputs.update({impl: noise for impl in settings["compressors"]})
         expected = world * (world + 1) / 2
@@ -139,11 +147,16 @@ def rank_main(settings: dict) -> int:
             for name in settings["compressors"]
         }
 
-        def call(impl: str, t: torch.Tensor, compressors=compressors, nbytes=nbytes) -> None:
+        def call(impl: str, t: torch.Tensor, compressors=compressors, nbytes=nbytes, rs_out=rs_out,
+                 chunk=chunk) -> None:
             if impl in exact:
                 exact[impl].all_reduce(t)
             elif impl == "gloo":
                 dist.all_reduce(t)
+            elif impl == "braid-rs":
+                c.reduce_scatter(rs_out, t[: chunk * world])
+            elif impl == "gloo-rs":
+                _reduce_scatter_single(rs_out, t[: chunk * world])
             else:
                 c.all_reduce(t, compression=compressors[impl], key=nbytes)
 
@@ -174,6 +187,8 @@ def rank_main(settings: dict) -> int:
                 tx = tx_bytes() - tx0
                 if impl == "gloo" or impl in exact:
                     wrong = int((t != expected).sum())
+                elif impl in rs_impls:
+                    wrong = int((rs_out != expected).sum())
                 stats = torch.tensor([elapsed, tx if reports_link else 0, wrong], dtype=torch.float64)
                 gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
                 dist.all_gather(gathered, stats)
@@ -194,13 +209,14 @@ def rank_main(settings: dict) -> int:
                 "bytes": nbytes,
                 "count": count,
                 "hosts": settings.get("hosts", 2),
+                "op": "reduce_scatter" if impl in rs_impls else "all_reduce",
                 "algorithm": exact[impl].all_reduce_algorithm(nbytes) if impl in exact else None,
                 "per_host": per_host,
                 "link_mbit": settings["link_mbit"],
                 "time_us": sec * 1e6,
                 "algbw": algbw,
-                "busbw": algbw * 2 * (world - 1) / world,
-                "wrong": b["wrong"] if impl == "gloo" or impl in exact else None,
+                "busbw": algbw * (1 if impl in rs_impls else 2) * (world - 1) / world,
+                "wrong": b["wrong"] if impl in ("gloo", *exact, *rs_impls) else None,
                 "link_bytes_per_call": b["link_bytes"] / iters[impl],
                 "iters": iters[impl],
             }
@@ -307,6 +323,7 @@ def run_config(hosts: SimulatedHosts, per_host: int, link: int, args, algos: Seq
             "rounds": args.rounds,
             "link_mbit": link,
             "compressors": args.compressors,
+            "reduce_scatter": "reduce_scatter" in getattr(args, "scale_ops", ()),
             "timeout": args.timeout,
         }
         procs.append(
@@ -493,7 +510,7 @@ SCALE_ALGOS = "oneshot,doubling,leaders,ring"
 
 def scale_table(records: Sequence[dict], setups: Sequence[dict]) -> str:
     """Many hosts: setup and sockets per rank, then each size's times beside gloo's and the ring
-    optimum 2 (H - 1) / H x S over the link's rate."""
+    optimum over the link's rate (all_reduce 2 (H - 1) / H x S, reduce_scatter (H - 1) / H x S)."""
     lines = ["Many hosts (setup: the group built and its first 4-byte all_reduce, slowest rank; sockets: "
              "the most a rank holds at the end):",
              f"{'hosts':>9} {'link':>9} {'braid setup':>12} {'sockets':>8} {'gloo setup':>11} {'sockets':>8}"]
@@ -503,12 +520,15 @@ def scale_table(records: Sequence[dict], setups: Sequence[dict]) -> str:
                      f"{u['gloo_sockets']:>8}")
     lines.append(f"{'hosts':>9} {'size':>8} {'impl':<18} {'algorithm':<13} {'ms':>9} {'vs gloo':>8} "
                  f"{'vs ring opt':>11}")
-    gloo = {(r["hosts"], r["per_host"], r["link_mbit"], r["bytes"]): r["time_us"] for r in records
-            if r["impl"] == "gloo"}
+    gloo = {(r["hosts"], r["per_host"], r["link_mbit"], r["bytes"], r.get("op")): r["time_us"]
+            for r in records if r["impl"] in ("gloo", "gloo-rs")}
     for r in records:
-        key = (r["hosts"], r["per_host"], r["link_mbit"], r["bytes"])
+        key = (r["hosts"], r["per_host"], r["link_mbit"], r["bytes"], r.get("op"))
         h = r["hosts"]
-        optimum = 2 * (h - 1) / h * r["bytes"] / (r["link_mbit"] * 1e6 / 8) if r["link_mbit"] else None
+        # The ring's bytes through each uplink: 2 (H - 1) / H of the message for all_reduce,
+        # half that for reduce_scatter.
+        factor = (1 if r.get("op") == "reduce_scatter" else 2) * (h - 1) / h
+        optimum = factor * r["bytes"] / (r["link_mbit"] * 1e6 / 8) if r["link_mbit"] else None
         vs_opt = f"{r['time_us'] / 1e6 / optimum:.2f}x" if optimum and r["bytes"] >= 1 << 20 else "-"
         lines.append(f"{str(h) + 'x' + str(r['per_host']):>9} {human_bytes(r['bytes']):>8} {r['impl']:<18} "
                      f"{r.get('algorithm') or '-':<13} {r['time_us'] / 1e3:>9.2f} "
@@ -561,7 +581,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     parser.add_argument(
         "--compressors",
         default="int8,int4,topk1%",
-        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)",
+        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)".replace("%", "%%"),
     )
     parser.add_argument("--iters", type=int, default=50, help="most iterations of a timed batch (default 50)")
     parser.add_argument(
@@ -604,6 +624,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
                         help="ranks on each of --hosts (default 1)")
     parser.add_argument("--scale-link", type=int, default=100,
                         help="Mbit/s of each host's uplink with --hosts (default 100; 0: unshaped)")
+    parser.add_argument("--scale-ops", type=lambda t: [x for x in t.split(",") if x], default=["all_reduce"],
+                        help="with --hosts, collectives timed: all_reduce and/or reduce_scatter "
+                             "(braid's and gloo's; default all_reduce)")
     parser.add_argument("--algos", default=SCALE_ALGOS,
                         help=f"with --hosts, braid's all_reduce algorithms timed forced beside its own "
                              f"choice (default {SCALE_ALGOS})")
@@ -613,6 +636,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     )
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rank_main is None and not set(args.scale_ops) <= {"all_reduce", "reduce_scatter"}:
+        parser.error(f"--scale-ops takes all_reduce and/or reduce_scatter, got {','.join(args.scale_ops)!r}")
     if args.rank_main:
         return rank_main(json.loads(args.rank_main))
     args.compressors = [c for c in args.compressors.split(",") if c]

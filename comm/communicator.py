@@ -229,6 +229,10 @@ class Communicator(CompressionHost, Group):
         self.last_wire_bytes: Optional[WireStats] = None
         tun.validate()  # before waiting for the peers: bad settings fail at once
         try:
+            if rank == 0 and world_size > 1:
+                # Drawn before rank 0 publishes anything: once the first gather completes, the
+                # secret is there for every rank to read without a wait of its own.
+                store.set(self._key("secret"), os.urandom(32).hex())
             host_ids = self._host_ids()
             self._hosts = host_ids
             self._c = _C.Communicator(rank, world_size, tun, self._timeout_s, host_ids)
@@ -254,7 +258,9 @@ class Communicator(CompressionHost, Group):
         self._store.set(self._key(f"{name}/{self._rank}"), value)
         keys = [self._key(f"{name}/{r}") for r in range(self._world_size)]
         self._wait(keys, what)
-        return [self._store.get(k).decode() for k in keys]
+        # One round trip for all N values (a get each would be N: at many hosts the bootstrap's
+        # store traffic per rank is then its share of the bytes, not N waits on the store).
+        return [v.decode() for v in self._store.multi_get(keys)]
 
     def _tell_peers(self, error: BaseException) -> None:
         """Publishes why this rank could not join, so that the others raise at once instead of
@@ -303,22 +309,23 @@ class Communicator(CompressionHost, Group):
         # Unlink once every rank has mapped every segment: nothing can leak after this point.
         if self._store.add(self._key("attached"), 1) == self._world_size:
             self._store.set(self._key("attached_all"), "1")
+        endpoints = self._publish_endpoint() if self._c.num_hosts > 1 else None
+        # Across hosts every rank published its endpoint after counting itself attached, so the
+        # endpoints' gather has already seen the count complete: this wait returns at once.
         self._wait([self._key("attached_all")], "map the shared memory")
         self._c.unlink_own()
-        if self._c.num_hosts > 1:
-            self._connect_hosts([p[2] for p in peers])
+        if endpoints is not None:
+            labels = [f"rank {r} ({endpoints[r]} on {peers[r][2]})" for r in range(self._world_size)]
+            self._c.connect_tcp(endpoints, labels)
 
-    def _connect_hosts(self, hostnames: Sequence[str]) -> None:
-        """TCP between the ranks of different hosts: a per-communicator secret from the store
-        (rank 0 draws it), every rank's endpoint published, then authenticated connections."""
-        if self._rank == 0:
-            self._store.set(self._key("secret"), os.urandom(32).hex())
-        self._wait([self._key("secret")], "publish the communicator's secret")
+    def _publish_endpoint(self) -> list:
+        """TCP between the ranks of different hosts: this rank listens, authenticating peers by
+        the communicator's secret (rank 0 drew it before the first gather), and every rank's
+        endpoint is gathered (connect_tcp then opens connections: by default when an algorithm
+        first uses a pair)."""
         secret = bytes.fromhex(self._store.get(self._key("secret")).decode())
         endpoint = self._c.listen_tcp(_bind_address(self._store), secret)
-        endpoints = self._gather("tcp", endpoint, "publish their TCP endpoints")
-        labels = [f"rank {r} ({endpoints[r]} on {hostnames[r]})" for r in range(self._world_size)]
-        self._c.connect_tcp(endpoints, labels)
+        return self._gather("tcp", endpoint, "publish their TCP endpoints")
 
     def _release_core(self):
         """Hands the C++ communicator to a new owner (the torch.distributed backend), which

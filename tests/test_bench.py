@@ -394,3 +394,15 @@ def test_deepspeed_peer_availability_named():
         why = deepspeed_peer.unavailable(dtype)
         assert why is not None and (f"no {dtype} kernel" if installed else "not installed") in why
     assert (deepspeed_peer.unavailable("float32") is None) == installed
+
+
+@pytest.mark.parametrize("name", sorted(importlib.import_module("braid.bench.__main__").BENCHMARKS))
+def test_every_benchmark_prints_its_help(name, capsys):
+    """`python -m braid.bench NAME --help` works for every registered benchmark (argparse formats
+    help strings lazily, so a stray '%' in one only shows here)."""
+    from braid.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out

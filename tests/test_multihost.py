@@ -38,7 +38,10 @@ LAYOUTS = {
     "3x1": [0, 1, 2],
     "1+2+1-interleaved": [1, 0, 2, 1],  # uneven hosts whose ranks are not contiguous
     "5x1": [0, 1, 2, 3, 4],  # log-round algorithms with a host past a power of two
+    "3x2": [0, 0, 1, 1, 2, 2],  # the ring between hosts inside the hierarchical algorithms
 }
+# Many hosts, for the tests that are not run at every layout (all_reduce_across_hosts is).
+MANY_HOSTS = {"4x2": [0, 0, 1, 1, 2, 2, 3, 3]}
 COUNTS = (0, 1, 2, 3, 7, 13, 63, 64, 65, 257, 1021, 1024 + 1, 4099, 12289)
 
 
@@ -94,6 +97,21 @@ def doubling_cross_host_reference(inputs, op, layout):
     host_op = "sum" if op == "avg" else op
     partials = [reduce_reference([inputs[r] for r in ranks], host_op, 1) for ranks in hosts_of(layout)]
     return doubling_reference(partials, op, len(layout))
+
+
+def reduce_scatter_reference(inputs, op, layout, rank):
+    """Rank ``rank``'s chunk of reduce_scatter across hosts: host partials (rank order, rounded),
+    then the hosts: in host order at two hosts (direct), around the ring from three, where the
+    block of host b is reduced in the host order b + 1, b + 2, ..., b (its owner last)."""
+    hosts = hosts_of(layout)
+    count = inputs[0].numel() // len(layout)
+    mine = slice(rank * count, (rank + 1) * count)
+    if len(hosts) <= 2:
+        return cross_host_reference(inputs, op, layout)[mine]
+    host_op = "sum" if op == "avg" else op
+    partials = [reduce_reference([inputs[r][mine] for r in ranks], host_op, 1) for ranks in hosts]
+    b = next(h for h, ranks in enumerate(hosts) if rank in ranks)
+    return reduce_reference([partials[(b + 1 + j) % len(hosts)] for j in range(len(hosts))], op, len(layout))
 
 
 def reference_of(algorithm):
@@ -241,15 +259,10 @@ def data_movement_across_hosts(rank, n, store_path, layout, seed):
                 log.check(f"all_to_all {dtype} {count}", out, expected, rank_specific=True)
                 for op in ("sum", "max", "avg"):
                     inp = [make_input(seed + 2, r, n * count, dtype) for r in range(n)]
-                    mine = slice(rank * count, (rank + 1) * count)
                     out = torch.full((count,), 7, dtype=dtype)
                     c.reduce_scatter(out, inp[rank].clone(), op=op)
-                    log.check(
-                        f"reduce_scatter {dtype} {count} {op}",
-                        out,
-                        cross_host_reference(inp, op, layout)[mine],
-                        rank_specific=True,
-                    )
+                    log.check(f"reduce_scatter {dtype} {count} {op}", out,
+                              reduce_scatter_reference(inp, op, layout, rank), rank_specific=True)
         # Uneven all_to_all: rank i sends (i + j) % 3 + 1 rows to rank j.
         sizes_in = [(rank + j) % 3 + 1 for j in range(n)]
         sizes_out = [(j + rank) % 3 + 1 for j in range(n)]
@@ -364,9 +377,10 @@ def test_ranks_forcing_different_algorithms_raise_a_mismatch():
         assert seen["type"] == "CollectiveMismatch", (r, seen)
 
 
-@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1", "1+2+1-interleaved", "5x1"])
+@pytest.mark.parametrize("name", ["2x1", "2x2-interleaved", "2+1+1", "1+2+1-interleaved", "5x1", "3x2",
+                                  "4x2"])
 def test_data_movement_across_hosts(name):
-    layout = LAYOUTS[name]
+    layout = {**LAYOUTS, **MANY_HOSTS}[name]
     assert_ranks_agree(run_ranks(data_movement_across_hosts, len(layout), layout, 5), min_cases=50)
 
 

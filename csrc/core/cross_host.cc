@@ -1,8 +1,10 @@
-// Collectives when the ranks span hosts: exact steps on each host's shared memory, direct
-// transfers between hosts over TCP, composed so that every byte crosses a host boundary as few
-// times as the collective needs. Results are bitwise identical on every rank: each element is
-// reduced once, in a fixed order (each host's ranks in rank order, then the hosts in host order),
-// and copied everywhere else.
+// Collectives when the ranks span hosts: exact steps on each host's shared memory, transfers
+// between hosts over TCP (directly at two hosts, around a ring or in log2 rounds at more),
+// composed so that every byte crosses a host boundary as few times as the collective needs.
+// Results are bitwise identical on every rank and from run to run: each element is reduced once,
+// in a fixed order (each host's ranks in rank order, then the hosts: in host order for direct
+// transfers, cyclically from the chunk's first member around a ring, by the fixed tree of
+// recursive doubling), and copied everywhere else.
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -60,15 +62,22 @@ PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vec
   g.desc = &d;
   return g;
 }
-// All-gather between hosts: direct at two members (each sends its block once either way), around
-// the ring from three (one neighbour each way instead of every member sending to every other at
-// once, as for all_reduce).
+// All-gather and reduce-scatter between hosts: direct at two members (each sends its block once
+// either way, in one step), around the ring from three (one neighbour each way instead of every
+// member sending to every other at once through its uplink, as for all_reduce; the same bytes).
 void gather_between_hosts(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
                           size_t piece_bytes) {
   if (g.size() > 2)
     ring_all_gather(g, in, out, bytes, piece_bytes);
   else
     direct_all_gather(g, in, out, bytes);
+}
+void reduce_scatter_between_hosts(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
+                                  const std::vector<size_t>& counts, int divisor, size_t piece_bytes) {
+  if (g.size() > 2)
+    ring_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
+  else
+    direct_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
 }
 }  // namespace
 
@@ -153,7 +162,7 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
     char* block = grouped;  // the regrouped input is no longer needed
     if (me == 0) {
       PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-      direct_reduce_scatter(g, dt, op, summed, block, counts, world_, tun_.cross_piece_bytes);
+      reduce_scatter_between_hosts(g, dt, op, summed, block, counts, world_, tun_.cross_piece_bytes);
     }
     host_step(CollKind::kBroadcast, dt, host_op, static_cast<size_t>(local) * count, 0, block, block);
     if (bytes > 0) std::memcpy(out, block + static_cast<size_t>(me) * bytes, bytes);
@@ -175,7 +184,8 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
   else
     part = grouped;
   PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
-  direct_reduce_scatter(g, dt, op, part, out, count, world_, tun_.cross_piece_bytes);
+  reduce_scatter_between_hosts(g, dt, op, part, out, std::vector<size_t>(static_cast<size_t>(hosts), count), world_,
+                               tun_.cross_piece_bytes);
 }
 
 void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d) {

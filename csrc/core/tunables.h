@@ -84,6 +84,10 @@ struct Tunables {
   // links: 0.65 against 0.99 ms at 4 hosts, 1.03 against 2.44 at 8, 1.5 against 5.4 at 16; equal
   // at 3 (docs/results/2026-11-26-xeon-2vcpu.md, "Many hosts"). At 2 hosts both are one exchange.
   int cross_doubling_min_hosts = 4;
+  // reduce_scatter and all_gather between hosts have no knob: directly at two hosts (one step
+  // either way), around the ring from three (one flow through each uplink instead of H - 1 at
+  // once, the same bytes). Measured: an 8 MiB reduce_scatter at 8 x 1 hosts on 100 Mbit took
+  // 670 ms around the ring against 864 ms direct (ring optimum 587 ms; same file, "Many hosts").
   // BRAID_CROSS_PIECE_BYTES: an owner reduces its part in pieces of this size as they arrive,
   // and sends each reduced piece on while the next ones travel.
   size_t cross_piece_bytes = 1024 * 1024;

@@ -66,6 +66,14 @@ namespace braid {
 void ring_all_reduce(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out, size_t count, int divisor,
                      size_t piece_bytes);
 
+// out = member me's block of the reduction of every member's `in` (blocks of counts[m] elements
+// in member order), around the ring in n - 1 steps of one block each, pieces of `piece_bytes`
+// pipelined: one flow per member each way instead of every member sending to every other at
+// once. Block b is reduced in the member order b + 1, b + 2, ..., b (cyclic), partials in the
+// accumulator type, rounded once by its owner (ring_p2p.cc).
+void ring_reduce_scatter(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
+                         const std::vector<size_t>& counts, int divisor, size_t piece_bytes);
+
 // out = the members' blocks in member order (member m's of bytes[m] bytes; `in` is this member's,
 // which may alias its place in `out`), passed around the ring in pieces of `piece_bytes`: n - 1
 // steps, one neighbour each way (ring_p2p.cc).
