@@ -580,8 +580,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     )
     parser.add_argument(
         "--compressors",
-        default="int8,int4,topk1%",
-        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none)".replace("%", "%%"),
+        default=None,
+        help=f"compressed all-reduces to time ({', '.join(COMPRESSORS)}; empty for none; default "
+             f"int8,int4,topk1%, none with --hosts)".replace("%", "%%"),
     )
     parser.add_argument("--iters", type=int, default=50, help="most iterations of a timed batch (default 50)")
     parser.add_argument(
@@ -640,6 +641,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         parser.error(f"--scale-ops takes all_reduce and/or reduce_scatter, got {','.join(args.scale_ops)!r}")
     if args.rank_main:
         return rank_main(json.loads(args.rank_main))
+    if args.compressors is None:
+        args.compressors = "" if args.hosts else "int8,int4,topk1%"
     args.compressors = [c for c in args.compressors.split(",") if c]
     for name in args.compressors:
         if name not in COMPRESSORS:
@@ -667,7 +670,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print(f"multihost: simulated hosts cannot be made here ({reason}); nothing measured")
         return 0
     if args.hosts:
-        args.compressors = []
         records, setups = run_scale(args)
         print()
         print(scale_table(records, setups))

@@ -262,7 +262,10 @@ void Communicator::cross_barrier(const CollectiveDesc& d) {
 void Communicator::cross_all_to_all(const void* in, void* out, size_t chunk, const CollectiveDesc& d) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
-  // The other hosts' chunks travel directly, each pair's in both directions at once.
+  // The other hosts' chunks travel directly, each pair's in both directions at once. (In H - 1
+  // rounds of host pairs, one host's chunks through each uplink at a time, the int8 all_reduce's
+  // all-to-all of 8 MiB at 8 x 1 hosts on 100 Mbit took 490 ms against 429 ms all at once: unlike
+  // the reductions, the exchange has no step to pipeline, and rounds only add waits.)
   std::vector<int> everyone(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) everyone[static_cast<size_t>(r)] = r;
   PeerGroup g = cross_group(tcp_.get(), &scratch_, everyone, rank_, d);
