@@ -2,7 +2,10 @@
 in builds with CUDA, on CUDA tensors staged through pinned host memory."""
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import itertools
+import json
 import operator
 import os
 import socket
@@ -85,6 +88,18 @@ class P2POp:
         return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
 
 
+def _trace_id(parts: Sequence[str]) -> str:
+    """A short name for a communicator, equal on every rank (from what every rank gathered)."""
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("braid")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
 
@@ -147,7 +162,8 @@ class Communicator(CompressionHost, Group):
             skew_rounds: tunables of the shared-memory transport; nsocks, socket_chunk_bytes,
             cross_oneshot_max_bytes, cross_piece_bytes: of the TCP transport between hosts;
             staging_chunk_bytes, staging_slots: of the pipeline for CUDA tensors (bytes per chunk
-            part, chunks in flight; every rank must use the same). ``None`` takes the ``BRAID_*``
+            part, chunks in flight; every rank must use the same); trace_buffer: calls the flight
+            recorder keeps (0: none; see :meth:`dump_trace`). ``None`` takes the ``BRAID_*``
             environment variable or the built-in default (README).
 
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
@@ -178,7 +194,8 @@ class Communicator(CompressionHost, Group):
                  cross_oneshot_max_bytes: Optional[int] = None,
                  cross_piece_bytes: Optional[int] = None,
                  staging_chunk_bytes: Optional[int] = None,
-                 staging_slots: Optional[int] = None):
+                 staging_slots: Optional[int] = None,
+                 trace_buffer: Optional[int] = None):
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         world_size, rank = _index(world_size, "world_size"), _index(rank, "rank")
@@ -199,7 +216,8 @@ class Communicator(CompressionHost, Group):
                                   ("spin_us", spin_us, float), ("yield_us", yield_us, float),
                                   ("nsocks", nsocks, int), ("socket_chunk_bytes", socket_chunk_bytes, int),
                                   ("cross_oneshot_max_bytes", cross_oneshot_max_bytes, int),
-                                  ("cross_piece_bytes", cross_piece_bytes, int)):
+                                  ("cross_piece_bytes", cross_piece_bytes, int),
+                                  ("trace_buffer", trace_buffer, int)):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
@@ -244,6 +262,7 @@ class Communicator(CompressionHost, Group):
             if device.type == "cuda":
                 self._stager(device, "device")
             self._bootstrap()
+            self._c.set_trace_identity(self._trace_id, host_ids, socket.gethostname(), _version())
         except BaseException as e:
             self._finalizer()
             self._tell_peers(e)
@@ -298,11 +317,15 @@ class Communicator(CompressionHost, Group):
         return host_numbers(self._gather("host", host_identity(), "join the communicator"))
 
     def _bootstrap(self) -> None:
-        if self._world_size == 1:
-            return
         me = f"{self._c.segment_name()}|{os.getpid()}|{socket.gethostname()}"
+        if self._world_size == 1:
+            self._trace_id = _trace_id([self._prefix, me])
+            return
         peers = []
-        for entry in self._gather("seg", me, "publish their shared memory"):
+        entries = self._gather("seg", me, "publish their shared memory")
+        # The flight recorder's name of this communicator: the same on every rank, new every run.
+        self._trace_id = _trace_id([self._prefix, *entries])
+        for entry in entries:
             name, pid, host = entry.split("|", 2)
             peers.append((name, int(pid), host))
         self._c.attach(peers)
@@ -356,6 +379,23 @@ class Communicator(CompressionHost, Group):
     def num_hosts(self) -> int:
         """Number of hosts the ranks span (told apart by host_identity())."""
         return self._c.num_hosts
+
+    def dump_trace(self, directory: Optional[str] = None) -> str:
+        """Writes this rank's flight recorder (its last calls: what, sizes, algorithm, bytes per
+        transport, state and times) as ``braid-trace-<id>-rank<R>.json`` in ``directory``
+        (default: ``BRAID_TRACE_DIR``) and returns the file's path. ``python -m braid.trace
+        analyze DIR`` reads the files of all ranks. The recorder keeps ``BRAID_TRACE_BUFFER``
+        calls (default 2000; 0 keeps none); with ``BRAID_TRACE_DIR`` set every rank also dumps
+        there when any rank meets CommTimeout, PeerError or CollectiveMismatch, and on the signal
+        ``BRAID_TRACE_SIGNAL`` names (e.g. USR1)."""
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+        return self._c.dump_trace(os.fspath(directory) if directory is not None else "", "dump_trace")
+
+    def trace(self) -> dict:
+        """The flight recorder's content now, as the dump would hold it (a dict; see
+        docs/trace.md)."""
+        return json.loads(self._c.trace_json("trace"))
 
     def connections(self) -> dict:
         """The TCP connections this rank holds now: ``{"peers": ranks on other hosts connected to,

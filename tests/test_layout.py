@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench"}
+PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench",
+            "braid.trace": ROOT / "trace"}
 # What the benchmarks and the tests share: the small models (and how they are split across ranks)
 # and the simulated hosts. They hold no benchmark logic and import no benchmark module; the tests
 # take nothing else from braid.bench, except test_bench.py, which tests the benchmarks themselves.

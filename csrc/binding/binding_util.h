@@ -26,8 +26,6 @@ namespace braid {
 
 namespace py = pybind11;
 
-inline const char* const kErrorClass[] = {"CommError", "CommError", "CommTimeout", "PeerError", "CollectiveMismatch", "CommClosed"};
-
 constexpr const char* kSupportedDTypes = "float32, float64, float16, bfloat16, int32, int64 and uint8";
 
 // The core's element type of a torch dtype, or nothing when the core has none.
@@ -80,7 +78,7 @@ inline void settle(const Work& done, c10::ivalue::Future& fut, const std::vector
   if (done.succeeded()) {
     fut.markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
   } else {
-    const char* cls = kErrorClass[static_cast<int>(done.error_kind())];
+    const char* cls = error_class_name(done.error_kind());
     fut.setError(std::make_exception_ptr(std::runtime_error(std::string(cls) + ": " + done.error_message())));
   }
 }

@@ -199,7 +199,9 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
-    w = c.submit_task([&c, a] { quantized_all_reduce(c, a); }, async ? keep : nullptr, async);
+    const double ratio = chunk > 0 ? static_cast<double>(cb) / (static_cast<double>(chunk) * 4.0) : -1.0;
+    w = c.submit_task([&c, a] { quantized_all_reduce(c, a); }, async ? keep : nullptr, async,
+                      {"compressed_all_reduce", DType::kFloat32, static_cast<uint64_t>(chunk) * n, ratio});
   }
   if (!async) return py::none();
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{g}));
@@ -249,14 +251,14 @@ float* checked_slice_floats(py::handle t, const char* name, size_t n, std::vecto
 
 // Runs `between_hosts` inside host_compressed_all_reduce as one unit of work on the communicator.
 py::object submit_host_compressed(Communicator& c, CheckedSlice& cs, std::function<void(const HostSlice&)> between_hosts,
-                                  bool async) {
+                                  bool async, double wire_ratio = -1.0) {
   auto keep = std::make_shared<std::vector<at::Tensor>>(cs.keep);
   const HostSlice s = cs.s;
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
     w = c.submit_task([&c, s, between_hosts] { host_compressed_all_reduce(c, s, [&] { between_hosts(s); }); },
-                      async ? keep : nullptr, async);
+                      async ? keep : nullptr, async, {"compressed_all_reduce", s.dtype, s.numel, wire_ratio});
   }
   if (!async) return py::none();
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{cs.keep[0]}));
@@ -294,8 +296,10 @@ py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor,
   a.residual = checked_slice_floats(residual, "residual", cs.s.slice, cs.keep, true);
   a.dtype = cs.s.dtype;
   a.in = a.out = cs.s.mine;
+  const double ratio = static_cast<double>(checked_payload_bytes(a.fmt, a.chunk, 1)) /
+                       (static_cast<double>(a.chunk) * static_cast<double>(dtype_size(a.dtype)));
   return submit_host_compressed(
-      c, cs, [&c, a, tag](const HostSlice&) { quantized_between_hosts(c, Scope::kCross, tag, a); }, async);
+      c, cs, [&c, a, tag](const HostSlice&) { quantized_between_hosts(c, Scope::kCross, tag, a); }, async, ratio);
 }
 
 // Every host has one rank: the whole quantized all-reduce between hosts, pipelined.
@@ -316,8 +320,10 @@ py::object pipelined_quantized_all_reduce_tensors(Communicator& c, py::handle te
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
+    const double ratio = static_cast<double>(checked_payload_bytes(a.fmt, a.chunk, 1)) /
+                         (static_cast<double>(a.chunk) * static_cast<double>(dtype_size(a.dtype)));
     w = c.submit_task([&c, a, tag] { quantized_between_hosts(c, Scope::kAll, tag, a); }, async ? held : nullptr,
-                      async);
+                      async, {"compressed_all_reduce", a.dtype, numel, ratio});
   }
   if (!async) return py::none();
   return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{data}));

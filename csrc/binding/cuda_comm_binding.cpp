@@ -97,6 +97,7 @@ Request request(CollKind kind, DType dtype, size_t count) {
 }
 
 py::object all_reduce(Communicator& c, const CudaStager& s, py::handle tensor, int op, bool async) {
+  RECORD_USER_SCOPE("braid::all_reduce");
   at::Tensor t = device_tensor(tensor, "tensor", s);
   Request r = request(CollKind::kAllReduce, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()));
   r.op = to_op(op, r.dtype, "tensor");
@@ -107,6 +108,7 @@ py::object all_reduce(Communicator& c, const CudaStager& s, py::handle tensor, i
 }
 
 py::object broadcast(Communicator& c, const CudaStager& s, py::handle tensor, int src, bool async) {
+  RECORD_USER_SCOPE("braid::broadcast");
   at::Tensor t = device_tensor(tensor, "tensor", s);
   if (src < 0 || src >= c.world_size())
     throw py::value_error("src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
@@ -119,6 +121,7 @@ py::object broadcast(Communicator& c, const CudaStager& s, py::handle tensor, in
 }
 
 py::object reduce_scatter(Communicator& c, const CudaStager& s, py::handle output, py::handle input, int op, bool async) {
+  RECORD_USER_SCOPE("braid::reduce_scatter");
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_whole_and_part(o, i, i, "input", o, "output", c.world_size());
@@ -133,6 +136,7 @@ py::object reduce_scatter(Communicator& c, const CudaStager& s, py::handle outpu
 }
 
 py::object all_gather(Communicator& c, const CudaStager& s, py::handle output, py::handle input, bool async) {
+  RECORD_USER_SCOPE("braid::all_gather");
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_whole_and_part(o, i, o, "output", i, "input", c.world_size());
@@ -146,6 +150,7 @@ py::object all_gather(Communicator& c, const CudaStager& s, py::handle output, p
 }
 
 py::object all_to_all(Communicator& c, const CudaStager& s, py::handle output, py::handle input, bool async) {
+  RECORD_USER_SCOPE("braid::all_to_all");
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_all_to_all(o, i, c.world_size());

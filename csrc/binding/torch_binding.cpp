@@ -25,6 +25,20 @@ namespace py = pybind11;
 namespace braid {
 namespace {
 
+// BRAID_TRACE_STACK=1 (read at import, or set_trace_stack()): the flight recorder keeps the
+// Python stack of each call issued here.
+bool g_trace_stack = false;
+
+std::string python_stack() {
+  try {
+    std::string out;
+    for (py::handle line : py::module_::import("traceback").attr("format_stack")()) out += line.cast<std::string>();
+    return out;
+  } catch (const py::error_already_set&) {
+    return {};
+  }
+}
+
 // Sends a request to the core; returns a PyWork for async calls, None otherwise. `staged` is the
 // output (or nothing, for barrier); `input` the staged input of out-of-place collectives. The
 // blocking path allocates nothing here: it is the latency of every small collective.
@@ -32,6 +46,7 @@ py::object dispatch(Communicator& c, Request req, bool async, const Staged* stag
   if (staged != nullptr && staged->copy_back()) {
     req.epilogue = [s = *staged] { s.user.copy_(s.buffer); };
   }
+  if (g_trace_stack) req.trace_stack = python_stack();
   if (!async) {
     py::gil_scoped_release nogil;
     c.submit(std::move(req), false);
@@ -54,6 +69,7 @@ py::object dispatch(Communicator& c, Request req, bool async, const Staged* stag
 }
 
 py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
+  RECORD_USER_SCOPE("braid::all_reduce");  // a named range in torch.profiler traces
   at::Tensor t = as_tensor(tensor, "tensor");
   Request r;
   r.kind = CollKind::kAllReduce;
@@ -67,6 +83,7 @@ py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
 }
 
 py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
+  RECORD_USER_SCOPE("braid::reduce_scatter");  // a named range in torch.profiler traces
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_whole_and_part(out, in, in, "input", out, "output", c.world_size());
@@ -84,6 +101,7 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
 }
 
 py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async, uint32_t tag) {
+  RECORD_USER_SCOPE("braid::all_gather");  // a named range in torch.profiler traces
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_whole_and_part(out, in, out, "output", in, "input", c.world_size());
@@ -101,6 +119,7 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
 }
 
 py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool async) {
+  RECORD_USER_SCOPE("braid::all_to_all");  // a named range in torch.profiler traces
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_all_to_all(out, in, c.world_size());
@@ -120,6 +139,7 @@ py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool
 py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
                         const std::optional<std::vector<int64_t>>& output_splits,
                         const std::optional<std::vector<int64_t>>& input_splits, bool async) {
+  RECORD_USER_SCOPE("braid::all_to_all_v");  // a named range in torch.profiler traces
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
@@ -140,6 +160,7 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
 }
 
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
+  RECORD_USER_SCOPE("braid::broadcast");  // a named range in torch.profiler traces
   at::Tensor t = as_tensor(tensor, "tensor");
   if (src < 0 || src >= c.world_size())
     throw py::value_error("src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
@@ -191,10 +212,12 @@ py::object submit_p2p(Communicator& c, P2PTransfer p, bool async) {
 }
 
 py::object send_tensor(Communicator& c, py::handle tensor, int dst, bool async) {
+  RECORD_USER_SCOPE("braid::send");  // a named range in torch.profiler traces
   return submit_p2p(c, make_p2p(c, true, tensor, dst, "tensor", "dst"), async);
 }
 
 py::object recv_tensor(Communicator& c, py::handle tensor, int src, bool async) {
+  RECORD_USER_SCOPE("braid::recv");  // a named range in torch.profiler traces
   return submit_p2p(c, make_p2p(c, false, tensor, src, "tensor", "src"), async);
 }
 
@@ -216,6 +239,7 @@ std::vector<py::object> p2p_batch(Communicator& c, const std::vector<std::tuple<
 }
 
 py::object barrier(Communicator& c, bool async) {
+  RECORD_USER_SCOPE("braid::barrier");  // a named range in torch.profiler traces
   Request r;
   r.kind = CollKind::kBarrier;
   return dispatch(c, std::move(r), async, nullptr, nullptr);
@@ -277,6 +301,9 @@ bool restore_pending_error() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace braid;
   m.doc() = "braid core: shared-memory collectives (torch binding)";
+  if (const char* s = std::getenv("BRAID_TRACE_STACK")) g_trace_stack = std::string(s) == "1";
+  m.def("set_trace_stack", [](bool on) { g_trace_stack = on; }, py::arg("on"),
+        "Whether the flight recorder keeps each call's Python stack (BRAID_TRACE_STACK=1 at import).");
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -284,7 +311,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     } catch (const CommError& e) {
       if (restore_pending_error()) return;
       py::object errors = py::module_::import("braid.comm.errors");
-      py::object cls = errors.attr(kErrorClass[static_cast<int>(e.kind())]);
+      py::object cls = errors.attr(error_class_name(e.kind()));
       PyErr_SetString(cls.ptr(), e.what());
     }
   });
@@ -319,7 +346,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("socket_chunk_bytes", &Tunables::socket_chunk_bytes)
       .def_readwrite("cross_oneshot_max_bytes", &Tunables::cross_oneshot_max_bytes)
       .def_readwrite("cross_doubling_min_hosts", &Tunables::cross_doubling_min_hosts)
-      .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes);
+      .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes)
+      .def_readwrite("trace_buffer", &Tunables::trace_buffer);
 
   py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")
       .def("wait", &PyWork::wait, py::arg("timeout") = py::none())
@@ -345,6 +373,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("connect_tcp", &Communicator::connect_tcp, py::arg("endpoints"), py::arg("labels"),
            py::call_guard<py::gil_scoped_release>())
+      .def("set_trace_identity",
+           [](Communicator& c, const std::string& comm_id, std::vector<int> hosts, const std::string& hostname,
+              const std::string& version) { c.set_trace_identity({comm_id, std::move(hosts), hostname, version}); },
+           py::arg("comm_id"), py::arg("hosts"), py::arg("hostname"), py::arg("version"))
+      .def("dump_trace", &Communicator::dump_trace, py::arg("directory"), py::arg("reason"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("trace_json", &Communicator::trace_json, py::arg("reason"))
+      .def_property_readonly("trace_dir", &Communicator::trace_dir)
       .def_property_readonly("tcp_bytes_sent", &Communicator::tcp_bytes_sent)
       .def_property_readonly("tcp_peers", &Communicator::tcp_peers)
       .def_property_readonly("tcp_sockets", &Communicator::tcp_sockets)

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "algorithms/algorithms.h"
@@ -28,7 +30,11 @@ CollectiveDesc describe_request(const Request& r, uint64_t seq) {
 }
 
 Communicator::Communicator(int rank, int world_size, Tunables tunables, double timeout_s, std::vector<int> host_ids)
-    : rank_(rank), world_(world_size), tun_(tunables), owner_pid_(static_cast<int>(::getpid())) {
+    : rank_(rank),
+      world_(world_size),
+      tun_(tunables),
+      owner_pid_(static_cast<int>(::getpid())),
+      trace_(tunables.trace_buffer <= (size_t(1) << 24) ? tunables.trace_buffer : 0) {
   if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
   if (rank < 0 || rank >= world_size) throw std::invalid_argument("rank must be in [0, world_size)");
   if (!host_ids.empty() && static_cast<int>(host_ids.size()) != world_size)
@@ -56,6 +62,8 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
   }
   if (world_ > 1)
     engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
+  if (const char* dir = std::getenv("BRAID_TRACE_DIR")) trace_dir_ = dir;
+  install_trace_signal();
 }
 
 Communicator::~Communicator() {
@@ -65,6 +73,7 @@ Communicator::~Communicator() {
     // group. Both are left behind (the thread ends once its queue is empty); the peers learn
     // nothing until their own deadline. Python's finalizer closes on another thread instead.
     closed_.store(true);
+    stop_watcher();
     engine_.release()->stop_detached();
     (void)group_.release();
     (void)tcp_.release();
@@ -194,8 +203,14 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if ((req.kind == CollKind::kAllReduce || req.kind == CollKind::kReduceScatter) && !op_supports(req.op, req.dtype))
     throw std::invalid_argument(std::string("reduce op ") + reduce_op_name(req.op) + " needs an integer dtype, got " +
                                 dtype_name(req.dtype));
+  if (trace_.on())
+    req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.root, nullptr, std::move(req.trace_stack));
   if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
-  if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
+  if (!async) {
+    req.trace_inline = true;
+    if (engine_->run_if_idle([&] { execute(req); })) return nullptr;
+    req.trace_inline = false;
+  }
   std::shared_ptr<Work> work;
   if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
     if (async)
@@ -235,10 +250,24 @@ void Communicator::poison(const CommError& e, bool in_p2p) {
 }
 
 std::shared_ptr<Work> Communicator::submit_task(std::function<void()> body, std::shared_ptr<void> keepalive,
-                                               bool async) {
+                                               bool async, const TaskTrace& trace) {
   check_open();
   check_not_poisoned();
   if (!async) check_may_block();
+  if (trace.label != nullptr && trace_.on()) {
+    const uint64_t id = trace_.issue(CollKind::kAllReduce, trace.dtype, ReduceOp::kSum, trace.count, -1, trace.label);
+    if (trace.wire_ratio >= 0) trace_.set_wire_ratio(id, trace.wire_ratio);
+    body = [this, id, b = std::move(body)] {
+      trace_.start(id, 0);
+      try {
+        b();
+      } catch (const std::exception& e) {
+        trace_.fail(id, e.what());
+        throw;
+      }
+      trace_.complete(id, nullptr, 0, 0);
+    };
+  }
   if (engine_->on_progress_thread()) return run_on_progress_thread(body, async);
   if (!async && engine_->run_if_idle(body)) return nullptr;
   auto work = std::make_shared<Work>([b = std::move(body), k = std::move(keepalive)] { b(); });
@@ -276,11 +305,30 @@ void Communicator::execute_local(Request& r) {
 }
 
 void Communicator::execute(Request& r) {
-  check_not_poisoned();
   const bool p2p = r.kind == CollKind::kSend || r.kind == CollKind::kRecv;
+  // Collectives that did not come through submit() (the steps of a composite call) are recorded
+  // here; the transfers of an all-to-all with split sizes are part of its entry.
+  // Issued and started here, by this thread: one time for both.
+  const bool here = r.trace_id == 0 || r.trace_inline;
+  if (r.trace_id == 0 && !p2p && trace_.on())
+    r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.root, nullptr, std::move(r.trace_stack));
+  try {
+    check_not_poisoned();
+  } catch (const CommError& e) {
+    trace_.fail(r.trace_id, e.what());
+    throw;
+  }
   // Point-to-point involves two ranks: it must not advance the collective sequence, which every
   // rank keeps in step.
   CollectiveDesc d = describe_request(r, p2p ? seq_ : ++seq_);
+  trace_.start(r.trace_id, p2p ? 0 : d.seq, here);
+  const uint64_t tcp_before = tcp_ ? tcp_->bytes_sent() : 0;
+  struct Executing {
+    std::atomic<int>& n;
+    explicit Executing(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
+    ~Executing() { n.fetch_sub(1); }
+  } executing{executing_};
+  auto algo = [&] { return d.algo != 0 ? algo_name(static_cast<Algo>(d.algo)) : nullptr; };
   try {
     if (world_ == 1) {
       execute_local(r);
@@ -296,8 +344,21 @@ void Communicator::execute(Request& r) {
     }
     if (r.epilogue) r.epilogue();
   } catch (const CommError& e) {
+    trace_.set_algo(r.trace_id, algo());
+    trace_.fail(r.trace_id, e.what());
     poison(e, p2p);
+    if (e.kind() == ErrorKind::kTimeout || e.kind() == ErrorKind::kPeer || e.kind() == ErrorKind::kMismatch)
+      dump_failure(std::string(error_class_name(e.kind())) + ": " + e.what());
     throw;
+  } catch (const std::exception& e) {
+    trace_.fail(r.trace_id, e.what());
+    throw;
+  }
+  if (r.trace_id != 0) {
+    const uint64_t payload = (r.kind == CollKind::kAllToAll ? r.count * static_cast<size_t>(world_) : r.count) *
+                             dtype_size(r.dtype);
+    trace_.complete(r.trace_id, algo(), topo_.local_world() > 1 ? payload : 0,
+                    (tcp_ ? tcp_->bytes_sent() : 0) - tcp_before);
   }
 }
 
@@ -346,6 +407,76 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
   }
 }
 
+void Communicator::set_trace_identity(TraceIdentity who) {
+  trace_who_ = std::move(who);
+  if (trace_dir_.empty() || watcher_.joinable() || closed_.load()) return;
+  if (tcp_) tcp_->set_notify_everyone(true);
+  if (world_ > 1 || trace_signals_configured()) watcher_ = std::thread([this] { watch_loop(); });
+}
+
+std::string Communicator::trace_json(const std::string& reason) const {
+  return trace_.to_json(trace_who_, rank_, world_, reason);
+}
+
+std::string Communicator::dump_trace(const std::string& dir, const std::string& reason) {
+  const std::string& where = dir.empty() ? trace_dir_ : dir;
+  if (where.empty())
+    throw std::invalid_argument("dump_trace needs a directory: pass one, or set BRAID_TRACE_DIR");
+  return write_dump(where, "braid-trace-" + trace_who_.comm_id + "-rank" + std::to_string(rank_) + ".json",
+                    trace_json(reason));
+}
+
+void Communicator::dump_failure(const std::string& reason) noexcept {
+  if (trace_dir_.empty() || trace_dumped_.exchange(true)) return;
+  try {
+    const std::string path = dump_trace(trace_dir_, reason);
+    std::fprintf(stderr, "braid: rank %d wrote its flight recorder to %s\n", rank_, path.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "braid: rank %d could not write its flight recorder: %s\n", rank_, e.what());
+  }
+}
+
+// Every 100 ms: a dump signal (each one dumps), or a failure a peer published while this rank
+// was not waiting on it (its own failures are dumped by the thread that meets them: while a
+// collective runs, that thread gets 2 s to meet the failure and dump with its call failed).
+void Communicator::watch_loop() {
+  uint64_t signals = trace_signals_seen();
+  std::chrono::steady_clock::time_point seen_failure{};
+  std::unique_lock<std::mutex> lk(watch_mu_);
+  while (!watch_stop_) {
+    watch_cv_.wait_for(lk, std::chrono::milliseconds(100));
+    if (watch_stop_) break;
+    lk.unlock();
+    const uint64_t seen = trace_signals_seen();
+    if (seen != signals) {
+      signals = seen;
+      try {
+        dump_trace(trace_dir_, "signal");
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "braid: rank %d could not write its flight recorder: %s\n", rank_, e.what());
+      }
+    }
+    if (!trace_dumped_.load()) {
+      std::string why = group_ ? group_->peer_failure() : std::string();
+      if (why.empty() && tcp_) why = tcp_->reported_failure();
+      const auto now = std::chrono::steady_clock::now();
+      if (!why.empty() && seen_failure == std::chrono::steady_clock::time_point{}) seen_failure = now;
+      if (!why.empty() && (executing_.load() == 0 || now - seen_failure > std::chrono::seconds(2)))
+        dump_failure("PeerError: " + why);
+    }
+    lk.lock();
+  }
+}
+
+void Communicator::stop_watcher() {
+  {
+    std::lock_guard<std::mutex> lk(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
 void Communicator::abort() {
   if (closed_.load() || in_forked_child()) return close();
   const std::string msg = "rank " + std::to_string(rank_) + " aborted the communicator";
@@ -375,8 +506,10 @@ void Communicator::close() {
     (void)engine_.release();
     (void)group_.release();
     (void)tcp_.release();
+    if (watcher_.joinable()) (void)new std::thread(std::move(watcher_));  // the parent's: leaked
     return;
   }
+  stop_watcher();
   engine_->shutdown();
   if (group_) group_->mark_left();
   group_.reset();

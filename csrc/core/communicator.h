@@ -4,10 +4,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtype.h"
@@ -18,6 +20,7 @@
 #include "progress_engine.h"
 #include "scratch.h"
 #include "topology.h"
+#include "trace.h"
 #include "transport/shm/group.h"
 #include "transport/tcp/tcp_transport.h"
 #include "tunables.h"
@@ -64,6 +67,11 @@ struct Request {
   // send/recv: bytes already moved when it was issued (Communicator::p2p_now); the progress
   // thread goes on from there.
   size_t moved = 0;
+  // The flight recorder's entry (0: recorded when it starts), and the caller's stack for it
+  // (BRAID_TRACE_STACK=1; empty otherwise).
+  uint64_t trace_id = 0;
+  bool trace_inline = false;  // run by the thread that issued it, at once
+  std::string trace_stack;
 };
 
 // A recv's root that matches the first message from any peer (as MPI_ANY_SOURCE): among the
@@ -117,7 +125,10 @@ class Communicator {
   // A composite operation (e.g. a compressed all-reduce): `body` runs in issue order on the
   // executing thread like one collective, and issues its collectives with run_collective(), so
   // that no other work can slip between them. `keepalive` is released when the body is done.
-  std::shared_ptr<Work> submit_task(std::function<void()> body, std::shared_ptr<void> keepalive, bool async);
+  // `trace`: how the flight recorder names the call (the collectives it issues are recorded
+  // each on their own as well).
+  std::shared_ptr<Work> submit_task(std::function<void()> body, std::shared_ptr<void> keepalive, bool async,
+                                    const TaskTrace& trace = {});
   // Runs one collective now, on the calling thread: only from inside a submit_task body.
   void run_collective(Request& r);
   // Runs `body` as one collective among ranks that are all on different hosts: the ranks of
@@ -154,6 +165,18 @@ class Communicator {
   // collective then fails, and closing is left to the caller).
   void abort();
   bool closed() const { return closed_.load(); }
+
+  // The flight recorder (trace.h). The identity goes into every dump; once it is set, and when
+  // BRAID_TRACE_DIR names a directory, a watcher thread dumps there when a peer reports a
+  // failure while this rank is elsewhere, or on BRAID_TRACE_SIGNAL. This rank's own failures
+  // (CommTimeout, PeerError, CollectiveMismatch) are dumped by the thread that meets them.
+  void set_trace_identity(TraceIdentity who);
+  // Writes this rank's dump into `dir` (BRAID_TRACE_DIR when empty); returns the file's path.
+  std::string dump_trace(const std::string& dir, const std::string& reason);
+  std::string trace_json(const std::string& reason) const;
+  const std::string& trace_dir() const { return trace_dir_; }
+  // A compressed call's wire ratio, for the entry of the collective issued last on this thread.
+  Recorder& recorder() { return trace_; }
 
  private:
   // The shared-memory all_reduce algorithm for a message on this host's group.
@@ -234,6 +257,22 @@ class Communicator {
   uint64_t seq_ = 0;  // only touched by the executing thread (the engine serializes)
   std::atomic<bool> closed_{false};
   std::atomic<bool> p2p_waiting_{false};  // run_p2p sleeps: new work must wake it
+  // The flight recorder.
+  Recorder trace_;
+  std::string trace_dir_;  // BRAID_TRACE_DIR at construction
+  TraceIdentity trace_who_;
+  std::atomic<bool> trace_dumped_{false};  // the failure dump is written once
+  std::atomic<int> executing_{0};          // collectives running now (their failure dumps first)
+  std::thread watcher_;
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;
+  void watch_loop();
+  void stop_watcher();
+  // The dump of a failure (once per communicator; errors writing it go to stderr).
+  void dump_failure(const std::string& reason) noexcept;
+  // A point-to-point request's entry: completed (bytes by the peer's transport) or failed.
+  void trace_p2p_done(const Request& r, const char* error);
   std::mutex poison_mu_;
   std::atomic<bool> poisoned_{false};  // set once poison_kind_ is; read without the lock
   ErrorKind poison_kind_ = ErrorKind::kNone;

@@ -31,6 +31,9 @@ class CommError : public std::runtime_error {
   ErrorKind kind_;
 };
 
+// The Python class an error kind raises as (CommTimeout, PeerError, ...), for messages.
+const char* error_class_name(ErrorKind k);
+
 // Thrown for errno-carrying system call failures during setup.
 [[noreturn]] void throw_system_error(const std::string& what, int err);
 

@@ -80,12 +80,24 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
   if (!ran || (!finished && kind == ErrorKind::kNone)) return nullptr;
   auto work = std::make_shared<Work>([] {});
   work->set_engine(engine_.get());
+  trace_p2p_done(r, kind != ErrorKind::kNone ? msg.c_str() : nullptr);
   if (kind != ErrorKind::kNone)
     work->fail(kind, msg);
   else
     work->complete();
   r.keepalive.reset();
   return work;
+}
+
+void Communicator::trace_p2p_done(const Request& r, const char* error) {
+  if (r.trace_id == 0) return;
+  if (error != nullptr) {
+    trace_.fail(r.trace_id, error);
+    return;
+  }
+  const uint64_t bytes = r.count * dtype_size(r.dtype);
+  const bool here = r.root < 0 || topo_.host_of[static_cast<size_t>(r.root)] == topo_.host;
+  trace_.complete(r.trace_id, nullptr, here ? bytes : 0, here ? 0 : bytes);
 }
 
 std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Request> reqs,
@@ -266,6 +278,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         const size_t before = active[i].op.off;
         if (p2p_advance(active[i].op)) {
           if (active[i].req->epilogue) active[i].req->epilogue();
+          trace_p2p_done(*active[i].req, nullptr);
           std::shared_ptr<Work> w = std::move(active[i].work);
           active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
           w->complete();
@@ -300,9 +313,13 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
     }
   } catch (const CommError& e) {
     poison(e, true);
+    for (auto& a : active) trace_p2p_done(*a.req, e.what());
     for (auto& a : active) a.work->fail(e.kind(), e.what());
     for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(e.kind(), e.what());
+    if (e.kind() == ErrorKind::kTimeout || e.kind() == ErrorKind::kPeer)
+      dump_failure(std::string(error_class_name(e.kind())) + ": " + e.what());
   } catch (const std::exception& e) {
+    for (auto& a : active) trace_p2p_done(*a.req, e.what());
     for (auto& a : active) a.work->fail(ErrorKind::kGeneric, e.what());
     for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(ErrorKind::kGeneric, e.what());
   }

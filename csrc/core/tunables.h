@@ -98,6 +98,11 @@ struct Tunables {
   // unreachable host then surface there, and the first collective pays no setup).
   bool tcp_lazy = true;
 
+  // The flight recorder (trace.h). BRAID_TRACE_BUFFER: calls each communicator remembers, 0 for
+  // none. Each state change costs one uncontended lock and a few stores: within the noise of a
+  // 4 KiB all_reduce on one host (bench/trace.py; docs/results, "Flight recorder").
+  size_t trace_buffer = 2000;
+
   static Tunables from_env();
   // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,
   // spin budget, skew.

@@ -116,6 +116,9 @@ class ShmGroup : public Transport {
   void publish_failure(ErrorKind kind, const std::string& msg, bool after_collective = false) noexcept;
   // Announces a normal departure: peers still waiting on this rank fail with PeerError.
   void mark_left() noexcept;
+  // A peer's published failure as "message [reported by rank r]", or empty; never raises (for a
+  // watcher that is not waiting: the flight recorder's).
+  std::string peer_failure() const;
   // From any thread: the thread running this rank's collectives fails its current or next wait
   // with CommError(`kind`, `msg`) (and, through the communicator, publishes it to the peers). Sticky.
   void request_abort(const std::string& msg, ErrorKind kind = ErrorKind::kGeneric);

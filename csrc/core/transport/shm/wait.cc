@@ -101,6 +101,17 @@ void ShmGroup::check_abort_at(uint64_t seq) {
   if (!any_failed) raise_abort();
 }
 
+std::string ShmGroup::peer_failure() const {
+  if (hub_ == nullptr || hub_->abort_epoch.load(std::memory_order_acquire) == 0) return {};
+  for (int r = 0; r < world_; ++r) {
+    const SegmentHeader* h = headers_[r];
+    if (r == rank_ || h->state.load(std::memory_order_acquire) != kStateFailed) continue;
+    return std::string(h->error_msg, strnlen(h->error_msg, sizeof(h->error_msg))) + " [reported by " + rank_name(r) +
+           "]";
+  }
+  return {};
+}
+
 void ShmGroup::raise_abort() {
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;

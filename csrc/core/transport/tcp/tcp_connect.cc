@@ -252,11 +252,13 @@ void TcpTransport::serve_request(int peer) {
   }
 }
 
-void TcpTransport::notify_failure(ErrorKind kind, const std::string& text) noexcept {
+void TcpTransport::notify_failure(ErrorKind kind, const std::string& text, bool everyone) noexcept {
   const auto deadline = Clock::now() + kNoticeBudget;
   const std::string message = error_record(kind, text);
   for (int r = 0; r < world_ && Clock::now() < deadline; ++r) {
-    if (!remote_[static_cast<size_t>(r)] || ready(r)) continue;  // connected peers get an abort frame
+    // Connected peers get an abort frame (read when they next wait on this rank); with
+    // `everyone`, a notice too, which their acceptor takes at once.
+    if (!remote_[static_cast<size_t>(r)] || (ready(r) && !everyone)) continue;
     try {
       Fd fd = handshake_connect(r, kNoticeChannel, 0, deadline);
       std::string why;

@@ -336,6 +336,12 @@ void TcpTransport::wake() noexcept {
   if (wake_fd_) (void)!::write(wake_fd_.get(), &one, sizeof(one));
 }
 
+std::string TcpTransport::reported_failure() {
+  if (!peer_reported_.load() || !abort_requested_.load(std::memory_order_acquire)) return {};
+  std::lock_guard<std::mutex> lk(abort_mu_);
+  return abort_msg_;
+}
+
 void TcpTransport::request_abort(const std::string& msg, ErrorKind kind) {
   {
     std::lock_guard<std::mutex> lk(abort_mu_);
@@ -358,8 +364,8 @@ void TcpTransport::publish_failure(ErrorKind kind, const std::string& msg) noexc
     failed_kind_ = kind == ErrorKind::kNone ? ErrorKind::kGeneric : kind;
     failed_text_ = text;
   }
-  if (kind != ErrorKind::kTimeout && kind != ErrorKind::kClosed && !peer_reported_.load())
-    notify_failure(failed_kind_, text);
+  const bool tell = kind != ErrorKind::kClosed && (notify_everyone_ || kind != ErrorKind::kTimeout);
+  if (tell && !peer_reported_.load()) notify_failure(failed_kind_, text, notify_everyone_);
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer& p = peers_[r];
     // The acceptor may be connecting to this peer (a request): its sockets are written then.

@@ -80,6 +80,13 @@ class TcpTransport : public Transport {
   // failure does not cascade into every rank telling every other). A peer that connects
   // later is answered with the failure.
   void publish_failure(ErrorKind kind, const std::string& msg) noexcept;
+  // With the flight recorder's dumps on: failures (timeouts included) go as notices to every
+  // rank on another host, connected or not, so that a rank busy elsewhere learns of them (its
+  // acceptor takes the notice) and dumps its trace too.
+  void set_notify_everyone(bool on) { notify_everyone_ = on; }
+  // A failure a peer reported (a notice or an abort frame) as "message [reported by ...]", or
+  // empty. From any thread.
+  std::string reported_failure();
   // From any thread: the waiting thread fails its current or next wait with CommError(kind, msg).
   void request_abort(const std::string& msg, ErrorKind kind);
   // Closes every socket (normal departure: peers still waiting on this rank get PeerError).
@@ -123,7 +130,8 @@ class TcpTransport : public Transport {
   // One authenticated socket to `peer` (channel kRequestChannel: a request to connect back).
   Fd handshake_connect(int peer, int channel, int index, Clock::time_point deadline);
   void serve_request(int peer);
-  void notify_failure(ErrorKind kind, const std::string& text) noexcept;
+  void notify_failure(ErrorKind kind, const std::string& text, bool everyone) noexcept;
+  bool notify_everyone_ = false;
   void start(Lane& lane, const P2POp& op);
   bool pump_send(Peer& p, int peer, Lane& lane, P2POp& op);
   bool pump_recv(Peer& p, int peer, Lane& lane, P2POp& op);

@@ -1,0 +1,108 @@
+// The flight recorder: each communicator's last calls in a ring buffer (what was called, the
+// algorithm chosen, bytes per transport, state and times, the issuing thread, optionally the
+// Python stack), written as one JSON file per rank when something goes wrong so that
+// `python -m braid.trace analyze DIR` can name the rank and the call where ranks diverged.
+//
+// Cost: one uncontended lock and a few stores per state change (issued, started, completed);
+// strings are copied only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off. The dump
+// format is docs/trace.md's ("braid-trace", version 1).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collective.h"
+#include "dtype.h"
+
+namespace braid {
+
+enum class TraceState : uint8_t { kIssued = 0, kStarted = 1, kCompleted = 2, kFailed = 3 };
+
+struct TraceEntry {
+  uint64_t id = 0;   // 1-based count of calls recorded (0: an empty slot)
+  uint64_t seq = 0;  // the collective's sequence number once started (0: none, or point-to-point)
+  CollKind kind = CollKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = -1;  // broadcast: the source; send / recv: the peer
+  uint64_t count = 0;
+  const char* label = nullptr;  // a name other than the kind's (static storage), or null
+  const char* algo = nullptr;   // static storage, or null
+  uint64_t shm_bytes = 0, tcp_bytes = 0;
+  double wire_ratio = -1.0;  // < 0: not a compressed call
+  TraceState state = TraceState::kIssued;
+  int64_t issued_us = 0, started_us = 0, completed_us = 0;
+  long thread = 0;
+  std::string error;
+  std::string stack;
+};
+
+// A composite call as the recorder names it (Communicator::submit_task): e.g. a compressed
+// all_reduce of `count` elements of `dtype`, `wire_ratio` its bytes on the wire over the exact
+// call's (< 0: not known).
+struct TaskTrace {
+  const char* label = nullptr;  // static storage; null: not recorded as a call of its own
+  DType dtype = DType::kFloat32;
+  uint64_t count = 0;
+  double wire_ratio = -1.0;
+};
+
+// What a dump says of the communicator beside its entries.
+struct TraceIdentity {
+  std::string comm_id;          // the same on every rank of the communicator
+  std::vector<int> hosts;       // host index of every rank
+  std::string hostname;
+  std::string version;          // braid's
+};
+
+class Recorder {
+ public:
+  explicit Recorder(size_t capacity) : slots_(capacity) {}
+  bool on() const { return !slots_.empty(); }
+  size_t capacity() const { return slots_.size(); }
+
+  // A new call; returns its id (0 when the recorder is off).
+  uint64_t issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
+                 std::string stack = {});
+  // `at_issue`: the call starts on the thread that issued it, right after (its start time is
+  // its issue time: one clock read fewer on the latency of every blocking call).
+  void start(uint64_t id, uint64_t seq, bool at_issue = false);
+  void set_algo(uint64_t id, const char* algo);
+  void set_wire_ratio(uint64_t id, double ratio);
+  void complete(uint64_t id, const char* algo, uint64_t shm_bytes, uint64_t tcp_bytes);
+  void fail(uint64_t id, const std::string& error);
+
+  // The dump (docs/trace.md) of the entries recorded so far, oldest first.
+  std::string to_json(const TraceIdentity& who, int rank, int world, const std::string& reason) const;
+
+ private:
+  TraceEntry* find(uint64_t id);  // under mu_; null when overwritten since
+
+  mutable std::mutex mu_;
+  std::vector<TraceEntry> slots_;
+  uint64_t recorded_ = 0;
+};
+
+// Microseconds since the epoch (system clock: comparable between the ranks of a host, and
+// between hosts as far as their clocks agree).
+int64_t wall_us();
+// The calling thread's OS id.
+long os_thread_id();
+// Writes `text` to `dir`/`name` through a temporary file renamed into place (a reader never sees
+// half a dump); creates `dir` if needed. Returns the path; throws std::runtime_error naming it.
+std::string write_dump(const std::string& dir, const std::string& name, const std::string& text);
+
+// BRAID_TRACE_SIGNAL: the signal (a number, or a name such as USR1 or SIGUSR1) on which every
+// communicator with a dump directory dumps. Installs the handler once; returns the count of
+// signals seen so far (a watcher dumps when it changes). 0 when none is configured.
+uint64_t trace_signals_seen();
+void install_trace_signal();
+bool trace_signals_configured();  // whether install_trace_signal() installed a handler
+
+}  // namespace braid
