@@ -5,6 +5,7 @@ killed rank), on one host and across simulated hosts, and what the analyzer make
 Each scenario runs its ranks with BRAID_TRACE_DIR set to a fresh directory; the test process
 then reads the dumps with braid.trace as a user would.
 """
+import json
 import os
 import signal
 import tempfile
@@ -91,20 +92,20 @@ def one_rank_stops(rank, n, store_path, directory, layout, quiet):
     return seen
 
 
-def sizes_differ(rank, n, store_path, directory):
+def sizes_differ(rank, n, store_path, directory, layout):
     """Rank 1 all-reduces 300 elements where the others reduce 256."""
     with environment({"BRAID_TRACE_DIR": directory}):
-        c = make_comm(rank, n, store_path, timeout=10.0)
+        c = _comm(rank, n, store_path, layout, timeout=10.0)
     c.all_reduce(torch.ones(4))
     seen = outcome(c.all_reduce, torch.ones(300 if rank == 1 else 256))
     c.close()
     return seen
 
 
-def rank_killed(rank, n, store_path, directory):
+def rank_killed(rank, n, store_path, directory, layout):
     """Rank 2 dies (no close) after one collective; the survivors' next one fails."""
     with environment({"BRAID_TRACE_DIR": directory}):
-        c = make_comm(rank, n, store_path, timeout=10.0)
+        c = _comm(rank, n, store_path, layout, timeout=10.0)
     c.all_reduce(torch.ones(64))
     if rank == 2:
         os._exit(3)
@@ -192,20 +193,32 @@ def test_a_rank_that_stops_is_named(layout, quiet):
         assert f"rank {quiet}" in trace.render(report)
 
 
-def test_a_size_mismatch_names_the_field():
+HOSTS = pytest.mark.parametrize("layout", [None, [0, 0, 1]], ids=["one-host", "2+1-hosts"])
+
+
+@HOSTS
+def test_a_size_mismatch_names_the_field(layout):
+    """The field and every rank's value; the Chrome export of the same dumps has one slice per
+    recorded call."""
     with tempfile.TemporaryDirectory() as d:
-        results = run_ranks(sizes_differ, 3, d)
+        results = run_ranks(sizes_differ, 3, d, layout)
         assert all(r["type"] in ("CollectiveMismatch", "PeerError") for r in results), results
         assert len(_wait_for_dumps(d, 3)) == 3
-        div = trace.analyze(trace.load(d))["first_divergence"]
+        dumps = trace.load(d)
+        div = trace.analyze(dumps)["first_divergence"]
         assert div["mismatch"]["field"] == "count", div
         assert {int(k): v for k, v in div["mismatch"]["values"].items()} == {0: 256, 1: 300, 2: 256}, div
+        chrome = json.loads(json.dumps(trace.to_chrome(dumps)))
+        slices = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+        assert len(slices) == sum(len(x.entries) for x in dumps), chrome
+        assert {e["pid"] for e in slices} == {1, 2, 3}
 
 
-def test_a_killed_rank_leaves_no_dump_and_is_said():
+@HOSTS
+def test_a_killed_rank_leaves_no_dump_and_is_said(layout):
     with tempfile.TemporaryDirectory() as d:
         with pytest.raises(RankFailure, match="rank 2"):  # its process exited
-            run_ranks(rank_killed, 3, d)
+            run_ranks(rank_killed, 3, d, layout)
         files = _wait_for_dumps(d, 2)
         assert len(files) == 2 and not any(f.endswith("rank2.json") for f in files), files
         report = trace.analyze(trace.load(d))

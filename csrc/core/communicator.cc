@@ -323,10 +323,12 @@ void Communicator::execute(Request& r) {
   CollectiveDesc d = describe_request(r, p2p ? seq_ : ++seq_);
   trace_.start(r.trace_id, p2p ? 0 : d.seq, here);
   const uint64_t tcp_before = tcp_ ? tcp_->bytes_sent() : 0;
+  // One thread runs collectives at a time (the engine serializes them; a composite call's steps
+  // nest on it): plain stores, read by the recorder's watcher.
   struct Executing {
     std::atomic<int>& n;
-    explicit Executing(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
-    ~Executing() { n.fetch_sub(1); }
+    explicit Executing(std::atomic<int>& c) : n(c) { n.store(n.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
+    ~Executing() { n.store(n.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed); }
   } executing{executing_};
   auto algo = [&] { return d.algo != 0 ? algo_name(static_cast<Algo>(d.algo)) : nullptr; };
   try {

@@ -13,6 +13,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
 
 namespace braid {
 
@@ -26,20 +31,55 @@ long os_thread_id() {
   return tid;
 }
 
-TraceEntry* Recorder::find(uint64_t id) {
-  if (id == 0 || slots_.empty()) return nullptr;
-  TraceEntry& e = slots_[(id - 1) % slots_.size()];
-  return e.id == id ? &e : nullptr;
+namespace {
+// The recorder's clock: a tick counter read in a few nanoseconds (the TSC, constant-rate on every
+// x86-64 CPU of the last decade; the kernel's own clocksource on such machines), else the steady
+// clock's nanoseconds. Converted to wall time at a dump, from two readings of both.
+inline uint64_t ticks() {
+#if defined(__x86_64__)
+  return __rdtsc();
+#else
+  return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+Recorder::Recorder(size_t capacity)
+    : capacity_(capacity),
+      slots_(capacity != 0 ? new Slot[capacity] : nullptr),
+      errors_(capacity),
+      stacks_(capacity),
+      tick0_(ticks()),
+      wall0_ns_(wall_ns()) {}
+
+template <class F>
+void Recorder::update(uint64_t id, F&& write) {
+  if (id == 0) return;
+  Slot& e = slots_[(id - 1) % capacity_];
+  if (e.id != id) return;  // overwritten by a later call (a ring smaller than the calls in flight)
+  const uint32_t v = e.version.load(std::memory_order_relaxed);
+  e.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  write(e);
+  e.version.store(v + 2, std::memory_order_release);
 }
 
 uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
                          std::string stack) {
-  if (slots_.empty()) return 0;
-  const int64_t now = wall_us();
-  const long tid = os_thread_id();
-  std::lock_guard<std::mutex> lk(mu_);
-  const uint64_t id = ++recorded_;
-  TraceEntry& e = slots_[(id - 1) % slots_.size()];
+  if (capacity_ == 0) return 0;
+  const uint64_t now = ticks();
+  const uint64_t id = recorded_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const size_t at = (id - 1) % capacity_;
+  Slot& e = slots_[at];
+  const bool had_text = e.has_text;
+  const uint32_t v = e.version.load(std::memory_order_relaxed);
+  e.version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
   e.id = id;
   e.seq = 0;
   e.kind = kind;
@@ -52,60 +92,96 @@ uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count
   e.shm_bytes = e.tcp_bytes = 0;
   e.wire_ratio = -1.0;
   e.state = TraceState::kIssued;
-  e.issued_us = now;
-  e.started_us = e.completed_us = 0;
-  e.thread = tid;
-  if (!e.error.empty()) e.error.clear();
-  e.stack = std::move(stack);
+  e.issued = now;
+  e.started = e.completed = 0;
+  e.thread = os_thread_id();
+  e.has_text = !stack.empty();
+  e.version.store(v + 2, std::memory_order_release);
+  if (had_text || !stack.empty()) {  // rare: a stack recorded, or the slot held one or an error
+    std::lock_guard<std::mutex> lk(text_mu_);
+    errors_[at].clear();
+    stacks_[at] = std::move(stack);
+  }
   return id;
 }
 
 void Recorder::start(uint64_t id, uint64_t seq, bool at_issue) {
-  if (id == 0) return;
-  const int64_t now = at_issue ? 0 : wall_us();
-  std::lock_guard<std::mutex> lk(mu_);
-  if (TraceEntry* e = find(id)) {
-    e->seq = seq;
-    e->state = TraceState::kStarted;
-    e->started_us = at_issue ? e->issued_us : now;
-  }
+  const uint64_t now = at_issue || id == 0 ? 0 : ticks();
+  update(id, [&](Slot& e) {
+    e.seq = seq;
+    e.state = TraceState::kStarted;
+    e.started = at_issue ? e.issued : now;
+  });
 }
 
 void Recorder::set_algo(uint64_t id, const char* algo) {
-  if (id == 0) return;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (TraceEntry* e = find(id)) e->algo = algo;
+  update(id, [&](Slot& e) { e.algo = algo; });
 }
 
 void Recorder::set_wire_ratio(uint64_t id, double ratio) {
-  if (id == 0) return;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (TraceEntry* e = find(id)) e->wire_ratio = ratio;
+  update(id, [&](Slot& e) { e.wire_ratio = ratio; });
 }
 
 void Recorder::complete(uint64_t id, const char* algo, uint64_t shm_bytes, uint64_t tcp_bytes) {
   if (id == 0) return;
-  const int64_t now = wall_us();
-  std::lock_guard<std::mutex> lk(mu_);
-  if (TraceEntry* e = find(id)) {
-    if (algo != nullptr) e->algo = algo;
-    e->shm_bytes = shm_bytes;
-    e->tcp_bytes = tcp_bytes;
-    e->state = TraceState::kCompleted;
-    if (e->started_us == 0) e->started_us = now;
-    e->completed_us = now;
-  }
+  const uint64_t now = ticks();
+  update(id, [&](Slot& e) {
+    if (algo != nullptr) e.algo = algo;
+    e.shm_bytes = shm_bytes;
+    e.tcp_bytes = tcp_bytes;
+    e.state = TraceState::kCompleted;
+    if (e.started == 0) e.started = now;
+    e.completed = now;
+  });
 }
 
 void Recorder::fail(uint64_t id, const std::string& error) {
   if (id == 0) return;
-  const int64_t now = wall_us();
-  std::lock_guard<std::mutex> lk(mu_);
-  if (TraceEntry* e = find(id)) {
-    e->state = TraceState::kFailed;
-    e->completed_us = now;
-    e->error = error.empty() ? "failed" : error;
+  const uint64_t now = ticks();
+  {
+    std::lock_guard<std::mutex> lk(text_mu_);
+    errors_[(id - 1) % capacity_] = error.empty() ? "failed" : error;
   }
+  update(id, [&](Slot& e) {
+    e.state = TraceState::kFailed;
+    e.completed = now;
+    e.has_text = true;
+  });
+}
+
+bool Recorder::snapshot(size_t at, TraceEntry& out) const {
+  const Slot& e = slots_[at];
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const uint32_t v = e.version.load(std::memory_order_acquire);
+    if (v & 1u) continue;
+    out.id = e.id;
+    out.seq = e.seq;
+    out.kind = e.kind;
+    out.dtype = e.dtype;
+    out.op = e.op;
+    out.root = e.root;
+    out.count = e.count;
+    out.label = e.label;
+    out.algo = e.algo;
+    out.shm_bytes = e.shm_bytes;
+    out.tcp_bytes = e.tcp_bytes;
+    out.wire_ratio = e.wire_ratio;
+    out.state = e.state;
+    out.issued_us = static_cast<int64_t>(e.issued);  // ticks for now: converted by the caller
+    out.started_us = static_cast<int64_t>(e.started);
+    out.completed_us = static_cast<int64_t>(e.completed);
+    out.thread = e.thread;
+    const bool text = e.has_text;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (e.version.load(std::memory_order_relaxed) != v) continue;
+    if (text) {
+      std::lock_guard<std::mutex> lk(text_mu_);
+      out.error = errors_[at];
+      out.stack = stacks_[at];
+    }
+    return true;
+  }
+  return false;
 }
 
 namespace {
@@ -214,15 +290,37 @@ std::string Recorder::to_json(const TraceIdentity& who, int rank, int world, con
   json_key(out, "pid"), out += std::to_string(::getpid()), out += ", ";
   json_key(out, "reason"), json_string(out, reason), out += ", ";
   json_key(out, "dumped_us"), out += std::to_string(wall_us()), out += ", ";
-  std::lock_guard<std::mutex> lk(mu_);
-  json_key(out, "buffer"), out += std::to_string(slots_.size()), out += ", ";
-  json_key(out, "recorded"), out += std::to_string(recorded_), out += ", ";
-  json_key(out, "entries"), out += "[";
-  const uint64_t n = std::min<uint64_t>(recorded_, slots_.size());
-  for (uint64_t id = recorded_ - n + 1; id <= recorded_; ++id) {
-    if (id != recorded_ - n + 1) out += ",\n  ";
-    entry_json(out, slots_[(id - 1) % slots_.size()]);
+  // Ticks to wall-clock microseconds: the rate from the readings at creation and now, over at
+  // least 50 ms (a dump right after creation waits for the rest).
+  const auto since = std::chrono::nanoseconds(wall_ns() - wall0_ns_);
+  if (since < std::chrono::milliseconds(50)) std::this_thread::sleep_for(std::chrono::milliseconds(50) - since);
+  const uint64_t tick1 = ticks();
+  const int64_t wall1 = wall_ns();
+  const double ns_per_tick = tick1 > tick0_ ? static_cast<double>(wall1 - wall0_ns_) / static_cast<double>(tick1 - tick0_)
+                                            : 1.0;
+  auto to_us = [&](int64_t t) -> int64_t {
+    if (t == 0) return 0;
+    const double ns = static_cast<double>(wall0_ns_) +
+                      static_cast<double>(static_cast<int64_t>(static_cast<uint64_t>(t) - tick0_)) * ns_per_tick;
+    return static_cast<int64_t>(ns / 1000.0);
+  };
+  const uint64_t recorded = recorded_.load(std::memory_order_acquire);
+  json_key(out, "buffer"), out += std::to_string(capacity_), out += ", ";
+  std::string entries;
+  uint64_t kept = 0;
+  const uint64_t n = std::min<uint64_t>(recorded, capacity_);
+  for (uint64_t id = recorded - n + 1; id <= recorded; ++id) {
+    TraceEntry e;
+    if (!snapshot((id - 1) % capacity_, e) || e.id != id) continue;  // caught mid-write, or already reused
+    e.issued_us = to_us(e.issued_us);
+    e.started_us = to_us(e.started_us);
+    e.completed_us = to_us(e.completed_us);
+    if (kept++ != 0) entries += ",\n  ";
+    entry_json(entries, e);
   }
+  json_key(out, "recorded"), out += std::to_string(recorded), out += ", ";
+  json_key(out, "entries"), out += "[";
+  out += entries;
   out += "]}\n";
   return out;
 }

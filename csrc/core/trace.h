@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@ namespace braid {
 
 enum class TraceState : uint8_t { kIssued = 0, kStarted = 1, kCompleted = 2, kFailed = 3 };
 
+// One call as the dump shows it (times in microseconds since the epoch; 0: not yet).
 struct TraceEntry {
   uint64_t id = 0;   // 1-based count of calls recorded (0: an empty slot)
   uint64_t seq = 0;  // the collective's sequence number once started (0: none, or point-to-point)
@@ -61,17 +63,22 @@ struct TraceIdentity {
   std::string version;          // braid's
 };
 
+// The ring. Writers take no lock: a call's slot is written by the thread that issues it, then by
+// the one that runs it (ordered by the hand-over between them), each write inside a sequence
+// count that a reader (a dump) checks, retrying a slot caught mid-write. Times are ticks of a
+// cheap counter (the TSC on x86-64, else the steady clock) converted to wall-clock microseconds
+// when a dump is written. Errors and stacks, rare, live beside the ring under a lock.
 class Recorder {
  public:
-  explicit Recorder(size_t capacity) : slots_(capacity) {}
-  bool on() const { return !slots_.empty(); }
-  size_t capacity() const { return slots_.size(); }
+  explicit Recorder(size_t capacity);
+  bool on() const { return capacity_ != 0; }
+  size_t capacity() const { return capacity_; }
 
   // A new call; returns its id (0 when the recorder is off).
   uint64_t issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
                  std::string stack = {});
-  // `at_issue`: the call starts on the thread that issued it, right after (its start time is
-  // its issue time: one clock read fewer on the latency of every blocking call).
+  // `at_issue`: the call starts on the thread that issued it, right after (its start time is its
+  // issue time: one clock read fewer on the latency of every blocking call).
   void start(uint64_t id, uint64_t seq, bool at_issue = false);
   void set_algo(uint64_t id, const char* algo);
   void set_wire_ratio(uint64_t id, double ratio);
@@ -82,11 +89,33 @@ class Recorder {
   std::string to_json(const TraceIdentity& who, int rank, int world, const std::string& reason) const;
 
  private:
-  TraceEntry* find(uint64_t id);  // under mu_; null when overwritten since
+  struct Slot {
+    std::atomic<uint32_t> version{0};  // odd while a writer is in it
+    uint64_t id = 0, seq = 0, count = 0, shm_bytes = 0, tcp_bytes = 0;
+    uint64_t issued = 0, started = 0, completed = 0;  // ticks
+    const char* label = nullptr;
+    const char* algo = nullptr;
+    double wire_ratio = -1.0;
+    long thread = 0;
+    int root = -1;
+    CollKind kind = CollKind::kBarrier;
+    DType dtype = DType::kFloat32;
+    ReduceOp op = ReduceOp::kSum;
+    TraceState state = TraceState::kIssued;
+    bool has_text = false;  // an error or a stack in texts_
+  };
+  // Runs `write` on id's slot inside its sequence count, unless the ring moved past the call.
+  template <class F>
+  void update(uint64_t id, F&& write);
+  bool snapshot(size_t slot, TraceEntry& out) const;  // false: being rewritten
 
-  mutable std::mutex mu_;
-  std::vector<TraceEntry> slots_;
-  uint64_t recorded_ = 0;
+  size_t capacity_;
+  std::unique_ptr<Slot[]> slots_;
+  std::atomic<uint64_t> recorded_{0};
+  mutable std::mutex text_mu_;
+  std::vector<std::string> errors_, stacks_;  // per slot, under text_mu_
+  uint64_t tick0_ = 0;    // the tick counter and the wall clock (ns) read together at creation
+  int64_t wall0_ns_ = 0;
 };
 
 // Microseconds since the epoch (system clock: comparable between the ranks of a host, and
