@@ -20,6 +20,7 @@ BENCHMARKS = {
     "cp": "ring (context-parallel) attention at 2 ranks vs one rank, communication hidden behind compute",
     "staging": "CUDA tensors through braid's all_reduce: GB/s against pinned copies, chunk x slots (GPU)",
     "recorder": "the flight recorder's cost on a 4 KiB all_reduce: recording on vs off, same processes",
+    "moe": "MoE layer forward+backward tokens/s, one host and across hosts: braid vs all_to_all on gloo",
 }
 
 

@@ -1,7 +1,7 @@
 """braid.comm: collective communication for PyTorch: on one host through shared memory, between
 hosts over TCP (connections opened as algorithms use them), CPU tensors and CUDA ones; the same
 collectives over any torch ProcessGroup through braid's group interface (comm/group.py), and the
-layers built on them (ddp, fsdp, tp, cp).
+layers built on them (ddp, fsdp, tp, cp, moe).
 
     from braid import comm
     c = comm.init()                  # torchrun environment or the default process group
@@ -21,7 +21,7 @@ _backend.register()  # dist.init_process_group("braid") from here on
 # The parts a user reaches as attributes after `from braid import comm` (comm.ddp.comm_hook, ...),
 # imported on first use: importing braid.comm stays quick, and none of them imports back here
 # at import time.
-_PARTS = ("ddp", "fsdp", "tp", "cp")
+_PARTS = ("ddp", "fsdp", "tp", "cp", "moe")
 
 
 def __getattr__(name):

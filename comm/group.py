@@ -24,7 +24,7 @@ import abc
 import threading
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,17 @@ class Group(abc.ABC):
         """``tensor`` = rank ``src``'s ``tensor`` (``src`` a rank of this group)."""
 
     @abc.abstractmethod
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
-        """``input`` in ``world_size`` equal pieces, piece j to rank j; ``output`` piece j from rank j."""
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   output_split_sizes: Optional[Sequence[int]] = None,
+                   input_split_sizes: Optional[Sequence[int]] = None) -> Any:
+        """``input`` in ``world_size`` equal pieces, piece j to rank j; ``output`` piece j from rank j.
+
+        With split sizes (as ``torch.distributed.all_to_all_single``): ``input``'s rows (dimension
+        0) in pieces of ``input_split_sizes[j]`` rows for rank j, ``output``'s in pieces of
+        ``output_split_sizes[j]`` rows from rank j, in rank order; a list left None means equal
+        pieces. Rank i's ``input_split_sizes[j]`` must equal rank j's ``output_split_sizes[i]``
+        (braid's Communicator raises CollectiveMismatch where they differ, not every backend
+        checks): exchange the counts first, with an equal all_to_all."""
 
     @abc.abstractmethod
     def barrier(self, async_op: bool = False) -> Any:
@@ -200,6 +209,24 @@ class GroupWork:
 
     def __repr__(self) -> str:
         return f"<braid.comm.group.GroupWork {'done' if self.is_completed() else 'running'}>"
+
+
+def _row_splits(sizes: Optional[Sequence[int]], t: torch.Tensor, n: int, name: str) -> list:
+    """Split sizes along ``t``'s dimension 0 as a list of ``n`` ints (None: equal pieces), or a
+    ValueError naming ``name``."""
+    rows = t.shape[0] if t.dim() else 1
+    if sizes is None:
+        if rows % n:
+            raise ValueError(f"all_to_all: {name} is None (equal pieces) but dimension 0 ({rows}) does not "
+                             f"divide by world_size ({n})")
+        return [rows // n] * n
+    if isinstance(sizes, torch.Tensor):
+        sizes = sizes.tolist()
+    values = [int(v) for v in sizes]
+    if len(values) != n or any(v < 0 for v in values) or sum(values) != rows:
+        raise ValueError(f"all_to_all: {name} must hold world_size ({n}) non-negative counts summing to "
+                         f"dimension 0 ({rows}), got {values}")
+    return values
 
 
 def _future_of_wait(work: Any) -> torch.futures.Future:
@@ -409,14 +436,24 @@ class ProcessGroupAdapter(Group):
 
         return self._issue(launch, (tensor,), (tensor,), async_op, None, tensor)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
-        if output.numel() != input.numel() or input.numel() % self._size:
-            raise ValueError(f"all_to_all: input and output must have the same number of elements, divisible "
-                             f"by world_size ({self._size}); got {input.numel()} and {output.numel()}")
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   output_split_sizes: Optional[Sequence[int]] = None,
+                   input_split_sizes: Optional[Sequence[int]] = None) -> Any:
         group = self.group
+        if output_split_sizes is None and input_split_sizes is None:
+            if output.numel() != input.numel() or input.numel() % self._size:
+                raise ValueError(f"all_to_all: input and output must have the same number of elements, "
+                                 f"divisible by world_size ({self._size}); got {input.numel()} and "
+                                 f"{output.numel()}")
 
-        def launch(out, inp, async_op):
-            return dist.all_to_all_single(out.view(-1), inp.view(-1), group=group, async_op=async_op)
+            def launch(out, inp, async_op):
+                return dist.all_to_all_single(out.view(-1), inp.view(-1), group=group, async_op=async_op)
+        else:
+            out_splits = _row_splits(output_split_sizes, output, self._size, "output_split_sizes")
+            in_splits = _row_splits(input_split_sizes, input, self._size, "input_split_sizes")
+
+            def launch(out, inp, async_op):
+                return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
 
         return self._issue(launch, (output,), (input,), async_op, None, output)
 
@@ -482,8 +519,9 @@ class DefaultGroup(Group):
     def broadcast(self, tensor, src=0, async_op=False):
         return self.resolve().broadcast(tensor, src, async_op)
 
-    def all_to_all(self, output, input, async_op=False):
-        return self.resolve().all_to_all(output, input, async_op)
+    def all_to_all(self, output, input, async_op=False, *, output_split_sizes=None, input_split_sizes=None):
+        return self.resolve().all_to_all(output, input, async_op, output_split_sizes=output_split_sizes,
+                                         input_split_sizes=input_split_sizes)
 
     def barrier(self, async_op=False):
         return self.resolve().barrier(async_op)

@@ -1,0 +1,862 @@
+"""Mixture-of-experts expert parallelism: routing, token dispatch and combine over any group, the MoE layer.
+
+    from braid.comm import moe
+    layer = moe.MoE(d_model, num_experts=16, top_k=2, group=c)       # rank r holds 16/N experts
+    layer = moe.MoE.from_dense(router, experts, c, top_k=2)          # the same, from dense weights
+    y, aux = layer(x)                                                 # x: (..., d_model)
+    (task_loss(y) + aux).backward()
+
+    inputs, handle = moe.dispatch(x, expert_ids, weights, c, num_experts=E)   # your own experts:
+    outputs = grouped_gemm(inputs, handle.counts)                            # tokens of one local
+    y = moe.combine(outputs, handle)                                         # expert contiguous
+
+Vocabulary. ``N`` ranks in the expert-parallel group, ``E`` experts, rank r holds the ``E / N``
+experts ``[r E / N, (r + 1) E / N)`` (its *local* experts); a *token* is a row of ``x``; an
+*assignment* is one (token, expert) choice of the router (``top_k`` per token).
+
+Routing (:func:`route`), in float32 or wider: softmax of the router's logits, top-k, weights
+renormalised to sum to 1 (``normalize_topk``). Dropless by default; with ``capacity_factor`` c each
+expert takes at most ``C = ceil(c * T * top_k / E)`` of this rank's ``T`` tokens, keeping those
+with the highest routing weight (``drop_policy="probs"``) or the first ones in token order
+(``"position"``); ties go to the earlier token. A dropped assignment contributes nothing; the
+token's other weights are not renormalised. Losses: the load-balancing loss of Switch/Megatron,
+``aux_loss_coeff * E * sum_e f_e P_e`` (``f_e`` the share of this rank's assignments routed to e
+before drops, ``P_e`` the mean router probability of e over this rank's tokens), and the router
+z-loss, ``z_loss_coeff * mean_t logsumexp(logits_t)^2``. Auxiliary-loss-free balancing
+(DeepSeek-V3): a per-expert bias added to the probabilities for the top-k *selection* only (the
+weights stay the unbiased probabilities), moved by ``bias_update_rate * sign(mean load - load)``
+by :meth:`MoE.update_expert_bias`, one all-reduce of the loads per step.
+
+Dispatch, flat (one group): counts first (an equal all-to-all of each rank's assignments per
+expert), then the rows by the group's uneven all-to-all, one row per assignment, sorted by
+expert; what arrives is reordered so that the rows of each local expert are contiguous (source
+rank order within an expert). Combine is the reverse exchange, then the weighted sum on the
+token's home rank. Both are differentiable: the backward of one is the other's exchange.
+
+Dispatch across hosts (``hosts``, a :class:`~braid.comm.group_carrier.HostGroups`): a token
+crosses to each remote host holding one of its experts once, to the rank with its own local index
+there (``hosts.inter``), carrying its weights and its targets on that host; that rank fans it out
+over the host's group (``hosts.intra``, shared memory on a Communicator) as in the flat dispatch.
+Combine sums the token's experts of a host there, weighted, and one partial sum per host crosses
+back. Compressed dispatch (``compression="int8"`` or ``"fp8"``): the dispatched activations travel
+as one byte per element and a float32 scale per row (:class:`RowQuantizer`), so every expert sees
+the same quantized token wherever it runs; on hosts they are quantized once and cross quantized,
+then fan out exactly. The combine and both backward exchanges are exact.
+
+Every dispatch and combine is a collective of the group (of ``hosts.inter`` and ``hosts.intra``
+across hosts): every rank calls them in the same order, and every rank runs the backward through
+the layer, tokens or not (a rank with no tokens sends and receives empty pieces).
+
+Expert and data parallelism together: :func:`reduce_gradients` (docs/design.md, "Expert parallelism").
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .group import as_group, process_group_of
+from .group_carrier import HostGroups, host_groups
+from .hosts import host_identity, host_numbers
+
+DROP_POLICIES = ("probs", "position")
+COMPRESSIONS = ("int8", "fp8")
+
+
+# -- argument checks -------------------------------------------------------------------------------
+
+def _positive_int(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_experts(num_experts: int, top_k: int, world_size: int, where: str) -> None:
+    _positive_int(num_experts, "num_experts", where)
+    _positive_int(top_k, "top_k", where)
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top_k={top_k} is larger than num_experts={num_experts}")
+    if num_experts % world_size:
+        raise ValueError(f"{where}: num_experts={num_experts} does not divide by the group's {world_size} "
+                         "ranks (each rank holds num_experts / world_size experts)")
+
+
+def _check_capacity(capacity_factor: Any, drop_policy: Any, where: str) -> None:
+    if capacity_factor is not None:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
+                or not math.isfinite(capacity_factor) or capacity_factor <= 0:
+            raise ValueError(f"{where}: capacity_factor must be None (dropless) or a positive finite number, "
+                             f"got {capacity_factor!r}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"{where}: drop_policy must be one of {', '.join(map(repr, DROP_POLICIES))}, "
+                         f"got {drop_policy!r}")
+
+
+def _codec(compression: Any, where: str) -> Optional["RowQuantizer"]:
+    if compression is None or isinstance(compression, RowQuantizer):
+        return compression
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"{where}: compression must be None, {', '.join(map(repr, COMPRESSIONS))} or a "
+                         f"RowQuantizer, got {compression!r}")
+    return RowQuantizer(compression)
+
+
+# -- compressed dispatch ---------------------------------------------------------------------------
+
+class RowQuantizer:
+    """Per-row (per-token) scaled quantization of the activations a dispatch sends.
+
+    A row of ``d`` values travels as ``d`` one-byte codes and one float32 scale, its largest
+    magnitude over the format's largest value: ``"int8"`` rounds ``x / scale`` to the nearest
+    integer in [-127, 127] (error at most ``scale / 2`` per element, ``absmax / 254``); ``"fp8"``
+    rounds it to float8 e4m3 (as DeepEP sends), 3 mantissa bits (a relative error of at most 2^-4 per
+    element above ``scale * 2^-6``, at most ``scale * 2^-10`` below). Arithmetic runs in float32,
+    or float64 for float64 rows; decoding returns the rows' dtype."""
+
+    def __init__(self, fmt: str = "int8"):
+        if fmt == "int8":
+            self.storage, self.qmax = torch.int8, 127.0
+        elif fmt == "fp8":
+            if not hasattr(torch, "float8_e4m3fn"):
+                raise ValueError("compression='fp8' needs a torch with float8 dtypes (torch.float8_e4m3fn)")
+            self.storage, self.qmax = torch.float8_e4m3fn, 448.0
+        else:
+            raise ValueError(f"fmt must be 'int8' or 'fp8', got {fmt!r}")
+        self.fmt = fmt
+
+    def row_bytes(self, d: int) -> int:
+        """Bytes of one encoded row of ``d`` values."""
+        return d + 4
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, d) floating rows -> (R, d + 4) uint8: the codes, then the scale's bytes."""
+        work = torch.promote_types(x.dtype, torch.float32)
+        xw = x.to(work)
+        if x.shape[0]:
+            scale = (xw.abs().amax(1) / self.qmax).to(torch.float32)
+        else:
+            scale = xw.new_zeros(0, dtype=torch.float32)
+        s = scale.to(work)
+        q = xw / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)
+        if self.storage is torch.int8:
+            q = q.round_().clamp_(-self.qmax, self.qmax).to(torch.int8)
+        else:
+            q = q.clamp_(-self.qmax, self.qmax).to(self.storage)
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], 1)
+
+    def decode(self, payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(R, d + 4) uint8 from :meth:`encode` -> (R, d) rows of ``dtype``."""
+        d = payload.shape[1] - 4
+        work = torch.promote_types(dtype, torch.float32)
+        codes = payload[:, :d].contiguous().view(self.storage).to(work)
+        scale = payload[:, d:].clone(memory_format=torch.contiguous_format).view(torch.float32).to(work)
+        return (codes * scale).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"RowQuantizer({self.fmt!r})"
+
+
+# -- the exchange of rows --------------------------------------------------------------------------
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """(R, w) -> (R, w * itemsize) uint8, the same memory where ``t`` is contiguous."""
+    return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
+
+
+def _exchange(group: Any, parts: Sequence[torch.Tensor], send: list, recv: list,
+              codec: Optional[RowQuantizer]) -> list:
+    """Rows of ``parts`` (2-D, equal row counts) to the ranks, ``send[j]`` rows to rank j, and
+    ``recv[j]`` rows from rank j, in rank order. Several parts (a token's row, its weights and
+    targets) travel as one byte matrix, one exchange; ``codec`` encodes the first part."""
+    if group.world_size == 1:  # nothing moves; a codec still rounds, as on any other group
+        out = list(parts)
+        if codec is not None:
+            out[0] = codec.decode(codec.encode(parts[0]), parts[0].dtype)
+        return out
+    total = sum(recv)
+    if codec is None and len(parts) == 1:
+        p = parts[0].contiguous()
+        out = p.new_empty((total, *p.shape[1:]))
+        group.all_to_all(out, p, output_split_sizes=recv, input_split_sizes=send)
+        return [out]
+    first = codec.encode(parts[0]) if codec is not None else _as_bytes(parts[0])
+    columns = [first, *(_as_bytes(p) for p in parts[1:])]
+    payload = torch.cat(columns, 1)
+    got = payload.new_empty((total, payload.shape[1]))
+    group.all_to_all(got, payload, output_split_sizes=recv, input_split_sizes=send)
+    out, at = [], 0
+    for i, (part, col) in enumerate(zip(parts, columns)):
+        piece = got[:, at:at + col.shape[1]]
+        at += col.shape[1]
+        if i == 0 and codec is not None:
+            out.append(codec.decode(piece, part.dtype))
+        else:
+            # A copy (not contiguous(), which keeps an empty slice's offset): aligned for the view.
+            fresh = piece.clone(memory_format=torch.contiguous_format)
+            out.append(fresh.view(part.dtype).view(total, *part.shape[1:]))
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """:func:`_exchange` as an autograd function: the backward sends the gradients of the parts
+    that need one back along the same pairs (the reverse splits), exact, whatever the forward's
+    codec (a straight-through estimate of the rounding). Which parts need a gradient must be the
+    same on every rank (it is, where every rank runs the same model): it sets what travels."""
+
+    @staticmethod
+    def forward(ctx, group, send, recv, codec, *parts):
+        ctx.group, ctx.send, ctx.recv = group, send, recv
+        ctx.floating = [p.is_floating_point() for p in parts]
+        outs = _exchange(group, parts, send, recv, codec)
+        ctx.mark_non_differentiable(*[o for o, f in zip(outs, ctx.floating) if not f])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        wanted = [f and need for f, need in zip(ctx.floating, ctx.needs_input_grad[4:])]
+        back = iter(_exchange(ctx.group, [g.contiguous() for g, w in zip(grads, wanted) if w], ctx.recv,
+                              ctx.send, None))
+        return (None, None, None, None, *[next(back) if w else None for w in wanted])
+
+
+def _exchange_counts(group: Any, counts: torch.Tensor) -> torch.Tensor:
+    """Equal all-to-all of int64 ``counts`` (world_size pieces): piece j to rank j."""
+    if group.world_size == 1:
+        return counts.clone()
+    out = torch.empty_like(counts)
+    group.all_to_all(out, counts)
+    return out
+
+
+def _expert_major(counts: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows arrive source-major: from rank s, the rows of local expert e, ``counts[s, e]`` of them.
+    Returns the indices that put them expert-major (the rows of one expert contiguous, source
+    ranks in order within it); None when they already are (one source or one expert)."""
+    n, local = counts.shape
+    if n == 1 or local == 1:
+        return None
+    source_start = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view(n, local)
+    lengths = counts.t().reshape(-1)           # block (e, s), expert-major
+    starts = source_start.t().reshape(-1)      # where block (e, s) sits in the arrival order
+    dest_start = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    return torch.arange(total) + torch.repeat_interleave(starts - dest_start, lengths, output_size=total)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return inv
+
+
+# -- where the ranks sit ----------------------------------------------------------------------------
+
+class _HostLayout:
+    """Which host and local index each rank of the group has (``hosts.inter``'s rank is the host,
+    ``hosts.intra``'s the local index), gathered once over the group; checked to cover every
+    (host, local index) pair once."""
+
+    def __init__(self, hosts: HostGroups, group: Any):
+        self.intra = as_group(hosts.intra.group, "hosts")
+        self.inter = as_group(hosts.inter.group, "hosts")
+        n, h, local = group.world_size, self.inter.world_size, self.intra.world_size
+        if h * local != n:
+            raise ValueError(f"hosts: {h} hosts x {local} ranks do not make the group's {n} ranks")
+        table = torch.empty(2 * n, dtype=torch.int64)
+        group.all_gather(table, torch.tensor([self.inter.rank, self.intra.rank], dtype=torch.int64))
+        self.host_of = table[0::2].clone()
+        self.local_of = table[1::2].clone()
+        pairs = sorted(zip(self.host_of.tolist(), self.local_of.tolist()))
+        if pairs != [(a, b) for a in range(h) for b in range(local)]:
+            found = list(zip(self.host_of.tolist(), self.local_of.tolist()))
+            raise ValueError(f"hosts: the HostGroups are not this group's split by host (every rank must be "
+                             f"rank i of its host's intra group and rank h of its inter group; got (host, "
+                             f"local) {found})")
+
+
+# The layout of each HostGroups dispatch() has used, with its group: gathered once, not per call.
+_LAYOUTS: "weakref.WeakKeyDictionary[HostGroups, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _host_map(group: Any) -> torch.Tensor:
+    """Host number of every rank of ``group`` (equal for ranks that share a host, as braid's
+    communicator tells hosts apart), by one all-gather of a hash of each rank's host identity."""
+    if group.world_size == 1:
+        return torch.zeros(1, dtype=torch.int64)
+    digest = hashlib.sha256(host_identity().encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    every = torch.empty(group.world_size, dtype=torch.int64)
+    group.all_gather(every, mine)
+    return torch.tensor(host_numbers([str(v) for v in every.tolist()]), dtype=torch.int64)
+
+
+# -- dispatch and combine --------------------------------------------------------------------------
+
+class DispatchHandle:
+    """What :func:`combine` needs to bring the experts' outputs home, and what the dispatch moved.
+
+    ``counts`` (a list) and ``tokens_per_expert`` (an int64 tensor): rows of each local expert in
+    the expert inputs, in local expert order. :meth:`stats` tells what crossed between hosts."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, counts: torch.Tensor):
+        self.shape, self.dtype = shape, dtype
+        self.tokens_per_expert = counts
+        self.counts = counts.tolist()
+        self._stages: list = []   # (kind, state) of each exchange stage, the home side first
+        self._across: Optional[dict] = None
+        self._grad_row_bytes = 0   # bytes of the gradient of one dispatched row (the backward's)
+        self._partial_dtype: Optional[torch.dtype] = None   # across hosts: the partial sums' dtype
+
+    def stats(self) -> Optional[dict]:
+        """This rank's share of what crossed between hosts, where the host of every rank is known
+        (dispatch with ``hosts``, or the MoE layer); None where it is not. ``rows``: dispatched
+        rows sent to other hosts (``rows_received``: from them); ``rows_lower_bound``: (token,
+        remote host) pairs, the least any dispatch sends; ``bytes``: bytes sent to other hosts by
+        the dispatch, the combine (once it ran) and the backward of both (the gradients of the
+        same rows, exact, counted as if the tokens need theirs)."""
+        return None if self._across is None else dict(self._across, bytes=dict(self._across["bytes"]))
+
+
+def _flat_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: Any, num_experts: int,
+                   codec: Optional[RowQuantizer]) -> tuple:
+    """Dispatch over one group: (expert inputs, counts per local expert, the combine's state)."""
+    n = group.world_size
+    local = num_experts // n
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    valid = (flat >= 0).nonzero().squeeze(1)
+    order = torch.argsort(flat[valid], stable=True)
+    assignment = valid[order]                 # by expert, in token order within an expert
+    expert = flat[assignment]
+    token = torch.div(assignment, k, rounding_mode="floor")
+    counts = torch.bincount(expert, minlength=num_experts)
+    arriving = _exchange_counts(group, counts).view(n, local)   # [source rank, local expert]
+    send = counts.view(n, local).sum(1).tolist()
+    recv = arriving.sum(1).tolist()
+    (rows,) = _Exchange.apply(group, send, recv, codec, x.index_select(0, token))
+    perm = _expert_major(arriving)
+    inputs = rows if perm is None else rows.index_select(0, perm)
+    state = {"group": group, "send": send, "recv": recv, "token": token, "perm": perm,
+             "weights": weights.reshape(-1).index_select(0, assignment), "tokens": x.shape[0]}
+    return inputs, arriving.sum(0), state
+
+
+def _flat_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
+    """The reverse of :func:`_flat_dispatch`: each row home, weighted, summed per token (in the
+    wider of the rows' and weights' dtypes)."""
+    perm = state["perm"]
+    rows = outputs if perm is None else outputs.index_select(0, _inverse(perm))
+    (back,) = _Exchange.apply(state["group"], state["recv"], state["send"], None, rows)
+    w = state["weights"]
+    acc = torch.promote_types(back.dtype, w.dtype)
+    y = back.new_zeros((state["tokens"], back.shape[1]), dtype=acc)
+    return y.index_add_(0, state["token"], back.to(acc) * w.to(acc).unsqueeze(1))
+
+
+def _across(send: list, recv: list, host_of: torch.Tensor, me: int) -> tuple:
+    """Rows sent to and received from ranks on other hosts."""
+    remote = (host_of != host_of[me]).tolist()
+    return (sum(s for s, r in zip(send, remote) if r), sum(s for s, r in zip(recv, remote) if r))
+
+
+def _remote_pairs(ids: torch.Tensor, rank_host: torch.Tensor, local: int, my_host: int) -> int:
+    """(token, remote host) pairs among the assignments ``ids`` (-1: none): the rows a dispatch
+    that sends each token once per remote host sends."""
+    valid = ids >= 0
+    host = torch.where(valid, rank_host[torch.where(valid, ids, 0) // local], -1)
+    hosts = int(rank_host.max()) + 1
+    need = (host.unsqueeze(2) == torch.arange(hosts)).any(1)
+    need[:, my_host] = False
+    return int(need.sum())
+
+
+def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: Any, num_experts: int,
+              codec: Optional[RowQuantizer], layout: Optional[_HostLayout],
+              host_of: Optional[torch.Tensor]) -> tuple:
+    """:func:`dispatch` after its checks, on 2-D ``x``, ``ids``, ``weights``; ``layout``: across
+    hosts; ``host_of``: the host of every rank, for the statistics of a flat dispatch."""
+    n = group.world_size
+    local = num_experts // n
+    k = ids.shape[1]
+    if layout is None:
+        inputs, counts, state = _flat_dispatch(x, ids, weights, group, num_experts, codec)
+        handle = DispatchHandle(x.shape, x.dtype, counts)
+        handle._stages = [("flat", state)]
+        if host_of is not None:
+            sent, got = _across(state["send"], state["recv"], host_of, group.rank)
+            row = codec.row_bytes(x.shape[1]) if codec else x.shape[1] * x.element_size()
+            bound = _remote_pairs(ids, host_of, local, int(host_of[group.rank]))
+            handle._across = {"rows": sent, "rows_received": got, "rows_lower_bound": bound,
+                              "bytes": {"dispatch": sent * row, "combine": 0, "backward": 0}}
+            handle._grad_row_bytes = x.shape[1] * x.element_size()
+        return inputs, handle
+    # Across hosts. Stage 1 (hosts.inter): token t crosses to host h once if one of its experts
+    # lives there, with its k weights and its k targets on h (-1 for experts elsewhere), each
+    # target the expert's number among the host's experts (local index * local + its index).
+    hosts = layout.inter.world_size
+    valid = ids >= 0
+    owner = torch.where(valid, ids, 0) // local
+    host = torch.where(valid, layout.host_of[owner], -1)
+    target = layout.local_of[owner] * local + torch.where(valid, ids, 0) % local
+    need = (host.unsqueeze(2) == torch.arange(hosts)).any(1)          # [token, host]
+    pairs = need.t().nonzero()                                          # by host, token order within
+    row_host, row_token = pairs[:, 0], pairs[:, 1]
+    send_counts = torch.bincount(row_host, minlength=hosts)
+    send, recv = send_counts.tolist(), _exchange_counts(layout.inter, send_counts).tolist()
+    targets = torch.where(host.index_select(0, row_token) == row_host.unsqueeze(1),
+                          target.index_select(0, row_token), -1).to(torch.int32)
+    x1, w1, t1 = _Exchange.apply(layout.inter, send, recv, codec, x.index_select(0, row_token),
+                                 weights.index_select(0, row_token), targets)
+    # Stage 2 (hosts.intra): the rows that arrived fan out to this host's experts, exact.
+    inputs, counts, state = _flat_dispatch(x1, t1.long(), w1, layout.intra, layout.intra.world_size * local,
+                                           None)
+    handle = DispatchHandle(x.shape, x.dtype, counts)
+    handle._stages = [("hosts", {"group": layout.inter, "send": send, "recv": recv, "token": row_token,
+                                 "tokens": x.shape[0]}), ("flat", state)]
+    me = layout.inter.rank
+    sent, got = sum(send) - send[me], sum(recv) - recv[me]
+    # A row carries its k weights and k int32 targets; its gradient, the weights' gradients.
+    row = codec.row_bytes(x.shape[1]) if codec else x.shape[1] * x.element_size()
+    row += k * (weights.element_size() + 4)
+    handle._across = {"rows": sent, "rows_received": got,
+                      "rows_lower_bound": int(need.sum()) - int(need[:, me].sum()),
+                      "bytes": {"dispatch": sent * row, "combine": 0, "backward": 0}}
+    handle._grad_row_bytes = x.shape[1] * x.element_size() + k * weights.element_size()
+    handle._partial_dtype = x.dtype
+    return inputs, handle
+
+
+def _combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    y = None
+    for kind, state in reversed(handle._stages):
+        if kind == "flat":
+            y = _flat_combine(outputs, state)
+        else:  # one partial sum per (token, host) crosses back, in the activations' dtype
+            (back,) = _Exchange.apply(state["group"], state["recv"], state["send"], None,
+                                      y.to(handle._partial_dtype))
+            y = back.new_zeros((state["tokens"], back.shape[1])).index_add_(0, state["token"], back)
+    across = handle._across
+    if across is not None:  # the combine sends back what arrived; its backward, gradients of that
+        item = torch.empty((), dtype=handle._partial_dtype or outputs.dtype).element_size()
+        out_row = outputs.shape[1] * item
+        across["bytes"]["combine"] = across["rows_received"] * out_row
+        across["bytes"]["backward"] = (across["rows"] * out_row
+                                       + across["rows_received"] * handle._grad_row_bytes)
+    return y.to(handle.dtype).reshape(*handle.shape[:-1], y.shape[1])
+
+
+def _check_dispatch(x: Any, expert_ids: Any, weights: Any, num_experts: Any, n: int) -> None:
+    where = "dispatch"
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise TypeError(f"{where}: x must be a floating tensor of shape (..., d), got "
+                        f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or expert_ids.is_complex() \
+            or expert_ids.dtype == torch.bool:
+        raise TypeError(f"{where}: expert_ids must be an integer tensor of shape (..., top_k)")
+    if expert_ids.shape[:-1] != x.shape[:-1] or expert_ids.dim() != x.dim():
+        raise ValueError(f"{where}: expert_ids must have shape (..., top_k) with x's leading dimensions "
+                         f"{tuple(x.shape[:-1])}, got {tuple(expert_ids.shape)}")
+    if not isinstance(weights, torch.Tensor) or weights.shape != expert_ids.shape \
+            or not weights.is_floating_point():
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"{where}: weights must be a floating tensor of expert_ids' shape "
+                         f"{tuple(expert_ids.shape)}, got {got}")
+    _positive_int(num_experts, "num_experts", where)
+    if num_experts % n:
+        raise ValueError(f"{where}: num_experts={num_experts} does not divide by the group's {n} ranks")
+    if expert_ids.numel() and (int(expert_ids.max()) >= num_experts or int(expert_ids.min()) < -1):
+        raise ValueError(f"{where}: expert_ids must lie in [0, num_experts={num_experts}) (or -1: no "
+                         f"expert), got values in [{int(expert_ids.min())}, {int(expert_ids.max())}]")
+
+
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group: Any = None, *,
+             num_experts: int, compression: Union[None, str, RowQuantizer] = None,
+             hosts: Optional[HostGroups] = None) -> tuple:
+    """Sends each token to the ranks holding its experts; returns ``(expert_inputs, handle)``.
+
+    ``x`` (..., d) the tokens; ``expert_ids`` (..., k) the experts of each token (-1: none, as a
+    dropped assignment); ``weights`` (..., k) their weights, applied by :func:`combine`.
+    ``expert_inputs`` holds one row per assignment to one of this rank's experts, those of each
+    local expert contiguous, in local expert order (``handle.counts`` rows each), source rank
+    order then token order within an expert. ``group``: a Communicator, a ProcessGroup or None
+    (the default group); ``hosts``: the group split by host (across hosts: each token crosses to
+    a host once); ``compression``: "int8" or "fp8" activations on the dispatch. Differentiable in
+    ``x`` and ``weights``; a collective (module docstring)."""
+    g = as_group(group, "group", "dispatch")
+    _check_dispatch(x, expert_ids, weights, num_experts, g.world_size)
+    codec = _codec(compression, "dispatch")
+    layout = None
+    if hosts is not None:
+        if not isinstance(hosts, HostGroups):
+            raise TypeError(f"dispatch: hosts must be a HostGroups or None, got {type(hosts).__name__}")
+        known = _LAYOUTS.get(hosts)
+        layout = known[1] if known is not None and known[0] is g else _HostLayout(hosts, g)
+        _LAYOUTS[hosts] = (g, layout)
+    k = expert_ids.shape[-1]
+    return _dispatch(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k).long(), weights.reshape(-1, k),
+                     g, num_experts, codec, layout, layout.host_of if layout else None)
+
+
+def combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    """Brings the experts' ``outputs`` (one row per row of the expert inputs, in their order) home
+    and returns, per token, the sum of its experts' outputs times their weights, shaped as the
+    dispatched ``x`` (last dimension the outputs'), in its dtype. Differentiable; a collective."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"combine: handle must be the DispatchHandle of a dispatch, got "
+                        f"{type(handle).__name__}")
+    rows = sum(handle.counts)
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2 or outputs.shape[0] != rows:
+        got = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise ValueError(f"combine: outputs must be a 2-D tensor with one row per expert input ({rows}), "
+                         f"got {got}")
+    return _combine(outputs, handle)
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+class Routing:
+    """The router's decision for a batch of tokens (:func:`route`).
+
+    ``expert_ids`` (T, k) int64, -1 where the assignment was dropped; ``weights`` (T, k) the
+    combine weights (differentiable; a dropped assignment's weight is kept but unused);
+    ``tokens_per_expert`` (E,) assignments per expert before drops; ``dropped`` their number
+    dropped; ``aux_loss`` and ``z_loss`` scalar tensors (zero when their coefficient is)."""
+
+    def __init__(self, expert_ids, weights, tokens_per_expert, dropped, aux_loss, z_loss):
+        self.expert_ids, self.weights = expert_ids, weights
+        self.tokens_per_expert, self.dropped = tokens_per_expert, dropped
+        self.aux_loss, self.z_loss = aux_loss, z_loss
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments each expert keeps of ``tokens`` tokens: ``ceil(capacity_factor * tokens * top_k /
+    num_experts)``."""
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def _keep(expert: torch.Tensor, weight: torch.Tensor, num_experts: int, cap: int,
+          drop_policy: str) -> torch.Tensor:
+    """Which of the assignments (``expert``, ``weight``: flat, token-major) fit their expert's
+    capacity ``cap``: per expert the highest weights ("probs") or the first tokens ("position"),
+    the earlier token first among equals."""
+    order = torch.arange(expert.numel())
+    if drop_policy == "probs":
+        order = torch.argsort(-weight, stable=True)
+    order = order[torch.argsort(expert[order], stable=True)]    # by expert, priority within
+    counts = torch.bincount(expert, minlength=num_experts)
+    first = torch.cumsum(counts, 0) - counts
+    position = torch.arange(expert.numel()) - first[expert[order]]
+    keep = torch.empty_like(expert, dtype=torch.bool)
+    keep[order] = position < cap
+    return keep
+
+
+def route(logits: torch.Tensor, top_k: int, *, normalize_topk: bool = True,
+          capacity_factor: Optional[float] = None, drop_policy: str = "probs",
+          expert_bias: Optional[torch.Tensor] = None, aux_loss_coeff: float = 0.0,
+          z_loss_coeff: float = 0.0) -> Routing:
+    """Routes tokens from the router's ``logits`` (T, E), computed in their dtype (the MoE layer
+    passes float32, or float64 for float64 models): softmax, top-k of the probabilities plus
+    ``expert_bias`` (selection only), weights the selected probabilities, renormalised to sum to 1
+    when ``normalize_topk``; capacity, drops and losses as the module docstring says."""
+    t, e = logits.shape
+    where = "route"
+    _positive_int(top_k, "top_k", where)
+    if top_k > e:
+        raise ValueError(f"{where}: top_k={top_k} is larger than the {e} experts")
+    _check_capacity(capacity_factor, drop_policy, where)
+    probs = torch.softmax(logits, dim=-1)
+    scores = probs.detach() if expert_bias is None else probs.detach() + expert_bias.to(probs.dtype)
+    ids = torch.topk(scores, top_k, dim=-1).indices
+    weights = probs.gather(1, ids)
+    if normalize_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    tokens_per_expert = torch.bincount(ids.reshape(-1), minlength=e)
+    dropped = 0
+    if capacity_factor is not None and t:
+        keep = _keep(ids.reshape(-1), weights.detach().reshape(-1), e,
+                     capacity(t, top_k, e, capacity_factor), drop_policy).view(t, top_k)
+        dropped = int((~keep).sum())
+        ids = torch.where(keep, ids, -1)
+    zero = logits.new_zeros(())
+    aux = zero
+    if aux_loss_coeff and t:
+        f = tokens_per_expert.to(probs.dtype) / (t * top_k)
+        aux = aux_loss_coeff * e * (f * probs.mean(0)).sum()
+    z = zero
+    if z_loss_coeff and t:
+        z = z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+    return Routing(ids, weights, tokens_per_expert, dropped, aux, z)
+
+
+# -- the layer -------------------------------------------------------------------------------------
+
+class ExpertMLP(nn.Module):
+    """The default expert: ``Linear(d_model, hidden) -> GELU -> Linear(hidden, d_model)``."""
+
+    def __init__(self, d_model: int, hidden: int, device: Any = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden, device=device, dtype=dtype)
+        self.down = nn.Linear(hidden, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def _split_hosts(hierarchical: Any, group: Any) -> Optional[HostGroups]:
+    """The group split by host for ``hierarchical`` (None without it)."""
+    if hierarchical is False or hierarchical is None:
+        return None
+    if isinstance(hierarchical, HostGroups):
+        hosts = hierarchical
+    elif hierarchical is True:
+        pg = process_group_of(group)
+        if pg is not None:
+            hosts = host_groups(pg)
+        elif hasattr(group, "split_by_host"):
+            hosts = group.split_by_host()
+        else:
+            raise ValueError(f"MoE: hierarchical=True cannot split a {type(group).__name__} by host: pass "
+                             "hierarchical=HostGroups(group, host_group, local_index_group)")
+    else:
+        raise TypeError(f"MoE: hierarchical must be a bool or a HostGroups, got "
+                        f"{type(hierarchical).__name__}")
+    if hosts.size != group.world_size or hosts.rank != group.rank:
+        raise ValueError(f"MoE: hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not the "
+                         f"group's (rank {group.rank} of {group.world_size})")
+    return hosts
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer with its experts split over a group (expert parallelism).
+
+    Args:
+        d_model: the tokens' width (``x``'s last dimension).
+        num_experts: E, a multiple of the group's size N; rank r holds experts
+            ``[r E / N, (r + 1) E / N)`` as ``self.experts`` (an ``nn.ModuleList``, in order).
+        expert: a callable returning one expert module (called E / N times here), mapping
+            (n, d_model) to (n, d_model); default :class:`ExpertMLP` with ``hidden`` (default
+            4 d_model).
+        top_k: experts per token.
+        group: a braid Communicator, a torch ProcessGroup or None (the default group), resolved
+            now: the layer builds only its rank's experts.
+        router: an ``nn.Linear(d_model, E, bias=False)`` to use instead of a new one. The router
+            is replicated: build it from the same seed on every rank (or broadcast it).
+        normalize_topk, capacity_factor, drop_policy, aux_loss_coeff, z_loss_coeff: routing
+            (:func:`route`, module docstring).
+        bias_update_rate: > 0 turns on auxiliary-loss-free balancing; training forwards count
+            each expert's load, :meth:`update_expert_bias` moves the bias.
+        hierarchical: False, True (split the group by host now, collectively: a Communicator by
+            ``split_by_host()``, a ProcessGroup by ``group_carrier.host_groups``) or a
+            ``HostGroups``: each token crosses to a host once.
+        dispatch_compression: None, "int8" or "fp8" (:class:`RowQuantizer`).
+
+    ``forward(x)`` returns ``(y, aux)``: ``y`` shaped as ``x``, ``aux`` the sum of the enabled
+    routing losses on this rank's tokens (add it to the loss). :meth:`stats` describes the last
+    forward. Every rank of the group runs every forward and backward of the layer.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, expert: Optional[Callable[[], nn.Module]] = None, *,
+                 top_k: int = 2, group: Any = None, hidden: Optional[int] = None,
+                 router: Optional[nn.Linear] = None, normalize_topk: bool = True,
+                 capacity_factor: Optional[float] = None, drop_policy: str = "probs",
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, bias_update_rate: float = 0.0,
+                 hierarchical: Union[bool, HostGroups] = False,
+                 dispatch_compression: Union[None, str, RowQuantizer] = None,
+                 device: Any = None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        where = "MoE"
+        _positive_int(d_model, "d_model", where)
+        g = as_group(group, "group", where)
+        n, rank = g.world_size, g.rank
+        _check_experts(num_experts, top_k, n, where)
+        _check_capacity(capacity_factor, drop_policy, where)
+        for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff),
+                            ("bias_update_rate", bias_update_rate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{where}: {name} must be a number >= 0, got {value!r}")
+        if not isinstance(normalize_topk, bool):
+            raise TypeError(f"{where}: normalize_topk must be a bool, got {type(normalize_topk).__name__}")
+        if router is None:
+            router = nn.Linear(d_model, num_experts, bias=False, device=device, dtype=dtype)
+        if not isinstance(router, nn.Linear) or router.bias is not None \
+                or (router.in_features, router.out_features) != (d_model, num_experts):
+            raise ValueError(f"{where}: router must be an nn.Linear({d_model}, {num_experts}, bias=False), "
+                             f"got {router!r}")
+        if expert is None:
+            width = hidden if hidden is not None else 4 * d_model
+            _positive_int(width, "hidden", where)
+
+            def expert():
+                return ExpertMLP(d_model, width, device=device, dtype=dtype)
+        elif not callable(expert):
+            raise TypeError(f"{where}: expert must be a callable returning an nn.Module, got "
+                            f"{type(expert).__name__}")
+        local = num_experts // n
+        made = [expert() for _ in range(local)]
+        for i, m in enumerate(made):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"{where}: expert() must return an nn.Module, returned {type(m).__name__} "
+                                f"(for expert {rank * local + i})")
+        self.group = g
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.first_expert = rank * local
+        self.router = router
+        self.experts = nn.ModuleList(made)
+        self.normalize_topk = normalize_topk
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.bias_update_rate = float(bias_update_rate)
+        self.codec = _codec(dispatch_compression, where)
+        self.hosts = _split_hosts(hierarchical, g)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if bias_update_rate else None)
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
+                             if bias_update_rate else None, persistent=False)
+        self._layout: Optional[_HostLayout] = None
+        self._host_of: Optional[torch.Tensor] = None
+        self._stats: Optional[dict] = None
+
+    @classmethod
+    def from_dense(cls, router: nn.Linear, experts: Sequence[nn.Module], group: Any = None, *, top_k: int = 2,
+                   **kwargs: Any) -> "MoE":
+        """The layer holding this rank's share of ``experts`` (all E of them, in order; the modules
+        themselves are kept, not copied) with ``router`` (``nn.Linear(d, E, bias=False)``).
+        Keywords as :class:`MoE`'s."""
+        if not isinstance(router, nn.Linear):
+            raise TypeError(f"MoE.from_dense: router must be an nn.Linear, got {type(router).__name__}")
+        experts = list(experts)
+        if len(experts) != router.out_features:
+            raise ValueError(f"MoE.from_dense: experts holds {len(experts)} modules, the router routes to "
+                             f"{router.out_features}")
+        g = as_group(group, "group", "MoE.from_dense")
+        _check_experts(len(experts), top_k, g.world_size, "MoE.from_dense")
+        local = len(experts) // g.world_size
+        mine = iter(experts[g.rank * local:(g.rank + 1) * local])
+        return cls(router.in_features, len(experts), lambda: next(mine), top_k=top_k, group=g, router=router,
+                   **kwargs)
+
+    @property
+    def local_experts(self) -> range:
+        """The global numbers of this rank's experts."""
+        return range(self.first_expert, self.first_expert + len(self.experts))
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 \
+                or x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE: x must be a floating tensor of shape (..., d_model={self.d_model}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if self._host_of is None:  # collective, once: every rank runs its first forward together
+            if self.hosts is not None:
+                self._layout = _HostLayout(self.hosts, self.group)
+                self._host_of = self._layout.host_of
+            else:
+                self._host_of = _host_map(self.group)
+        tokens = x.reshape(-1, self.d_model)
+        rdtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(tokens.to(rdtype), self.router.weight.to(rdtype))
+        r = route(logits, self.top_k, normalize_topk=self.normalize_topk,
+                  capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+                  expert_bias=self.expert_bias, aux_loss_coeff=self.aux_loss_coeff,
+                  z_loss_coeff=self.z_loss_coeff)
+        if self.expert_load is not None and self.training:
+            self.expert_load += r.tokens_per_expert.to(self.expert_load.device)
+        inputs, handle = _dispatch(tokens, r.expert_ids, r.weights, self.group, self.num_experts, self.codec,
+                                   self._layout, self._host_of)
+        outputs = torch.cat([e(chunk) for e, chunk in zip(self.experts, inputs.split(handle.counts))])
+        y = _combine(outputs, handle)
+        self._stats = {"tokens": tokens.shape[0], "tokens_per_expert": r.tokens_per_expert.tolist(),
+                       "dropped": r.dropped, "expert_tokens": handle.counts,
+                       "aux_loss": float(r.aux_loss.detach()), "z_loss": float(r.z_loss.detach()),
+                       "across_hosts": handle.stats()}
+        return y.reshape(x.shape), r.aux_loss + r.z_loss
+
+    def stats(self) -> Optional[dict]:
+        """The last forward on this rank: ``tokens``; ``tokens_per_expert`` (E assignments routed
+        per expert, before drops); ``dropped`` (assignments over capacity); ``expert_tokens``
+        (rows each local expert computed, from every rank); ``aux_loss`` and ``z_loss``;
+        ``across_hosts`` (:meth:`DispatchHandle.stats`: rows and bytes this rank sent to other
+        hosts, with the lower bound). None before the first forward."""
+        return None if self._stats is None else dict(self._stats)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: Any = None) -> Optional[torch.Tensor]:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): sums the loads counted since the last
+        update over ``group`` (default the layer's; pass the whole job's group where the router is
+        replicated beyond the expert-parallel group, as with data parallelism) in one all-reduce,
+        and moves each expert's bias by ``bias_update_rate * sign(mean load - load)``. Call it once
+        per optimizer step, on every rank. Returns the summed loads (None when the bias is off)."""
+        if self.expert_bias is None:
+            return None
+        g = self.group if group is None else as_group(group, "group", "MoE.update_expert_bias")
+        load = self.expert_load.clone()
+        g.all_reduce(load)
+        f = load.to(torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(f.mean() - f)
+        self.expert_load.zero_()
+        return load
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_experts={self.num_experts}, top_k={self.top_k}, local experts "
+                f"{self.first_expert}..{self.first_expert + len(self.experts) - 1}, group={self.group!r}"
+                + (f", capacity_factor={self.capacity_factor}" if self.capacity_factor else "")
+                + (", hierarchical" if self.hosts is not None else "")
+                + (f", dispatch_compression={self.codec.fmt!r}" if self.codec else ""))
+
+
+# -- expert and data parallelism together ----------------------------------------------------------
+
+def expert_parameters(module: nn.Module) -> list:
+    """The parameters of every MoE layer's experts in ``module`` (held by some ranks only)."""
+    seen: set = set()
+    out = []
+    for m in module.modules():
+        if isinstance(m, MoE):
+            for p in m.experts.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, divisor: int) -> None:
+    """Sums the gradients over ``group`` (one flat all-reduce per dtype), divided by ``divisor``."""
+    by_dtype: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group.all_reduce(flat)
+        flat.div_(divisor)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+
+
+def reduce_gradients(module: nn.Module, group: Any, expert_group: Any, *, dense: bool = True) -> None:
+    """Expert parallelism inside data parallelism: averages every gradient of ``module`` over the
+    whole job, its ``group`` (all ranks, W of them, each with its own tokens).
+
+    Gradients of the experts (:func:`expert_parameters`) are summed over ``expert_group``, the
+    ranks holding the same experts (one per expert-parallel group), the others over ``group``;
+    both are divided by W: an expert's gradient already sums the tokens of its whole
+    expert-parallel group (the dispatch brought them), so this is the gradient of the mean loss
+    over all ranks, as data parallelism over W dense replicas gives. For W = EP x DP ranks with
+    expert-parallel groups of consecutive ranks, ``expert_group`` of rank r holds ranks
+    ``r % EP, r % EP + EP, ...``. ``dense=False`` leaves the other gradients alone (DDP over
+    ``group`` reduces them, the experts' parameters ignored by it). Call it after the backward,
+    before the optimizer step, on every rank."""
+    g = as_group(group, "group", "reduce_gradients")
+    eg = as_group(expert_group, "expert_group", "reduce_gradients")
+    experts = expert_parameters(module)
+    mine = {id(p) for p in experts}
+    if dense:
+        _all_reduce_grads([p for p in module.parameters() if id(p) not in mine], g, g.world_size)
+    _all_reduce_grads(experts, eg, g.world_size)
