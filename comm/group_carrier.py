@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .group import Group, adapter
+from .group import Group, adapter, process_group_of
 from .hosts import host_identity, host_numbers
 
 
@@ -280,3 +280,28 @@ def issue(job: Callable[[], None], result: list, device: torch.device, inline: b
         fut.set_result(result)
         return fut
     return _ISSUE.submit(job, result)
+
+
+def resolve_hosts(hierarchical, group, where: str = "") -> Optional[HostGroups]:
+    """The HostGroups a layer's ``hierarchical`` argument names over ``group`` (a Group): None for
+    False or None, the HostGroups given, or for True the group split by host (a ProcessGroup's by
+    ``host_groups()``, a Communicator's by its ``split_by_host()``). ``where`` prefixes errors."""
+    if hierarchical is False or hierarchical is None:
+        return None
+    if not isinstance(hierarchical, (bool, HostGroups)):
+        raise TypeError(f"{where}hierarchical must be a bool or a HostGroups, got "
+                        f"{type(hierarchical).__name__}")
+    hosts = hierarchical
+    if hierarchical is True:
+        pg = process_group_of(group)
+        if pg is not None:
+            hosts = host_groups(pg)
+        elif hasattr(group, "split_by_host"):
+            hosts = group.split_by_host()
+        else:
+            raise ValueError(f"{where}hierarchical=True cannot split a {type(group).__name__} by host: pass "
+                             "hierarchical=HostGroups(group, host_group, local_index_group)")
+    if hosts.size != group.world_size or hosts.rank != group.rank:
+        raise ValueError(f"{where}hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not "
+                         f"the group's (rank {group.rank} of {group.world_size})")
+    return hosts

@@ -60,8 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .group import as_group, process_group_of
-from .group_carrier import HostGroups, host_groups
+from .group import as_group
+from .group_carrier import HostGroups, resolve_hosts
 from .hosts import host_identity, host_numbers
 
 DROP_POLICIES = ("probs", "position")
@@ -610,26 +610,7 @@ class ExpertMLP(nn.Module):
 
 def _split_hosts(hierarchical: Any, group: Any) -> Optional[HostGroups]:
     """The group split by host for ``hierarchical`` (None without it)."""
-    if hierarchical is False or hierarchical is None:
-        return None
-    if isinstance(hierarchical, HostGroups):
-        hosts = hierarchical
-    elif hierarchical is True:
-        pg = process_group_of(group)
-        if pg is not None:
-            hosts = host_groups(pg)
-        elif hasattr(group, "split_by_host"):
-            hosts = group.split_by_host()
-        else:
-            raise ValueError(f"MoE: hierarchical=True cannot split a {type(group).__name__} by host: pass "
-                             "hierarchical=HostGroups(group, host_group, local_index_group)")
-    else:
-        raise TypeError(f"MoE: hierarchical must be a bool or a HostGroups, got "
-                        f"{type(hierarchical).__name__}")
-    if hosts.size != group.world_size or hosts.rank != group.rank:
-        raise ValueError(f"MoE: hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not the "
-                         f"group's (rank {group.rank} of {group.world_size})")
-    return hosts
+    return resolve_hosts(hierarchical, group, "MoE: ")
 
 
 class MoE(nn.Module):

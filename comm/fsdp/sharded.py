@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ..compression import BlockQuantizer
-from ..group import as_group, check_device, process_group_of
-from ..group_carrier import HostGroups, host_groups
+from ..group import as_group, check_device
+from ..group_carrier import HostGroups, resolve_hosts
 from ..wire import WireStats
 from ..vocabulary import WIRE_DTYPES
 from . import state
@@ -78,20 +78,7 @@ def _hosts_of(hierarchical: Any, group: Any, stage: Any, reshard_after_forward: 
                          f"copy of the weights a forward frees, for the backward's gather) or a "
                          f"grad_compression (reduce-scatters exact inside a host, compressed across); got "
                          f"stage={stage}, reshard_after_forward={reshard_after_forward}, no grad_compression")
-    hosts = hierarchical
-    if hierarchical is True:
-        pg = process_group_of(group)
-        if pg is not None:
-            hosts = host_groups(pg)
-        elif hasattr(group, "split_by_host"):
-            hosts = group.split_by_host()
-        else:
-            raise ValueError(f"hierarchical=True cannot split a {type(group).__name__} by host: pass "
-                             "hierarchical=HostGroups(group, host_group, local_index_group)")
-    if hosts.size != group.world_size or hosts.rank != group.rank:
-        raise ValueError(f"hierarchical: the HostGroups (rank {hosts.rank} of {hosts.size}) are not the "
-                         f"group's (rank {group.rank} of {group.world_size})")
-    return hosts
+    return resolve_hosts(hierarchical, group)
 
 
 def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
