@@ -43,6 +43,11 @@ as one byte per element and a float32 scale per row (:class:`RowQuantizer`), so 
 the same quantized token wherever it runs; on hosts they are quantized once and cross quantized,
 then fan out exactly. The combine and both backward exchanges are exact.
 
+Padded to capacity (``MoE(..., capacity_factor=c, pad_to_capacity=True)``): every expert gets
+exactly ``C`` rows from every rank, zero rows after the kept ones, so every exchange has equal
+pieces known from shapes and nothing is read on the host (no counts exchange, no ``.tolist()``): a
+GPU's stream never waits. Every rank must then hold the same number of tokens.
+
 Every dispatch and combine is a collective of the group (of ``hosts.inter`` and ``hosts.intra``
 across hosts): every rank calls them in the same order, and every rank runs the backward through
 the layer, tokens or not (a rank with no tokens sends and receives empty pieces).
@@ -179,16 +184,20 @@ def _exchange(group: Any, parts: Sequence[torch.Tensor], send: list, recv: list,
             out[0] = codec.decode(codec.encode(parts[0]), parts[0].dtype)
         return out
     total = sum(recv)
+    # Equal pieces go by the equal all-to-all (the padded dispatch's): no split sizes, which a
+    # CUDA tensor on braid's Communicator and some backends take only on the host.
+    equal = len(set(send)) == 1 and send == recv
+    splits = {} if equal else {"output_split_sizes": recv, "input_split_sizes": send}
     if codec is None and len(parts) == 1:
         p = parts[0].contiguous()
         out = p.new_empty((total, *p.shape[1:]))
-        group.all_to_all(out, p, output_split_sizes=recv, input_split_sizes=send)
+        group.all_to_all(out, p, **splits)
         return [out]
     first = codec.encode(parts[0]) if codec is not None else _as_bytes(parts[0])
     columns = [first, *(_as_bytes(p) for p in parts[1:])]
     payload = torch.cat(columns, 1)
     got = payload.new_empty((total, payload.shape[1]))
-    group.all_to_all(got, payload, output_split_sizes=recv, input_split_sizes=send)
+    group.all_to_all(got, payload, **splits)
     out, at = [], 0
     for i, (part, col) in enumerate(zip(parts, columns)):
         piece = got[:, at:at + col.shape[1]]
@@ -303,10 +312,12 @@ class DispatchHandle:
     ``counts`` (a list) and ``tokens_per_expert`` (an int64 tensor): rows of each local expert in
     the expert inputs, in local expert order. :meth:`stats` tells what crossed between hosts."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, counts: torch.Tensor):
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, counts: torch.Tensor,
+                 static_counts: Optional[list] = None):
         self.shape, self.dtype = shape, dtype
         self.tokens_per_expert = counts
-        self.counts = counts.tolist()
+        # Padded to capacity, the counts are known from shapes alone: no device-to-host copy.
+        self.counts = static_counts if static_counts is not None else counts.tolist()
         self._stages: list = []   # (kind, state) of each exchange stage, the home side first
         self._across: Optional[dict] = None
         self._grad_row_bytes = 0   # bytes of the gradient of one dispatched row (the backward's)
@@ -356,6 +367,54 @@ def _flat_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
     acc = torch.promote_types(back.dtype, w.dtype)
     y = back.new_zeros((state["tokens"], back.shape[1]), dtype=acc)
     return y.index_add_(0, state["token"], back.to(acc) * w.to(acc).unsqueeze(1))
+
+
+def _padded_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: Any, num_experts: int,
+                     codec: Optional[RowQuantizer], cap: int) -> tuple:
+    """Dispatch padded to capacity (``pad_to_capacity``): every expert gets ``cap`` rows from every
+    rank, the assignments it keeps (``ids`` already -1 past capacity) in token order and zero rows
+    after them, so that every exchange has equal pieces known from shapes: no counts to exchange
+    and no device-to-host copy (a GPU's stream never waits for the host). The experts compute the
+    padding rows too; their outputs come back with weight 0."""
+    n = group.world_size
+    local = num_experts // n
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    valid = flat >= 0
+    expert = flat.clamp(min=0)
+    # Its place among its expert's assignments, in token order (one-hot rows by scatter: one_hot
+    # would check its input's range on the host).
+    onehot = torch.zeros((t * k, num_experts), dtype=torch.int64, device=ids.device).scatter_(
+        1, expert.unsqueeze(1), valid.unsqueeze(1).to(torch.int64))
+    position = (onehot.cumsum(0) - 1).gather(1, expert.unsqueeze(1)).squeeze(1)
+    kept = valid & (position < cap)
+    spare = num_experts * cap  # the slot of everything not kept, cut off below
+    slot = torch.where(kept, expert * cap + position, spare)
+    token = torch.arange(t * k, device=ids.device) // k
+    rows = x.new_zeros((spare + 1, x.shape[1])).index_put((slot,), x.index_select(0, token))[:spare]
+    piece = [local * cap] * n
+    (got,) = _Exchange.apply(group, piece, piece, codec, rows)
+    # From each source rank its rows of local expert 0, 1, ...: expert-major, source order within.
+    inputs = got.view(n, local, cap, -1).transpose(0, 1).reshape(local * n * cap, -1)
+    w = torch.where(kept, weights.reshape(-1), torch.zeros((), dtype=weights.dtype, device=weights.device))
+    state = {"group": group, "piece": piece, "slot": slot, "token": token, "weights": w, "tokens": t,
+             "n": n, "local": local, "cap": cap}
+    counts = torch.full((local,), n * cap, dtype=torch.int64, device=ids.device)
+    return inputs, counts, state
+
+
+def _padded_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
+    """The reverse of :func:`_padded_dispatch`: every slot home, each assignment's output weighted
+    and summed per token (dropped ones and padding weigh 0)."""
+    n, local, cap = state["n"], state["local"], state["cap"]
+    rows = outputs.view(local, n, cap, -1).transpose(0, 1).reshape(n * local * cap, -1)
+    (back,) = _Exchange.apply(state["group"], state["piece"], state["piece"], None, rows)
+    back = torch.cat([back, back.new_zeros((1, back.shape[1]))])   # the spare slot: zeros
+    w = state["weights"]
+    acc = torch.promote_types(back.dtype, w.dtype)
+    mine = back.index_select(0, state["slot"]).to(acc) * w.to(acc).unsqueeze(1)
+    y = back.new_zeros((state["tokens"], back.shape[1]), dtype=acc)
+    return y.index_add_(0, state["token"], mine)
 
 
 def _across(send: list, recv: list, host_of: torch.Tensor, me: int) -> tuple:
@@ -436,6 +495,8 @@ def _combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     for kind, state in reversed(handle._stages):
         if kind == "flat":
             y = _flat_combine(outputs, state)
+        elif kind == "padded":
+            y = _padded_combine(outputs, state)
         else:  # one partial sum per (token, host) crosses back, in the activations' dtype
             (back,) = _Exchange.apply(state["group"], state["recv"], state["send"], None,
                                       y.to(handle._partial_dtype))
@@ -529,8 +590,21 @@ class Routing:
 
     def __init__(self, expert_ids, weights, tokens_per_expert, dropped, aux_loss, z_loss):
         self.expert_ids, self.weights = expert_ids, weights
-        self.tokens_per_expert, self.dropped = tokens_per_expert, dropped
+        self.tokens_per_expert, self.dropped_count = tokens_per_expert, dropped
         self.aux_loss, self.z_loss = aux_loss, z_loss
+
+    @property
+    def dropped(self) -> int:
+        """The number of assignments dropped (reading it copies ``dropped_count``, a tensor on the
+        logits' device, to the host)."""
+        return int(self.dropped_count)
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """How many times each of 0..n-1 occurs in ``index`` (torch.bincount, without the device-to-host
+    copy of its maximum on a GPU)."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).scatter_add_(
+        0, index, torch.ones_like(index, dtype=torch.int64))
 
 
 def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -544,13 +618,13 @@ def _keep(expert: torch.Tensor, weight: torch.Tensor, num_experts: int, cap: int
     """Which of the assignments (``expert``, ``weight``: flat, token-major) fit their expert's
     capacity ``cap``: per expert the highest weights ("probs") or the first tokens ("position"),
     the earlier token first among equals."""
-    order = torch.arange(expert.numel())
+    order = torch.arange(expert.numel(), device=expert.device)
     if drop_policy == "probs":
         order = torch.argsort(-weight, stable=True)
     order = order[torch.argsort(expert[order], stable=True)]    # by expert, priority within
-    counts = torch.bincount(expert, minlength=num_experts)
+    counts = _count(expert, num_experts)
     first = torch.cumsum(counts, 0) - counts
-    position = torch.arange(expert.numel()) - first[expert[order]]
+    position = torch.arange(expert.numel(), device=expert.device) - first[expert[order]]
     keep = torch.empty_like(expert, dtype=torch.bool)
     keep[order] = position < cap
     return keep
@@ -576,12 +650,12 @@ def route(logits: torch.Tensor, top_k: int, *, normalize_topk: bool = True,
     weights = probs.gather(1, ids)
     if normalize_topk:
         weights = weights / weights.sum(-1, keepdim=True)
-    tokens_per_expert = torch.bincount(ids.reshape(-1), minlength=e)
-    dropped = 0
+    tokens_per_expert = _count(ids.reshape(-1), e)
+    dropped = torch.zeros((), dtype=torch.int64, device=logits.device)
     if capacity_factor is not None and t:
         keep = _keep(ids.reshape(-1), weights.detach().reshape(-1), e,
                      capacity(t, top_k, e, capacity_factor), drop_policy).view(t, top_k)
-        dropped = int((~keep).sum())
+        dropped = (~keep).sum()
         ids = torch.where(keep, ids, -1)
     zero = logits.new_zeros(())
     aux = zero
@@ -649,6 +723,7 @@ class MoE(nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, bias_update_rate: float = 0.0,
                  hierarchical: Union[bool, HostGroups] = False,
                  dispatch_compression: Union[None, str, RowQuantizer] = None,
+                 pad_to_capacity: bool = False,
                  device: Any = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
         where = "MoE"
@@ -657,6 +732,14 @@ class MoE(nn.Module):
         n, rank = g.world_size, g.rank
         _check_experts(num_experts, top_k, n, where)
         _check_capacity(capacity_factor, drop_policy, where)
+        if not isinstance(pad_to_capacity, bool):
+            raise TypeError(f"{where}: pad_to_capacity must be a bool, got {type(pad_to_capacity).__name__}")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError(f"{where}: pad_to_capacity=True needs a capacity_factor (the rows each expert "
+                             f"gets from each rank)")
+        if pad_to_capacity and hierarchical is not False:
+            raise ValueError(f"{where}: pad_to_capacity=True is a flat dispatch; it does not combine with "
+                             f"hierarchical={hierarchical!r}")
         for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff),
                             ("bias_update_rate", bias_update_rate)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -694,6 +777,7 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.bias_update_rate = float(bias_update_rate)
         self.codec = _codec(dispatch_compression, where)
+        self.pad_to_capacity = pad_to_capacity
         self.hosts = _split_hosts(hierarchical, g)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
                              if bias_update_rate else None)
@@ -747,13 +831,22 @@ class MoE(nn.Module):
                   z_loss_coeff=self.z_loss_coeff)
         if self.expert_load is not None and self.training:
             self.expert_load += r.tokens_per_expert.to(self.expert_load.device)
-        inputs, handle = _dispatch(tokens, r.expert_ids, r.weights, self.group, self.num_experts, self.codec,
-                                   self._layout, self._host_of)
+        if self.pad_to_capacity:
+            cap = capacity(tokens.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            inputs, counts, state = _padded_dispatch(tokens, r.expert_ids, r.weights, self.group,
+                                                     self.num_experts, self.codec, cap)
+            handle = DispatchHandle(tokens.shape, tokens.dtype, counts,
+                                    [self.group.world_size * cap] * len(self.experts))
+            handle._stages = [("padded", state)]
+        else:
+            inputs, handle = _dispatch(tokens, r.expert_ids, r.weights, self.group, self.num_experts,
+                                       self.codec, self._layout, self._host_of)
         outputs = torch.cat([e(chunk) for e, chunk in zip(self.experts, inputs.split(handle.counts))])
         y = _combine(outputs, handle)
-        self._stats = {"tokens": tokens.shape[0], "tokens_per_expert": r.tokens_per_expert.tolist(),
-                       "dropped": r.dropped, "expert_tokens": handle.counts,
-                       "aux_loss": float(r.aux_loss.detach()), "z_loss": float(r.z_loss.detach()),
+        # Kept as tensors (stats() reads them): a forward copies nothing from the device to the host.
+        self._stats = {"tokens": tokens.shape[0], "tokens_per_expert": r.tokens_per_expert.detach(),
+                       "dropped": r.dropped_count, "expert_tokens": handle.counts,
+                       "aux_loss": r.aux_loss.detach(), "z_loss": r.z_loss.detach(),
                        "across_hosts": handle.stats()}
         return y.reshape(x.shape), r.aux_loss + r.z_loss
 
@@ -763,7 +856,12 @@ class MoE(nn.Module):
         (rows each local expert computed, from every rank); ``aux_loss`` and ``z_loss``;
         ``across_hosts`` (:meth:`DispatchHandle.stats`: rows and bytes this rank sent to other
         hosts, with the lower bound). None before the first forward."""
-        return None if self._stats is None else dict(self._stats)
+        if self._stats is None:
+            return None
+        s = dict(self._stats)
+        s.update(tokens_per_expert=s["tokens_per_expert"].tolist(), dropped=int(s["dropped"]),
+                 aux_loss=float(s["aux_loss"]), z_loss=float(s["z_loss"]))
+        return s
 
     @torch.no_grad()
     def update_expert_bias(self, group: Any = None) -> Optional[torch.Tensor]:

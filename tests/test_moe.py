@@ -29,6 +29,7 @@ from braid.comm.group import as_group
 from braid.comm.group_carrier import host_groups
 from helpers.ranks import carrier, environment, make_comm, new_store_path, process_group, run_ranks
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 D, HIDDEN = 6, 10
@@ -154,13 +155,48 @@ CASES = (
     {"top_k": 2, "per_rank": 2, "capacity": 0.5, "policy": "probs", "tokens": (12, 10, 12, 9)},
     {"top_k": 2, "per_rank": 3, "capacity": 0.75, "policy": "position", "tokens": (10, 12, 8, 10),
      "shape": True},
+    # Padded to capacity (equal pieces, no counts exchanged): the same drops, the same results.
+    {"top_k": 2, "per_rank": 2, "capacity": 0.5, "policy": "probs", "tokens": (10, 10, 10, 10), "pad": True},
+    {"top_k": 1, "per_rank": 3, "capacity": 1.5, "policy": "position", "normalize": False,
+     "tokens": (8, 8, 8, 8), "pad": True},
 )
 
 
 def _layer_kwargs(cfg: dict) -> dict:
     return {"top_k": cfg["top_k"], "normalize_topk": cfg.get("normalize", True),
             "capacity_factor": cfg.get("capacity"), "drop_policy": cfg.get("policy", "probs"),
-            "aux_loss_coeff": cfg.get("aux", 0.0), "z_loss_coeff": cfg.get("z", 0.0)}
+            "aux_loss_coeff": cfg.get("aux", 0.0), "z_loss_coeff": cfg.get("z", 0.0),
+            "pad_to_capacity": cfg.get("pad", False)}
+
+
+class HostCopies(TorchDispatchMode):
+    """Records the operators that copy a value from the device to the host (.item(), .tolist(),
+    a nonzero's size): on a GPU each one makes the host wait for the stream."""
+
+    SYNCING = ("aten._local_scalar_dense", "aten.nonzero", "aten.bincount", "aten.unique")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name.startswith(self.SYNCING):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _padded_has_no_host_copies(group, rank: int, n: int) -> list:
+    """A forward and backward of a layer padded to capacity copy nothing from the device to the
+    host (the routing, the dispatch, the experts, the combine and their backward)."""
+    router, experts = _dense(40, 2 * n)
+    layer = moe.MoE.from_dense(router, experts, group, top_k=2, capacity_factor=1.0, pad_to_capacity=True,
+                               aux_loss_coeff=0.01)
+    x = _tokens(40, rank, 12, None).requires_grad_()
+    with HostCopies() as mode:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    return [f"padded dispatch copied to the host: {sorted(set(mode.seen))}"] if mode.seen else []
 
 
 def _exactness_cases(group, rank: int, n: int) -> list:
@@ -228,6 +264,7 @@ def _run_exact(rank, world_size, store_path, kind):
         failures = _uneven_all_to_all(group, rank, world_size)
         failures += _dispatch_layout(group, rank, world_size)
         failures += _exactness_cases(group, rank, world_size)
+        failures += _padded_has_no_host_copies(group, rank, world_size)
         as_group(group).barrier()
         return failures
 
