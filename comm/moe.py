@@ -173,7 +173,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(t.shape[0], -1)
 
 
-def _exchange(group: Any, parts: Sequence[torch.Tensor], send: list, recv: list,
+def _exchange(group: Any, parts: Sequence[torch.Tensor], send: Optional[list], recv: Optional[list],
               codec: Optional[RowQuantizer]) -> list:
     """Rows of ``parts`` (2-D, equal row counts) to the ranks, ``send[j]`` rows to rank j, and
     ``recv[j]`` rows from rank j, in rank order. Several parts (a token's row, its weights and
@@ -183,10 +183,11 @@ def _exchange(group: Any, parts: Sequence[torch.Tensor], send: list, recv: list,
         if codec is not None:
             out[0] = codec.decode(codec.encode(parts[0]), parts[0].dtype)
         return out
-    total = sum(recv)
-    # Equal pieces go by the equal all-to-all (the padded dispatch's): no split sizes, which a
-    # CUDA tensor on braid's Communicator and some backends take only on the host.
-    equal = len(set(send)) == 1 and send == recv
+    # ``send`` None: equal pieces (the padded dispatch's; every rank passes None, so every rank
+    # calls the same collective), by the equal all-to-all: no split sizes, which a CUDA tensor on
+    # braid's Communicator and some backends take only on the host.
+    equal = send is None
+    total = parts[0].shape[0] if equal else sum(recv)
     splits = {} if equal else {"output_split_sizes": recv, "input_split_sizes": send}
     if codec is None and len(parts) == 1:
         p = parts[0].contiguous()
@@ -392,12 +393,11 @@ def _padded_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     slot = torch.where(kept, expert * cap + position, spare)
     token = torch.arange(t * k, device=ids.device) // k
     rows = x.new_zeros((spare + 1, x.shape[1])).index_put((slot,), x.index_select(0, token))[:spare]
-    piece = [local * cap] * n
-    (got,) = _Exchange.apply(group, piece, piece, codec, rows)
+    (got,) = _Exchange.apply(group, None, None, codec, rows)   # equal pieces: local * cap rows each
     # From each source rank its rows of local expert 0, 1, ...: expert-major, source order within.
     inputs = got.view(n, local, cap, -1).transpose(0, 1).reshape(local * n * cap, -1)
     w = torch.where(kept, weights.reshape(-1), torch.zeros((), dtype=weights.dtype, device=weights.device))
-    state = {"group": group, "piece": piece, "slot": slot, "token": token, "weights": w, "tokens": t,
+    state = {"group": group, "slot": slot, "token": token, "weights": w, "tokens": t,
              "n": n, "local": local, "cap": cap}
     counts = torch.full((local,), n * cap, dtype=torch.int64, device=ids.device)
     return inputs, counts, state
@@ -408,7 +408,7 @@ def _padded_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
     and summed per token (dropped ones and padding weigh 0)."""
     n, local, cap = state["n"], state["local"], state["cap"]
     rows = outputs.view(local, n, cap, -1).transpose(0, 1).reshape(n * local * cap, -1)
-    (back,) = _Exchange.apply(state["group"], state["piece"], state["piece"], None, rows)
+    (back,) = _Exchange.apply(state["group"], None, None, None, rows)
     back = torch.cat([back, back.new_zeros((1, back.shape[1]))])   # the spare slot: zeros
     w = state["weights"]
     acc = torch.promote_types(back.dtype, w.dtype)
