@@ -8,7 +8,7 @@ communication time.
     python -m braid.bench ddp --modes compute,gloo,braid --shapes 4x128,1x128,1x32
     python -m braid.bench ddp --modes gloo,fp16,exact@gloo,int8@gloo,int8@braidpg
 
-A mode ``KIND@CARRIER`` is braid's hook with compressor KIND (exact, bf16, int8, int4, topk) over
+A mode ``KIND@CARRIER`` is braid's hook with compressor KIND (exact, bf16, int8, int4, topk, auto) over
 the process group CARRIER (``gloo``: the run's gloo group; ``braidpg``: a group of braid's c10d
 backend): braid compresses, the group moves the bytes. Plain KIND runs the hook over a braid
 communicator. The summary line compares the int8 hook over gloo with the exact exchange (wire
@@ -53,13 +53,14 @@ HOOKS = {  # braid hook kinds: the compressor and its description
     "int8": (lambda: comm.Int8Quantizer(), "Int8Quantizer()"),
     "int4": (lambda: comm.Int4Quantizer(), "Int4Quantizer()"),
     "topk": (lambda: comm.TopK(0.01), "TopK(0.01)"),
+    "auto": (lambda: comm.Adaptive(), "Adaptive(): per bucket, chosen from the measured link"),
 }
 CARRIERS = {"gloo": "over the gloo group", "braidpg": "over a braid c10d group"}
-MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
+MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk", "auto",
          *(f"{kind}@{carrier}" for carrier in CARRIERS for kind in HOOKS))
 # What runs without --modes: every kind over braid; exact, int8 and top-k over gloo (the carrier's
 # targets compare int8@gloo with exact and with fp16); int8 over braid's c10d group.
-DEFAULT_MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk",
+DEFAULT_MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk", "auto",
                  "exact@gloo", "int8@gloo", "topk@gloo", "int8@braidpg")
 DESCRIPTIONS = {
     "compute": "no DDP, no communication (the compute floor)",
@@ -193,6 +194,8 @@ def _run_shape(
             "wire_ratio": ratio,
             "nparams": sum(p.numel() for p in run["model"].parameters()),
         }
+        if isinstance(comp, comm.Adaptive):  # what "auto" chose per bucket, and why
+            results[mode]["decisions"] = {str(k): [d.choice, d.reason] for k, d in comp.decisions().items()}
     if floor is not None:
         hosts = carriers[""].num_hosts
         results["floor"] = {
@@ -266,6 +269,7 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
                 "loss": gathered[0][mode]["loss"],
                 "wire_ratio": gathered[0][mode]["wire_ratio"],
                 "nparams": gathered[0][mode]["nparams"],
+                **({"decisions": gathered[0][mode]["decisions"]} if "decisions" in gathered[0][mode] else {}),
             }
         )
     base = {r["mode"]: r["step_s"] for r in rows}
@@ -284,6 +288,11 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     summary = _int8_over_gloo(base, {r["mode"]: r["wire_ratio"] for r in rows})
     if summary:
         lines.append(summary)
+    for r in rows:
+        if "decisions" in r:
+            ordered = sorted(r["decisions"].items(), key=lambda i: int(i[0]))
+            chose = ", ".join(f"{k}: {c}" for k, (c, _) in ordered)
+            lines.append(f"{r['mode']} chose per bucket {{{chose}}}")
     return "\n".join(lines), rows
 
 

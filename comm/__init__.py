@@ -7,10 +7,12 @@ layers built on them (ddp, fsdp, tp, cp, moe).
     c = comm.init()                  # torchrun environment or the default process group
     c.all_reduce(t)                  # in place; op="sum" | "avg" | "max" | "min" | "prod"
     c.all_reduce(t, op="avg", compression=comm.Int8Quantizer())   # compressed (see compression.py)
+    comm.Adaptive()                  # the compressor chosen per tensor from the link (adaptive.py)
 """
 import torch  # noqa: F401  (the extension links against torch: load it first)
 
 from . import backend as _backend
+from .adaptive import Adaptive
 from .communicator import Communicator, P2POp, Work, init
 from .compression import (Cast, CompressedWork, Compressor, FP8Quantizer, Int4Quantizer, Int8Quantizer, TopK,
                           WireStats)
@@ -39,4 +41,4 @@ def __dir__():
 
 __all__ = ["Communicator", "P2POp", "Work", "init", "CommError", "CommTimeout", "PeerError",
            "CollectiveMismatch", "CommClosed", "Compressor", "Int8Quantizer", "Int4Quantizer", "FP8Quantizer",
-           "TopK", "Cast", "WireStats", "CompressedWork"]
+           "TopK", "Cast", "WireStats", "CompressedWork", "Adaptive"]

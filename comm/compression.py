@@ -51,7 +51,7 @@ def _exact_on_hosts(comm: BraidCollectives) -> bool:
     return comm.num_hosts > 1 and comm.local_world_size > 1 and comm.uniform_hosts
 
 
-def _check_tensor(tensor: torch.Tensor) -> None:
+def check_tensor(tensor: torch.Tensor) -> None:
     """A tensor a compressor can carry: a float32, bfloat16 or float16 torch.Tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -59,7 +59,7 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError(f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}")
 
 
-def _copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
+def copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
     """The result into the caller's tensor, when the call worked on a contiguous copy of it."""
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
@@ -200,6 +200,16 @@ class Compressor:
         """The error-feedback residual of ``key`` (None before its first compressed call)."""
         return self._residuals.get(key)
 
+    def take_residual(self, key: Hashable) -> Optional[torch.Tensor]:
+        """Removes and returns the residual of ``key`` (None if it has none): for a caller that moves
+        a tensor's error feedback to another compressor (comm/adaptive.py)."""
+        return self._residuals.pop(key, None)
+
+    def put_residual(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Makes ``residual`` the error-feedback residual of ``key`` (what :meth:`take_residual`
+        took from another compressor of the same key's tensor)."""
+        self._residuals[key] = residual
+
     def residual_for(self, key: Hashable, numel: int, device: torch.device = _CPU) -> Optional[torch.Tensor]:
         """The float32 error-feedback residual of ``key`` for a tensor of ``numel`` elements on
         ``device``: zeros for a new key or a new size, moved to ``device`` if it was loaded
@@ -250,7 +260,7 @@ class Compressor:
         if isinstance(comm, CompressionHost):
             return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
         code = compressed_op_code(op)
-        _check_tensor(tensor)
+        check_tensor(tensor)
         carrier = group_carrier.carrier_of(comm, "comm")
         kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
         self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
@@ -268,7 +278,7 @@ class Compressor:
             raise TypeError(f"{type(self).__name__} has no fused call in braid's communicator: reduce with "
                             "Communicator.all_reduce(t, compression=q) or q.all_reduce(c, t)")
         op_code = compressed_op_code(op)
-        _check_tensor(tensor)
+        check_tensor(tensor)
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
                              f"got a tensor on {tensor.device} (reduce CUDA tensors over a torch "
@@ -294,7 +304,7 @@ class Compressor:
         def done() -> None:
             if finish is not None:
                 finish()
-            _copy_back(flat, tensor)
+            copy_back(flat, tensor)
 
         if not async_op:
             done()
@@ -339,7 +349,7 @@ class Compressor:
 
         def job() -> None:
             run()
-            _copy_back(flat, tensor)
+            copy_back(flat, tensor)
 
         inline = (carrier.group if isinstance(carrier, HostGroups) else carrier).inline
         work = GroupWork(group_carrier.issue(job, [tensor], tensor.device, inline))

@@ -4,7 +4,9 @@ backward keeps running.
     state, hook = braid.comm.ddp.comm_hook(c, compression=comm.Int8Quantizer())       # braid
     state, hook = braid.comm.ddp.comm_hook(None, compression=comm.Int8Quantizer())    # default group
     state, hook = braid.comm.ddp.comm_hook(None, comm.Int8Quantizer(), hierarchical=True)
+    state, hook = braid.comm.ddp.comm_hook(c, compression="auto")     # chosen per bucket (adaptive.py)
     model.register_comm_hook(state, hook)
+    state.decisions()                                                  # "auto": choice and reason per bucket
 
 Over a braid communicator the hook issues an async braid all-reduce per bucket and returns the
 torch future that braid's progress thread completes. Over a torch process group (NCCL, gloo,
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import group_carrier
+from .adaptive import Adaptive
 from .communicator import Communicator
 from .compression import FLOAT_DTYPES, Compressor, compressor
 from .group_carrier import HostGroups
@@ -101,6 +104,12 @@ class CommHookState:
             self._carrier = group_carrier.carrier_of(group, "process_group")
         return self._carrier
 
+    def decisions(self) -> dict:
+        """With ``compression="auto"`` (an :class:`~braid.comm.Adaptive`): the choice per bucket
+        index and why ({index: Decision(choice, reason, ...)}; empty before the first decision
+        round, at step ``warmup_steps``). Other compressors make no decisions: {}."""
+        return self.compression.decisions() if isinstance(self.compression, Adaptive) else {}
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
@@ -161,6 +170,9 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
         fut = c.all_reduce(buf, op="avg", async_op=True).get_future()
     else:  # the group's own all-reduce, issued in order with the compressed buckets
         fut = group_carrier.issue(lambda: c.all_reduce(buf, True), [buf], buf.device)
+    if bucket.is_last() and isinstance(comp, Adaptive):
+        # The last bucket is ready: the backward is over, which closes the buckets' windows.
+        comp.end_step()
     return fut.then(_bucket_tensor)
 
 
@@ -182,7 +194,9 @@ def comm_hook(
             ``init_process_group`` (as Lightning's ``DDPStrategy(ddp_comm_state=...)`` does).
         compression: None for the exact average, a compressor (``Int8Quantizer()``,
             ``Int4Quantizer()``, ``TopK(0.01)``, ``Cast(torch.bfloat16)``) or the name of one with
-            its defaults ("int8", "int4", "topk", "bf16", "fp16"); its warm-up counts
+            its defaults ("int8", "int4", "topk", "bf16", "fp16"), or "auto" (``comm.Adaptive()``:
+            per bucket the choice the measured link, codec costs and overlap predict fastest,
+            within an error budget; see ``state.decisions()``); its warm-up counts
             DDP steps, so the first ``warmup_steps`` steps (and the bucket rebuild after step 1)
             are exact, and so are the first ones after loading a checkpoint into the state.
         min_compress_bytes: buckets smaller than this are reduced exactly (default
@@ -206,7 +220,9 @@ def comm_hook(
         group_carrier.checked_group(process_group, "process_group")  # a member of it
         if hierarchical:
             process_group = group_carrier.host_groups(process_group)
-    if isinstance(compression, str):
+    if compression == "auto":
+        compression = Adaptive()
+    elif isinstance(compression, str):
         compression = compressor(compression)
     if compression is not None and not isinstance(compression, Compressor):
         raise TypeError(

@@ -1,0 +1,346 @@
+"""Adaptive compression (comm/adaptive.py): the decision as a pure function of synthetic
+measurements, then the DDP hook with compression="auto" on 2 ranks: exact on one host, compressed
+where the link across hosts is slow (a link figure given to the compressor, different on each
+rank: the ranks still decide alike), over a braid communicator and over a gloo group; training to
+the exact run's loss; a checkpoint resuming with the same decisions.
+
+The hook tests reuse test_ddp_hook's regression MLP (several ~4 KB buckets). The slow link is
+1 MB/s: an exact bucket then takes ~4 ms on the wire against ~0.5 ms for int4, far beyond the
+latency and codec costs a loaded 2-core machine measures, so the choice does not hang on noise.
+"""
+
+import io
+import math
+import pickle
+
+import pytest
+import torch
+from helpers.ranks import environment, make_comm, process_group, run_ranks
+from test_ddp_hook import _batch, _model, _teacher
+
+from braid import comm
+from braid.comm import adaptive
+from braid.comm.adaptive import BucketMeasure, Layout, Level, Measurements, decide, fit_levels, fit_link
+
+MB = 1e6
+CANDIDATES = ("exact", "bf16", "int8", "int4", "topk")
+COMPRESSORS = {"exact": None, "bf16": comm.Cast(torch.bfloat16), "int8": comm.Int8Quantizer(),
+               "int4": comm.Int4Quantizer(), "topk": comm.TopK(0.01)}  # Adaptive's defaults
+# Round-trip errors times sqrt(roundings) as the probe finds them on Gaussian values (int8 0.0098,
+# int4 0.166, bf16 0.0017, top-k 1% 0.957).
+ERRORS = {"bf16": 0.0017, "int8": 0.014, "int4": 0.23, "topk": 0.96}
+# Codec seconds per element of one round trip (a 1M-element probe on a 2-vCPU VM); a compressed
+# all-reduce costs adaptive.CODEC_PASSES of them (int8 4: 84 ms for 16 MB; bf16 2: 8.4 ms).
+CODEC = {"bf16": 1e-9, "int8": 5e-9, "int4": 4e-9, "topk": 4e-9}
+TWO_HOSTS = Layout(world=2, hosts=2, local=1)
+
+
+def _measure(bw, windows, numel=4 << 20, layout=TWO_HOSTS, errors=ERRORS, latency=100e-6):
+    """Measurements of float32 buckets of ``numel`` with the given windows, ``bw`` bytes/s on both
+    levels."""
+    buckets = [BucketMeasure(i, numel, 4, w, dict(errors)) for i, w in enumerate(windows)]
+    return Measurements(layout, {"in_host": Level(bw, latency), "across_hosts": Level(bw, latency)},
+                        dict(CODEC), buckets)
+
+
+def _choices(m, current=None, budget=0.3, hysteresis=0.1):
+    out = decide(m, current or {}, candidates=CANDIDATES, error_budget=budget, hysteresis=hysteresis,
+                 compressors=COMPRESSORS)
+    return {k: d.choice for k, d in out.items()}, out
+
+
+def test_fast_link_stays_exact_slow_link_compresses():
+    """16 MB buckets: at 10 GB/s the exact transfer (1.7 ms) costs less than any codec (int4: 34
+    ms of kernels); at 100 Mbit (1.3 s exact) int4 wins, top-k being over the error budget."""
+    fast, _ = _choices(_measure(10_000 * MB, [0.0, 0.0]))
+    assert fast == {0: "exact", 1: "exact"}
+    slow, why = _choices(_measure(12.5 * MB, [0.0, 0.0]))
+    assert slow == {0: "int4", 1: "int4"}
+    assert "topk (0.96)" in why[0].reason and why[0].predicted_s < why[0].exact_s
+
+
+def test_a_bucket_whose_exact_transfer_hides_in_its_window_stays_exact():
+    """At 500 MB/s a 16 MB bucket takes 34 ms exact: ready 200 ms before the end of the backward it
+    hides, while the last bucket (window 0) is compressed with bf16 (17 ms of transfer + 8 ms of
+    cast beat int4's longer kernels)."""
+    choices, why = _choices(_measure(500 * MB, [0.2, 0.0]))
+    assert choices == {0: "exact", 1: "bf16"}
+    assert "hides in the window" in why[0].reason
+
+
+def test_queued_buckets_share_the_link():
+    """Two 16 MB buckets ready at once, each alone hidden by its window (50 ms > 34 ms at 500 MB/s),
+    together not: the second waits for the first, so the plan compresses one of them."""
+    alone, _ = _choices(_measure(500 * MB, [0.05]))
+    assert alone == {0: "exact"}
+    both, _ = _choices(_measure(500 * MB, [0.05, 0.05]))
+    assert sorted(both.values()) != ["exact", "exact"]
+
+
+def test_error_budget_rules_out_aggressive_choices():
+    tight, why = _choices(_measure(12.5 * MB, [0.0]), budget=0.05)
+    assert tight == {0: "int8"}
+    assert "int4 (0.23)" in why[0].reason and "topk (0.96)" in why[0].reason
+    assert _choices(_measure(12.5 * MB, [0.0]), budget=0.001)[0] == {0: "exact"}
+    # A current choice the budget now rules out is replaced, whatever the hysteresis.
+    assert _choices(_measure(12.5 * MB, [0.0]), {0: "int4"}, budget=0.05, hysteresis=10)[0] == {0: "int8"}
+
+
+def test_hysteresis_keeps_a_plan_that_is_nearly_as_good():
+    """A 16 MB bucket at 900 MB/s: exact 18.6 ms on the wire, bf16 9.3 ms + 8.4 ms of cast, a 5%
+    gain: exact stays at the default hysteresis (10%), bf16 wins without one. A large gain (int8
+    to int4 at 100 Mbit) switches."""
+    near = _measure(900 * MB, [0.0])
+    assert _choices(near, hysteresis=0.0)[0] == {0: "bf16"}
+    kept, why = _choices(near, {0: "exact"})
+    assert kept == {0: "exact"} and "under the hysteresis" in why[0].reason
+    assert _choices(_measure(12.5 * MB, [0.0]), {0: "int8"})[0] == {0: "int4"}
+
+
+def test_decisions_are_a_pure_function_of_the_measurements():
+    m = _measure(300 * MB, [0.03, 0.01, 0.0], numel=1 << 20)
+    first, firsts = _choices(m)
+    again, agains = _choices(pickle.loads(pickle.dumps(m)))
+    assert first == again and [d.reason for d in firsts.values()] == [d.reason for d in agains.values()]
+
+
+def test_one_host_stays_exact():
+    layout = Layout(world=2, hosts=1, local=2)
+    assert _choices(_measure(1 * MB, [0.0], layout=layout))[0] == {0: "exact"}
+
+
+def test_hierarchical_layout_compresses_only_across_hosts():
+    """2 hosts x 2 ranks, shared memory fast, the link slow: the bytes inside the host are the same
+    for every choice, the compressed share is the slice across hosts."""
+    layout = Layout(world=4, hosts=2, local=2, hierarchical=True, exact_hierarchical=True)
+    exact_in, exact_across = adaptive.level_bytes("exact", None, 1 << 20, 4, layout)
+    q_in, q_across = adaptive.level_bytes("int8", COMPRESSORS["int8"], 1 << 20, 4, layout)
+    assert exact_in == q_in == 4 << 20  # reduce-scatter + all-gather of 4 MB inside the host
+    assert exact_across == 2 << 20 and 3.9 < exact_across / q_across < 4.0
+    m = Measurements(layout, {"in_host": Level(5000 * MB, 1e-5), "across_hosts": Level(12.5 * MB, 1e-4)},
+                     dict(CODEC), [BucketMeasure(0, 1 << 20, 4, 0.0, dict(ERRORS))])
+    assert _choices(m)[0] == {0: "int4"}
+
+
+def test_link_fit_separates_the_levels_when_the_mixes_differ():
+    rate_in, rate_across = 4000 * MB, 100 * MB
+    samples = [(x, y, x / rate_in + y / rate_across) for x, y in ((4e6, 2e6), (4e6, 0.5e6), (1e6, 1e6))]
+    fit = fit_levels(samples)
+    assert math.isclose(fit["in_host"], rate_in, rel_tol=1e-6)
+    assert math.isclose(fit["across_hosts"], rate_across, rel_tol=1e-6)
+    one_mix = fit_levels([(2e6, 1e6, 0.01), (4e6, 2e6, 0.02)])  # cannot be told apart
+    assert one_mix["in_host"] == one_mix["across_hosts"] == 3e8
+    assert math.isnan(fit_levels([(0, 1e6, 0.01)])["in_host"])
+
+
+def test_link_fit_separates_latency_from_bandwidth():
+    """Calls of 1 and 8 MB at 100 us + bytes / 1 GB/s: both recovered. Equal small calls: the
+    fastest is all latency, only the others' excess counts against the bytes."""
+    samples = [(0, x, r, r * 1e-4 + x / 1e9) for x, r in ((1e6, 1), (8e6, 1), (2e6, 2))]
+    latency, bw = fit_link(samples)
+    assert math.isclose(latency, 1e-4, rel_tol=1e-6) and math.isclose(bw["across_hosts"], 1e9, rel_tol=1e-6)
+    latency, bw = fit_link([(4096, 0, 1, 6e-4), (4096, 0, 1, 7e-4)])
+    assert latency == 6e-4 and bw["in_host"] == pytest.approx(2 * 4096 / 1e-4)
+
+
+def test_arguments_and_state_round_trip():
+    with pytest.raises(ValueError, match="candidates"):
+        comm.Adaptive(["int8", "zstd"])
+    with pytest.raises(ValueError, match="error_budget"):
+        comm.Adaptive(error_budget=-1)
+    with pytest.raises(ValueError, match="link"):
+        comm.Adaptive(link={"wan": 1e6})
+    q = comm.Adaptive(("int8",), interval=3, link={"across_hosts": 1e6})
+    assert q.candidates == ("exact", "int8") and q.choice(0) == "exact"
+    state = q.state_dict()
+    state["decisions"] = {0: ("int8", "because", 1.0, 2.0)}
+    q.load_state_dict(state)
+    assert q.choice(0) == "int8" and q.decisions()[0].reason == "because"
+    restored = pickle.loads(pickle.dumps(q))
+    assert restored.decisions() == q.decisions() and restored.interval == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# The hook on 2 ranks.
+
+SLOW = 1 * MB  # bytes/s across hosts, injected
+STEPS = 100
+
+
+def _train(rank, c, compression, steps, hierarchical=False):
+    """DDP over ``c`` (a Communicator, or None for the default group) with the braid hook, or gloo
+    DDP for ``compression == "gloo"``; returns (held-out loss, hook state, wire bytes per step)."""
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    m = DDP(model, bucket_cap_mb=0.004, gradient_as_bucket_view=True)
+    state = None
+    if compression != "gloo":
+        state, hook = ddp.comm_hook(c, compression, min_compress_bytes=0, hierarchical=hierarchical)
+        m.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    sent = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(rank, step, 0)
+        before = state.compression.wire_total.sent if state is not None else 0
+        ((m(x) - y) ** 2).mean().backward()
+        opt.step()
+        sent.append(state.compression.wire_total.sent - before if state is not None else 0)
+    xe = torch.randn(512, 16, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        loss = ((model(xe) - _teacher(xe)) ** 2).mean().item()
+    return loss, state, sent
+
+
+def hook_scenarios(rank, n, store_path, hosts, carrier, scenarios):
+    """Each scenario (link figure per rank or None, steps) trains with compression="auto" on the
+    simulated ``hosts`` (BRAID_HOST_ID per rank); returns the decisions per scenario."""
+    out = []
+    with environment({"BRAID_HOST_ID": f"host{hosts[rank]}"}), process_group(rank, n, store_path):
+        c = make_comm(rank, n, store_path) if carrier == "braid" else None  # else the gloo group
+        try:
+            for link, steps in scenarios:
+                q = comm.Adaptive(interval=4, link=None if link is None else {"across_hosts": link[rank]})
+                _, state, _ = _train(rank, c, q, steps, carrier == "gloo-hierarchical")
+                out.append({k: (d.choice, d.reason) for k, d in state.decisions().items()})
+        finally:
+            if c is not None:
+                c.close()
+    return out
+
+
+@pytest.mark.parametrize("carrier", ["braid", "gloo"])
+def test_hook_exact_on_one_host_compressed_across_a_slow_link(carrier):
+    """One host (found from the ranks' host identity, over a process group too): exact, even with a
+    slow link stated for the level it does not have. Two simulated hosts with a 1 MB/s link, stated
+    as 1 MB/s on rank 0 and 2 MB/s on rank 1: every bucket is compressed, with the same choice and
+    reason on both ranks (decided from gathered figures)."""
+    one = run_ranks(hook_scenarios, 2, [0, 0], carrier, [(None, 10), ((SLOW, SLOW), 10)])
+    assert one[0] == one[1]
+    for decided in one[0]:
+        assert decided and all(d == ("exact", adaptive.ONE_HOST_REASON) for d in decided.values()), decided
+    two = run_ranks(hook_scenarios, 2, [0, 1], carrier, [((SLOW, 2 * SLOW), 10)])
+    assert two[0] == two[1], "ranks decided differently"
+    assert two[0][0] and all(c != "exact" for c, _ in two[0][0].values()), two[0]
+    assert all(c != "topk" for c, _ in two[0][0].values()), "top-k is over the default error budget"
+
+
+def test_hierarchical_hook_compresses_across_hosts_only():
+    """2 hosts x 2 ranks over gloo, split by host (HostGroups): exact inside each host, the slow
+    link across compressed; the four ranks agree. 4 ranks on 2 cores take milliseconds per call
+    whatever their size, so the link stated is 100 KB/s: each ~2 KB slice then takes ~40 ms."""
+    got = run_ranks(hook_scenarios, 4, [0, 0, 1, 1], "gloo-hierarchical", [((SLOW / 10,) * 4, 10)])
+    assert all(r == got[0] for r in got), "ranks decided differently"
+    assert got[0][0] and all(c not in ("exact", "topk") for c, _ in got[0][0].values()), got[0]
+
+
+def switch_keeps_error_feedback(rank, n, store_path):
+    """Adaptive used directly (end_step() per step) on two simulated hosts: slow link stated, so
+    top-k from the round at step 2; at step 4 a fast link, so exact again. Top-k sends the values
+    it keeps as they are, so error feedback conserves the sum: what it dropped is added back at the
+    first exact call, and the results of all steps add up to the inputs' average (float32
+    rounding apart)."""
+    with environment({"BRAID_HOST_ID": f"host{rank}"}):
+        c = make_comm(rank, n, store_path)
+    with c:
+        q = comm.Adaptive(("exact", "topk"), interval=2, link={"across_hosts": SLOW}, error_budget=2.0)
+        total_in = torch.zeros(1 << 16, dtype=torch.float64)
+        total_out = torch.zeros(1 << 16, dtype=torch.float64)
+        choices = []
+        for step in range(6):
+            if step == 4:
+                q.link = {"across_hosts": 1e12}
+            mine = torch.randn(1 << 16, generator=torch.Generator().manual_seed(10 * step + rank))
+            other = torch.randn(1 << 16, generator=torch.Generator().manual_seed(10 * step + 1 - rank))
+            total_in += (mine.double() + other.double()) / 2
+            t = mine.clone()
+            c.all_reduce(t, "avg", compression=q, key="w")
+            total_out += t.double()
+            q.end_step()
+            choices.append(q.choice("w"))
+        return choices, (total_out - total_in).abs().max().item(), total_in.abs().max().item()
+
+
+def test_switch_to_exact_carries_the_residual():
+    for choices, err, scale in run_ranks(switch_keeps_error_feedback, 2):
+        assert choices == ["exact", "exact", "topk", "topk", "exact", "exact"], choices
+        # 6 float32 results of values ~1 round by ~1e-7 each; top-k's dropped 99% must be back.
+        assert err < 1e-5 * scale, (err, scale)
+
+
+def auto_trains(rank, n, store_path):
+    with environment({"BRAID_HOST_ID": f"host{rank}"}), process_group(rank, n, store_path):
+        with make_comm(rank, n, store_path) as c:
+            baseline, _, _ = _train(rank, None, "gloo", STEPS)
+            q = comm.Adaptive(interval=4, link={"across_hosts": SLOW})
+            loss, state, sent = _train(rank, c, q, STEPS)
+            return baseline, loss, {d.choice for d in state.decisions().values()}, sent
+
+
+def test_auto_trains_to_the_exact_loss():
+    """With the slow link stated, "auto" compresses every bucket for 98 of 100 steps and still
+    reaches gloo DDP's held-out loss within the int8 hook's tolerance (test_ddp_hook: 10%)."""
+    for baseline, loss, choices, sent in run_ranks(auto_trains, 2):
+        assert baseline < 0.1, baseline
+        assert "exact" not in choices, choices
+        assert sent[-1] < sent[0] / 3, "the late steps send compressed bytes"
+        assert loss <= 1.10 * baseline, (loss, baseline)
+
+
+def resume_keeps_decisions(rank, n, store_path):
+    """8 steps (rounds at steps 2 and 6), a checkpoint, then steps 8-11 twice: straight on, and
+    in a new model, DDP, optimizer and hook state loaded from the checkpoint (whose warm-up makes
+    steps 8 and 9 exact again, as the uninterrupted run is made to). Same decisions, same bytes,
+    same parameters."""
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build(c):
+        model = _model()
+        m = DDP(model, bucket_cap_mb=0.004)
+        q = comm.Adaptive(interval=4, link={"across_hosts": SLOW}, seed=rank)
+        state, hook = ddp.comm_hook(c, q, min_compress_bytes=0)
+        m.register_comm_hook(state, hook)
+        return model, m, state, torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def run(model, m, state, opt, steps):
+        sent = []
+        for i in steps:
+            opt.zero_grad()
+            before = state.compression.wire_total.sent
+            x, y = _batch(rank, i, 0)
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+            sent.append(state.compression.wire_total.sent - before)
+        return sent, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    with environment({"BRAID_HOST_ID": f"host{rank}"}), process_group(rank, n, store_path):
+        with make_comm(rank, n, store_path) as c:
+            model, m, state, opt = build(c)
+            run(model, m, state, opt, range(8))
+            saved = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+                       saved)
+            decided = {k: d.choice for k, d in state.decisions().items()}
+            state.load_state_dict(state.state_dict())  # what loading does: the warm-up again
+            straight, params = run(model, m, state, opt, range(8, 12))
+            saved.seek(0)
+            ckpt = torch.load(saved, weights_only=False)
+            model, m, state, opt = build(c)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            state.load_state_dict(ckpt["hook"])
+            loaded = {k: d.choice for k, d in state.decisions().items()}
+            resumed, resumed_params = run(model, m, state, opt, range(8, 12))
+            after = {k: d.choice for k, d in state.decisions().items()}
+            return decided, loaded, after, straight, resumed, torch.equal(params, resumed_params)
+
+
+def test_checkpoint_resumes_with_the_same_decisions():
+    for decided, loaded, after, straight, resumed, same in run_ranks(resume_keeps_decisions, 2):
+        assert decided and "exact" not in decided.values(), decided
+        assert loaded == decided == after
+        assert resumed == straight and straight[2] < straight[0] / 3, (straight, resumed)
+        assert same, "the resumed run's parameters differ from the uninterrupted run's"
