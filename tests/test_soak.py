@@ -244,7 +244,7 @@ def test_peer_dies_anywhere_in_a_schedule(n, seed):
     """Each case kills a different rank at a different point of a schedule (in a pipelined round,
     among queued async work, in a compressed all-reduce, ...)."""
     rng = random.Random(seed)
-    for case in range(3):
+    for case in range(2):
         victim, die_at = rng.randrange(n), rng.randrange(1, STEPS)
         with FreshRanks(n) as ranks:
             ranks.start(schedule_with_death, seed * 10 + case, victim, die_at)
