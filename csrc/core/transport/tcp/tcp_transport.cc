@@ -99,7 +99,28 @@ std::string TcpTransport::doing(const P2POp& op) const {
 }
 
 void TcpTransport::fail_io(int peer, const P2POp& op, const std::string& what) {
-  throw CommError(ErrorKind::kPeer, peers_[peer].label + " " + what + " during " + doing(op) + " while rank " +
+  // A peer that failed writes an abort frame on each of its sockets that is between frames and
+  // then shuts them down: a send of this rank can meet the shutdown (EPIPE) before anything read
+  // the frame. Its error, where it waits unread at the front of a socket, is the one to raise.
+  Peer& p = peers_[static_cast<size_t>(peer)];
+  std::string buf(sizeof(FrameHeader) + kMaxAbortText, '\0');
+  for (const Fd& fd : p.socks) {
+    if (!fd) continue;
+    const ssize_t n = ::recv(fd.get(), &buf[0], buf.size(), MSG_PEEK | MSG_DONTWAIT);
+    if (n < static_cast<ssize_t>(sizeof(FrameHeader))) continue;
+    FrameHeader h;
+    std::memcpy(&h, buf.data(), sizeof(h));
+    const bool abort = h.magic == kFrameMagic && h.version == kWireVersion && h.comm_id == comm_id_ &&
+                       h.kind == static_cast<uint8_t>(FrameKind::kAbort) && h.length <= kMaxAbortText &&
+                       h.error >= static_cast<uint32_t>(ErrorKind::kGeneric) &&
+                       h.error <= static_cast<uint32_t>(ErrorKind::kClosed) &&
+                       n >= static_cast<ssize_t>(sizeof(FrameHeader) + h.length);
+    if (!abort) continue;
+    peer_reported_.store(true);
+    throw CommError(static_cast<ErrorKind>(h.error),
+                    buf.substr(sizeof(FrameHeader), h.length) + " [reported by " + p.label + "]");
+  }
+  throw CommError(ErrorKind::kPeer, p.label + " " + what + " during " + doing(op) + " while rank " +
                                         std::to_string(rank_) + " waited for it");
 }
 
