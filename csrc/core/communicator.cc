@@ -34,7 +34,8 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
       world_(world_size),
       tun_(tunables),
       owner_pid_(static_cast<int>(::getpid())),
-      trace_(tunables.trace_buffer <= (size_t(1) << 24) ? tunables.trace_buffer : 0) {
+      // Past the bound nothing is allocated: validate() below raises for it.
+      trace_(tunables.trace_buffer <= Tunables::kMaxTraceBuffer ? tunables.trace_buffer : 0) {
   if (world_size < 1) throw std::invalid_argument("world_size must be >= 1");
   if (rank < 0 || rank >= world_size) throw std::invalid_argument("rank must be in [0, world_size)");
   if (!host_ids.empty() && static_cast<int>(host_ids.size()) != world_size)

@@ -175,8 +175,6 @@ class Communicator {
   std::string dump_trace(const std::string& dir, const std::string& reason);
   std::string trace_json(const std::string& reason) const;
   const std::string& trace_dir() const { return trace_dir_; }
-  // A compressed call's wire ratio, for the entry of the collective issued last on this thread.
-  Recorder& recorder() { return trace_; }
 
  private:
   // The shared-memory all_reduce algorithm for a message on this host's group.

@@ -187,7 +187,7 @@ void Tunables::validate() const {
     throw std::invalid_argument("cross_doubling_min_hosts (BRAID_CROSS_DOUBLING_MIN_HOSTS) must be at least 2");
   if (cross_oneshot_max_bytes > (size_t(1) << 30))
     throw std::invalid_argument("cross_oneshot_max_bytes (BRAID_CROSS_ONESHOT_MAX_BYTES) must be at most 1 GiB");
-  if (trace_buffer > (size_t(1) << 24))
+  if (trace_buffer > kMaxTraceBuffer)
     throw std::invalid_argument("trace_buffer (BRAID_TRACE_BUFFER) must be at most 16777216 calls");
   if (cross_piece_bytes < 1024 || cross_piece_bytes > (size_t(1) << 30))
     throw std::invalid_argument("cross_piece_bytes (BRAID_CROSS_PIECE_BYTES) must be between 1 KiB and 1 GiB");

@@ -102,6 +102,7 @@ struct Tunables {
   // none. Each state change costs one uncontended lock and a few stores: within the noise of a
   // 4 KiB all_reduce on one host (bench/trace.py; docs/results, "Flight recorder").
   size_t trace_buffer = 2000;
+  static constexpr size_t kMaxTraceBuffer = size_t(1) << 24;  // validate()'s bound
 
   static Tunables from_env();
   // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,
