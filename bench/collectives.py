@@ -3,6 +3,7 @@
     python -m braid.bench collectives                   # spawns --nproc ranks (default 2)
     python -m braid.bench collectives --nproc 4 --ops all_reduce --max-bytes 1M --json r.json
     torchrun --nproc-per-node 4 -m braid.bench collectives   # under a launcher: no spawning
+    python -m braid.bench collectives --impls braid --ops all_reduce --trace on,off   # recorder's cost
 
 Launch. Without RANK and WORLD_SIZE in the environment this process hosts a TCPStore on a free
 loopback port and starts the ranks: under ``mpirun --oversubscribe --bind-to none -np N`` when
@@ -29,13 +30,18 @@ algbw = S / time; busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n for reduce_sc
 all_gather, 1 for broadcast (GB/s = 1e9 B/s). Then, per peer, braid's busbw over the peer's per
 op and size: >1 means braid is faster.
 
+--trace: braid's flight recorder on (its default) or off; ``on,off`` measures braid twice on the
+same communicator, recording (``braid``) and with recording paused (``braid-untraced``), their
+batches alternating like any two implementations: the ratio table ``braid / braid-untraced``
+is the recorder's cost (below 1: slower with it).
+
 --json writes::
 
     {"benchmark": "collectives", "date": ISO 8601 UTC, "machine": {hostname, cpu, logical_cpus,
      usable_cpus, memory_gib, load_average, platform, python, torch, numpy, braid, mpi_library,
      deepspeed},
      "config": {world_size, launcher, ops, impls, dtype, sizes, warmup, batches, time_budget_s,
-     iters, timeout_s, bind},
+     iters, timeout_s, bind, trace},
      "records": [{"impl", "op", "world_size", "bytes", "count", "dtype", "time_us", "algbw_gbps",
                   "busbw_gbps", "wrong", "iters"}, ...]}
 
@@ -72,6 +78,8 @@ from braid import comm
 from . import deepspeed_peer, launch, mpi_peer, protocol, report
 
 IMPLS = ("braid", "gloo", "mpi", "deepspeed")
+# braid with its flight recorder paused, beside braid (--trace on,off): the recorder's cost.
+UNTRACED = "braid-untraced"
 # The ranks stop measuring this long before --deadline (at most a quarter of the run), to report
 # what they have before the launcher stops them.
 DEADLINE_MARGIN_S = 60.0
@@ -98,6 +106,7 @@ class Config:
     machine: dict  # report.machine_info() at launch, before the ranks load the host
     json_path: str | None
     plot_path: str | None
+    trace: tuple[str, ...] = ("on",)  # braid's flight recorder: ("on",), ("off",) or both, side by side
 
     def to_json(self) -> str:
         """For ranks started by mpirun, which read it from the launcher's store (JSON, not pickle:
@@ -108,7 +117,7 @@ class Config:
     def from_json(text: str | bytes) -> "Config":
         d = json.loads(text)
         d.update(ops=tuple(d["ops"]), impls=tuple(d["impls"]), sizes=tuple(d["sizes"]),
-                 timing=protocol.Timing(**d["timing"]))
+                 timing=protocol.Timing(**d["timing"]), trace=tuple(d["trace"]))
         return Config(**d)
 
 
@@ -150,15 +159,32 @@ def _split_kwargs(rank: int, world_size: int, count: int) -> dict[str, list[int]
     return {"input_split_sizes": list(send), "output_split_sizes": list(recv)}
 
 
-def braid_backend(c, dtype: str) -> TorchBackend:
-    return TorchBackend("braid", dtype, {
+def braid_backend(c, dtype: str, recording: bool | None = None, switch: dict | None = None) -> TorchBackend:
+    """braid's collectives on communicator ``c``. ``recording`` (True / False): the backend
+    ``braid`` / ``braid-untraced`` of a run measuring the flight recorder's cost, the two on the
+    same communicator, each call switching the recorder to its setting when the other left it
+    otherwise (``switch``, shared by the two, remembers the setting: the check costs both the same
+    and the switch happens once per batch)."""
+    calls = {
         "all_reduce": lambda out, x: c.all_reduce(x, op="sum"),
         "reduce_scatter": lambda out, x: c.reduce_scatter(out, x, op="sum"),
         "all_gather": lambda out, x: c.all_gather(out, x),
         "broadcast": lambda out, x: c.broadcast(x, src=protocol.ROOT),
         "all_to_all": lambda out, x: c.all_to_all(out, x),
         "all_to_allv": lambda out, x: c.all_to_all(out, x, **_split_kwargs(c.rank, c.world_size, x.numel())),
-    }, c.barrier)
+    }
+    if recording is None:
+        return TorchBackend("braid", dtype, calls, c.barrier)
+
+    def switched(fn: Callable) -> Callable:
+        def call(out: torch.Tensor, x: torch.Tensor) -> object:
+            if switch["on"] is not recording:
+                c.trace_enabled = switch["on"] = recording
+            return fn(out, x)
+        return call
+
+    return TorchBackend("braid" if recording else UNTRACED, dtype,
+                        {op: switched(fn) for op, fn in calls.items()}, c.barrier)
 
 
 def gloo_backend(dtype: str) -> TorchBackend:
@@ -192,7 +218,12 @@ def run_rank(rank: int, world_size: int, store_port: int | None, config: Config)
         braid = None
         if "braid" in config.impls:
             braid = comm.init(timeout=config.timeout)  # on the gloo group's store
-            backends.append(braid_backend(braid, config.dtype))
+            if len(config.trace) == 2:
+                switch = {"on": True}
+                backends += [braid_backend(braid, config.dtype, on, switch) for on in (True, False)]
+            else:
+                braid.trace_enabled = config.trace == ("on",)
+                backends.append(braid_backend(braid, config.dtype))
         if "gloo" in config.impls:
             backends.append(gloo_backend(config.dtype))
         mpi_library = None
@@ -286,6 +317,8 @@ def _header(config: Config, world_size: int) -> str:
         ("# placement: " + ("each rank bound to its own CPU, as Open MPI's mpirun does by default"
                             if config.bind == "core" else "unbound (mpirun does not bind either when "
                             "ranks outnumber the CPUs)")),
+        ("# braid's flight recorder: " + {("on",): "on (its default)", ("off",): "paused"}.get(
+            config.trace, f"on as braid, paused as {UNTRACED}, the same communicator")),
         (f"# timing: {timing.warmup} warm-up calls, then the median over {timing.batches} batches "
          f"({calls}) of the slowest rank's time per call"),
     ])
@@ -320,7 +353,7 @@ def _report(config: Config, records: list[dict], world_size: int, mpi_library: s
                     "impls": list(config.impls), "dtype": config.dtype, "sizes": list(config.sizes),
                     "warmup": timing.warmup, "batches": timing.batches,
                     "time_budget_s": timing.time_budget, "iters": timing.iters, "timeout_s": config.timeout,
-                    "bind": config.bind}
+                    "bind": config.bind, "trace": list(config.trace)}
         report.write_json(config.json_path, {
             "benchmark": "collectives", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine, "config": settings, "records": records})
@@ -373,6 +406,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
                    help="rank placement: core = local rank r on the r-th usable CPU; auto (default) = "
                         "core when ranks <= CPUs, else none, as Open MPI's mpirun does")
+    p.add_argument("--trace", type=_parse_list(("on", "off")), default=("on",),
+                   help="braid's flight recorder: on (default), off, or on,off: both measured side by "
+                        f"side on the same communicator, paused as impl {UNTRACED} (its cost)")
     p.add_argument("--json", metavar="PATH", type=report.output_path(),
                    help="write the records as JSON (format in the module docstring)")
     p.add_argument("--plot", metavar="PATH", type=report.output_path(".png"),
@@ -437,9 +473,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         sizes.append(sizes[-1] * args.step_factor)
     if launcher == "spawn" and "mpi" in impls:
         launcher = "mpirun"
+    trace = tuple(sorted(args.trace, reverse=True))  # ("on",), ("off",) or ("on", "off")
+    if len(trace) == 2 and "braid" in impls:
+        impls = (*impls[:impls.index("braid") + 1], UNTRACED, *impls[impls.index("braid") + 1:])
+    elif len(trace) == 2 or (trace == ("off",) and "braid" not in impls):
+        parser.error("--trace: braid's recorder is measured only with braid among --impls")
     config = Config(args.ops, impls, tuple(sizes), args.dtype, timing, args.timeout,
                     started + args.deadline, started, launcher, launch.resolve_bind(args.bind, world_size),
-                    report.machine_info(), args.json, args.plot)
+                    report.machine_info(), args.json, args.plot, trace)
     if rank == 0:
         print(_header(config, world_size), flush=True)
     if launcher == "torchrun":

@@ -245,9 +245,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     rows = cpu_rows(args.numel, args.repeats)
     print(table(rows, "copy"))
     doc = {"machine": machine, "numel": args.numel, "cpu": rows}
-    from braid.comm import _C
+    from braid.comm.build_info import is_cuda_build
 
-    if torch.cuda.is_available() and getattr(_C, "has_cuda_kernels", False):
+    if torch.cuda.is_available() and is_cuda_build():
         gpu = cuda_rows(args.numel, args.repeats)
         print(f"\n# CUDA kernels on {torch.cuda.get_device_name()}")
         print(table(gpu, "copy"))

@@ -1,19 +1,20 @@
 """The flight recorder's cost: a small all_reduce with the recorder on (its default, 2000 calls)
-against the same call on a communicator built with ``trace_buffer=0``, taking turns in the same
-processes.
+against the same call with recording paused, on the same communicator, taking turns.
 
     python -m braid.bench recorder                       # 2 ranks, 4 KiB
     python -m braid.bench recorder --sizes 4K,64K --nproc 4 --json results/recorder.json
 
-Each implementation is a braid Communicator over the run's store: ``traced`` records every call
-(a ring-buffer entry written when the call is issued, started and completed), ``untraced`` keeps
-none. Reported: microseconds per blocking all_reduce of each (the median over rounds, and the
-best round, of the slowest rank; the order of the two alternates between rounds), and
-``overhead`` = traced / untraced - 1 of each: on a machine shared with other work the best
-rounds are the ones it disturbed least; ``paired``: the median over rounds of each round's
-traced / untraced (the two ran back to back, under the same load) - 1. The target is an overhead of at most 2%
-of a 4 KiB all_reduce (DESIGN section 15). Results are checked (every rank's input is its rank
-+ 1, so every element of the sum is known).
+One braid Communicator over the run's store, its recorder switched between rounds
+(``Communicator.trace_enabled``): ``traced`` records every call (a ring-buffer entry written when
+the call is issued, started and completed), ``untraced`` keeps none. The two share everything
+else (segments, threads, buffers), so the difference is the recorder's alone. Reported:
+microseconds per blocking all_reduce of each (the median over rounds, and the best round, of the
+slowest rank; the order of the two alternates between rounds), and ``overhead`` = traced /
+untraced - 1 of each: on a machine shared with other work the best rounds are the ones it
+disturbed least; ``paired``: the median over rounds of each round's traced / untraced (the two ran
+back to back, under the same load) - 1. The target is an overhead of at most 2% of a 4 KiB
+all_reduce (DESIGN section 15). Results are checked (every rank's input is its rank + 1, so every
+element of the sum is known).
 
 --json writes {"benchmark": "recorder", "date", "machine", "config", "records": [{"bytes",
 "traced_us", "untraced_us", "overhead", "traced_best_us", "untraced_best_us", "overhead_best",
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from braid import comm
 
 from . import report, turns
 from .multihost import parse_sizes
@@ -49,10 +49,7 @@ class Config:
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
     run = config.run
-    with turns.rank_session(rank, world_size, store_port, run) as traced:
-        store = dist.PrefixStore("braid-untraced/", dist.distributed_c10d._get_default_store())
-        untraced = comm.Communicator(store, rank, world_size, timeout=run.timeout, trace_buffer=0)
-        comms = {"traced": traced, "untraced": untraced}
+    with turns.rank_session(rank, world_size, store_port, run) as c:
         progress = report.Progress(len(config.sizes) * len(run.impls) * run.rounds, enabled=rank == 0)
         records = []
         expected = world_size * (world_size + 1) / 2
@@ -64,12 +61,16 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
             def step(impl: str, bufs=bufs, x=x) -> None:
                 t = bufs[impl]
                 t.copy_(x)
-                comms[impl].all_reduce(t)
+                c.all_reduce(t)
+
+            def prepare(impl: str) -> None:
+                c.trace_enabled = impl == "traced"
 
             for impl in run.impls:
+                prepare(impl)
                 for _ in range(run.warmup):
                     step(impl)
-            times, best, rounds = _time_alternating(step, run, progress, nbytes)
+            times, best, rounds = _time_alternating(step, prepare, run, progress, nbytes)
             for impl in run.impls:
                 wrong += int((bufs[impl] != expected).sum())
             wrong = int(turns.max_over_ranks([wrong])[0])
@@ -86,15 +87,17 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
                     a / b for a, b in zip(rounds["traced"], rounds["untraced"])) - 1, 4)
             records.append(rec)
         progress.close()
-        untraced.close()
+        c.trace_enabled = True
     return _report(config, records) if rank == 0 else 0
 
 
-def _time_alternating(step, run: turns.RunOptions, progress: report.Progress, nbytes: int) -> tuple:
+def _time_alternating(step, prepare, run: turns.RunOptions, progress: report.Progress, nbytes: int) -> tuple:
     """Seconds per call of each implementation, over ``run.rounds`` rounds of at most ``run.steps``
     calls each (fewer for large messages: a round lasts about BATCH_S), the implementations' order
-    reversed every other round (neither always runs first after the barrier): (median over rounds,
-    best round), each of the slowest rank."""
+    reversed every other round (neither always runs first after the barrier); ``prepare(impl)``
+    runs before each round, untimed: (median over rounds, best round, every round), each of the
+    slowest rank."""
+    prepare(run.impls[0])
     begin = time.perf_counter()
     step(run.impls[0])
     one = turns.max_over_ranks([time.perf_counter() - begin])[0]
@@ -103,6 +106,7 @@ def _time_alternating(step, run: turns.RunOptions, progress: report.Progress, nb
     for k in range(run.rounds):
         for impl in (run.impls if k % 2 == 0 else tuple(reversed(run.impls))):
             progress(impl, "step", nbytes)
+            prepare(impl)
             dist.barrier()
             begin = time.perf_counter()
             for _ in range(steps):

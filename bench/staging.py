@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 from braid import comm
-from braid.comm import _C
+from braid.comm.build_info import is_cuda_build
 
 from . import launch, report, turns
 
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         print("braid.bench staging: needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return launch.EXIT_FAILED
-    if not getattr(_C, "has_cuda_kernels", False):
+    if not is_cuda_build():
         print("braid.bench staging: this braid build has no CUDA (build it where torch has CUDA and "
               "nvcc is found)", file=sys.stderr)
         return launch.EXIT_FAILED

@@ -21,16 +21,16 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from . import _C
+from .build_info import is_cuda_build
 from .communicator import Communicator
 
 BACKEND_NAME = "braid"
-_CUDA_BUILD = bool(_C.has_cuda_kernels)
 
 
-def backend_devices(cuda_build: bool = _CUDA_BUILD) -> List[str]:
+def backend_devices(cuda_build: Optional[bool] = None) -> List[str]:
     """The device types braid serves as a torch.distributed backend: the CPU, and CUDA in a build
-    with braid's CUDA path (``cuda_build``, this build's by default)."""
-    return ["cpu", "cuda"] if cuda_build else ["cpu"]
+    with braid's CUDA path (``cuda_build``; None: this build's, :func:`is_cuda_build`)."""
+    return ["cpu", "cuda"] if (is_cuda_build() if cuda_build is None else cuda_build) else ["cpu"]
 
 
 def _check_served_devices(device_backends: dict, cuda_build: bool) -> None:
@@ -73,7 +73,7 @@ def _create_backend(options, backend_options=None):
     device it asked for."""
     devices = _device_backends()
     if devices:
-        _check_served_devices(devices, _CUDA_BUILD)
+        _check_served_devices(devices, is_cuda_build())
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=300)
     # torch gives every group (and device) its own prefixed store, so a fixed prefix is unique.
     c = Communicator(options.store, options.group_rank, options.group_size, timeout=timeout,

@@ -1,15 +1,15 @@
-"""The braid communicator: bootstrap through a torch.distributed Store, collectives on CPU tensors and,
-in builds with CUDA, on CUDA tensors staged through pinned host memory."""
+"""The braid communicator: the collectives and point-to-point transfers users call, on CPU
+tensors and, in builds with CUDA, on CUDA tensors staged through pinned host memory
+(cuda_staging.py); :func:`init` builds one from the launcher's environment (launch_env.py), and
+every communicator joins its peers through the store (bootstrap.py)."""
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import itertools
 import json
 import operator
 import os
 import socket
-import time
 import weakref
 from datetime import timedelta
 from typing import Hashable, Optional, Sequence, Union
@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .bootstrap import Bootstrap
+from .build_info import is_cuda_build
 from .compression import CompressedWork, Compressor
-from .errors import CommError, CommTimeout
+from .cuda_staging import CudaStagers
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
 from .group_carrier import GroupCarrier, HostGroups
-from .hosts import host_identity, host_numbers
+from .launch_env import launch_rank, launch_store, launch_world_size
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
 from .work import Work, seconds
 
-# How often a bootstrap wait looks for a peer's published failure.
-_BOOTSTRAP_POLL_S = 0.1
 _instances = itertools.count()
 
 
@@ -88,11 +88,6 @@ class P2POp:
         return f"P2POp({self.op!r}, tensor{tuple(self.tensor.shape)}, peer={self.peer})"
 
 
-def _trace_id(parts: Sequence[str]) -> str:
-    """A short name for a communicator, equal on every rank (from what every rank gathered)."""
-    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("braid")
@@ -102,10 +97,6 @@ def _version() -> str:
 
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
-
-
-# Builds with CUDA (torch with CUDA and nvcc at build time) carry the staging pipeline's binding.
-_CUDA_BUILD = hasattr(_C, "CudaStager")
 
 
 def _off_cpu(*tensors) -> bool:
@@ -124,7 +115,7 @@ def _device(device) -> torch.device:
         d = None
     if d is None or d.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
-    if d.type == "cuda" and not _CUDA_BUILD:
+    if d.type == "cuda" and not is_cuda_build():
         raise ValueError(f"device={device!r} needs braid built with CUDA; this build takes CPU tensors only "
                          "(it was built where torch had no CUDA or nvcc was not found)")
     return d
@@ -168,7 +159,11 @@ class Communicator(CompressionHost, Group):
 
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
     published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface
-    ``BRAID_SOCKET_IFNAME`` names or else the one that routes to the store's host.
+    ``BRAID_SOCKET_IFNAME`` names or else the one that routes to the store's host. Across hosts
+    each host's own steps stay in shared memory and only the exchange between hosts takes TCP:
+    small all-reduces in one round trip among the host leaders (by recursive doubling from four
+    hosts), larger ones and every reduce-scatter and all-gather directly at two hosts and around a
+    ring between hosts from three (:meth:`all_reduce_algorithm` names the all-reduce's choice).
 
     It is a :class:`~braid.comm.group.Group`: every braid layer runs on it as on a torch process
     group, and finds its fused paths among ``capabilities`` (the compressed all-reduce in one call,
@@ -228,14 +223,8 @@ class Communicator(CompressionHost, Group):
             if kind is int:  # saturate at the C++ field's range: the constructor then names the bounds
                 value = min(value, 2**31 - 1 if name in ("nslots", "nsocks") else 2**63 - 1)
             setattr(tun, name, value)
-        for name, value in (("staging_chunk_bytes", staging_chunk_bytes), ("staging_slots", staging_slots)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value!r}")
-        self._staging = (staging_chunk_bytes, staging_slots)
+        self._stagers = CudaStagers(staging_chunk_bytes, staging_slots)
         self._device = device
-        self._stagers: dict = {}
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):
                 raise TypeError(f"skew_rounds must be a bool, got {type(skew_rounds).__name__}")
@@ -246,109 +235,24 @@ class Communicator(CompressionHost, Group):
         self._store = store
         self.last_wire_bytes: Optional[WireStats] = None
         tun.validate()  # before waiting for the peers: bad settings fail at once
+        boot = Bootstrap(store, self._prefix, rank, world_size, self._timeout_s)
         try:
-            if rank == 0 and world_size > 1:
-                # Drawn before rank 0 publishes anything: once the first gather completes, the
-                # secret is there for every rank to read without a wait of its own.
-                store.set(self._key("secret"), os.urandom(32).hex())
-            host_ids = self._host_ids()
+            host_ids = boot.join()
             self._hosts = host_ids
             self._c = _C.Communicator(rank, world_size, tun, self._timeout_s, host_ids)
         except Exception as e:
-            self._tell_peers(e)
+            boot.tell_peers(e)
             raise
         self._finalizer = weakref.finalize(self, _close_soon, self._c)
         try:
             if device.type == "cuda":
-                self._stager(device, "device")
-            self._bootstrap()
-            self._c.set_trace_identity(self._trace_id, host_ids, socket.gethostname(), _version())
+                self._stagers.get(device, "device")
+            comm_id = boot.connect(self._c)
+            self._c.set_trace_identity(comm_id, host_ids, socket.gethostname(), _version())
         except BaseException as e:
             self._finalizer()
-            self._tell_peers(e)
+            boot.tell_peers(e)
             raise
-
-    # -- bootstrap -------------------------------------------------------------------------
-    def _key(self, name: str) -> str:
-        return self._prefix + name
-
-    def _gather(self, name: str, value: str, what: str) -> list:
-        """Publishes ``value`` under name/rank and returns every rank's value."""
-        self._store.set(self._key(f"{name}/{self._rank}"), value)
-        keys = [self._key(f"{name}/{r}") for r in range(self._world_size)]
-        self._wait(keys, what)
-        # One round trip for all N values (a get each would be N: at many hosts the bootstrap's
-        # store traffic per rank is then its share of the bytes, not N waits on the store).
-        return [v.decode() for v in self._store.multi_get(keys)]
-
-    def _tell_peers(self, error: BaseException) -> None:
-        """Publishes why this rank could not join, so that the others raise at once instead of
-        waiting for it until the deadline. Best effort: the store may be what failed."""
-        if self._world_size == 1 or isinstance(error, CommTimeout):
-            return
-        try:
-            self._store.set(self._key("failed"), f"rank {self._rank} could not join the communicator: "
-                            f"{type(error).__name__}: {error}")
-        except Exception:  # noqa: BLE001 - the original error is what the caller must see
-            pass
-
-    def _wait(self, keys: Sequence[str], what: str) -> None:
-        """Waits for ``keys``, in slices, so that a peer's published failure ends the wait."""
-        deadline = time.monotonic() + self._timeout_s
-        failed = self._key("failed")
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self._store.wait(list(keys), timedelta(seconds=max(0.001, min(_BOOTSTRAP_POLL_S, left))))
-                return
-            except Exception as e:  # the store raises its own timeout type
-                if self._store.check([failed]):
-                    raise CommError(self._store.get(failed).decode()) from None
-                if time.monotonic() >= deadline:
-                    missing = [k.rsplit("/", 1)[-1] for k in keys if not self._store.check([k])]
-                    raise CommTimeout(f"rank {self._rank}: ranks [{', '.join(missing)}] did not {what} "
-                                      f"within {self._timeout_s:g} s ({e})") from None
-
-    def _host_ids(self) -> list:
-        """Which ranks share a host, from every rank's published host identity: equal numbers
-        for equal identities (host_identity())."""
-        if self._world_size == 1:
-            return [0]
-        return host_numbers(self._gather("host", host_identity(), "join the communicator"))
-
-    def _bootstrap(self) -> None:
-        me = f"{self._c.segment_name()}|{os.getpid()}|{socket.gethostname()}"
-        if self._world_size == 1:
-            self._trace_id = _trace_id([self._prefix, me])
-            return
-        peers = []
-        entries = self._gather("seg", me, "publish their shared memory")
-        # The flight recorder's name of this communicator: the same on every rank, new every run.
-        self._trace_id = _trace_id([self._prefix, *entries])
-        for entry in entries:
-            name, pid, host = entry.split("|", 2)
-            peers.append((name, int(pid), host))
-        self._c.attach(peers)
-        # Unlink once every rank has mapped every segment: nothing can leak after this point.
-        if self._store.add(self._key("attached"), 1) == self._world_size:
-            self._store.set(self._key("attached_all"), "1")
-        endpoints = self._publish_endpoint() if self._c.num_hosts > 1 else None
-        # Across hosts every rank published its endpoint after counting itself attached, so the
-        # endpoints' gather has already seen the count complete: this wait returns at once.
-        self._wait([self._key("attached_all")], "map the shared memory")
-        self._c.unlink_own()
-        if endpoints is not None:
-            labels = [f"rank {r} ({endpoints[r]} on {peers[r][2]})" for r in range(self._world_size)]
-            self._c.connect_tcp(endpoints, labels)
-
-    def _publish_endpoint(self) -> list:
-        """TCP between the ranks of different hosts: this rank listens, authenticating peers by
-        the communicator's secret (rank 0 drew it before the first gather), and every rank's
-        endpoint is gathered (connect_tcp then opens connections: by default when an algorithm
-        first uses a pair)."""
-        secret = bytes.fromhex(self._store.get(self._key("secret")).decode())
-        endpoint = self._c.listen_tcp(_bind_address(self._store), secret)
-        return self._gather("tcp", endpoint, "publish their TCP endpoints")
 
     def _release_core(self):
         """Hands the C++ communicator to a new owner (the torch.distributed backend), which
@@ -397,6 +301,19 @@ class Communicator(CompressionHost, Group):
         docs/trace.md)."""
         return json.loads(self._c.trace_json("trace"))
 
+    @property
+    def trace_enabled(self) -> bool:
+        """Whether the flight recorder records calls now (False with ``trace_buffer=0``). Setting it
+        to False pauses it (calls issued meanwhile leave no entry; what it holds stays and is
+        dumped as usual), True resumes it."""
+        return self._c.trace_enabled
+
+    @trace_enabled.setter
+    def trace_enabled(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"trace_enabled must be a bool, got {type(on).__name__}")
+        self._c.trace_enabled = on
+
     def connections(self) -> dict:
         """The TCP connections this rank holds now: ``{"peers": ranks on other hosts connected to,
         "sockets": their sockets}``. Connections open when an algorithm first uses a pair of ranks
@@ -436,45 +353,21 @@ class Communicator(CompressionHost, Group):
     def device_problem(self, device: torch.device) -> Optional[str]:
         """Why tensors on ``device`` cannot travel through this communicator (None: they can)."""
         kind = torch.device(device).type
-        if kind == "cpu" or (kind == "cuda" and _CUDA_BUILD):
+        if kind == "cpu" or (kind == "cuda" and is_cuda_build()):
             return None
         if kind == "cuda":
             return ("this braid build has no CUDA path (build braid where torch has CUDA and nvcc "
                     "exists), so its Communicator takes CPU tensors only; or run over an NCCL process group")
-        return f"a braid Communicator takes CPU{' and CUDA' if _CUDA_BUILD else ''} tensors, not {kind}"
+        return f"a braid Communicator takes CPU{' and CUDA' if is_cuda_build() else ''} tensors, not {kind}"
 
     def all_reduce_algorithm(self, nbytes: int) -> str:
         """Name of the algorithm all_reduce uses for a message of ``nbytes`` bytes: on one host
-        "oneshot", "twoshot" or "ring"; across hosts "oneshot" (one round trip between the host
-        leaders), "hierarchical" or "leaders"."""
+        "oneshot", "twoshot" or "ring"; across hosts, for small messages "oneshot" (one round trip
+        among the host leaders) or "doubling" (recursive doubling among them, from four hosts), for
+        larger ones "ring" (around a ring between hosts, from three) or at two hosts a direct
+        exchange, "hierarchical" (each local rank's slice with its counterparts when every host
+        holds the same number of ranks, more than one) or "leaders" (the host leaders alone)."""
         return self._c.all_reduce_algo(nbytes)
-
-    # -- CUDA tensors --------------------------------------------------------------------------
-    def _stager(self, device: torch.device, arg: str):
-        """The staging pipeline (pinned buffers, two copy streams) of CUDA ``device``, set up at its
-        first use; a ValueError naming ``arg`` for a device braid cannot stage from."""
-        if not _CUDA_BUILD:
-            raise ValueError(f"{arg} is on {device}, but this braid build takes CPU tensors only (it was "
-                             "built where torch had no CUDA or nvcc was not found): reinstall braid on a "
-                             "machine with both, or move the tensor to the CPU")
-        if device.type != "cuda":
-            raise ValueError(f"{arg} must be a CPU or CUDA tensor, got a tensor on {device}")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        stager = self._stagers.get(index)
-        if stager is None:
-            chunk_bytes, slots = self._staging
-            env_chunk, env_slots = _C.staging_options_from_env()
-            stager = _C.CudaStager(index, env_chunk if chunk_bytes is None else chunk_bytes,
-                                   env_slots if slots is None else slots)
-            self._stagers[index] = stager
-        return stager
-
-    def _stager_of(self, output: torch.Tensor, input: torch.Tensor):
-        """The stager of the device of an out-of-place call (the output's, else the input's); the
-        binding then requires the other tensor on the same device."""
-        if isinstance(output, torch.Tensor) and not output.is_cpu:
-            return self._stager(output.device, "output")
-        return self._stager(input.device, "input")
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False, *,
@@ -497,7 +390,7 @@ class Communicator(CompressionHost, Group):
             if async_op.__class__ is not bool:
                 async_op = _async_flag(async_op)
             if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
-                stager = self._stager(tensor.device, "tensor")
+                stager = self._stagers.get(tensor.device, "tensor")
                 w = self._c.cuda_all_reduce(stager, tensor, op_code(op) if code is None else code, async_op)
                 return None if w is None else Work(w, "all_reduce")
             w = self._c.all_reduce(tensor, op_code(op) if code is None else code, async_op)
@@ -521,7 +414,7 @@ class Communicator(CompressionHost, Group):
         """Reduces ``input`` (world_size * output.numel() elements) across ranks; rank r receives
         the reduced r-th slice in ``output``."""
         if _off_cpu(output, input):
-            stager = self._stager_of(output, input)
+            stager = self._stagers.of(output, input)
             w = self._c.cuda_reduce_scatter(stager, output, input, op_code(op), _async_flag(async_op))
             return _wrap(w, "reduce_scatter")
         w = self._c.reduce_scatter(output, input, op_code(op), _async_flag(async_op))
@@ -530,7 +423,7 @@ class Communicator(CompressionHost, Group):
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
         if _off_cpu(output, input):
-            stager = self._stager_of(output, input)
+            stager = self._stagers.of(output, input)
             return _wrap(self._c.cuda_all_gather(stager, output, input, _async_flag(async_op)), "all_gather")
         return _wrap(self._c.all_gather(output, input, _async_flag(async_op)), "all_gather")
 
@@ -549,7 +442,7 @@ class Communicator(CompressionHost, Group):
         as its sizes need, instead of as one collective.
         """
         if _off_cpu(output, input):
-            stager = self._stager_of(output, input)
+            stager = self._stagers.of(output, input)
             if output_split_sizes is not None or input_split_sizes is not None:
                 raise ValueError("all_to_all with split sizes takes CPU tensors only; on CUDA tensors "
                                  "use equal splits (output_split_sizes and input_split_sizes None)")
@@ -567,7 +460,7 @@ class Communicator(CompressionHost, Group):
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
         if _off_cpu(tensor):
-            stager = self._stager(tensor.device, "tensor")
+            stager = self._stagers.get(tensor.device, "tensor")
             return _wrap(self._c.cuda_broadcast(stager, tensor, src, _async_flag(async_op)), "broadcast")
         return _wrap(self._c.broadcast(tensor, src, _async_flag(async_op)), "broadcast")
 
@@ -674,94 +567,9 @@ def init(store: Optional["dist.Store"] = None, rank: Optional[int] = None,
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
     if rank is None:
-        rank = int(_env("RANK", "SLURM_PROCID"))
+        rank = launch_rank()
     if world_size is None:
-        world_size = int(_env("WORLD_SIZE", "SLURM_NTASKS"))
+        world_size = launch_world_size()
     if store is None:
-        timeout = kwargs.get("timeout", timedelta(seconds=300))
-        use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        where = (_master_addr(), _master_port())
-        # One store per address in a process: rank 0 hosts it, and a second init() must not try
-        # to listen on the port again.
-        tcp = _env_stores.get(where)
-        if tcp is None:
-            tcp = dist.TCPStore(where[0], where[1], world_size, is_master=(rank == 0 and not use_agent),
-                                timeout=timedelta(seconds=seconds(timeout)))
-            _env_stores[where] = tcp
-        # torchrun's agent store outlives a restart of the workers: each attempt its own keys
-        # (torch's own rendezvous does the same), or a restarted rank would read the last
-        # attempt's segment names.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        store = dist.PrefixStore("braid/" if attempt is None else f"braid/attempt{attempt}/", tcp)
+        store = launch_store(rank, world_size, kwargs.get("timeout", timedelta(seconds=300)))
     return Communicator(store, rank, world_size, **kwargs)
-
-
-_env_stores: dict = {}
-
-
-def _store_host(store) -> Optional[str]:
-    """The host of the TCPStore under ``store`` (through PrefixStores), else None."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store.host if isinstance(store, dist.TCPStore) else None
-
-
-def _bind_address(store) -> str:
-    """The address this rank listens on for other hosts' ranks: BRAID_SOCKET_IFNAME's interface
-    (BRAID_SOCKET_FAMILY=AF_INET6 for IPv6), else the one that routes to the store's host, else
-    the first interface that is up other than loopback, else loopback."""
-    spec = os.environ.get("BRAID_SOCKET_IFNAME")
-    family = os.environ.get("BRAID_SOCKET_FAMILY", "AF_INET")
-    if family not in ("AF_INET", "AF_INET6"):
-        raise ValueError(f"BRAID_SOCKET_FAMILY must be AF_INET or AF_INET6, got {family!r}")
-    if spec:
-        return _C.interface_address(spec, family == "AF_INET6")
-    host = _store_host(store)
-    if host:
-        try:
-            return _C.route_address(host)
-        except ValueError:
-            pass
-    try:
-        return _C.interface_address("^lo", family == "AF_INET6")
-    except ValueError:
-        return "::1" if family == "AF_INET6" else "127.0.0.1"
-
-
-def _env(name: str, slurm: Optional[str] = None) -> str:
-    value = os.environ.get(name) or (os.environ.get(slurm) if slurm else None)
-    if not value:
-        also = f" (nor {slurm})" if slurm else ""
-        raise ValueError(f"{name} is not set{also}: pass store, rank and world_size, initialize "
-                         "torch.distributed, or launch with torchrun or srun")
-    return value
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host name of a SLURM node list: "node[03-05,07],gpu1" -> "node03"."""
-    first = nodelist.split(",", 1)[0]
-    head = first if "[" not in first else nodelist[:nodelist.index("]") + 1]
-    if "[" not in head:
-        return head
-    prefix, ranges = head.split("[", 1)
-    first = ranges.rstrip("]").split(",", 1)[0].split("-", 1)[0]
-    return prefix + first
-
-
-def _master_addr() -> str:
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"]
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-    if nodes:
-        return first_slurm_host(nodes)
-    return _env("MASTER_ADDR")
-
-
-def _master_port() -> int:
-    if os.environ.get("MASTER_PORT"):
-        return int(os.environ["MASTER_PORT"])
-    job = os.environ.get("SLURM_JOB_ID")
-    if job and job.isdigit():
-        # Every task of the job derives the same port; jobs sharing a node rarely collide.
-        return 20000 + int(job) % 20000
-    return int(_env("MASTER_PORT"))

@@ -32,6 +32,9 @@ from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
 from .work import Work
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Largest quantization block: csrc/core/compression/quantize.h's kMaxQuantBlock (the kernels stage a
+# block in a stack buffer of float32).
+MAX_QUANT_BLOCK = _C.MAX_QUANT_BLOCK
 _MASK64 = (1 << 64) - 1
 _INT32_MAX = 2**31 - 1
 _CPU = torch.device("cpu")
@@ -442,8 +445,8 @@ class BlockQuantizer(Compressor):
     bits = 8
 
     def __init__(self, block: int, stochastic: bool = True, **kwargs: Any):
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block > 8192:
-            raise ValueError(f"block must be an int in [1, 8192], got {block!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_QUANT_BLOCK:
+            raise ValueError(f"block must be an int in [1, {MAX_QUANT_BLOCK}], got {block!r}")
         if self.bits == 4 and block % 2:
             raise ValueError(f"block must be even for 4-bit quantization (two values per byte), got {block}")
         super().__init__(**kwargs)

@@ -17,13 +17,12 @@ averaged (decompressed) gradients land in place in ``bucket.buffer()``, so
 ``gradient_as_bucket_view=True`` works as is.
 """
 
-import os
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import group_carrier
+from . import _C, group_carrier
 from .adaptive import Adaptive
 from .communicator import Communicator
 from .compression import FLOAT_DTYPES, Compressor, compressor
@@ -35,17 +34,9 @@ DEFAULT_MIN_COMPRESS_BYTES = 64 * 1024
 
 
 def _min_bytes_from_env() -> int:
-    """BRAID_COMPRESS_MIN_BYTES: a byte count, optionally with a K, M or G suffix (as the other
-    BRAID_* sizes)."""
-    raw = os.environ.get("BRAID_COMPRESS_MIN_BYTES")
-    if raw is None or raw == "":
-        return DEFAULT_MIN_COMPRESS_BYTES
-    shift = {"K": 10, "M": 20, "G": 30}.get(raw[-1].upper(), 0)
-    digits = raw[:-1] if shift else raw
-    if not digits.isdigit():
-        raise ValueError("BRAID_COMPRESS_MIN_BYTES must be a non-negative integer number of bytes, "
-                         f"optionally with a K, M or G suffix; got {raw!r}")
-    return int(digits) << shift
+    """BRAID_COMPRESS_MIN_BYTES: a byte count, optionally with a K, M or G suffix, read by the
+    core's parser of every BRAID_* size (a ValueError naming the variable when malformed)."""
+    return _C.env_bytes("BRAID_COMPRESS_MIN_BYTES", DEFAULT_MIN_COMPRESS_BYTES)
 
 
 Carrier = Union[Communicator, dist.ProcessGroup, HostGroups, None]

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from .build_info import is_cuda_build
 
 
 class CpuKernels:
@@ -89,7 +90,7 @@ def kernels_for(device: torch.device, arg: str = "tensor"):
     if device.type == "cpu":
         return CpuKernels
     if device.type == "cuda":
-        if not getattr(_C, "has_cuda_kernels", False):
+        if not is_cuda_build():
             raise ValueError(f"{arg} is on {device}, but this braid build has no CUDA kernels (it was "
                              "built where torch had no CUDA or nvcc was not found): reinstall braid on a "
                              "machine with both, or move the tensor to the CPU")

@@ -1,6 +1,7 @@
 """The names braid's collectives speak on the Python side of the binding: reduce ops and their
-codes (csrc/core/dtype.h's ReduceOp), with torch.distributed's spellings, and the dtypes that
-travel as themselves (csrc/core/dtype.h's DType, csrc/binding/binding_util.h's conversion).
+codes (csrc/core/dtype.h's ReduceOp, read from the binding's ``_C.REDUCE_OPS``), with
+torch.distributed's spellings, and the dtypes that travel as themselves (csrc/core/dtype.h's
+DType, csrc/binding/binding_util.h's conversion).
 
 The binding checks what it is given (an op code in range and allowed for the tensor's dtype, a
 dtype it has); these tables turn the user's spelling into its codes, once."""
@@ -11,8 +12,11 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-# Codes of csrc/core/dtype.h (ReduceOp), by braid's names; the bitwise ones take integer tensors only.
-REDUCE_OPS = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
+from . import _C
+
+# Codes of csrc/core/dtype.h (ReduceOp) by braid's names, in code order; the bitwise ones (band, bor,
+# bxor) take integer tensors only.
+REDUCE_OPS = dict(_C.REDUCE_OPS)
 SUM, AVG = REDUCE_OPS["sum"], REDUCE_OPS["avg"]
 # What a compressed all-reduce does with what arrives: sums it, or averages it.
 COMPRESSED_OPS = ("sum", "avg")

@@ -7,8 +7,11 @@ from typing import Optional, Union
 
 import torch
 
-# Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the C++ core does.
-MAX_TIMEOUT_S = 1e9
+from . import _C
+
+# Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the core does
+# (csrc/core/errors.h's kMaxTimeoutSeconds).
+MAX_TIMEOUT_S = _C.MAX_TIMEOUT_S
 
 
 def seconds(timeout: Union[timedelta, float, int], name: str = "timeout", zero_ok: bool = False) -> float:

@@ -7,11 +7,12 @@ payload, a residual or a top-k selection must come out identical on either devic
 import pytest
 import torch
 from braid.comm import _C
+from braid.comm.build_info import is_cuda_build
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or not getattr(_C, "has_cuda_kernels", False),
+        not torch.cuda.is_available() or not is_cuda_build(),
         reason="needs a CUDA device and a CUDA build of braid",
     ),
 ]

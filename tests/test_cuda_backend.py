@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from braid.comm import _C
 from braid.comm import backend as braid_backend
+from braid.comm.build_info import is_cuda_build
 from helpers.ranks import (COMM_TIMEOUT_S, environment, make_comm, new_store_path, open_store, process_group,
                            run_ranks)
 
-CUDA_BUILD = bool(_C.has_cuda_kernels)
+CUDA_BUILD = is_cuda_build()
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not CUDA_BUILD,
     reason="needs a CUDA device and a braid build with CUDA",

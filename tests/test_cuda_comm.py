@@ -7,10 +7,10 @@ midway) is tested without a GPU in C++ (csrc/tests/staging_test.cc, ctest suite 
 
 import pytest
 import torch
-from braid.comm import communicator as communicator_module
+from braid.comm.build_info import is_cuda_build
 from helpers.ranks import make_comm, new_store_path, run_ranks
 
-CUDA_BUILD = communicator_module._CUDA_BUILD
+CUDA_BUILD = is_cuda_build()
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not CUDA_BUILD,

@@ -315,15 +315,15 @@ def test_segments_unlinked_once_all_ranks_attached(n):
 
 def two_hosts(rank, n, store_path):
     """Rank n-1 announces another host identity, as a process on a second machine would."""
-    from braid.comm import communicator
+    from braid.comm import bootstrap
 
-    real = communicator.host_identity
+    real = bootstrap.host_identity
     if rank == n - 1:
-        communicator.host_identity = lambda: "other-host|boot|shm"
+        bootstrap.host_identity = lambda: "other-host|boot|shm"
     try:
         c = make_comm(rank, n, store_path)
     finally:
-        communicator.host_identity = real  # pooled worker: later tests need the real one
+        bootstrap.host_identity = real  # pooled worker: later tests need the real one
     t = torch.full((1000,), float(rank + 1))
     c.all_reduce(t)
     layout = (c.num_hosts, c.local_world_size)

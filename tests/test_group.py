@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from braid import comm
 from braid.bench.models import BLOCK_PLAN, Block, LanguageModel
 from braid.comm import fsdp, tp
+from braid.comm.build_info import is_cuda_build
 from braid.comm.group import DefaultGroup, Group, ProcessGroupAdapter, as_group, check_device
 from helpers.ranks import carrier, make_comm, process_group, run_ranks
 from torch import nn
@@ -170,7 +170,7 @@ def test_cpu_parameters_on_a_cuda_only_group_are_refused():
 # and over braid's Communicator; NCCL needs one GPU per rank.
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_cuda_build = pytest.mark.skipif(not torch.cuda.is_available() or not comm.communicator._CUDA_BUILD,
+needs_cuda_build = pytest.mark.skipif(not torch.cuda.is_available() or not is_cuda_build(),
                                       reason="needs a CUDA device and a braid build with CUDA")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
 DIM, HEADS, HIDDEN, BATCH, SEQ, VOCAB = 32, 4, 64, 2, 8, 48
@@ -257,7 +257,7 @@ def _zero_on_gpu(rank, world_size, store_path, kind, stage, mixed):
 @pytest.mark.parametrize("kind", ("gloo", "braid", "communicator"))
 @pytest.mark.parametrize("sequence_parallel", (False,))
 def test_tp_on_cuda_tensors(kind, sequence_parallel):
-    if kind != "gloo" and not comm.communicator._CUDA_BUILD:
+    if kind != "gloo" and not is_cuda_build():
         pytest.skip("needs a braid build with CUDA")
     assert run_ranks(_tp_on_gpu, 2, kind, sequence_parallel) == ["cuda", "cuda"]
 
@@ -267,7 +267,7 @@ def test_tp_on_cuda_tensors(kind, sequence_parallel):
 @pytest.mark.parametrize("kind", ("gloo", "braid", "communicator"))
 @pytest.mark.parametrize("stage,mixed", ((3, False), (2, False), (3, True)))
 def test_zero_on_cuda_parameters(kind, stage, mixed):
-    if kind != "gloo" and not comm.communicator._CUDA_BUILD:
+    if kind != "gloo" and not is_cuda_build():
         pytest.skip("needs a braid build with CUDA")
     losses = run_ranks(_zero_on_gpu, 2, kind, stage, mixed)
     assert losses[0][-1] < losses[0][0], losses

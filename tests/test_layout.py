@@ -158,12 +158,17 @@ def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():
 
 
 def test_python_tables_match_the_core():
-    """The Python side's reduce-op codes and algorithm names are the core's (csrc/core/dtype.h,
-    tunables.h), as the binding exports them: a code renumbered on one side only would reduce with
-    the wrong op."""
+    """The Python side's reduce ops are the core's (csrc/core/dtype.h, read from the binding), each
+    spelled as torch.distributed spells it and meaning the same op, and the algorithm names are
+    tunables.h's: an op renamed or renumbered on one side would reduce with the wrong op."""
+    import torch.distributed as dist
     from braid.comm import _C, vocabulary
 
-    assert vocabulary.REDUCE_OPS == _C.REDUCE_OPS
+    assert list(vocabulary.REDUCE_OPS) == ["sum", "avg", "max", "min", "prod", "band", "bor", "bxor"]
+    assert list(vocabulary.REDUCE_OPS.values()) == list(range(len(vocabulary.REDUCE_OPS)))
+    for name, code in _C.REDUCE_OPS.items():
+        torch_op = getattr(dist.ReduceOp, "PRODUCT" if name == "prod" else name.upper())
+        assert vocabulary.op_code(torch_op) == vocabulary.op_code(name) == code
     assert _C.ALGORITHMS == ("auto", "oneshot", "twoshot", "ring", "hierarchical", "leaders", "doubling")
 
 

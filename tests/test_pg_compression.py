@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid import comm
-from braid.comm import _C, ddp
+from braid.comm import ddp
+from braid.comm.build_info import is_cuda_build
 from braid.comm.compression import dense_wire_bytes
 from braid.comm.group_carrier import HostGroups, host_groups
 from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
@@ -282,7 +283,7 @@ def test_default_group_is_looked_up_at_the_first_bucket():
         state.carrier()
 
 
-@pytest.mark.skipif(getattr(_C, "has_cuda_kernels", False), reason="this build has the CUDA kernels")
+@pytest.mark.skipif(is_cuda_build(), reason="this build has the CUDA kernels")
 def test_cuda_device_without_cuda_kernels_is_named():
     from braid.comm.device_kernels import kernels_for
 
@@ -295,7 +296,7 @@ def test_cuda_device_without_cuda_kernels_is_named():
 # one GPU, by NCCL where two exist).
 
 needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available() or not getattr(_C, "has_cuda_kernels", False),
+    not torch.cuda.is_available() or not is_cuda_build(),
     reason="needs a CUDA device and a braid build with the CUDA kernels",
 )
 

@@ -65,11 +65,20 @@ def records_calls(rank, n, store_path):
     with make_comm(rank, n, store_path, trace_buffer=3) as c:
         for _ in range(5):
             c.all_reduce(torch.ones(8))
+        c.trace_enabled = False  # paused: two calls leave no entry but advance the sequence
+        paused = c.trace_enabled
+        for _ in range(2):
+            c.all_reduce(torch.ones(8))
+        c.trace_enabled = True
+        c.all_reduce(torch.ones(8))
         small = c.trace()
     with make_comm(rank, n, store_path, trace_buffer=0) as c:
+        c.trace_enabled = True  # no ring: stays off
         c.all_reduce(torch.ones(8))
         off = c.trace()
-    return {"full": full, "compressed": compressed, "small": small, "off": off}
+        off_enabled = c.trace_enabled
+    return {"full": full, "compressed": compressed, "small": small, "off": off, "paused": paused,
+            "off_enabled": off_enabled}
 
 
 def one_rank_stops(rank, n, store_path, directory, layout, quiet):
@@ -141,7 +150,8 @@ def dumps_on_request(rank, n, store_path, directory):
 
 def test_the_recorder_keeps_each_call():
     """Kinds, sizes, op, root, peer, algorithm, bytes, states and times as the calls made them;
-    sequence numbers equal on every rank; a small buffer keeps the last calls; 0 keeps none."""
+    sequence numbers equal on every rank; a small buffer keeps the last calls; paused, none is
+    recorded; 0 keeps none."""
     results = run_ranks(records_calls, 2)
     for rank, r in enumerate(results):
         full = r["full"]
@@ -167,8 +177,9 @@ def test_the_recorder_keeps_each_call():
         assert whole["state"] == "completed" and whole["seq"] is None, whole
         assert steps and all(x["seq"] is not None and x["dtype"] == "uint8" for x in steps), steps
         small = r["small"]
-        assert small["recorded"] == 5 and [x["id"] for x in small["entries"]] == [3, 4, 5]
-        assert r["off"]["buffer"] == 0 and r["off"]["entries"] == []
+        assert small["recorded"] == 6 and [x["id"] for x in small["entries"]] == [4, 5, 6]
+        assert [x["seq"] for x in small["entries"]] == [4, 5, 8] and r["paused"] is False
+        assert r["off"]["buffer"] == 0 and r["off"]["entries"] == [] and r["off_enabled"] is False
 
 
 @pytest.mark.parametrize("layout,quiet", [(None, 1), ([0, 0, 1], 2)], ids=["one-host", "2+1-hosts"])

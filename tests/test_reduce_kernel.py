@@ -11,7 +11,6 @@ from helpers import (
     BITWISE_OPS,
     DTYPES,
     HALF_DTYPES,
-    OP_CODES,
     OPS,
     make_input,
     mismatch_summary,
@@ -25,7 +24,7 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def reduce(inputs, op: str, world_size: int = 1) -> torch.Tensor:
-    return _C.reduce_tensors(list(inputs), OP_CODES[op], world_size)
+    return _C.reduce_tensors(list(inputs), _C.REDUCE_OPS[op], world_size)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:

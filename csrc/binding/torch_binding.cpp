@@ -381,6 +381,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("trace_json", &Communicator::trace_json, py::arg("reason"))
       .def_property_readonly("trace_dir", &Communicator::trace_dir)
+      .def_property("trace_enabled", &Communicator::trace_enabled, &Communicator::set_trace_enabled)
       .def_property_readonly("tcp_bytes_sent", &Communicator::tcp_bytes_sent)
       .def_property_readonly("tcp_peers", &Communicator::tcp_peers)
       .def_property_readonly("tcp_sockets", &Communicator::tcp_sockets)
@@ -423,6 +424,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict reduce_ops;
   for (int i = 0; i < kNumReduceOps; ++i) reduce_ops[reduce_op_name(static_cast<ReduceOp>(i))] = i;
   m.attr("REDUCE_OPS") = reduce_ops;
+  // Limits the Python side checks against (one statement of each, in the core).
+  m.attr("MAX_TIMEOUT_S") = kMaxTimeoutSeconds;
+  m.attr("MAX_QUANT_BLOCK") = kMaxQuantBlock;
+  m.def("env_bytes", [](const std::string& name, size_t dflt) { return env_bytes(name.c_str(), dflt); },
+        py::arg("name"), py::arg("default"),
+        "The byte count in environment variable `name` (digits with an optional K, M or G suffix), "
+        "`default` when it is unset or empty; ValueError naming it when malformed.");
 
   register_backend(m);
 

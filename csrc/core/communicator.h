@@ -175,6 +175,9 @@ class Communicator {
   std::string dump_trace(const std::string& dir, const std::string& reason);
   std::string trace_json(const std::string& reason) const;
   const std::string& trace_dir() const { return trace_dir_; }
+  // Pauses or resumes the recorder (trace.h); whether it records now.
+  void set_trace_enabled(bool on) { trace_.set_recording(on); }
+  bool trace_enabled() const { return trace_.on(); }
 
  private:
   // The shared-memory all_reduce algorithm for a message on this host's group.

@@ -49,18 +49,27 @@ int64_t wall_ns() {
 }
 }  // namespace
 
+namespace {
+size_t ring_size(size_t capacity) {
+  size_t n = 1;
+  while (n < capacity) n <<= 1;
+  return capacity == 0 ? 0 : n;
+}
+}  // namespace
+
 Recorder::Recorder(size_t capacity)
     : capacity_(capacity),
-      slots_(capacity != 0 ? new Slot[capacity] : nullptr),
-      errors_(capacity),
-      stacks_(capacity),
+      mask_(ring_size(capacity) - 1),
+      slots_(capacity != 0 ? new Slot[ring_size(capacity)] : nullptr),
+      errors_(ring_size(capacity)),
+      stacks_(ring_size(capacity)),
       tick0_(ticks()),
       wall0_ns_(wall_ns()) {}
 
 template <class F>
 void Recorder::update(uint64_t id, F&& write) {
   if (id == 0) return;
-  Slot& e = slots_[(id - 1) % capacity_];
+  Slot& e = slot_of(id);
   if (e.id != id) return;  // overwritten by a later call (a ring smaller than the calls in flight)
   const uint32_t v = e.version.load(std::memory_order_relaxed);
   e.version.store(v + 1, std::memory_order_relaxed);
@@ -71,10 +80,10 @@ void Recorder::update(uint64_t id, F&& write) {
 
 uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
                          std::string stack) {
-  if (capacity_ == 0) return 0;
+  if (!on()) return 0;
   const uint64_t now = ticks();
   const uint64_t id = recorded_.fetch_add(1, std::memory_order_relaxed) + 1;
-  const size_t at = (id - 1) % capacity_;
+  const size_t at = (id - 1) & mask_;
   Slot& e = slots_[at];
   const bool had_text = e.has_text;
   const uint32_t v = e.version.load(std::memory_order_relaxed);
@@ -99,7 +108,7 @@ uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count
   e.version.store(v + 2, std::memory_order_release);
   // The next call's slot, last written `capacity` calls ago and long out of the caches: fetched
   // now, while this call runs, rather than on the next call's latency.
-  const char* next = reinterpret_cast<const char*>(&slots_[id % capacity_]);
+  const char* next = reinterpret_cast<const char*>(&slots_[id & mask_]);
   for (size_t line = 0; line < sizeof(Slot); line += 64) __builtin_prefetch(next + line, 1);
   if (had_text || !stack.empty()) {  // rare: a stack recorded, or the slot held one or an error
     std::lock_guard<std::mutex> lk(text_mu_);
@@ -144,7 +153,7 @@ void Recorder::fail(uint64_t id, const std::string& error) {
   const uint64_t now = ticks();
   {
     std::lock_guard<std::mutex> lk(text_mu_);
-    errors_[(id - 1) % capacity_] = error.empty() ? "failed" : error;
+    errors_[(id - 1) & mask_] = error.empty() ? "failed" : error;
   }
   update(id, [&](Slot& e) {
     e.state = TraceState::kFailed;
@@ -315,7 +324,7 @@ std::string Recorder::to_json(const TraceIdentity& who, int rank, int world, con
   const uint64_t n = std::min<uint64_t>(recorded, capacity_);
   for (uint64_t id = recorded - n + 1; id <= recorded; ++id) {
     TraceEntry e;
-    if (!snapshot((id - 1) % capacity_, e) || e.id != id) continue;  // caught mid-write, or already reused
+    if (!snapshot((id - 1) & mask_, e) || e.id != id) continue;  // caught mid-write, or already reused
     e.issued_us = to_us(e.issued_us);
     e.started_us = to_us(e.started_us);
     e.completed_us = to_us(e.completed_us);

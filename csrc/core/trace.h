@@ -3,9 +3,10 @@
 // Python stack), written as one JSON file per rank when something goes wrong so that
 // `python -m braid.trace analyze DIR` can name the rank and the call where ranks diverged.
 //
-// Cost: one uncontended lock and a few stores per state change (issued, started, completed);
-// strings are copied only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off. The dump
-// format is docs/trace.md's ("braid-trace", version 1).
+// Cost: per call, one atomic increment, two reads of a tick counter and a few stores into the
+// call's slot at each state change (issued, started, completed), no lock; strings are copied
+// only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off, Communicator::set_trace_enabled
+// pauses it. The dump format is docs/trace.md's ("braid-trace", version 1).
 #pragma once
 
 #include <atomic>
@@ -71,8 +72,12 @@ struct TraceIdentity {
 class Recorder {
  public:
   explicit Recorder(size_t capacity);
-  bool on() const { return capacity_ != 0; }
+  // Whether calls are being recorded: a ring was made (capacity > 0) and recording is not paused.
+  bool on() const { return capacity_ != 0 && recording_.load(std::memory_order_relaxed); }
   size_t capacity() const { return capacity_; }
+  // Pauses (false) or resumes recording; calls issued while paused leave no entry (calls already
+  // recorded still complete theirs). A recorder without a ring stays off.
+  void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
 
   // A new call; returns its id (0 when the recorder is off).
   uint64_t issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
@@ -89,7 +94,8 @@ class Recorder {
   std::string to_json(const TraceIdentity& who, int rank, int world, const std::string& reason) const;
 
  private:
-  struct Slot {
+  // Two cache lines, aligned: a call touches no line of another's.
+  struct alignas(64) Slot {
     std::atomic<uint32_t> version{0};  // odd while a writer is in it
     uint64_t id = 0, seq = 0, count = 0, shm_bytes = 0, tcp_bytes = 0;
     uint64_t issued = 0, started = 0, completed = 0;  // ticks
@@ -109,7 +115,13 @@ class Recorder {
   void update(uint64_t id, F&& write);
   bool snapshot(size_t slot, TraceEntry& out) const;  // false: being rewritten
 
-  size_t capacity_;
+  Slot& slot_of(uint64_t id) const { return slots_[(id - 1) & mask_]; }
+
+  size_t capacity_;  // the calls a dump shows at most
+  // The ring holds the next power of two of slots at or above capacity_: a call finds its slot
+  // with a mask (a division, at each of the three writes, cost as much as all the rest together).
+  size_t mask_;
+  std::atomic<bool> recording_{true};
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint64_t> recorded_{0};
   mutable std::mutex text_mu_;

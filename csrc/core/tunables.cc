@@ -180,8 +180,9 @@ void Tunables::validate() const {
   if (skew_rounds < -1 || skew_rounds > 1)
     throw std::invalid_argument("skew_rounds (BRAID_SKEW_ROUNDS) must be 0 or 1");
   if (yield_us < 0) throw std::invalid_argument("yield_us (BRAID_YIELD_US) must be >= 0");
-  if (nsocks < 1 || nsocks > 64) throw std::invalid_argument("nsocks (BRAID_NSOCKS) must be between 1 and 64");
-  if (socket_chunk_bytes < 4096 || socket_chunk_bytes > (size_t(1) << 30))
+  if (nsocks < 1 || nsocks > kMaxSockets)
+    throw std::invalid_argument("nsocks (BRAID_NSOCKS) must be between 1 and " + std::to_string(kMaxSockets));
+  if (socket_chunk_bytes < kMinSocketChunkBytes || socket_chunk_bytes > kMaxSocketChunkBytes)
     throw std::invalid_argument("socket_chunk_bytes (BRAID_SOCKET_CHUNK_BYTES) must be between 4 KiB and 1 GiB");
   if (cross_doubling_min_hosts < 2)
     throw std::invalid_argument("cross_doubling_min_hosts (BRAID_CROSS_DOUBLING_MIN_HOSTS) must be at least 2");

@@ -69,10 +69,12 @@ struct Tunables {
   // (measured: docs/results/2026-11-25-epyc-2vcpu.md, "Sockets per peer"), as in NCCL's default
   // for plain NICs.
   int nsocks = 1;
+  static constexpr int kMaxSockets = 64;  // nsocks in [1, kMaxSockets] (here and in TcpTransport)
   // BRAID_SOCKET_CHUNK_BYTES: the striping unit; each chunk carries a 72-byte header. This and
   // BRAID_CROSS_PIECE_BYTES were the best pair tried (measured: docs/results/2026-11-25-epyc-2vcpu.md,
   // "Piece and chunk sizes").
   size_t socket_chunk_bytes = 512 * 1024;
+  static constexpr size_t kMinSocketChunkBytes = 4096, kMaxSocketChunkBytes = size_t(1) << 30;
   // BRAID_CROSS_ONESHOT_MAX_BYTES: all_reduce messages up to this size cross hosts in one round
   // trip (every host leader sends its host's sum to every other) instead of a reduce-scatter to
   // owners and their results back (two message latencies, but each link carries 2/n of it).
@@ -99,8 +101,8 @@ struct Tunables {
   bool tcp_lazy = true;
 
   // The flight recorder (trace.h). BRAID_TRACE_BUFFER: calls each communicator remembers, 0 for
-  // none. Each state change costs one uncontended lock and a few stores: within the noise of a
-  // 4 KiB all_reduce on one host (bench/trace.py; docs/results, "Flight recorder").
+  // none. A call costs an atomic increment, two tick reads and a few stores, no lock (measured:
+  // `python -m braid.bench recorder`; docs/results, "Flight recorder's cost").
   size_t trace_buffer = 2000;
   static constexpr size_t kMaxTraceBuffer = size_t(1) << 24;  // validate()'s bound
 

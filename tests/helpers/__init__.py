@@ -19,8 +19,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 OPS = ("sum", "avg", "max", "min", "prod")
 BITWISE_OPS = ("band", "bor", "bxor")  # integer dtypes only
-# Codes of braid.comm._C (csrc/core/dtype.h, ReduceOp).
-OP_CODES = {"sum": 0, "avg": 1, "max": 2, "min": 3, "prod": 4, "band": 5, "bor": 6, "bxor": 7}
 
 _BITS = {
     torch.float32: torch.int32,

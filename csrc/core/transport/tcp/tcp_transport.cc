@@ -17,6 +17,7 @@
 
 #include "../../dtype.h"
 #include "../../interrupt.h"
+#include "../../tunables.h"
 #include "hmac_sha256.h"
 
 namespace braid {
@@ -53,8 +54,9 @@ struct TcpTransport::Stripe {
 
 TcpTransport::TcpTransport(int rank, int world_size, const std::string& bind_ip, TcpConfig cfg)
     : rank_(rank), world_(world_size), cfg_(std::move(cfg)) {
-  if (cfg_.sockets < 1 || cfg_.sockets > 64) throw std::invalid_argument("BRAID_NSOCKS must be in [1, 64]");
-  if (cfg_.chunk_bytes < 4096 || cfg_.chunk_bytes > (size_t{1} << 30))
+  if (cfg_.sockets < 1 || cfg_.sockets > Tunables::kMaxSockets)
+    throw std::invalid_argument("BRAID_NSOCKS must be in [1, " + std::to_string(Tunables::kMaxSockets) + "]");
+  if (cfg_.chunk_bytes < Tunables::kMinSocketChunkBytes || cfg_.chunk_bytes > Tunables::kMaxSocketChunkBytes)
     throw std::invalid_argument("BRAID_SOCKET_CHUNK_BYTES must be in [4096, 2^30]");
   if (cfg_.secret.size() < 16) throw std::invalid_argument("the TCP transport needs a secret of at least 16 bytes");
   comm_id_ = derive_comm_id(cfg_.secret);
