@@ -1,7 +1,10 @@
-"""braid.comm: collective communication for PyTorch: on one host through shared memory, between
-hosts over TCP (connections opened as algorithms use them), CPU tensors and CUDA ones; the same
-collectives over any torch ProcessGroup through braid's group interface (comm/group.py), and the
-layers built on them (ddp, fsdp, tp, cp, moe).
+"""braid.comm: collective communication for PyTorch. A communicator's collectives run through
+shared memory among the ranks of a host and over authenticated TCP between hosts (connections
+opened as algorithms use them), on CPU tensors and, in builds with CUDA, on CUDA tensors staged
+through pinned host memory; compressors (int8/int4/fp8 quantization, top-k, 16-bit casts, with
+error feedback) shrink what crosses the wire. Importing this package registers the
+torch.distributed backend "braid". The layers (ddp, fsdp, tp, cp, moe) run over a communicator or
+any torch ProcessGroup through braid's group interface (comm/group.py).
 
     from braid import comm
     c = comm.init()                  # torchrun environment or the default process group

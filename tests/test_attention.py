@@ -235,6 +235,8 @@ def test_lse_is_float32_logsumexp_of_scaled_scores():
     _, lse = flash_attention(q, k, v, softmax_scale=0.5, return_lse=True)
     scores = (q.double() @ k.double().transpose(-2, -1)) * 0.5
     assert lse.dtype == torch.float32
+    # LSEs of about 10 in float32 (an ulp: 1e-6), a few roundings per row in the online softmax;
+    # a wrong scale, base or maximum is off by O(1).
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=1e-5)
 
 
@@ -303,6 +305,8 @@ def test_cpu_without_interpreter_falls_back(monkeypatch):
                        F.scaled_dot_product_attention(q, k, v, is_causal=True))
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     ref_out, ref_lse = reference(q, k, v, True, dtype=torch.float64)
+    # torch's float32 attention against float64: values of order 1 rounding at 1e-7 per operation
+    # over 9 keys and 32 dims; a wrong mask is off by O(0.1).
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=1e-5)
 

@@ -16,6 +16,9 @@ from helpers import SmallMLP
 from helpers.ranks import braid_default_group, process_group, run_ranks
 from torch import nn
 
+# Trained float32 parameters of order 1: braid and gloo sum the ranks' gradients in different orders,
+# an ulp (1.2e-7 relative) apart per sum at 3 ranks, a few ulps after some SGD steps; a wrong or
+# missing reduction moves them by O(lr) = 0.1.
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
@@ -37,6 +40,8 @@ def _run_collectives(rank, world_size, store_path):
             assert torch.equal(t, expect), op
         t = every[rank].clone()
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        # Integer sums are exact in float64; only the division by n rounds (an ulp of values below
+        # 50 is 7e-15), however it is done. A wrong sum is off by 1/n or more.
         torch.testing.assert_close(t, sum(every) / n, rtol=0, atol=1e-12)
         # Bitwise ops on integers (all_reduce and reduce_scatter); refused on floats.
         ints = [e.long() * 37 + 1000 for e in every]

@@ -31,7 +31,7 @@ from helpers.ranks import carrier, environment, make_comm, new_store_path, proce
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TOL = {"rtol": 1e-9, "atol": 1e-12}
+TOL = {"rtol": 1e-9, "atol": 1e-12}  # float64, other summation orders: why, in the module docstring
 D, HIDDEN = 6, 10
 # GELU's derivative is at most 1.1289 (at x ~ 1.4142): an ExpertMLP's Lipschitz constant is at
 # most 1.1289 ||W_down||_2 ||W_up||_2.
