@@ -5,29 +5,34 @@ make the step shortest, within an error budget, identical on every rank.
     q = comm.Adaptive()                                  # candidates, error_budget=0.3, interval=8
     state, hook = ddp.comm_hook(c, compression="auto")   # or compression=q
     state.decisions()                                    # {bucket: Decision(choice, reason, ...)}
+    model = fsdp.shard(model, c, grad_compression=q)     # the sharding's gradient reduce-scatters
+    q.decisions()
 
 The engine is split in two. :func:`decide` is a pure function of :class:`Measurements` (each
 level's bandwidth and latency, each candidate's codec seconds per element, each bucket's size,
-window and estimated error) and the current choices; :class:`Adaptive` is a compressor that
-measures, every ``interval`` steps all-gathers one small vector of measurements (so every rank
-decides from the same numbers), calls :func:`decide` and runs each bucket through the compressor
-chosen for it. docs/design.md ("Adaptive compression") gives the model and its reasons.
+window, estimated error and collective) and the current choices; :class:`Adaptive` is a
+compressor that measures, every ``interval`` steps all-gathers one small vector of measurements
+(so every rank decides from the same numbers), calls :func:`decide` and runs each bucket through
+the compressor chosen for it: all-reduces (the DDP hook, compressed all-reduces) and the sharded
+wrapper's reduce-scatters (:meth:`Adaptive.reduce_scatter`). docs/design.md ("Adaptive
+compression") gives the model and its reasons.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from . import group_carrier
-from .compression import CompressedWork, Compressor, check_tensor, compressor, copy_back
+from .compression import Cast, CompressedWork, Compressor, check_tensor, compressor, copy_back
 from .device_kernels import kernels_for
-from .group import GroupWork
+from .group import Group, GroupWork
 from .group_carrier import GroupCarrier, HostGroups
 from .hosts import host_identity
 from .vocabulary import AVG, Op, compressed_op_code
@@ -38,6 +43,11 @@ CANDIDATES = (EXACT, "bf16", "fp16", "int8", "int4", "topk")
 DEFAULT_CANDIDATES = (EXACT, "bf16", "int8", "int4", "topk")
 IN_HOST, ACROSS_HOSTS = "in_host", "across_hosts"
 LEVELS = (IN_HOST, ACROSS_HOSTS)
+ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
+# What each collective can carry. A reduce-scatter sends every rank one piece of the same size
+# (the sharded wrapper's qgZ: an all-to-all of quantized or 16-bit pieces, summed in float32);
+# top-k's selections differ from rank to rank, so it travels by all-gather, in all-reduces only.
+COLLECTIVE_CANDIDATES = {ALL_REDUCE: CANDIDATES, REDUCE_SCATTER: (EXACT, "bf16", "fp16", "int8", "int4")}
 
 # Codec work of one compressed all-reduce, in encode + decode round trips of the bucket (what the
 # probe times). A block quantizer encodes the input, decodes and sums the n chunks it owns,
@@ -47,15 +57,23 @@ LEVELS = (IN_HOST, ACROSS_HOSTS)
 # Measured on the Xeon VM (docs/results/2026-11-26-xeon-2vcpu.md, "Adaptive compression"): a 16 MB
 # int8 all-reduce on one host took 24.5 ms against 7.6 ms exact, 4 round trips (21 ms) + its bytes.
 # Each round's real calls then correct the estimate (Adaptive's codec correction).
-CODEC_PASSES = {"bf16": 2.0, "fp16": 2.0, "int8": 4.0, "int4": 4.0, "topk": 2.0}
-# Roundings the reduced gradient carries: the block quantizers round each rank's input and the
-# reduced chunk; a cast and top-k round once (the sum is float32). Independent errors add in
-# quadrature, so the estimate is the probe's relative error times sqrt(roundings), with no credit
-# for the averaging over ranks (which only shrinks it): an upper estimate, as a budget wants.
-ROUNDINGS = {"bf16": 1, "fp16": 1, "int8": 2, "int4": 2, "topk": 1}
-# Message rounds per call (each costs the level's latency): the exact all-reduce is one; the
-# compressed ones an all-to-all and an all-gather (a cast over a group: the same two phases).
-ROUNDS = {EXACT: 1, "bf16": 2, "fp16": 2, "int8": 2, "int4": 2, "topk": 2}
+# A reduce-scatter encodes each rank's bucket once and decodes the n pieces it receives (n x 1/n
+# of the bucket): one round trip (1), staged straight from the gradient. Per collective.
+CODEC_PASSES = {ALL_REDUCE: {"bf16": 2.0, "fp16": 2.0, "int8": 4.0, "int4": 4.0, "topk": 2.0},
+                REDUCE_SCATTER: {"bf16": 1.0, "fp16": 1.0, "int8": 1.0, "int4": 1.0}}
+# Roundings the reduced gradient carries: in an all-reduce the block quantizers round each rank's
+# input and the reduced chunk, a cast and top-k round once (the sum is float32); in a
+# reduce-scatter only each rank's input is rounded (the float32 sum is the result). Independent
+# errors add in quadrature, so the estimate is the probe's relative error times sqrt(roundings),
+# with no credit for the averaging over ranks (which only shrinks it): an upper estimate, as a
+# budget wants.
+ROUNDINGS = {ALL_REDUCE: {"bf16": 1, "fp16": 1, "int8": 2, "int4": 2, "topk": 1},
+             REDUCE_SCATTER: {"bf16": 1, "fp16": 1, "int8": 1, "int4": 1}}
+# Message rounds per call and level (each costs the level's latency): the exact all-reduce is one;
+# the compressed ones an all-to-all and an all-gather (a cast over a group: the same two phases);
+# a reduce-scatter, exact or an all-to-all of pieces, one.
+ROUNDS = {ALL_REDUCE: {EXACT: 1, "bf16": 2, "fp16": 2, "int8": 2, "int4": 2, "topk": 2},
+          REDUCE_SCATTER: {EXACT: 1, "bf16": 1, "fp16": 1, "int8": 1, "int4": 1}}
 # Ranks on one host reduce through shared memory (or NVLink), which moves a byte for less than a
 # codec encodes and decodes it: DESIGN section 8's "exact inside a host". Measured on the Xeon VM
 # (docs/results/2026-11-26-xeon-2vcpu.md, "Adaptive compression"): 1 MB all-reduced exactly in
@@ -104,13 +122,15 @@ class Layout:
 @dataclass(frozen=True)
 class BucketMeasure:
     """One bucket: ``numel`` elements of ``elem_size`` bytes, ``window_s`` from its being ready to
-    the end of the backward, and the estimated relative error of each candidate on it."""
+    the end of the backward, the estimated relative error of each candidate on it, and the
+    ``collective`` that carries it (ALL_REDUCE, or REDUCE_SCATTER: ``numel`` the whole input)."""
 
     key: Hashable
     numel: int
     elem_size: int
     window_s: float
     error: Mapping[str, float] = field(default_factory=dict)
+    collective: str = ALL_REDUCE
 
 
 @dataclass(frozen=True)
@@ -136,12 +156,23 @@ class Decision:
     exact_s: float = 0.0
 
 
-def level_bytes(name: str, q: Optional[Compressor], numel: int, elem_size: int, layout: Layout) -> tuple:
-    """(bytes in the host, bytes across hosts) one rank moves in an all-reduce of the bucket with
-    candidate ``name`` (``q`` its compressor, None for exact)."""
+def piece_bytes(q: Compressor, per: int) -> int:
+    """Bytes of one reduce-scatter piece of ``per`` elements encoded by ``q`` (a block quantizer's
+    payload, or 16-bit values)."""
+    if isinstance(q, Cast):
+        return per * torch.finfo(q.dtype).bits // 8
+    return q.wire_bytes(q.chunk_elems(per, 1))
+
+
+def level_bytes(name: str, q: Optional[Compressor], numel: int, elem_size: int, layout: Layout,
+                collective: str = ALL_REDUCE) -> tuple:
+    """(bytes in the host, bytes across hosts) one rank moves in an all-reduce (or reduce-scatter)
+    of the bucket with candidate ``name`` (``q`` its compressor, None for exact)."""
     n, hosts, local = layout.world, layout.hosts, layout.local
     if n == 1:
         return 0.0, 0.0
+    if collective == REDUCE_SCATTER:
+        return _reduce_scatter_bytes(q, numel, elem_size, layout)
     per = -(-numel // local)
     if q is None and layout.exact_hierarchical or q is not None and layout.hierarchical:
         in_host = 2.0 * (local - 1) * per * elem_size  # reduce-scatter + all-gather inside the host
@@ -159,24 +190,39 @@ def level_bytes(name: str, q: Optional[Compressor], numel: int, elem_size: int, 
     return total * share_in, total * (1 - share_in)
 
 
+def _reduce_scatter_bytes(q: Optional[Compressor], numel: int, elem_size: int, layout: Layout) -> tuple:
+    """level_bytes of a reduce-scatter of ``numel`` elements into pieces of numel / world. Exact:
+    one rank sends world - 1 dense pieces, over the group flat. Compressed: an all-to-all of
+    encoded pieces; on a hierarchical layout the host first sums its ranks' inputs exactly (its
+    own reduce-scatter of every piece, local - 1 host slices of ``hosts`` pieces) and only the
+    ``hosts`` - 1 pieces across hosts are encoded."""
+    n, hosts, local = layout.world, layout.hosts, layout.local
+    per = -(-numel // n)
+    if q is not None and layout.hierarchical:
+        return float((local - 1) * hosts * per * elem_size), float((hosts - 1) * piece_bytes(q, per))
+    total = float((n - 1) * (per * elem_size if q is None else piece_bytes(q, per)))
+    share_in = (local - 1) / (n - 1)
+    return total * share_in, total * (1 - share_in)
+
+
 def transfer_s(name: str, q: Optional[Compressor], b: BucketMeasure, m: Measurements) -> float:
-    """Predicted seconds the link spends on the bucket's all-reduce with candidate ``name``."""
-    by_level = level_bytes(name, q, b.numel, b.elem_size, m.layout)
+    """Predicted seconds the link spends on the bucket's collective with candidate ``name``."""
+    by_level = level_bytes(name, q, b.numel, b.elem_size, m.layout, b.collective)
     t = 0.0
     for level, nbytes in zip(LEVELS, by_level):
         if nbytes > 0:
             link = m.levels[level]
-            t += ROUNDS[name] * link.latency_s + nbytes / link.bytes_per_s
+            t += ROUNDS[b.collective][name] * link.latency_s + nbytes / link.bytes_per_s
     return t
 
 
 def codec_s(name: str, b: BucketMeasure, m: Measurements) -> float:
     """Predicted seconds of encoding and decoding the bucket with candidate ``name`` (0 for exact);
-    on a hierarchical layout only this rank's slice is compressed."""
+    on a hierarchical layout only this rank's slice (1 / local of the bucket) is compressed."""
     if name == EXACT:
         return 0.0
     numel = -(-b.numel // m.layout.local) if m.layout.hierarchical else b.numel
-    return CODEC_PASSES[name] * m.codec_s_per_elem[name] * numel
+    return CODEC_PASSES[b.collective][name] * m.codec_s_per_elem[name] * numel
 
 
 def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mapping[str, Optional[Compressor]]
@@ -198,9 +244,15 @@ def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mappin
     return max(0.0, link_free) + codec
 
 
+def carried(b: BucketMeasure, candidates: Sequence[str]) -> list:
+    """The candidates the collective of ``b`` can carry (COLLECTIVE_CANDIDATES), in order."""
+    return [c for c in candidates if c in COLLECTIVE_CANDIDATES[b.collective]]
+
+
 def admissible(b: BucketMeasure, candidates: Sequence[str], error_budget: float) -> list:
-    """The candidates whose estimated error on ``b`` is within the budget (exact always is)."""
-    return [c for c in candidates if c == EXACT or b.error.get(c, math.inf) <= error_budget]
+    """The candidates (of those its collective carries) whose estimated error on ``b`` is within
+    the budget (exact always is)."""
+    return [c for c in carried(b, candidates) if c == EXACT or b.error.get(c, math.inf) <= error_budget]
 
 
 def decide(m: Measurements, current: Mapping[Hashable, str], *, candidates: Sequence[str],
@@ -208,9 +260,10 @@ def decide(m: Measurements, current: Mapping[Hashable, str], *, candidates: Sequ
     """The choice per bucket (key -> :class:`Decision`) from the measurements alone: the same on
     every rank for the same ``m``.
 
-    The plan minimizes :func:`plan_cost` over the candidates within ``error_budget``: coordinate
-    descent from the current plan, buckets in ready order, two sweeps, candidates in the order
-    given (exact first: a tie keeps the cheaper codec). The new plan replaces the current one only
+    The plan minimizes :func:`plan_cost` over the candidates within ``error_budget`` that each
+    bucket's collective carries (top-k not in reduce-scatters): coordinate descent from the
+    current plan, buckets in ready order, two sweeps, candidates in the order given (exact
+    first: a tie keeps the cheaper codec). The new plan replaces the current one only
     when it is predicted faster by more than ``hysteresis`` of the current plan's overhead (and
     by MIN_GAIN_S); a current choice that the error budget now rules out is replaced anyway.
     A bucket whose exact transfer hides in its window stays exact: compressing it only adds codec
@@ -241,7 +294,7 @@ def decide(m: Measurements, current: Mapping[Hashable, str], *, candidates: Sequ
     for b in m.buckets:
         k, name = b.key, chosen[b.key]
         exact_cost = plan_cost(m, {**chosen, k: EXACT}, compressors)
-        ruled_out = [c for c in candidates if c not in allowed[k]]
+        ruled_out = [c for c in carried(b, candidates) if c not in allowed[k]]
         why = _reason(b, name, m, compressors, cost, exact_cost, switch, cur[k], gain, current_cost)
         if ruled_out:
             why += "; over the error budget: " + ", ".join(f"{c} ({b.error.get(c, math.inf):.3g})"
@@ -371,12 +424,15 @@ def _probe(name: str, q: Compressor, x: torch.Tensor, scratch: dict) -> tuple:
 
 
 class _Call:
-    """One all-reduce of a step, for the link fit: what went, when it was issued and finished."""
+    """One collective of a step, for the link fit: what went, by which collective, when it was
+    issued and finished."""
 
-    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "done", "window")
+    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window")
 
-    def __init__(self, key: Hashable, numel: int, elem_size: int, choice: str, issued: float):
+    def __init__(self, key: Hashable, numel: int, elem_size: int, choice: str, issued: float,
+                 collective: str = ALL_REDUCE):
         self.key, self.numel, self.elem_size, self.choice, self.issued = key, numel, elem_size, choice, issued
+        self.collective = collective
         self.done: Optional[float] = None
         self.window: Optional[float] = None
 
@@ -402,12 +458,15 @@ class Adaptive(Compressor):
             "across_hosts": ...}; for a network you know (or a test).
         error_feedback, warmup_steps, seed: as every compressor's; the residual of a bucket follows
             it from one compressor to the next, and is added to the bucket at its first exact
-            all-reduce after a switch to exact (nothing that was dropped is lost).
+            all-reduce (or reduce-scatter) after a switch to exact (nothing that was dropped is
+            lost).
 
-    Steps: the DDP hook tells it where a step ends (:meth:`end_step`); used directly, call
-    ``end_step()`` after each step's last all-reduce. The first ``warmup_steps`` steps are exact
-    and measured; the first decision round is at step ``warmup_steps``. Over a braid communicator
-    or any process group (gloo, NCCL, HostGroups: exact inside a host, the choice across)."""
+    Steps: the DDP hook and the sharded wrapper tell it where a step ends (:meth:`end_step`);
+    used directly, call ``end_step()`` after each step's last all-reduce. The first
+    ``warmup_steps`` steps are exact and measured; the first decision round is at step
+    ``warmup_steps``. Over a braid communicator or any process group (gloo, NCCL, HostGroups:
+    exact inside a host, the choice across); as the sharded wrapper's ``grad_compression``, its
+    gradient reduce-scatters (:meth:`reduce_scatter`: exact, bf16, fp16, int8 or int4)."""
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, *, error_budget: float = 0.3,
                  interval: int = 8, hysteresis: float = 0.1, link: Optional[Mapping[str, float]] = None,
@@ -481,8 +540,15 @@ class Adaptive(Compressor):
         self._reset_measuring()
 
     def decisions(self) -> dict:
-        """The current choice per key (DDP: bucket index) with its reason: {key: Decision}."""
+        """The current choice per key (DDP: bucket index; the sharded wrapper: ("braid.fsdp.grad",
+        bucket index)) with its reason: {key: Decision}."""
         return dict(self._decisions)
+
+    @property
+    def compressors(self) -> dict:
+        """The candidates' compressors by name (None for exact), with this compressor's common
+        settings: what each choice runs (the sharded wrapper pads its shards to their blocks)."""
+        return dict(self._compressors)
 
     def choice(self, key: Hashable) -> str:
         """The candidate the next call of ``key`` runs after the warm-up (exact until decided)."""
@@ -576,6 +642,43 @@ class Adaptive(Compressor):
         self._count(stats)
         return self._record(call, work), stats
 
+    # -- the reduce-scatter ------------------------------------------------------------------
+    def reduce_scatter(self, group: Group, tensor: torch.Tensor,
+                       issue: Callable[[Optional[Compressor], Optional[torch.Tensor]], tuple], *,
+                       key: Hashable = "default", hosts: Optional[HostGroups] = None,
+                       step: Optional[int] = None) -> tuple:
+        """The reduce-scatter of ``tensor`` (this rank's input, ``group.world_size`` pieces) with
+        the candidate decided for ``key``, measured and decided as the all-reduces are: the
+        sharded wrapper's gradients (``fsdp.shard(..., grad_compression=q)``, which calls
+        :meth:`end_step` at the end of each backward).
+
+        The caller owns the algorithm: ``issue(compressor, residual)`` issues the call and returns
+        ``(work, finish)``, ``work`` an async work (``get_future()``) or None once done.
+        ``compressor`` None asks for the exact reduce-scatter, with ``residual`` (None, or what
+        the bucket's compression dropped before it switched to exact: float32, the size of what
+        was encoded) added to this rank's input; otherwise it is the chosen candidate's
+        compressor, whose residual for ``key`` the encoding uses and updates (one per bucket,
+        carried from candidate to candidate). ``group``: a braid Group (comm/group.py) serving
+        ``tensor``'s device; ``hosts``: the group split by host where the caller's compressed
+        reduce-scatters sum exactly inside a host and encode only across hosts, None where they
+        run flat over the group (whose hosts are then found from the ranks' host identities).
+        Returns what ``issue`` returned."""
+        check_tensor(tensor)
+        n, step = group.world_size, self._step_of(step)
+        gather = functools.partial(_gather_on, group, tensor.device)
+        self._before_call(key, tensor, step, n, gather, lambda: self._layout_of(n, hosts, gather),
+                          REDUCE_SCATTER)
+        name = self._active(key, step, n)
+        call = _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), REDUCE_SCATTER)
+        if name == EXACT:
+            # Never into a warm-up step's call, as the all-reduce's flush.
+            residual = self.take_residual(key) if step >= self.warmup_steps else None
+            work, finish = issue(None, residual)
+        else:
+            work, finish = issue(self._compressors[name], None)
+        self._record(call, work)
+        return work, finish
+
     def _step_of(self, step: Optional[int]) -> int:
         return self._steps if step is None else step
 
@@ -613,36 +716,36 @@ class Adaptive(Compressor):
 
     # -- decision rounds ---------------------------------------------------------------------
     def _before_call(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any,
-                     layout: Any) -> None:
+                     layout: Any, collective: str = ALL_REDUCE) -> None:
         """At the first call of a step due for a round: the round. At each call of the step before
-        a round that re-measures the codecs: the probe of this bucket."""
+        a round that re-measures the codecs: the probe of this bucket (for ``collective``)."""
         if world == 1:
             return
         if not self._step_calls and step >= self._next_round and step >= self.warmup_steps:
             self._round(gather, layout())
             self._next_round = step + self.interval
         if step + 1 == self._next_round and self._probing() and key not in self._probed:
-            self._probe_bucket(key, tensor)
+            self._probe_bucket(key, tensor, collective)
 
     def _probing(self) -> bool:
         """Whether the coming round re-measures the codecs: the first one, then every fourth (never
         on one host, where nothing is compressed)."""
         return not self._one_host and (not self._codec or self._rounds % 4 == 0)
 
-    def _probe_bucket(self, key: Hashable, tensor: torch.Tensor) -> None:
-        """Times each candidate's kernels on (up to PROBE_ELEMS of) this rank's bucket, and keeps
-        the error each would make on it."""
+    def _probe_bucket(self, key: Hashable, tensor: torch.Tensor, collective: str) -> None:
+        """Times each candidate ``collective`` carries on (up to PROBE_ELEMS of) this rank's bucket
+        with its kernels, and keeps the error each would make on it."""
         self._probed.add(key)
         x = tensor.detach().reshape(-1)[:PROBE_ELEMS].to(torch.float32)
         errors = {}
         for name, q in self._compressors.items():
-            if q is None:
+            if q is None or name not in COLLECTIVE_CANDIDATES[collective]:
                 continue
             seconds, err = _probe(name, q, x, self._probe_scratch)
             acc = self._probe_sum.setdefault(name, [0.0, 0])
             acc[0] += seconds
             acc[1] += x.numel()
-            errors[name] = err * math.sqrt(ROUNDINGS[name])
+            errors[name] = err * math.sqrt(ROUNDINGS[collective][name])
         self._errors[key] = errors
 
     def _fold_probes(self) -> None:
@@ -664,17 +767,23 @@ class Adaptive(Compressor):
                       exact_hierarchical=hosts > 1 and local > 1)
 
     def _layout_of_group(self, carrier: Any) -> Layout:
-        if isinstance(carrier, HostGroups):
-            return Layout(carrier.size, carrier.inter.size, carrier.intra.size, hierarchical=True)
+        hosts = carrier if isinstance(carrier, HostGroups) else None
+        return self._layout_of(carrier.size, hosts,
+                               lambda out, inp: self._gather_on_group(carrier, out, inp))
+
+    def _layout_of(self, size: int, hosts: Optional[HostGroups], gather: Any) -> Layout:
+        """The layout of ``size`` ranks: split by ``hosts`` (exact inside a host, compressed
+        across), or flat with the hosts found from every rank's host identity (``gather``ed once)."""
+        if hosts is not None:
+            return Layout(size, hosts.inter.size, hosts.intra.size, hierarchical=True)
         if self._hosts is None:  # once: which ranks share a host, from every rank's host identity
             mine = torch.tensor([float(zlib.crc32(host_identity().encode()))], dtype=torch.float64)
-            ids = self._gather_on_group(carrier, torch.empty(carrier.size, dtype=torch.float64), mine)
-            ids = ids.tolist()
+            ids = gather(torch.empty(size, dtype=torch.float64), mine).tolist()
             counts = [ids.count(h) for h in dict.fromkeys(ids)]
             uniform = len(set(counts)) == 1
-            self._hosts = (len(counts), counts[0]) if uniform else (carrier.size, 1)
-        hosts, local = self._hosts
-        return Layout(carrier.size, hosts, local)
+            self._hosts = (len(counts), counts[0]) if uniform else (size, 1)
+        host_count, local = self._hosts
+        return Layout(size, host_count, local)
 
     def _gather_on_group(self, group: GroupCarrier, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
         """All-gather of a small CPU float64 vector over a group carrier, in order with its other
@@ -703,13 +812,14 @@ class Adaptive(Compressor):
             # or when the one before it finished, whichever is later.
             service = c.done - max(c.issued, prev_done)
             prev_done = max(prev_done, c.done)
-            group = (c.key, c.numel, c.elem_size, c.choice)
+            group = (c.key, c.numel, c.elem_size, c.choice, c.collective)
             fastest[group] = min(fastest.get(group, math.inf), service)
         exact = []
-        for (_, numel, elem, choice), t in fastest.items():
-            by_level = level_bytes(choice, None, numel, elem, layout)
+        for (_, numel, elem, choice, collective), t in fastest.items():
+            by_level = level_bytes(choice, None, numel, elem, layout, collective)
             if choice == EXACT and sum(by_level) > 0:
-                exact.append((*by_level, ROUNDS[EXACT] * sum(1 for x in by_level if x > 0), t))
+                rounds = ROUNDS[collective][EXACT] * sum(1 for x in by_level if x > 0)
+                exact.append((*by_level, rounds, t))
         if exact:
             self._link_fit = fit_link(exact)
         if self._link_fit is None:
@@ -727,10 +837,10 @@ class Adaptive(Compressor):
         levels = {lv: Level(rate if not math.isnan(rate) else math.inf, latency) for lv, rate in bw.items()}
         m = Measurements(layout, levels, self._codec, ())
         spent: dict = {}
-        for (key, numel, elem, choice), t in fastest.items():
+        for (key, numel, elem, choice, collective), t in fastest.items():
             if choice == EXACT or choice not in self._codec:
                 continue
-            b = BucketMeasure(key, numel, elem, 0.0)
+            b = BucketMeasure(key, numel, elem, 0.0, collective=collective)
             acc = spent.setdefault(choice, [0.0, 0.0])
             acc[0] += max(0.0, t - transfer_s(choice, self._compressors[choice], b, m))
             acc[1] += codec_s(choice, b, m)
@@ -766,7 +876,8 @@ class Adaptive(Compressor):
         everyone = torch.empty(layout.world * local.numel(), dtype=torch.float64)
         gather(everyone, local)
         rows = everyone.view(layout.world, -1).tolist()
-        m = _combine(rows, keys, layout, self.candidates)
+        collectives = {c.key: c.collective for c in self._calls_since}
+        m = _combine(rows, keys, layout, self.candidates, collectives)
         self._calls_since = []
         if m is None:
             return
@@ -779,13 +890,23 @@ class Adaptive(Compressor):
 
     def _move_residual(self, key: Hashable, old: str, new: str) -> None:
         """Error feedback carries across a switch: the bucket's residual goes to the new compressor
-        (or, for exact, waits to be added to the bucket's next exact all-reduce)."""
+        (or, for exact, waits to be added to the bucket's next exact all-reduce or reduce-scatter)."""
         if old == new:
             return
         src, dst = self._compressors[old] or self, self._compressors[new] or self
         r = src.take_residual(key)
         if r is not None:
             dst.put_residual(key, r)
+
+
+def _gather_on(group: Group, device: torch.device, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """Blocking all-gather of a small CPU float64 vector over a braid Group, through ``device``
+    (the one the group's collectives serve), issued from the caller's thread in order with the
+    caller's other collectives on it."""
+    o, i = out.to(device), inp.to(device)
+    group.all_gather(o, i)
+    out.copy_(o.cpu())
+    return out
 
 
 def _needs_cuda(group: GroupCarrier) -> bool:
@@ -800,8 +921,10 @@ def _known(values: list) -> list:
     return [v for v in values if not math.isnan(v)]
 
 
-def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str]) -> Optional[Measurements]:
-    """Every rank's vector into one set of measurements, the same on every rank: bandwidth the most
+def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str], collectives: Mapping
+             ) -> Optional[Measurements]:
+    """Every rank's vector into one set of measurements (``collectives``: each key's, the same on
+    every rank, which make the same calls), the same on every rank: bandwidth the most
     any rank measured (a rank that waited for a later one counted the wait as transfer; the last
     to arrive timed the link alone), codec costs and errors the worst rank's, windows the least."""
     names = [n for n in candidates if n != EXACT]
@@ -834,7 +957,7 @@ def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str]) 
             got = _known(list(cols[at + 3 + i]))
             errors[n] = max(got) if got else math.inf
         least = max(0.0, min(window)) if window else 0.0
-        buckets.append(BucketMeasure(k, int(max(numel)), int(max(elem)), least, errors))
+        buckets.append(BucketMeasure(k, int(max(numel)), int(max(elem)), least, errors, collectives[k]))
     if not buckets:
         return None
     return Measurements(layout, levels, codec, buckets)

@@ -34,7 +34,7 @@ from .work import seconds
 
 # Capabilities a group may advertise (Group.capabilities) beyond the collectives every group has.
 COMPRESSED_ALL_REDUCE = "compressed_all_reduce"  # all_reduce(t, compression=q) in one fused call
-HIERARCHICAL = "hierarchical"  # host-aware algorithms inside its own collectives
+HIERARCHICAL = "hierarchical"  # hierarchical algorithms inside its own collectives
 
 # What duck-typed stand-ins (a test's recorder, a user's wrapper) must have to pass as a group.
 GROUP_METHODS = ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -204,6 +204,11 @@ class GroupWork:
                 source = self._work.get_future()
             except RuntimeError:  # gloo's reduce-scatter work has no future: a thread waits for it
                 source = _future_of_wait(self._work)
+                # From now on wait() waits for that thread, never calls the work's wait() again:
+                # gloo's reduce-scatter copies its result out at each wait(), which would overwrite
+                # what the finish did (an average's division) with the sum.
+                self._done = threading.Event()
+                source.add_done_callback(lambda _: self._done.set())
             self._future = source.then(finished)
         return self._future
 

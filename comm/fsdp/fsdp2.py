@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..adaptive import Adaptive
 from ..compression import BlockQuantizer
 from ..group import as_group, check_device
 from ..vocabulary import AVG, WIRE_DTYPES, op_code
@@ -245,7 +246,16 @@ def fsdp2_comms(communicator: Any = None, *, param_compression: Any = None,
     its exact sharded parameters). ``grad_compression``: the gradients' reduce-scatters travel
     block-quantized by an all-to-all and are summed in float32 (qgZ), without error feedback
     (``error_feedback=False`` is required: FSDP2 names no module per call to keep a residual for).
+    ``comm.Adaptive`` is refused for the same reason: it decides, measures and keeps residuals per
+    bucket and per step, and FSDP2's calls say neither which parameters they carry nor where a
+    backward ends (braid's own ``fsdp.shard(..., grad_compression=comm.Adaptive())`` does).
     """
+    if isinstance(grad_compression, Adaptive):
+        raise TypeError("grad_compression: braid.comm.Adaptive cannot run under FSDP2: it decides and keeps "
+                        "error feedback per bucket and measures each step's overlap, and FSDP2's custom "
+                        "reduce-scatter is told neither which module's gradients it carries nor where a "
+                        "backward ends; use braid's fsdp.shard(..., grad_compression=comm.Adaptive()), or a "
+                        "block quantizer with error_feedback=False here")
     if grad_compression is not None and getattr(grad_compression, "error_feedback", False):
         raise ValueError("grad_compression: FSDP2's reduce-scatters carry no identity of their module, so "
                          "braid keeps no error-feedback residual for them: pass a quantizer with "

@@ -14,7 +14,10 @@ tensor. Results are added to their shard's ``.grad`` oldest first: those already
 another bucket launches, the oldest waited for past two pending (a pending one holds a full-size
 gradient), the rest at the end of the backward (an autograd engine callback). Inside
 ``no_sync()`` nothing is launched: the gradients stay in the full flat tensors, and the next
-synchronized backward reduces the sum.
+synchronized backward reduces the sum. With ``grad_compression`` a block quantizer encodes the
+pieces (qgZ); an Adaptive chooses per bucket (comm/adaptive.py: exact, 16-bit or quantized
+pieces), this schedule issuing what it chose and telling it where each synchronized backward
+ends.
 
 Parameter refresh (stages 1, 2). An optimizer updates the shards in place after a synchronized
 backward; the next forward (each unit's pre-hook, with the prefetch) all-gathers the buckets
@@ -34,6 +37,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..adaptive import Adaptive
+from ..compression import Cast
+from ..device_kernels import kernels_for
 from ..group import as_group
 from ..wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
@@ -58,6 +64,11 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
 
 
 class HostLayout:
@@ -106,8 +117,11 @@ class Schedule:
         # Hierarchical qgZ: gradients summed exactly inside the host, quantized across hosts.
         self.layout = (HostLayout(hosts, communicator, device or torch.device("cpu"))
                        if hosts is not None and grad_compression is not None else None)
+        self.hosts = hosts if self.layout is not None else None
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized
-        self.grad_compression = grad_compression    # a block quantizer: reduce-scatters travel quantized
+        # A block quantizer (reduce-scatters travel quantized), or an Adaptive (which decides per
+        # bucket among exact, 16-bit and quantized pieces).
+        self.grad_compression = grad_compression
         self.wire = {"all_gather": WireStats(0, 0, 0), "all_gather_in_host": WireStats(0, 0, 0),
                      "reduce_scatter": WireStats(0, 0, 0), "reduce_scatter_in_host": WireStats(0, 0, 0)}
         self.stage = stage
@@ -118,7 +132,7 @@ class Schedule:
         self.sync = True
         self.finish_queued = False
         self.in_flight: list[Unit] = []   # units with all-gathers launched, oldest first
-        self.pending: list = []           # (bucket, work, reduced, gradient) per reduce-scatter
+        self.pending: list = []           # (bucket, work, finish, gradient) per reduce-scatter
         self.order: list[Unit] = []       # non-root units in the order their forwards ran
         self.order_done = False
 
@@ -206,20 +220,46 @@ class Schedule:
 
         return gathered, payload, decode
 
-    def _quantized_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any, call: int) -> tuple:
-        """qgZ: the bucket's gradient (+ its error-feedback residual) quantized once into one piece
-        per rank, an all-to-all of the pieces, and (``decode``, after the wait) this rank's n
-        pieces decoded and summed in rank order in float32, divided by n. Returns (work, None,
-        decode)."""
-        return self._exchange_quantized(b, grad, q, call, self.communicator, grad.element_size())
+    def _reduce_scatter(self, b: Bucket, sent: torch.Tensor, q: Any, call: Optional[int] = None,
+                        residual: Optional[torch.Tensor] = None) -> tuple:
+        """Issues the reduce-scatter of the bucket's gradient ``sent``; returns (work, finish),
+        ``finish()`` giving the reduced shard once the work is done. ``q`` None: braid's exact
+        average over the group, with ``residual`` (what an Adaptive's compression of the bucket
+        dropped before it switched to exact) added to this rank's input first. Otherwise
+        compressed with ``q``, its ``call``-th compression of the bucket (qgZ): flat over the
+        group, or with hosts exact inside each host and compressed across."""
+        if q is not None:
+            if self.layout is None:
+                return self._exchange(b, sent, q, call, self.communicator, sent.element_size())
+            return self._hierarchical_reduce_scatter(b, sent, q, call)
+        if residual is not None:
+            self._add_residual(b, sent, residual)
+        reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=sent.device)
+        work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
+        piece = b.shard_numel * reduced.element_size()
+        self._count("reduce_scatter", piece, piece)
+        return work, lambda: reduced
+
+    def _add_residual(self, b: Bucket, sent: torch.Tensor, residual: torch.Tensor) -> None:
+        """Adds to this rank's input ``sent`` the residual its compressed reduce-scatters left: of
+        the whole bucket (flat), or (with hosts) of this rank's slice of the host's sum, whose
+        pieces are those of this rank's cross-host group's ranks; the exact sum carries it alike."""
+        n, per = self.communicator.world_size, b.shard_numel
+        with torch.no_grad():
+            if self.layout is None:
+                sent.add_(residual.to(sent.device).view(sent.shape))
+                return
+            across, index = self.layout.inter.world_size, self.layout.intra.rank
+            rows = self.layout.order[index * across:(index + 1) * across].to(sent.device)
+            sent.view(n, per).index_add_(0, rows, residual.to(sent).view(across, per))
 
     def _hierarchical_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any, call: int) -> tuple:
         """Hierarchical qgZ: the host sums the bucket's gradient exactly (an all-to-all inside the
         host, in float32, in local rank order), so that local rank i holds the host's sum of the
-        pieces of its cross-host group's ranks; those are quantized once (error feedback on this
+        pieces of its cross-host group's ranks; those are encoded once (error feedback on this
         host's partial sum) and exchanged by an all-to-all across hosts, each rank decoding the
         hosts' pieces in host order in float32 and dividing by n. One host: nothing is
-        quantized. Returns (work, reduced or None, decode or None)."""
+        encoded. Returns (work, finish)."""
         layout, n, per = self.layout, self.communicator.world_size, b.shard_numel
         across = layout.inter.world_size
         arranged = grad.view(n, per).index_select(0, layout.order.to(grad.device)).view(-1)
@@ -227,29 +267,37 @@ class Schedule:
         host_bytes = across * per * grad.element_size()
         self._count("reduce_scatter_in_host", host_bytes, host_bytes, layout.intra.world_size)
         if across == 1:
-            return _Done(), partial.div_(n), None
-        return self._exchange_quantized(b, partial, q, call, layout.inter, grad.element_size())
+            reduced = partial.div_(n)
+            return _Done(), lambda: reduced
+        return self._exchange(b, partial, q, call, layout.inter, grad.element_size())
 
-    def _exchange_quantized(self, b: Bucket, x: torch.Tensor, q: Any, call: int, group: Any,
-                            dense_elem: int) -> tuple:
-        """``x`` (+ the bucket's residual) quantized into ``group.world_size`` pieces of the
-        shard's size, piece j sent to the group's rank j by an all-to-all; ``decode`` sums what
-        arrives in the group's rank order in float32 and divides by the whole group's size.
-        Returns (work, None, decode)."""
+    def _exchange(self, b: Bucket, x: torch.Tensor, q: Any, call: int, group: Any, dense_elem: int) -> tuple:
+        """``x`` (+ the bucket's residual) encoded by ``q`` into ``group.world_size`` pieces of the
+        shard's size (block-quantized, or cast to 16 bits), piece j sent to the group's rank j by
+        an all-to-all; ``finish`` sums what arrives in the group's rank order in float32 and
+        divides by the whole group's size. Returns (work, finish)."""
         m, per, key = group.world_size, b.shard_numel, grad_key(b)
         residual = q.residual_for(key, x.numel(), x.device)
-        payload = q.encode(x, residual, q.seed_for(self.communicator.rank, key, call), 0, per, m)
-        cb = payload.numel() // m
+        if isinstance(q, Cast):  # one pass: payload = round(x + residual), residual = what it dropped
+            payload = torch.empty(x.numel(), dtype=q.dtype, device=x.device)
+            kernels_for(x.device).cast(x, residual, payload)
+        else:
+            payload = q.encode(x, residual, q.seed_for(self.communicator.rank, key, call), 0, per, m)
         received = torch.empty_like(payload)
         work = group.all_to_all(received, payload, async_op=True)
-        self._count("reduce_scatter", cb, per * dense_elem, m)
+        self._count("reduce_scatter", payload.numel() * payload.element_size() // m, per * dense_elem, m)
         n = self.communicator.world_size
 
-        def decode() -> torch.Tensor:
+        def finish() -> torch.Tensor:
             acc = torch.zeros(per, dtype=torch.float32, device=x.device)
-            return q.decode_sum(received, m, acc).div_(n)
+            if isinstance(q, Cast):
+                for piece in received.view(m, per):  # rank order: the same sum on every rank
+                    acc.add_(piece)
+            else:
+                q.decode_sum(received, m, acc)
+            return acc.div_(n)
 
-        return work, None, decode
+        return work, finish
 
     def _count(self, kind: str, piece_bytes: int, dense_piece_bytes: int, ranks: int = 0) -> None:
         """Adds one collective of ``piece_bytes`` per rank among ``ranks`` (default: the group's; an
@@ -396,19 +444,16 @@ class Schedule:
             # Mixed precision: the gradient travels in reduce_dtype (a copy; stage 1's persistent
             # buffer keeps accumulating in the compute dtype).
             sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
-            q = self.grad_compression
-            call = q.next_call(grad_key(b)) if q is not None and sent.dtype in QUANTIZABLE else None
-            if call is not None and call >= q.warmup_steps:
-                reduce = (self._quantized_reduce_scatter if self.layout is None
-                          else self._hierarchical_reduce_scatter)
-                work, reduced, decode = reduce(b, sent, q, call)
+            q, key = self.grad_compression, grad_key(b)
+            if q is None or sent.dtype not in QUANTIZABLE:
+                work, finish = self._reduce_scatter(b, sent, None)
+            elif isinstance(q, Adaptive):  # it decides, measures and keeps the residuals; this issues
+                issue = functools.partial(self._reduce_scatter_with, b, sent, key)
+                work, finish = q.reduce_scatter(self.communicator, sent, issue, key=key, hosts=self.hosts)
             else:
-                reduced = torch.empty(b.shard_numel, dtype=b.reduce_dtype, device=grad.device)
-                work = self.communicator.reduce_scatter(reduced, sent, op="avg", async_op=True)
-                piece = b.shard_numel * reduced.element_size()
-                self._count("reduce_scatter", piece, piece)
-                decode = None
-            self.pending.append((b, work, reduced, grad, decode))
+                call = q.next_call(key)
+                work, finish = self._reduce_scatter(b, sent, q if call >= q.warmup_steps else None, call)
+            self.pending.append((b, work, finish, grad))
             self._retire(MAX_REDUCES_IN_FLIGHT)
         if self.stage == 3 and b.unit is not self.root:
             # Every use of the bucket's parameters in this backward is done (autograd produced
@@ -417,10 +462,20 @@ class Schedule:
             free(b)
             b.unit.gathered = False
 
+    def _reduce_scatter_with(self, b: Bucket, sent: torch.Tensor, key: tuple, q: Any,
+                             residual: Optional[torch.Tensor]) -> tuple:
+        """An Adaptive's ``issue``: the reduce-scatter with the compressor it chose (None: exact,
+        with its residual), the compressor's next call of the bucket seeding the rounding."""
+        work, finish = self._reduce_scatter(b, sent, q, None if q is None else q.next_call(key), residual)
+        return work, finish
+
     def _finish_backward(self) -> None:
         """End of the backward: wait for the reduce-scatters in issue order, set the shard
         gradients, release what stage 3 still holds."""
         self.finish_queued = False
+        if self.sync and isinstance(self.grad_compression, Adaptive):
+            # Every gradient is computed: the backward is over, which closes the buckets' windows.
+            self.grad_compression.end_step()
         self._retire(0)
         if not self.sync:
             # Remember the shard gradients as they are now: if they are cleared before the next
@@ -447,10 +502,9 @@ class Schedule:
         until at most ``keep`` remain. Each result goes into its shard's ``.grad``."""
         with torch.no_grad():
             while self.pending and (len(self.pending) > keep or self.pending[0][1].is_completed()):
-                b, work, reduced, grad, decode = self.pending.pop(0)
+                b, work, finish, grad = self.pending.pop(0)
                 work.wait()
-                if decode is not None:
-                    reduced = decode()
+                reduced = finish()
                 if reduced.dtype != b.shard.dtype:  # mixed precision: into the master shard's dtype
                     reduced = reduced.to(b.shard.dtype)
                 if b.shard.grad is None:

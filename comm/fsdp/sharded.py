@@ -34,6 +34,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ..adaptive import COLLECTIVE_CANDIDATES, EXACT, REDUCE_SCATTER, Adaptive
 from ..compression import BlockQuantizer
 from ..group import as_group, check_device
 from ..group_carrier import HostGroups, resolve_hosts
@@ -82,11 +83,19 @@ def _hosts_of(hierarchical: Any, group: Any, stage: Any, reshard_after_forward: 
 
 
 def _check_compression(param_compression: Any, grad_compression: Any, stage: Any) -> None:
-    if grad_compression is not None and not isinstance(grad_compression, BlockQuantizer):
+    if grad_compression is not None and not isinstance(grad_compression, (BlockQuantizer, Adaptive)):
         raise TypeError("grad_compression must be None or a block quantizer (braid.comm.Int8Quantizer, "
-                        f"Int4Quantizer or FP8Quantizer), got {type(grad_compression).__name__}: the "
-                        "reduce-scatter sends every rank one quantized piece (use mp_policy's reduce_dtype "
-                        "for 16-bit reductions)")
+                        f"Int4Quantizer or FP8Quantizer) or a braid.comm.Adaptive, got "
+                        f"{type(grad_compression).__name__}: the reduce-scatter sends every rank one "
+                        "quantized piece (use mp_policy's reduce_dtype for 16-bit reductions, or Adaptive "
+                        "to choose per bucket)")
+    if isinstance(grad_compression, Adaptive):
+        carried = [c for c in grad_compression.candidates
+                   if c != EXACT and c in COLLECTIVE_CANDIDATES[REDUCE_SCATTER]]
+        if not carried:
+            raise ValueError(f"grad_compression: an Adaptive with candidates {grad_compression.candidates} "
+                             "leaves the reduce-scatter nothing but exact (top-k travels in all-reduces "
+                             "only): add any of bf16, fp16, int8, int4, or pass grad_compression=None")
     if param_compression is None:
         return
     if not isinstance(param_compression, BlockQuantizer):
@@ -98,6 +107,14 @@ def _check_compression(param_compression: Any, grad_compression: Any, stage: Any
         raise ValueError(f"param_compression needs stage=3, got stage={stage}: at stages 1 and 2 the full "
                          "parameters persist and the optimizer updates them in place, so quantized gathers "
                          "would overwrite the master weights")
+
+
+def _blocks(q: Any) -> list:
+    """The quantization blocks pieces compressed by ``q`` come in (an Adaptive: each of its block
+    quantizers')."""
+    if isinstance(q, Adaptive):
+        return [c.block for c in q.compressors.values() if isinstance(c, BlockQuantizer)]
+    return [] if q is None else [q.block]
 
 
 class MixedPrecision:
@@ -214,8 +231,7 @@ class ShardedModule(nn.Module):
         shards = []
         for unit, pids in zip(units, members + [root_members]):
             # Quantized pieces are whole blocks: every shard a multiple of each quantizer's block.
-            align = math.lcm(*(q.block for q in (self.param_compression, self.grad_compression)
-                               if q is not None), 1)
+            align = math.lcm(*_blocks(self.param_compression), *_blocks(self.grad_compression), 1)
             for bucket in plan_buckets(found, pids, cap_bytes, c.world_size, align):
                 bucket.index = len(shards)
                 bucket.compute_dtype, bucket.reduce_dtype = (
@@ -428,17 +444,22 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             float32. The compressor's first ``warmup_steps`` reductions of each bucket are exact.
             To resume a run bit for bit, save and load ``grad_compression.state_dict()`` (its
             residuals and call counts) with the sharded state and the optimizer's.
+            ``comm.Adaptive()`` chooses per bucket, from what it measures while training, among
+            exact, bf16 / fp16 pieces and int8 / int4 ones (top-k is for all-reduces), the same on
+            every rank (``grad_compression.decisions()``, keyed ``("braid.fsdp.grad", bucket
+            index)``): exact on one host; its warm-up steps are exact; its state dict holds the
+            decisions and residuals. Shards are padded to whole blocks of its quantizers.
         hierarchical: the group split by host. At stage 3 with ``reshard_after_forward``
             (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of the unit's
             weights for its host (1 / ranks-per-host of them, reported by ``memory_stats``),
             and the backward gathers them inside the host: that gather never crosses hosts.
             With ``grad_compression`` (any stage; hierarchical qgZ): the gradients are summed
-            exactly inside the host (float32) and only the cross-host exchange is quantized,
-            one quantization per host (``wire_stats()["reduce_scatter_in_host"]`` counts the
-            host's traffic). True splits a ProcessGroup (or None) by host identity with
-            ``group_carrier.host_groups`` and a Communicator with its ``split_by_host()``,
-            collectives over the whole job (every rank calls ``shard``); or pass a
-            ``HostGroups``.
+            exactly inside the host (float32) and only the cross-host exchange is quantized
+            (an Adaptive's choice across hosts), one quantization per host
+            (``wire_stats()["reduce_scatter_in_host"]`` counts the host's traffic). True splits
+            a ProcessGroup (or None) by host identity with ``group_carrier.host_groups`` and a
+            Communicator with its ``split_by_host()``, collectives over the whole job (every
+            rank calls ``shard``); or pass a ``HostGroups``.
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
