@@ -120,18 +120,35 @@ void Communicator::unlink_own() {
   if (group_) group_->unlink_own();
 }
 
-Algo Communicator::host_all_reduce_algo(size_t bytes) const {
-  const bool fits = bytes <= oneshot_max_;  // one-shot needs the message to fit its buffer
-  switch (tun_.algo) {
-    case Algo::kTwoShot: return tun_.algo;
-    // Across hosts a ring runs between hosts; the host's own steps keep the rank order.
-    case Algo::kRing: return topo_.multi_host() ? (fits ? Algo::kOneShot : Algo::kTwoShot) : Algo::kRing;
-    default: return fits ? Algo::kOneShot : Algo::kTwoShot;
+// Every algorithm choice, in one table. `bytes`: what one rank publishes (all_reduce,
+// broadcast: the message; all_gather: its part; reduce_scatter, all_to_all: its whole input).
+//
+//   kind            on one host (shared memory)              across hosts (TCP between them)
+//   all_reduce      oneshot when the message fits the        oneshot (<= cross_oneshot_max_bytes,
+//                   one-shot buffer, else twoshot; ring      fewer than cross_doubling_min_hosts
+//                   only by BRAID_ALGO=ring                  hosts) or doubling (from that many);
+//                                                            larger: ring from 3 hosts, at 2
+//                                                            hierarchical (every host the same
+//                                                            number > 1 of ranks) or leaders
+//   reduce_scatter, oneshot when it fits the one-shot        the steps of cross_host.cc: on the
+//   all_gather,     buffer, else twoshot (pipelined through  host by this table, between hosts
+//   all_to_all,     the slots)                               directly at 2, around a ring from 3
+//   broadcast                                                (ring_between_hosts)
+//
+// BRAID_ALGO (Tunables::algo) forces an all_reduce algorithm where it applies: on one host
+// oneshot/twoshot/ring (oneshot still needs the buffer); across hosts oneshot, leaders,
+// hierarchical (leaders when the hosts are uneven), ring, doubling; a host's own steps of a
+// ring across hosts keep the rank order (oneshot or twoshot).
+Algo Communicator::choose_algo(CollKind kind, size_t bytes, bool across) const {
+  const bool fits = bytes <= oneshot_max_;  // one-shot needs what a rank publishes to fit its buffer
+  if (kind != CollKind::kAllReduce) return fits ? Algo::kOneShot : Algo::kTwoShot;
+  if (!across) {
+    switch (tun_.algo) {
+      case Algo::kTwoShot: return Algo::kTwoShot;
+      case Algo::kRing: return topo_.multi_host() ? (fits ? Algo::kOneShot : Algo::kTwoShot) : Algo::kRing;
+      default: return fits ? Algo::kOneShot : Algo::kTwoShot;
+    }
   }
-}
-
-Algo Communicator::all_reduce_algo(size_t bytes) const {
-  if (!topo_.multi_host()) return host_all_reduce_algo(bytes);
   const bool can_slice = topo_.uniform() && topo_.local_world() > 1;
   switch (tun_.algo) {
     case Algo::kOneShot: return Algo::kOneShot;
@@ -150,7 +167,7 @@ Algo Communicator::all_reduce_algo(size_t bytes) const {
       // else between the host leaders) rather than every host sending to every other at once,
       // which lost to the ring at 8 hosts x 2 ranks (8 MiB on 100 Mbit links: 1.49-1.67 s against
       // 1.30 s) and at 8-16 hosts x 1. At two hosts both are the same exchange.
-      if (hosts > 2) return Algo::kRing;
+      if (ring_between_hosts(hosts)) return Algo::kRing;
       return can_slice ? Algo::kHierarchical : Algo::kLeaders;
     }
   }
@@ -340,7 +357,7 @@ void Communicator::execute(Request& r) {
     } else if (r.scope == Scope::kCross || (topo_.multi_host() && r.scope == Scope::kHost)) {
       execute_scoped(r, d);
     } else if (topo_.multi_host()) {
-      if (r.kind == CollKind::kAllReduce) d.algo = static_cast<uint8_t>(all_reduce_algo(r.count * dtype_size(r.dtype)));
+      if (r.kind == CollKind::kAllReduce) d.algo = static_cast<uint8_t>(choose_algo(r.kind, r.count * dtype_size(r.dtype), true));
       execute_cross_host(r, d);
     } else {
       run_on_host(r, d);
@@ -370,7 +387,7 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
   const size_t n = static_cast<size_t>(group_->world_size());
   switch (r.kind) {
     case CollKind::kAllReduce: {
-      const Algo a = host_all_reduce_algo(r.count * es);
+      const Algo a = choose_algo(r.kind, r.count * es, false);
       d.algo = static_cast<uint32_t>(a);
       if (a == Algo::kOneShot)
         oneshot_all_reduce(*group_, d, r.in, r.out);
@@ -384,11 +401,9 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
     case CollKind::kAllGather:
     case CollKind::kAllToAll:
     case CollKind::kBroadcast: {
-      // One-shot when what a rank publishes fits a parity buffer (reduce_scatter and
-      // all_to_all publish their whole input), pipelined through the slots otherwise.
+      // reduce_scatter and all_to_all publish their whole input.
       const bool whole = r.kind == CollKind::kReduceScatter || r.kind == CollKind::kAllToAll;
-      const size_t published = r.count * es * (whole ? n : 1);
-      const bool small = published <= oneshot_max_;
+      const bool small = choose_algo(r.kind, r.count * es * (whole ? n : 1), false) == Algo::kOneShot;
       d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
       if (r.kind == CollKind::kReduceScatter)
         (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);

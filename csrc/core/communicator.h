@@ -74,6 +74,11 @@ struct Request {
   std::string trace_stack;
 };
 
+// Between hosts, reduce-scatter and all-gather steps (and all_reduce's large messages) go around a
+// ring from three members (one neighbour each way) and directly at two (the same exchange, in one
+// step): Communicator::choose_algo's table and cross_host.cc's steps both ask this.
+inline bool ring_between_hosts(int members) { return members > 2; }
+
 // A recv's root that matches the first message from any peer (as MPI_ANY_SOURCE): among the
 // peers whose user channel has a message waiting, and whose earlier receives from this rank are
 // all matched, the lowest rank after this one in ring order.
@@ -149,10 +154,9 @@ class Communicator {
   std::shared_ptr<Work> submit_exchange(DType dtype, std::vector<Request> reqs, std::function<void()> epilogue,
                                         std::shared_ptr<void> keepalive, bool async);
 
-  // Chooses the all_reduce algorithm for a message (exposed for tests and the benchmark): across
-  // hosts the cross-host structure (oneshot, hierarchical or leaders), on one host the
-  // shared-memory algorithm.
-  Algo all_reduce_algo(size_t bytes) const;
+  // The algorithm of an all_reduce of `bytes` over all ranks (choose_algo's; exposed for tests and
+  // the benchmarks).
+  Algo all_reduce_algo(size_t bytes) const { return choose_algo(CollKind::kAllReduce, bytes, topo_.multi_host()); }
   uint64_t seq() const { return seq_; }
 
   // Runs queued work, leaves the group (peers still waiting get PeerError) and frees resources.
@@ -180,8 +184,10 @@ class Communicator {
   bool trace_enabled() const { return trace_.on(); }
 
  private:
-  // The shared-memory all_reduce algorithm for a message on this host's group.
-  Algo host_all_reduce_algo(size_t bytes) const;
+  // The algorithm of a `kind` collective of `bytes` (per rank's part: see communicator.cc), on
+  // this host's group (across = false) or over all ranks across hosts: every choice is made
+  // there, in one table.
+  Algo choose_algo(CollKind kind, size_t bytes, bool across) const;
   void execute(Request& r);
   void execute_local(Request& r);
   // One collective on this host's shared-memory group, described by `d` (its algo is filled in).

@@ -67,14 +67,14 @@ PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vec
 // member sending to every other at once through its uplink, as for all_reduce; the same bytes).
 void gather_between_hosts(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
                           size_t piece_bytes) {
-  if (g.size() > 2)
+  if (ring_between_hosts(g.size()))
     ring_all_gather(g, in, out, bytes, piece_bytes);
   else
     direct_all_gather(g, in, out, bytes);
 }
 void reduce_scatter_between_hosts(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
                                   const std::vector<size_t>& counts, int divisor, size_t piece_bytes) {
-  if (g.size() > 2)
+  if (ring_between_hosts(g.size()))
     ring_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
   else
     direct_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
@@ -89,7 +89,7 @@ void Communicator::cross_all_reduce(DType dt, ReduceOp op, const void* in, void*
   // Steps on a host sum without the division of avg, which happens once, at the end, by the
   // number of all ranks.
   const ReduceOp host_op = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  const Algo algo = all_reduce_algo(bytes);
+  const Algo algo = static_cast<Algo>(d.algo);  // choose_algo's (execute)
   const bool can_slice = topo_.uniform() && local > 1;
   // Between hosts: around a ring (BRAID_ALGO=ring, or large messages among more than two hosts),
   // by recursive doubling (small messages among many hosts), else directly (every member with
