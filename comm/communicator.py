@@ -167,7 +167,7 @@ class Communicator(CompressionHost, Group):
 
     It is a :class:`~braid.comm.group.Group`: every braid layer runs on it as on a torch process
     group, and finds its fused paths among ``capabilities`` (the compressed all-reduce in one call,
-    host-aware algorithms).
+    hierarchical algorithms).
     """
 
     capabilities = frozenset({COMPRESSED_ALL_REDUCE, HIERARCHICAL})
@@ -325,7 +325,7 @@ class Communicator(CompressionHost, Group):
     def split_by_host(self) -> HostGroups:
         """This communicator split by host, for algorithms that are exact inside a host and
         compressed across hosts (ZeRO++'s hierarchical sharding, the compressed all-reduce's
-        host path): a :class:`~braid.comm.group_carrier.HostGroups` of this communicator, a new
+        hierarchical path): a :class:`~braid.comm.group_carrier.HostGroups` of this communicator, a new
         one over this host's ranks and a new one over the ranks with this rank's local index
         (one per host). Collective: every rank calls it, in the same order as its other
         communicator constructions. Raises ValueError when the hosts hold different numbers of

@@ -32,7 +32,7 @@ from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
 from .work import Work
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Largest quantization block: csrc/core/compression/quantize.h's kMaxQuantBlock (the kernels stage a
+# Largest quantization block: csrc/core/compression/quantize.h's kMaxQuantBlock (the kernels hold a
 # block in a stack buffer of float32).
 MAX_QUANT_BLOCK = _C.MAX_QUANT_BLOCK
 _MASK64 = (1 << 64) - 1
@@ -297,7 +297,7 @@ class Compressor:
         else:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
             work, finish = self._compressed(comm, flat, op_code, key, seed, async_op)
-            if _exact_on_hosts(comm):  # the host path: exact inside each host, compressed across
+            if _exact_on_hosts(comm):  # hierarchical: exact inside each host, compressed across
                 stats = self.wire_stats(flat.numel(), es, comm.num_hosts, comm.local_world_size,
                                         float32_fallback=True)
             else:
@@ -381,7 +381,7 @@ class Compressor:
         bytes: compressed among ``peers`` ranks (or hosts, when each host's ``local`` ranks first
         reduce exactly among themselves: a reduce-scatter and an all-gather of the host's slices),
         against the uncompressed all-reduce over every rank. ``float32_fallback``: a top-k's dense
-        fallback travels as float32 (the communicator's host path), not in the tensor's dtype."""
+        fallback travels as float32 (the communicator's hierarchical path), not in the tensor's dtype."""
         per = -(-numel // local)
         moved = self._compressed_bytes(per, peers, elem_size, float32_fallback) if peers > 1 else 0
         moved += 2 * (local - 1) * per * elem_size
@@ -677,19 +677,19 @@ class FP8Quantizer(BlockQuantizer):
     def encode(self, x, residual, seed, index_base, chunk, nchunks, out=None, *, stochastic=None):
         nb, values, cb = self._layout(chunk)
         numel = x.numel()
-        staged = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)  # zero padded
-        staged[:numel] = x.reshape(-1)
+        padded = torch.zeros(nchunks * chunk, dtype=torch.float32, device=x.device)  # zero padded
+        padded[:numel] = x.reshape(-1)
         if residual is not None:
-            staged[:numel] += residual
+            padded[:numel] += residual
         blocks = torch.zeros(nchunks, nb * self.block, dtype=torch.float32, device=x.device)
-        blocks[:, :chunk] = staged.view(nchunks, chunk)
+        blocks[:, :chunk] = padded.view(nchunks, chunk)
         blocks = blocks.view(nchunks, nb, self.block)
         scale = blocks.abs().amax(-1) / self.FP8_MAX
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = (blocks / safe.unsqueeze(-1)).clamp(-self.FP8_MAX, self.FP8_MAX).to(torch.float8_e4m3fn)
         if residual is not None:  # what the rounding dropped, for the next call
             decoded = (q.to(torch.float32) * scale.unsqueeze(-1)).view(nchunks, -1)[:, :chunk].reshape(-1)
-            residual.copy_(staged[:numel] - decoded[:numel])
+            residual.copy_(padded[:numel] - decoded[:numel])
         payload = out if out is not None else torch.empty(nchunks * cb, dtype=torch.uint8, device=x.device)
         rows = payload.view(nchunks, cb)
         rows[:, :chunk] = q.view(nchunks, -1)[:, :chunk].view(torch.uint8)
@@ -741,7 +741,7 @@ class TopK(Compressor):
         if self.sparse(count, peers, elem_size):
             return (peers - 1) * 8 * self.k(count)  # (value, index) pairs through an all-gather
         # The dense fallback sends input + residual: float32 with error feedback (and on the
-        # communicator's host path), the tensor's dtype without.
+        # communicator's hierarchical path), the tensor's dtype without.
         fallback = 4 if self.error_feedback or float32_fallback else elem_size
         return dense_wire_bytes(count * fallback, peers)
 

@@ -139,7 +139,7 @@ class HostGroups:
     every host must hold the same number of ranks, so ``intra.size() * inter.size()`` must equal
     ``group.size()``, and both must hold this rank and ranks of ``group`` only. The three may also
     be braid Groups (Communicators over the job, this host's ranks, and this local index's ranks:
-    the host-aware pair of a braid job), whose membership the caller vouches for.
+    the hierarchical pair of a braid job), whose membership the caller vouches for.
     """
 
     def __init__(self, group: Optional[Union[dist.ProcessGroup, Group]],

@@ -319,7 +319,7 @@ class DispatchHandle:
         self.tokens_per_expert = counts
         # Padded to capacity, the counts are known from shapes alone: no device-to-host copy.
         self.counts = static_counts if static_counts is not None else counts.tolist()
-        self._stages: list = []   # (kind, state) of each exchange stage, the home side first
+        self._hops: list = []   # (kind, state) of each exchange hop, the home side first
         self._across: Optional[dict] = None
         self._grad_row_bytes = 0   # bytes of the gradient of one dispatched row (the backward's)
         self._partial_dtype: Optional[torch.dtype] = None   # across hosts: the partial sums' dtype
@@ -445,7 +445,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
     if layout is None:
         inputs, counts, state = _flat_dispatch(x, ids, weights, group, num_experts, codec)
         handle = DispatchHandle(x.shape, x.dtype, counts)
-        handle._stages = [("flat", state)]
+        handle._hops = [("flat", state)]
         if host_of is not None:
             sent, got = _across(state["send"], state["recv"], host_of, group.rank)
             row = codec.row_bytes(x.shape[1]) if codec else x.shape[1] * x.element_size()
@@ -454,7 +454,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
                               "bytes": {"dispatch": sent * row, "combine": 0, "backward": 0}}
             handle._grad_row_bytes = x.shape[1] * x.element_size()
         return inputs, handle
-    # Across hosts. Stage 1 (hosts.inter): token t crosses to host h once if one of its experts
+    # Across hosts. Hop 1 (hosts.inter): token t crosses to host h once if one of its experts
     # lives there, with its k weights and its k targets on h (-1 for experts elsewhere), each
     # target the expert's number among the host's experts (local index * local + its index).
     hosts = layout.inter.world_size
@@ -471,11 +471,11 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
                           target.index_select(0, row_token), -1).to(torch.int32)
     x1, w1, t1 = _Exchange.apply(layout.inter, send, recv, codec, x.index_select(0, row_token),
                                  weights.index_select(0, row_token), targets)
-    # Stage 2 (hosts.intra): the rows that arrived fan out to this host's experts, exact.
+    # Hop 2 (hosts.intra): the rows that arrived fan out to this host's experts, exact.
     inputs, counts, state = _flat_dispatch(x1, t1.long(), w1, layout.intra, layout.intra.world_size * local,
                                            None)
     handle = DispatchHandle(x.shape, x.dtype, counts)
-    handle._stages = [("hosts", {"group": layout.inter, "send": send, "recv": recv, "token": row_token,
+    handle._hops = [("hosts", {"group": layout.inter, "send": send, "recv": recv, "token": row_token,
                                  "tokens": x.shape[0]}), ("flat", state)]
     me = layout.inter.rank
     sent, got = sum(send) - send[me], sum(recv) - recv[me]
@@ -492,7 +492,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
 
 def _combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     y = None
-    for kind, state in reversed(handle._stages):
+    for kind, state in reversed(handle._hops):
         if kind == "flat":
             y = _flat_combine(outputs, state)
         elif kind == "padded":
@@ -837,7 +837,7 @@ class MoE(nn.Module):
                                                      self.num_experts, self.codec, cap)
             handle = DispatchHandle(tokens.shape, tokens.dtype, counts,
                                     [self.group.world_size * cap] * len(self.experts))
-            handle._stages = [("padded", state)]
+            handle._hops = [("padded", state)]
         else:
             inputs, handle = _dispatch(tokens, r.expert_ids, r.weights, self.group, self.num_experts,
                                        self.codec, self._layout, self._host_of)

@@ -226,7 +226,7 @@ def _issue(c, kind, i, rank, n, seed):
     inputs = [make_input(seed + i, r, count, dtype) for r in range(n)]
     what = f"#{i} {kind} {dtype} count {count}"
     if kind == "all_reduce":
-        # A strided view: staged through a copy that the progress thread copies back.
+        # A strided view: reduced in a contiguous copy that the progress thread copies back.
         t = torch.stack([inputs[rank], inputs[rank]], dim=1)[:, 0]
         return what, c.all_reduce(t, op="avg", async_op=True), [t], [reduce_reference(inputs, "avg", n)]
     if kind == "reduce_scatter":
@@ -515,7 +515,7 @@ def test_broadcast_from_every_rank(n, stream):
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_non_contiguous_tensors(n):
-    """Transposed and strided views are staged through contiguous copies: each collective gets the
+    """Transposed and strided views go through contiguous copies: each collective gets the
     right values into the view and leaves the elements between strides untouched."""
     assert_ranks_agree(run_ranks(non_contiguous, n, 5), min_cases=30)
 

@@ -461,7 +461,7 @@ def test_compressed_arguments_and_world_of_one():
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_wire_stats_of_the_host_paths(dtype):
+def test_wire_stats_of_the_hierarchical_paths(dtype):
     """Compressor.wire_stats, the one place wire statistics are computed, against the bytes each
     path moves written out: per host local ranks reduce-scatter and all-gather their slices exactly
     (2 (local - 1) slices of their dtype), and every slice is compressed among the hosts."""
@@ -478,11 +478,11 @@ def test_wire_stats_of_the_host_paths(dtype):
             for ef in (True, False):
                 q = TopK(ratio, error_feedback=ef)
                 sparse = q.k(per) * hosts * 8 <= per * es
-                for host_path in (True, False):
-                    fallback = 4 if ef or host_path else es
+                for fused in (True, False):
+                    fallback = 4 if ef or fused else es
                     across = (hosts - 1) * 8 * q.k(per) if sparse else dense_wire_bytes(per * fallback, hosts)
-                    got = q.wire_stats(numel, es, hosts, local, float32_fallback=host_path)
-                    assert got == WireStats(across + inside, across + inside, dense), (ratio, ef, host_path)
+                    got = q.wire_stats(numel, es, hosts, local, float32_fallback=fused)
+                    assert got == WireStats(across + inside, across + inside, dense), (ratio, ef, fused)
         q = Cast(torch.bfloat16)
         across = dense_wire_bytes(per * 2, hosts)
         assert q.wire_stats(numel, es, hosts, local) == WireStats(across + inside, across + inside, dense)

@@ -167,7 +167,7 @@ def cuda_dist_collectives(rank, n, store_path, backend):
     torch.distributed: results equal to exact references (small integers: every sum is exact),
     blocking calls ordered after writes queued before them and before kernels queued after,
     async works and futures ordered on the waiting stream; point-to-point and mixed devices
-    refused; CPU tensors still on braid's host path in the same group."""
+    refused; CPU tensors still served without staging in the same group."""
     from test_cuda_comm import _input, cases, check_all_reduce_ordering
 
     device = torch.device("cuda", rank % torch.cuda.device_count())

@@ -528,9 +528,9 @@ def test_compressed_all_reduce_across_hosts_equals_one_host(name):
     assert_ranks_agree(run_ranks(compressed_across_hosts, len(layout), layout, 3), min_cases=12)
 
 
-def host_path_equals_host_pair(rank, n, store_path, layout, seed):
-    """A Communicator across hosts compresses exactly inside each host and compressed across (its
-    fused host path); the compressor's one hierarchical algorithm over the host pair (HostGroups of
+def fused_hierarchical_equals_host_pair(rank, n, store_path, layout, seed):
+    """A Communicator across hosts reduces exactly inside each host and compressed across (its fused
+    hierarchical path); the compressor's one hierarchical algorithm over the host pair (HostGroups of
     a Communicator per host and one per local index, through the group interface) gives the same
     bits, residuals and wire bytes. The warm-up's exact calls follow each carrier's exact order
     (the communicator: host partials, then hosts; the pair: every rank in rank order), so there
@@ -570,9 +570,9 @@ def host_path_equals_host_pair(rank, n, store_path, layout, seed):
 
 
 @pytest.mark.parametrize("name", ["2x2", "2x2-interleaved"])
-def test_communicator_host_path_equals_the_algorithm_on_the_host_pair(name):
+def test_communicator_hierarchical_equals_the_algorithm_on_the_host_pair(name):
     layout = LAYOUTS[name]
-    assert_ranks_agree(run_ranks(host_path_equals_host_pair, len(layout), layout, 5), min_cases=40)
+    assert_ranks_agree(run_ranks(fused_hierarchical_equals_host_pair, len(layout), layout, 5), min_cases=40)
 
 
 def test_silent_peer_on_other_host_times_out_naming_it():

@@ -77,7 +77,7 @@ void reduce_typed(const Operand* srcs, int nsrc, const ReduceDst& to, size_t cou
   const bool dst_acc = to.acc, stream = to.stream;
   using Acc = typename Traits<T>::Acc;
   alignas(64) Acc tmp[kBlock];
-  alignas(64) T staged[kBlock];  // the block in element type, for streaming stores
+  alignas(64) T rounded[kBlock];  // the block in element type, for streaming stores
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t m = std::min(kBlock, count - base);
     for (int j = 0; j < nsrc; ++j) {
@@ -111,15 +111,15 @@ void reduce_typed(const Operand* srcs, int nsrc, const ReduceDst& to, size_t cou
       for (size_t k = 0; k < m; ++k) tmp[k] = tmp[k] / d;
     }
     if (stream && !dst_acc && dst2 == nullptr) {
-      store_block(tmp, staged, m);
-      copy_streaming(static_cast<T*>(dst) + base, staged, m * sizeof(T), /*fence=*/false);
+      store_block(tmp, rounded, m);
+      copy_streaming(static_cast<T*>(dst) + base, rounded, m * sizeof(T), /*fence=*/false);
       continue;
     }
     if (!dst_acc && dst2 != nullptr && !std::is_same_v<T, Acc>) {
       // Two destinations of a half type: round once, store the bits twice.
-      store_block(tmp, staged, m);
-      std::memcpy(static_cast<T*>(dst) + base, staged, m * sizeof(T));
-      std::memcpy(static_cast<T*>(dst2) + base, staged, m * sizeof(T));
+      store_block(tmp, rounded, m);
+      std::memcpy(static_cast<T*>(dst) + base, rounded, m * sizeof(T));
+      std::memcpy(static_cast<T*>(dst2) + base, rounded, m * sizeof(T));
       continue;
     }
     void* outs[2] = {dst, dst2};

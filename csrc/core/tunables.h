@@ -55,7 +55,7 @@ struct Tunables {
   // host runs more ranks than it has cores, the spin defaults to 0 so waiting ranks give their
   // core to the ranks that compute.
   double spin_us = -1.0;  // -1: decided from the number of ranks and cores
-  // BRAID_SKEW_ROUNDS: 1 runs the two-shot all-reduce's stages skewed across rounds (each rank
+  // BRAID_SKEW_ROUNDS: 1 runs the two-shot all-reduce's phases skewed across rounds (each rank
   // reduces round i while publishing round i + 1), 0 in lockstep. Skewed is faster at 2 ranks,
   // lockstep with more ranks than cores (measured: docs/results/2026-11-21-epyc-avx512-2vcpu.md,
   // "Skewed pipelines"). Default (-1): skewed when every local rank has a core of its own.

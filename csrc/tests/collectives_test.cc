@@ -16,7 +16,7 @@ constexpr int kWorlds[] = {2, 3, 4};
 
 // One group per world size runs every (dtype, op, count) of `kind` back to back, alternating
 // in-place and out-of-place calls and rotating the broadcast root, with a barrier after each
-// size sweep: consecutive calls reuse the parity buffers and slots of their predecessors.
+// size sweep: consecutive calls reuse the one-shot buffers and slots of their predecessors.
 void sweep(CollKind kind, Algo algo) {
   const bool reduces = kind == CollKind::kAllReduce || kind == CollKind::kReduceScatter;
   for (int world : kWorlds) {

@@ -15,7 +15,7 @@ namespace braid {
 // (64-byte lines for float32) when there is room.
 size_t slot_elems(size_t slot_bytes, size_t parts, size_t elem_bytes);
 
-// One-shot: data rides with the arrival step in the per-parity buffers.
+// One-shot: data rides with the arrival step in the one-shot buffers.
 void oneshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 void oneshot_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 void oneshot_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);

@@ -16,7 +16,7 @@ namespace {
 // Member m's part of `count` elements: [begin(m), begin(m + 1)).
 size_t part_begin(size_t count, int n, int m) { return count * static_cast<size_t>(m) / static_cast<size_t>(n); }
 
-// The stage that all-reduce and reduce-scatter share: member m reduces elements [lo[m], hi[m])
+// The reduction that all-reduce and reduce-scatter share: member m reduces elements [lo[m], hi[m])
 // of every member's input. The others send it theirs in pieces (in the lane order the owner
 // receives them), and it reduces each piece, in member order, as soon as every member's copy
 // has arrived, into `dst` (element 0: its own lo).

@@ -1,4 +1,4 @@
-// One-shot collectives for small messages: each rank copies its input into its own parity
+// One-shot collectives for small messages: each rank copies its input into its own one-shot
 // buffer, posts one step, and reads every peer's buffer directly. One synchronization in all.
 
 #include "../reduce.h"

@@ -9,11 +9,11 @@
 
 namespace braid {
 
-// Per round of `chunk` elements: publish this rank's pieces in slot k (stage A), run
+// Per round of `chunk` elements: publish this rank's pieces in slot k (phase A), run
 // `while_waiting(off, len)`, wait for every peer's A of the round, run `take(off, len, k)` (piece
-// r for this rank is at g.slot(r, k) + me * chunk * es; stage G). A slot is reused only after
+// r for this rank is at g.slot(r, k) + me * chunk * es; phase G). A slot is reused only after
 // every rank finished G of the round that last used it. `d.count` is the length of one piece.
-// Each stage posts one step. Lockstep, iteration t runs A and G of round t; skewed
+// Each phase posts one step. Lockstep, iteration t runs A and G of round t; skewed
 // (g.skewed_rounds()), iteration t runs A of round t and G of round t - 1, so the wait before G
 // is for a round the peers published an iteration earlier.
 template <class WhileWaiting, class Take>

@@ -3,18 +3,19 @@
 //
 // Round i uses slot k = i % nslots of every rank. A slot holds one "in" piece per rank (the parts
 // of this rank's input that the peers reduce) and one "out" piece (this rank's reduced part).
+// Each round has three phases:
 //   A: copy my input's part j into my slot's piece j for every j != me.
 //   R: once every peer did A, reduce part me over ranks 0..n-1 in rank order (own input read
 //      from private memory, the others from their slots), writing to my output and to my slot's
 //      out piece.
 //   G: once every peer did R, copy each peer's out piece into my output (frees the slot).
 // Before reusing slot k for round i a rank waits for every peer's G of round i - nslots. Each
-// stage posts one step. Two schedules, the same on every rank:
+// phase posts one step. Two schedules, the same on every rank:
 //  - lockstep: A, R, G of round i, then round i + 1;
-//  - skewed: iteration t runs G of round t - 2, R of round t - 1 and A of round t (empty stages
+//  - skewed: iteration t runs G of round t - 2, R of round t - 1 and A of round t (empty phases
 //    of the first and last iterations still post), so every wait is for work the peers finished
 //    an iteration earlier and a rank that runs a little behind does not stall the others at each
-//    stage. Faster when every rank has a core of its own; with more ranks than cores the
+//    phase. Faster when every rank has a core of its own; with more ranks than cores the
 //    lockstep schedule is (measured: docs/results/2026-11-21-epyc-avx512-2vcpu.md,
 //    "Skewed pipelines").
 #include <algorithm>
@@ -57,11 +58,11 @@ void twoshot_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
   };
 
   const uint64_t base = g.arrive(d);
-  // The step each stage of round i posts.
-  enum Stage { kA, kR, kG };
-  auto step_of = [&](Stage s, size_t i) -> uint64_t {
-    if (!skewed) return base + 3 * i + 1 + s;
-    switch (s) {
+  // The step each phase of round i posts.
+  enum Phase { kA, kR, kG };
+  auto step_of = [&](Phase p, size_t i) -> uint64_t {
+    if (!skewed) return base + 3 * i + 1 + p;
+    switch (p) {
       case kA: return base + 3 * i + 3;
       case kR: return base + 3 * (i + 1) + 2;
       default: return base + 3 * (i + 2) + 1;

@@ -1,4 +1,4 @@
-// Block int8 / int4 quantization kernels: each block is staged in float32 in L1, its absmax found
+// Block int8 / int4 quantization kernels: each block is loaded as float32 into L1, its absmax found
 // with an integer max over the magnitude bits, then rounded and packed in simple loops the
 // compiler vectorizes.
 #include "quantize.h"
@@ -29,10 +29,10 @@ inline float from_bits(uint32_t u) {
   return a;
 }
 
-// Stages the block's inputs (plus the residual, with error feedback) in float32 and returns
+// Loads the block's inputs (plus the residual, with error feedback) as float32 into x and returns
 // their absmax, in one pass.
 template <class T>
-inline float stage_block(const T* __restrict src, const float* __restrict r, size_t m, float* __restrict x) {
+inline float load_block(const T* __restrict src, const float* __restrict r, size_t m, float* __restrict x) {
   uint32_t best = 0;
   if (r != nullptr) {
     for (size_t k = 0; k < m; ++k) {
@@ -48,7 +48,7 @@ inline float stage_block(const T* __restrict src, const float* __restrict r, siz
   return from_bits(best);
 }
 
-// Rounds the staged block x[0, m) to integers t in [-qmax, qmax] and, in the same pass, stores
+// Rounds the loaded block x[0, m) to integers t in [-qmax, qmax] and, in the same pass, stores
 // t + bias as a byte (int8: the two's complement byte; int4: the nibble value t + 8) and, with
 // error feedback, the residual x - t * scale. `dither` (stochastic rounding) holds each
 // element's 16-bit uniform; null rounds to nearest even.
@@ -113,7 +113,7 @@ inline void block_dither(RngKey key, uint64_t first, size_t m, uint16_t* halves)
 struct BlockScratch {
   alignas(64) float x[kMaxQuantBlock];
   alignas(64) uint16_t halves[kMaxQuantBlock];
-  alignas(64) uint8_t staged[kMaxQuantBlock + 2];  // int4: biased values before packing
+  alignas(64) uint8_t biased[kMaxQuantBlock + 2];  // int4: biased values before packing
 };
 
 // One block of mb elements (m of them valid, the rest encoded as zeros) at element `first` of
@@ -127,7 +127,7 @@ inline void quantize_block(QuantFormat fmt, const T* in, float* residual, size_t
   const bool int8 = fmt.bits == 8;
   const int32_t iqmax = fmt.qmax();
   const float qmax = static_cast<float>(iqmax);
-  const float amax = stage_block(in, residual, m, s.x);
+  const float amax = load_block(in, residual, m, s.x);
   float scale = amax / qmax;
   float inv = amax > 0.0f ? qmax / amax : 0.0f;
   if (inv > FLT_MAX) {
@@ -142,8 +142,8 @@ inline void quantize_block(QuantFormat fmt, const T* in, float* residual, size_t
     block_dither(key, first, m, s.halves);
     dither = s.halves;
   }
-  // int8 values go straight to the payload; int4 ones are staged for packing.
-  uint8_t* qb = int8 ? values : s.staged;
+  // int8 values go straight to the payload; int4 ones wait in the scratch for packing.
+  uint8_t* qb = int8 ? values : s.biased;
   const int32_t bias = int8 ? 0 : 8;
   if (residual != nullptr)
     round_block<true>(s.x, dither, m, inv, scale, iqmax, bias, qb, residual);
@@ -153,12 +153,12 @@ inline void quantize_block(QuantFormat fmt, const T* in, float* residual, size_t
     if (m < mb) std::memset(qb + m, 0, mb - m);  // elements past `valid` encode as zeros
     return;
   }
-  for (size_t k = m; k < mb + 1; ++k) s.staged[k] = 8;  // zeros, and the spare nibble of an odd block
-  // Two staged bytes (a, b) < 16 read as w = a | b << 8: w | w >> 4 has a | b << 4 in its low byte.
+  for (size_t k = m; k < mb + 1; ++k) s.biased[k] = 8;  // zeros, and the spare nibble of an odd block
+  // Two biased bytes (a, b) < 16 read as w = a | b << 8: w | w >> 4 has a | b << 4 in its low byte.
   const size_t pairs = (mb + 1) / 2;
   for (size_t k = 0; k < pairs; ++k) {
     uint16_t w;
-    std::memcpy(&w, s.staged + 2 * k, 2);
+    std::memcpy(&w, s.biased + 2 * k, 2);
     values[k] = static_cast<uint8_t>(w | (w >> 4));
   }
 }

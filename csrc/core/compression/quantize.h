@@ -22,7 +22,7 @@ struct QuantFormat {
   int qmax() const { return bits == 8 ? 127 : 7; }
 };
 
-// Largest block the kernels accept (a block is staged in a stack buffer of float32).
+// Largest block the kernels accept (a block is held in a stack buffer of float32).
 constexpr size_t kMaxQuantBlock = 8192;
 
 // Quantizes `count` elements of `in` (float32, bfloat16 or float16) as `nchunks` chunks of

@@ -42,7 +42,7 @@ constexpr unsigned kQuantizeWarps = 8;
 
 // x as quantized: the input plus its error-feedback residual, when there is one.
 template <class T>
-__device__ __forceinline__ float staged(const T* in, const float* residual, size_t i) {
+__device__ __forceinline__ float with_residual(const T* in, const float* residual, size_t i) {
   return residual != nullptr ? __fadd_rn(load_f32(in, i), residual[i]) : load_f32(in, i);
 }
 
@@ -51,7 +51,7 @@ __device__ __forceinline__ float staged(const T* in, const float* residual, size
 template <class T>
 __device__ __forceinline__ float quantize_one(const T* in, float* residual, size_t i, float inv, float scale,
                                               float qmax, bool stochastic, RngKey key, uint64_t index_base) {
-  const float x = staged(in, residual, i);
+  const float x = with_residual(in, residual, i);
   const float v = __fmul_rn(x, inv);
   float q = stochastic ? floorf(__fadd_rn(v, uniform01(key, index_base + i))) : rintf(v);
   q = fminf(qmax, fmaxf(-qmax, q));
@@ -74,7 +74,8 @@ __global__ void quantize_kernel(Layout L, size_t nblocks, const T* __restrict__ 
     // is the maximum (fmaxf would skip it, and the NaN would then be encoded as -qmax instead of
     // spoiling its block as it does on the CPU).
     unsigned amax = 0;
-    for (size_t k = lane; k < m; k += 32) amax = max(amax, __float_as_uint(fabsf(staged(in, residual, first + k))));
+    for (size_t k = lane; k < m; k += 32)
+      amax = max(amax, __float_as_uint(fabsf(with_residual(in, residual, first + k))));
     for (int o = 16; o > 0; o >>= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float a = __uint_as_float(amax);
     float scale = __fdiv_rn(a, L.qmax);

@@ -54,7 +54,7 @@ struct SegmentHeader;
 class ShmGroup : public Transport {
  public:
   // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
-  // `skewed_rounds`: pipelined all-reduces overlap the stages of consecutive rounds.
+  // `skewed_rounds`: pipelined all-reduces overlap the phases of consecutive rounds.
   ShmGroup(int rank, int world_size, const ShmLayout& layout, const WaitPolicy& policy,
            size_t stream_min_bytes, bool skewed_rounds);
   ~ShmGroup() override;

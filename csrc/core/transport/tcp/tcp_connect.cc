@@ -83,8 +83,8 @@ struct TcpTransport::Handshake {
   Clock::time_point deadline;
   // 0: read the hello, 1: write the challenge, 2: read the proof, 3: write the verdict; a notice
   // then 4: read the error's kind and length, 5: its text.
-  int stage = 0;
-  size_t pos = 0;    // bytes of the stage's message moved
+  int step = 0;
+  size_t pos = 0;    // bytes of the step's message moved
   Hello hello{};
   Challenge challenge{};
   Proof proof{};
@@ -295,7 +295,7 @@ void TcpTransport::accept_loop() {
     fds.push_back({stop_fd_.get(), POLLIN, 0});
     fds.push_back({listener_.get(), POLLIN, 0});
     for (const auto& h : pending)
-      fds.push_back({h->fd.get(), static_cast<short>(h->stage % 2 == 0 ? POLLIN : POLLOUT), 0});
+      fds.push_back({h->fd.get(), static_cast<short>(h->step % 2 == 0 ? POLLIN : POLLOUT), 0});
     if (::poll(fds.data(), fds.size(), kAcceptSliceMs) < 0 && errno != EINTR) return;
     if (fds[0].revents != 0) return;
     if (fds[1].revents & POLLIN) {
@@ -344,7 +344,7 @@ int TcpTransport::step_handshake(Handshake& h) {
   for (;;) {
     char* buf;
     size_t n;
-    switch (h.stage) {
+    switch (h.step) {
       case 0: buf = reinterpret_cast<char*>(&h.hello), n = sizeof(h.hello); break;
       case 1: buf = reinterpret_cast<char*>(&h.challenge), n = sizeof(h.challenge); break;
       case 2: buf = reinterpret_cast<char*>(&h.proof), n = sizeof(h.proof); break;
@@ -352,7 +352,7 @@ int TcpTransport::step_handshake(Handshake& h) {
       case 4: buf = reinterpret_cast<char*>(h.notice_head), n = sizeof(h.notice_head); break;
       default: buf = &h.notice[0], n = h.notice.size(); break;
     }
-    const bool reading = h.stage % 2 == 0 || h.stage == 5;
+    const bool reading = h.step % 2 == 0 || h.step == 5;
     while (h.pos < n) {
       const ssize_t k = reading ? ::recv(h.fd.get(), buf + h.pos, n - h.pos, MSG_DONTWAIT)
                                 : ::send(h.fd.get(), buf + h.pos, n - h.pos, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -366,7 +366,7 @@ int TcpTransport::step_handshake(Handshake& h) {
       return -1;
     }
     h.pos = 0;
-    switch (h.stage) {
+    switch (h.step) {
       case 0: {
         if (!check_hello(h)) return -1;
         Challenge& c = h.challenge;
@@ -407,7 +407,7 @@ int TcpTransport::step_handshake(Handshake& h) {
       }
       default: break;
     }
-    ++h.stage;
+    ++h.step;
   }
 }
 
