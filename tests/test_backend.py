@@ -509,7 +509,7 @@ def _run_unsupported(rank, world_size, store_path):
     with braid_default_group(rank, world_size, store_path):
         with pytest.raises(TypeError, match="unsupported dtype"):
             dist.all_reduce(torch.ones(2, dtype=torch.bool))
-        with pytest.raises(ValueError, match="band needs an integer tensor"):
+        with pytest.raises(ValueError, match="'band' needs an integer tensor"):
             dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
         with pytest.raises(ValueError, match="PREMUL_SUM needs a floating-point tensor"):
             dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0))

@@ -21,11 +21,10 @@
 namespace braid {
 namespace {
 
+// The core's dtype of a reduced tensor of c10d call `op` (to_dtype's check, its message naming
+// the call).
 DType dtype_of(const at::Tensor& t, const char* op) {
-  auto d = dtype_from(t.scalar_type());
-  TORCH_CHECK_TYPE(d.has_value(), "braid ", op, ": unsupported dtype ", t.scalar_type(), "; braid supports ",
-                   kSupportedDTypes);
-  return *d;
+  return to_dtype(t.scalar_type(), ("braid " + std::string(op) + ": tensor").c_str());
 }
 
 // How a tensor travels in a call that only moves data (broadcast, gathers, scatter, all-to-all,
@@ -49,8 +48,7 @@ ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
   TORCH_CHECK_VALUE(known.has_value(), "braid ", what, ": reduce op ", static_cast<int>(op.op_),
                     " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR and PREMUL_SUM are)");
   const ReduceOp r = *known;
-  TORCH_CHECK_VALUE(op_supports(r, dtype), "braid ", what, ": ", reduce_op_name(r),
-                    " needs an integer tensor (int32, int64, uint8), got ", dtype_name(dtype));
+  check_op_dtype(r, dtype, "the tensor of braid " + std::string(what));
   return r;
 }
 
@@ -111,25 +109,15 @@ struct Batch {
   std::vector<std::function<void()>> finish;  // copies into the caller's tensors, in order
 
   void add(Request r) { requests.push_back(std::move(r)); }
-  void copy_back(const Staged& b) {
+  void copy_back(const Contiguous& b) {
     if (b.copy_back()) finish.push_back([b] { b.user.copy_(b.buffer); });
   }
 };
 
-Request make(CollKind kind, DType dtype, size_t count, const void* in, void* out) {
-  Request r;
-  r.kind = kind;
-  r.dtype = dtype;
-  r.count = count;
-  r.in = in;
-  r.out = out;
-  return r;
-}
-
 // A data-moving request for `count` elements of `t`'s dtype (see moved_as).
 Request make_moving(CollKind kind, const at::Tensor& t, size_t count, const void* in, void* out) {
   const Moved m = moved_as(t);
-  return make(kind, m.dtype, count * m.scale, in, out);
+  return make_request(kind, m.dtype, count * m.scale, in, out);
 }
 
 // The c10d Work of a braid call. wait() raises braid's error (c10d's future-wrapping work returns
@@ -207,7 +195,7 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < size_, "braid broadcast: root ", opts.rootRank,
                       " is not a rank of this group of ", size_);
     Batch b;
-    Staged t = as_contiguous(tensors[0]);
+    Contiguous t = as_contiguous(tensors[0]);
     Request r = make_moving(CollKind::kBroadcast, t.buffer, t.buffer.numel(), t.buffer.data_ptr(), t.buffer.data_ptr());
     r.root = static_cast<int>(opts.rootRank);
     b.add(std::move(r));
@@ -236,10 +224,10 @@ class BraidBackend final : public c10d::Backend {
                       " is not a rank of this group of ", size_);
     Batch b;
     at::Tensor scaled = premul_scaled(opts.reduceOp, tensors[0], "reduce");
-    Staged t = scaled.defined()            ? Staged{tensors[0], scaled}
+    Contiguous t = scaled.defined()            ? Contiguous{tensors[0], scaled}
                : rank_ == opts.rootRank ? as_contiguous(tensors[0])
-                                        : Staged{tensors[0], tensors[0].contiguous().clone()};
-    Request r = make(CollKind::kAllReduce, dtype_of(t.buffer, "reduce"), t.buffer.numel(), t.buffer.data_ptr(),
+                                        : Contiguous{tensors[0], tensors[0].contiguous().clone()};
+    Request r = make_request(CollKind::kAllReduce, dtype_of(t.buffer, "reduce"), t.buffer.numel(), t.buffer.data_ptr(),
                      t.buffer.data_ptr());
     r.op = op_of(opts.reduceOp, r.dtype, "reduce");
     r.root = static_cast<int>(opts.rootRank);  // ranks that disagree on it raise a mismatch
@@ -429,7 +417,7 @@ class BraidBackend final : public c10d::Backend {
         checked_split_counts(output, input, output_splits.empty() ? nullptr : &output_splits,
                              input_splits.empty() ? nullptr : &input_splits, rank_, size_, "braid alltoall_base: ");
     at::Tensor in = input.contiguous();
-    Staged out = as_contiguous(output);
+    Contiguous out = as_contiguous(output);
     if (overlaps(out.buffer, in)) in = in.clone();  // the all-to-all is never in place
     // The path must be the same on every rank, and a rank sees only its own row and column of
     // the split matrix: equal splits passed explicitly on one rank may meet uneven ones on
@@ -474,7 +462,7 @@ class BraidBackend final : public c10d::Backend {
     at::Tensor whole = at::empty({std::accumulate(counts.recv.begin(), counts.recv.end(), int64_t{0})}, in.options());
     // Blocking (the pieces are copied into the caller's tensors right after): one exchange, equal
     // sizes or not, since the list form has no single buffer to hand the collective path.
-    run_exchange(Staged{whole, whole}, in, counts, {}, false);
+    run_exchange(Contiguous{whole, whole}, in, counts, {}, false);
     int64_t off = 0;
     for (int i = 0; i < size_; ++i) {
       outputs[i].copy_(whole.narrow(0, off, counts.recv[i]).view(outputs[i].sizes()));
@@ -505,7 +493,7 @@ class BraidBackend final : public c10d::Backend {
     check_output(tensors[0], "recv", "tensor");
     check_host(tensors[0], "recv", "tensor");
     check_peer(src, "recv", "src");
-    Staged t = as_contiguous(tensors[0]);
+    Contiguous t = as_contiguous(tensors[0]);
     Batch b;
     Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
     r.root = src;
@@ -523,7 +511,7 @@ class BraidBackend final : public c10d::Backend {
     check_output(tensors[0], "recv", "tensor");
     check_host(tensors[0], "recv", "tensor");
     TORCH_CHECK_VALUE(size_ > 1, "braid recv: a receive from any source needs a peer; this group has one rank");
-    Staged t = as_contiguous(tensors[0]);
+    Contiguous t = as_contiguous(tensors[0]);
     auto source = std::make_shared<int>(-1);
     Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
     r.root = kAnySource;
@@ -536,7 +524,7 @@ class BraidBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
     Batch b;
-    b.add(make(CollKind::kBarrier, DType::kFloat32, 0, nullptr, nullptr));
+    b.add(make_request(CollKind::kBarrier, DType::kFloat32, 0, nullptr, nullptr));
     return run(std::move(b), opts.asyncOp);
   }
 
@@ -555,7 +543,7 @@ class BraidBackend final : public c10d::Backend {
     const std::string ms = std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(opts.timeout).count());
     auto token = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{at::zeros({1}, at::kByte)});
     auto transfer = [&](CollKind kind, int peer) {
-      Request r = make(kind, DType::kUInt8, 1, (*token)[0].data_ptr(), (*token)[0].data_ptr());
+      Request r = make_request(kind, DType::kUInt8, 1, (*token)[0].data_ptr(), (*token)[0].data_ptr());
       r.root = peer;
       r.keepalive = token;
       return comm_->submit(std::move(r), true);
@@ -604,7 +592,7 @@ class BraidBackend final : public c10d::Backend {
 
   // An all-to-all as point-to-point transfers (Communicator::submit_exchange): `counts.send[j]`
   // elements of `in` to rank j, `counts.recv[j]` from rank j into `out`, in rank order.
-  c10::intrusive_ptr<c10d::Work> run_exchange(const Staged& out, const at::Tensor& in, const SplitCounts& counts,
+  c10::intrusive_ptr<c10d::Work> run_exchange(const Contiguous& out, const at::Tensor& in, const SplitCounts& counts,
                                               std::vector<at::Tensor> outputs, bool async) {
     const Moved m = moved_as(in);
     const DType dtype = m.dtype;
@@ -668,8 +656,8 @@ class BraidBackend final : public c10d::Backend {
     for (const auto& tensor : tensors) {
       check_output(tensor, what, "tensor");
       at::Tensor scaled = premul_scaled(op, tensor, what);
-      Staged t = scaled.defined() ? Staged{tensor, scaled} : as_contiguous(tensor);
-      Request r = make(CollKind::kAllReduce, dtype_of(t.buffer, what), t.buffer.numel(), t.buffer.data_ptr(),
+      Contiguous t = scaled.defined() ? Contiguous{tensor, scaled} : as_contiguous(tensor);
+      Request r = make_request(CollKind::kAllReduce, dtype_of(t.buffer, what), t.buffer.numel(), t.buffer.data_ptr(),
                        t.buffer.data_ptr());
       r.op = op_of(op, r.dtype, what);
       b.add(std::move(r));
@@ -686,7 +674,7 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(output.numel() == size_ * input.numel(), "braid ", what, ": output.numel() must be ", size_,
                       " * input.numel() (", input.numel(), "), got ", output.numel());
-    Staged out = as_contiguous(output);
+    Contiguous out = as_contiguous(output);
     at::Tensor in = input.contiguous();
     b.add(make_moving(CollKind::kAllGather, in, in.numel(), in.data_ptr(), out.buffer.data_ptr()));
     b.keep.push_back(in);
@@ -717,7 +705,7 @@ class BraidBackend final : public c10d::Backend {
     TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type(), "braid ", what, ": output and input dtypes differ");
     TORCH_CHECK_VALUE(input.numel() == size_ * output.numel(), "braid ", what, ": input.numel() must be ", size_,
                       " * output.numel() (", output.numel(), "), got ", input.numel());
-    Staged out = as_contiguous(output);
+    Contiguous out = as_contiguous(output);
     at::Tensor in = premul_scaled(op, input, what);
     if (!in.defined()) {
       in = input.contiguous();
@@ -726,7 +714,7 @@ class BraidBackend final : public c10d::Backend {
       const auto* ib = static_cast<const char*>(in.data_ptr());
       if (overlaps(in, out.buffer) && out.buffer.data_ptr() != ib + rank_ * out.buffer.nbytes()) in = in.clone();
     }
-    Request r = make(CollKind::kReduceScatter, dtype_of(in, what), out.buffer.numel(), in.data_ptr(),
+    Request r = make_request(CollKind::kReduceScatter, dtype_of(in, what), out.buffer.numel(), in.data_ptr(),
                      out.buffer.data_ptr());
     r.op = op_of(op, r.dtype, what);
     b.add(std::move(r));

@@ -44,8 +44,9 @@ inline std::optional<DType> dtype_from(at::ScalarType t) {
 
 inline DType to_dtype(at::ScalarType t, const char* arg) {
   if (auto d = dtype_from(t)) return *d;
-  throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t) + "; braid supports " +
-                       kSupportedDTypes);
+  C10_THROW_ERROR(TypeError,
+                  std::string(arg) + " has unsupported dtype " + c10::toString(t) + "; braid supports " +
+                  kSupportedDTypes);
 }
 
 // The core's reduce op of a torch.distributed one, or nothing when the core has none. PREMUL_SUM
@@ -96,60 +97,64 @@ inline c10::intrusive_ptr<c10::ivalue::Future> future_of(Work& w, std::vector<at
 }
 
 inline ReduceOp to_op(int op) {
-  if (op < 0 || op >= kNumReduceOps) throw py::value_error("op code out of range: " + std::to_string(op));
+  TORCH_CHECK_VALUE(!(op < 0 || op >= kNumReduceOps), "op code out of range: " + std::to_string(op));
   return static_cast<ReduceOp>(op);
 }
 
-// `op` for elements of `dtype`, which `arg` holds: bitwise ops need an integer dtype.
+// That `r` applies to elements of `dtype`, which `arg` holds: bitwise ops need an integer dtype.
+inline void check_op_dtype(ReduceOp r, DType dtype, const std::string& arg) {
+  TORCH_CHECK_VALUE(op_supports(r, dtype), "op '", reduce_op_name(r), "' needs an integer tensor (int32, int64, uint8); ",
+                    arg, " has dtype ", dtype_name(dtype));
+}
+
+// `op` for elements of `dtype`, which `arg` holds.
 inline ReduceOp to_op(int op, DType dtype, const char* arg) {
   const ReduceOp r = to_op(op);
-  if (!op_supports(r, dtype))
-    throw py::value_error(std::string("op '") + reduce_op_name(r) + "' needs an integer tensor (int32, int64, uint8); " +
-                          arg + " has dtype " + dtype_name(dtype));
+  check_op_dtype(r, dtype, arg);
   return r;
 }
 
 inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
-  if (!THPVariable_Check(obj.ptr()))
-    throw py::type_error(std::string(arg) + " must be a torch.Tensor, got " +
-                         std::string(py::str(py::type::of(obj).attr("__name__"))));
+  TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()),
+                   std::string(arg) + " must be a torch.Tensor, got " +
+                   std::string(py::str(py::type::of(obj).attr("__name__"))));
   at::Tensor t = THPVariable_Unpack(obj.ptr());
-  if (t.layout() != at::kStrided) throw py::value_error(std::string(arg) + " must be a dense (strided) tensor");
-  if (!t.device().is_cpu())
-    throw py::value_error(std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, std::string(arg) + " must be a dense (strided) tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(),
+                    std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
   return t;
 }
 
 // A tensor and the contiguous memory the core works on: the tensor itself when it is contiguous,
 // else a copy, whose results are copied back into the tensor afterwards (when copy_back()).
-struct Staged {
+struct Contiguous {
   at::Tensor user;     // what the caller passed
   at::Tensor buffer;   // contiguous memory the core works on (== user when contiguous)
   bool copy_back() const { return !buffer.is_same(user); }
 };
 
-// `t` staged as contiguous memory, unchecked (an input; outputs go through stage()).
-inline Staged as_contiguous(const at::Tensor& t) { return Staged{t, t.is_contiguous() ? t : t.contiguous()}; }
+// `t` as contiguous memory, unchecked (an input; outputs go through contiguous_output()).
+inline Contiguous as_contiguous(const at::Tensor& t) { return Contiguous{t, t.is_contiguous() ? t : t.contiguous()}; }
 
 // Outputs are written through a contiguous buffer; one whose elements share memory (expand())
 // cannot hold distinct results.
-inline Staged stage(const at::Tensor& t, const char* arg) {
-  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
-    throw py::value_error(std::string(arg) + " has elements that share memory (e.g. from expand()); "
-                          "pass a tensor with distinct elements");
+inline Contiguous contiguous_output(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                    std::string(arg) +
+                    " has elements that share memory (e.g. from expand()); pass a tensor with distinct elements");
   return as_contiguous(t);
 }
 
 // reduce_scatter and all_gather pair a "whole" tensor (world_size * n elements) with a "part" (n).
 inline void check_whole_and_part(const at::Tensor& out, const at::Tensor& in, const at::Tensor& whole,
                                  const char* whole_name, const at::Tensor& part, const char* part_name, int64_t world_size) {
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  if (whole.numel() != world_size * part.numel())
-    throw py::value_error(std::string(whole_name) + ".numel() must be world_size * " + part_name + ".numel() (" +
-                          std::to_string(world_size) + " * " + std::to_string(part.numel()) + "), got " +
-                          std::to_string(whole.numel()));
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(),
+                   "output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                   " and " + c10::toString(in.scalar_type()));
+  TORCH_CHECK_VALUE(whole.numel() == world_size * part.numel(),
+                    std::string(whole_name) + ".numel() must be world_size * " + part_name + ".numel() (" +
+                    std::to_string(world_size) + " * " + std::to_string(part.numel()) + "), got " +
+                    std::to_string(whole.numel()));
 }
 
 // The buffers may overlap only NCCL-style in place: `part` exactly the rank's slice of `whole`.
@@ -157,23 +162,23 @@ inline void check_aliasing(const at::Tensor& whole, const char* whole_name, cons
                            const char* part_name, int rank) {
   const bool in_place = whole.numel() > 0 && part.numel() > 0 &&
                         part.data_ptr() == static_cast<char*>(whole.data_ptr()) + rank * part.nbytes();
-  if (!in_place && overlaps(whole, part))
-    throw py::value_error("output overlaps input; the only overlap allowed is " + std::string(part_name) + " being " +
-                          whole_name + "'s own slice (rank * " + part_name + ".numel())");
+  TORCH_CHECK_VALUE(!(!in_place && overlaps(whole, part)),
+                    "output overlaps input; the only overlap allowed is " + std::string(part_name) + " being " +
+                    whole_name + "'s own slice (rank * " + part_name + ".numel())");
 }
 
 // all_to_all with equal splits: same dtype and size, a multiple of world_size, never in place.
 inline void check_all_to_all(const at::Tensor& out, const at::Tensor& in, int world_size) {
-  if (out.scalar_type() != in.scalar_type())
-    throw py::type_error("output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
-                         " and " + c10::toString(in.scalar_type()));
-  if (out.numel() != in.numel())
-    throw py::value_error("output.numel() must equal input.numel(), got " + std::to_string(out.numel()) + " and " +
-                          std::to_string(in.numel()));
-  if (in.numel() % world_size != 0)
-    throw py::value_error("input.numel() must be a multiple of world_size (" + std::to_string(world_size) +
-                          "), got " + std::to_string(in.numel()));
-  if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(),
+                   "output and input must have the same dtype, got " + std::string(c10::toString(out.scalar_type())) +
+                   " and " + c10::toString(in.scalar_type()));
+  TORCH_CHECK_VALUE(out.numel() == in.numel(),
+                    "output.numel() must equal input.numel(), got " + std::to_string(out.numel()) + " and " +
+                    std::to_string(in.numel()));
+  TORCH_CHECK_VALUE(in.numel() % world_size == 0,
+                    "input.numel() must be a multiple of world_size (" + std::to_string(world_size) + "), got " +
+                    std::to_string(in.numel()));
+  TORCH_CHECK_VALUE(!overlaps(out, in), "output must not overlap input (all_to_all is never in place)");
 }
 
 // Runs f with the GIL released when this thread holds it. Closing a communicator joins its
@@ -205,7 +210,7 @@ class PyWork {
     std::chrono::nanoseconds ns{0};
     if (!timeout.is_none()) {
       double s = timeout.cast<double>();
-      if (!(s > 0)) throw py::value_error("timeout must be positive seconds or None");
+      TORCH_CHECK_VALUE(s > 0, "timeout must be positive seconds or None");
       s = std::min(s, kMaxTimeoutSeconds);
       ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
@@ -243,19 +248,18 @@ inline at::Tensor checked_contiguous(const py::handle& obj, const char* arg, std
     ok = ok || t.scalar_type() == a;
     names += (names.empty() ? "" : ", ") + std::string(c10::toString(a));
   }
-  if (!ok)
-    throw py::type_error(std::string(arg) + " must have dtype " + names + ", got " + c10::toString(t.scalar_type()));
-  if (!t.is_contiguous()) throw py::value_error(std::string(arg) + " must be contiguous");
+  TORCH_CHECK_TYPE(ok, std::string(arg) + " must have dtype " + names + ", got " + c10::toString(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.is_contiguous(), std::string(arg) + " must be contiguous");
   return t;
 }
 
 // The quantization format of (bits, block), validated.
 inline QuantFormat checked_format(int bits, int64_t block) {
-  if (bits != 8 && bits != 4) throw py::value_error("bits must be 8 or 4, got " + std::to_string(bits));
-  if (block < 1 || block > static_cast<int64_t>(kMaxQuantBlock))
-    throw py::value_error("block must be in [1, " + std::to_string(kMaxQuantBlock) + "], got " + std::to_string(block));
-  if (bits == 4 && block % 2 != 0)
-    throw py::value_error("block must be even for 4-bit quantization (two values per byte), got " + std::to_string(block));
+  TORCH_CHECK_VALUE(!(bits != 8 && bits != 4), "bits must be 8 or 4, got " + std::to_string(bits));
+  TORCH_CHECK_VALUE(!(block < 1 || block > static_cast<int64_t>(kMaxQuantBlock)),
+                    "block must be in [1, " + std::to_string(kMaxQuantBlock) + "], got " + std::to_string(block));
+  TORCH_CHECK_VALUE(!(bits == 4 && block % 2 != 0),
+                    "block must be even for 4-bit quantization (two values per byte), got " + std::to_string(block));
   return QuantFormat{bits, static_cast<size_t>(block)};
 }
 
@@ -265,24 +269,24 @@ inline QuantFormat checked_format(int bits, int64_t block) {
 inline size_t checked_payload_bytes(QuantFormat fmt, size_t chunk, size_t nchunks) {
   constexpr size_t kMax = static_cast<size_t>(INT64_MAX);
   // bytes(chunk) <= chunk + 3 + 4 * (chunk / block + 1) <= 5 * chunk + 7: bound chunk first.
-  if (chunk > (kMax - 7) / 5 || (nchunks != 0 && fmt.bytes(chunk) > kMax / nchunks))
-    throw py::value_error("chunk (" + std::to_string(chunk) + ") times nchunks (" + std::to_string(nchunks) +
-                          ") is too large: the payload would exceed 2^63 bytes");
+  TORCH_CHECK_VALUE(!(chunk > (kMax - 7) / 5 || (nchunks != 0 && fmt.bytes(chunk) > kMax / nchunks)),
+                    "chunk (" + std::to_string(chunk) + ") times nchunks (" + std::to_string(nchunks) +
+                    ") is too large: the payload would exceed 2^63 bytes");
   return nchunks * fmt.bytes(chunk);
 }
 
 // `chunk` 0 means one chunk of the whole input (the plain layout).
 inline size_t checked_chunk(int64_t chunk, int64_t nchunks, size_t count, QuantFormat fmt) {
   if (chunk == 0) {
-    if (nchunks != 1) throw py::value_error("nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
+    TORCH_CHECK_VALUE(nchunks == 1, "nchunks must be 1 when chunk is 0 (one chunk of the whole input)");
     return count;
   }
-  if (chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0)
-    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
-                          std::to_string(chunk));
-  if (nchunks < 1 || static_cast<size_t>(nchunks) < (count + static_cast<size_t>(chunk) - 1) / chunk)
-    throw py::value_error("nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
-                          std::to_string(nchunks) + " * " + std::to_string(chunk));
+  TORCH_CHECK_VALUE(!(chunk < 0 || chunk % static_cast<int64_t>(fmt.block) != 0),
+                    "chunk must be a positive multiple of block (" + std::to_string(fmt.block) + "), got " +
+                    std::to_string(chunk));
+  TORCH_CHECK_VALUE(!(nchunks < 1 || static_cast<size_t>(nchunks) < (count + static_cast<size_t>(chunk) - 1) / chunk),
+                    "nchunks * chunk must cover the " + std::to_string(count) + " elements, got " +
+                    std::to_string(nchunks) + " * " + std::to_string(chunk));
   checked_payload_bytes(fmt, static_cast<size_t>(chunk), static_cast<size_t>(nchunks));
   return static_cast<size_t>(chunk);
 }
@@ -343,7 +347,7 @@ inline SplitCounts checked_split_counts(const at::Tensor& out, const at::Tensor&
 // Communicator::submit_exchange: `counts.send[j]` elements (consecutive in `in`, in rank order) to
 // rank j, `counts.recv[j]` from rank j (consecutive in `out`). This rank's own piece is not a
 // transfer: `epilogue` copies it, then copies `out` into `user` when that is another tensor (a
-// non-contiguous output staged through `out`).
+// non-contiguous output written through its contiguous copy `out`).
 struct ExchangePlan {
   std::vector<Request> requests;
   std::function<void()> epilogue;
@@ -363,28 +367,21 @@ inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, con
   for (int step = 1; step < world; ++step) {  // the peers in ring order from this rank
     const int to = (rank + step) % world;
     const int from = (rank - step + world) % world;
-    Request s;
-    s.kind = CollKind::kSend;
-    s.dtype = dtype;
-    s.count = static_cast<size_t>(counts.send[to]);
+    Request s = make_request(CollKind::kSend, dtype, static_cast<size_t>(counts.send[to]), src + send_off[to]);
     s.root = to;
-    s.in = src + send_off[to];
     plan.requests.push_back(std::move(s));
-    Request r;
-    r.kind = CollKind::kRecv;
-    r.dtype = dtype;
-    r.count = static_cast<size_t>(counts.recv[from]);
+    Request r = make_request(CollKind::kRecv, dtype, static_cast<size_t>(counts.recv[from]), nullptr,
+                             dst + recv_off[from]);
     r.root = from;
-    r.out = dst + recv_off[from];
     plan.requests.push_back(std::move(r));
   }
   const char* own = src + send_off[rank];
   char* kept = dst + recv_off[rank];
   const size_t bytes = send_off[rank + 1] - send_off[rank];
-  const bool staged = !out.is_same(user);
-  plan.epilogue = [own, kept, bytes, staged, out, user] {
+  const bool copied = !out.is_same(user);
+  plan.epilogue = [own, kept, bytes, copied, out, user] {
     if (bytes > 0) std::memcpy(kept, own, bytes);
-    if (staged) user.copy_(out);
+    if (copied) user.copy_(out);
   };
   return plan;
 }

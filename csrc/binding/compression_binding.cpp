@@ -20,18 +20,18 @@ const std::initializer_list<at::ScalarType> kFloatTypes = {at::kFloat, at::kBFlo
 // A uint8 buffer of exactly `bytes` bytes, 4-byte aligned (the scales are float32).
 at::Tensor checked_payload(const py::handle& obj, const char* arg, size_t bytes) {
   at::Tensor q = checked_contiguous(obj, arg, {at::kByte});
-  if (static_cast<size_t>(q.numel()) != bytes)
-    throw py::value_error(std::string(arg) + " must hold " + std::to_string(bytes) + " bytes, got " +
-                          std::to_string(q.numel()));
-  if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
-    throw py::value_error(std::string(arg) + " must be 4-byte aligned (its scales are float32)");
+  TORCH_CHECK_VALUE(static_cast<size_t>(q.numel()) == bytes,
+                    std::string(arg) + " must hold " + std::to_string(bytes) + " bytes, got " +
+                    std::to_string(q.numel()));
+  TORCH_CHECK_VALUE(!(q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0),
+                    std::string(arg) + " must be 4-byte aligned (its scales are float32)");
   return q;
 }
 
 void check_same_numel(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
-  if (a.numel() != b.numel())
-    throw py::value_error(std::string(bn) + ".numel() must equal " + an + ".numel() (" + std::to_string(a.numel()) +
-                          "), got " + std::to_string(b.numel()));
+  TORCH_CHECK_VALUE(a.numel() == b.numel(),
+                    std::string(bn) + ".numel() must equal " + an + ".numel() (" + std::to_string(a.numel()) +
+                    "), got " + std::to_string(b.numel()));
 }
 
 at::Tensor quantize_tensor(py::handle input, py::handle residual, int bits, int64_t block, bool stochastic,
@@ -68,12 +68,11 @@ void dequantize_tensor(py::handle payload, int bits, int64_t block, py::handle o
   const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
   at::Tensor q = checked_contiguous(payload, "payload", {at::kByte});
   const size_t need = checked_payload_bytes(fmt, chunk, nchunks);
-  if (static_cast<size_t>(q.numel()) < need)
-    throw py::value_error("payload must hold at least " + std::to_string(need) + " bytes for " +
-                          std::to_string(n) + " elements in chunks of " + std::to_string(chunk) + ", got " +
-                          std::to_string(q.numel()));
-  if (q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0)
-    throw py::value_error("payload must be 4-byte aligned (its scales are float32)");
+  TORCH_CHECK_VALUE(static_cast<size_t>(q.numel()) >= need,
+                    "payload must hold at least " + std::to_string(need) + " bytes for " + std::to_string(n) +
+                    " elements in chunks of " + std::to_string(chunk) + ", got " + std::to_string(q.numel()));
+  TORCH_CHECK_VALUE(!(q.numel() > 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 != 0),
+                    "payload must be 4-byte aligned (its scales are float32)");
   const DType dt = to_dtype(out.scalar_type(), "output");
   py::gil_scoped_release nogil;
   dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, dt, out.data_ptr());
@@ -90,8 +89,8 @@ void dequantize_accumulate_tensor(py::handle payload, int bits, int64_t block, p
 
 py::tuple top_k_tensor(py::handle input, int64_t k) {
   at::Tensor in = checked_contiguous(input, "input", kFloatTypes);
-  if (k < 0) throw py::value_error("k must be >= 0, got " + std::to_string(k));
-  if (in.numel() > INT32_MAX) throw py::value_error("input has more elements than int32 indices can address");
+  TORCH_CHECK_VALUE(k >= 0, "k must be >= 0, got " + std::to_string(k));
+  TORCH_CHECK_VALUE(in.numel() <= INT32_MAX, "input has more elements than int32 indices can address");
   const int64_t kk = std::min<int64_t>(k, in.numel());
   at::Tensor values = at::empty({kk}, at::kFloat);
   at::Tensor indices = at::empty({kk}, at::kInt);
@@ -113,9 +112,9 @@ void scatter_add_tensor(py::handle accumulator, py::handle indices, py::handle v
   if (idx.numel() > 0) {
     // Indices come off the wire: bounds are checked here, once, not trusted.
     const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
-    if (lo < 0 || hi >= acc.numel())
-      throw py::value_error("indices must lie in [0, " + std::to_string(acc.numel()) + "), got [" + std::to_string(lo) +
-                            ", " + std::to_string(hi) + "]");
+    TORCH_CHECK_VALUE(!(lo < 0 || hi >= acc.numel()),
+                      "indices must lie in [0, " + std::to_string(acc.numel()) + "), got [" + std::to_string(lo) +
+                      ", " + std::to_string(hi) + "]");
   }
   py::gil_scoped_release nogil;
   scatter_add(acc.data_ptr<float>(), idx.data_ptr<int32_t>(), val.data_ptr<float>(), static_cast<size_t>(idx.numel()));
@@ -145,8 +144,8 @@ void cast_tensor(py::handle input, py::handle residual, py::handle out) {
     res = checked_contiguous(residual, "residual", {at::kFloat});
     check_same_numel(in, "input", res, "residual");
   }
-  if (overlaps(in, o) || (res.defined() && overlaps(res, o)))
-    throw py::value_error("out must not overlap input or residual");
+  TORCH_CHECK_VALUE(!(overlaps(in, o) || (res.defined() && overlaps(res, o))),
+                    "out must not overlap input or residual");
   const DType dt = to_dtype(in.scalar_type(), "input"), odt = to_dtype(o.scalar_type(), "out");
   py::gil_scoped_release nogil;
   cast_with_feedback(dt, in.data_ptr(), res.defined() ? res.data_ptr<float>() : nullptr, odt, o.data_ptr(),
@@ -158,15 +157,15 @@ void cast_tensor(py::handle input, py::handle residual, py::handle out) {
 void check_chunk_buffers(std::initializer_list<std::pair<const at::Tensor*, const char*>> payloads,
                          const at::Tensor& acc, const char* who, size_t n, size_t cb, int64_t chunk) {
   for (auto [t, name] : payloads) {
-    if (static_cast<size_t>(t->numel()) != n * cb)
-      throw py::value_error(std::string(name) + " must hold " + who + " * " + std::to_string(cb) + " bytes, got " +
-                            std::to_string(t->numel()));
-    if (t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0)
-      throw py::value_error(std::string(name) + " must be 4-byte aligned (its scales are float32)");
+    TORCH_CHECK_VALUE(static_cast<size_t>(t->numel()) == n * cb,
+                      std::string(name) + " must hold " + who + " * " + std::to_string(cb) + " bytes, got " +
+                      std::to_string(t->numel()));
+    TORCH_CHECK_VALUE(!(t->numel() > 0 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 != 0),
+                      std::string(name) + " must be 4-byte aligned (its scales are float32)");
   }
-  if (acc.numel() != chunk)
-    throw py::value_error("accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
-                          std::to_string(acc.numel()));
+  TORCH_CHECK_VALUE(acc.numel() == chunk,
+                    "accumulator must hold chunk (" + std::to_string(chunk) + ") floats, got " +
+                    std::to_string(acc.numel()));
 }
 
 // The middle of a quantized all-reduce as one unit of work (see quantized_all_reduce.h).
@@ -174,9 +173,9 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
                                         py::handle gathered, int bits, int64_t block, int64_t chunk, bool average,
                                         bool stochastic, uint64_t seed, bool async, uint32_t tag) {
   const QuantFormat fmt = checked_format(bits, block);
-  if (chunk < 0 || chunk % block != 0)
-    throw py::value_error("chunk must be a non-negative multiple of block (" + std::to_string(block) + "), got " +
-                          std::to_string(chunk));
+  TORCH_CHECK_VALUE(!(chunk < 0 || chunk % block != 0),
+                    "chunk must be a non-negative multiple of block (" + std::to_string(block) + "), got " +
+                    std::to_string(chunk));
   const size_t n = static_cast<size_t>(c.world_size());
   const size_t cb = checked_payload_bytes(fmt, static_cast<size_t>(chunk), n) / n;
   at::Tensor s = checked_contiguous(send, "send", {at::kByte});
@@ -222,13 +221,13 @@ CheckedSlice checked_slice(Communicator& c, py::handle tensor, py::handle padded
   const size_t slice = (numel + local - 1) / local;
   at::Tensor m = checked_contiguous(mine, "mine", kFloatTypes);
   at::Tensor p = checked_contiguous(padded, "padded", kFloatTypes);
-  if (m.scalar_type() != data.scalar_type() || p.scalar_type() != data.scalar_type())
-    throw py::type_error("mine and padded must have the tensor's dtype");
-  if (static_cast<size_t>(m.numel()) != slice)
-    throw py::value_error("mine must hold " + std::to_string(slice) + " elements, got " + std::to_string(m.numel()));
-  if (slice * local != numel && static_cast<size_t>(p.numel()) != slice * local)
-    throw py::value_error("padded must hold " + std::to_string(slice * local) + " elements, got " +
-                          std::to_string(p.numel()));
+  TORCH_CHECK_TYPE(!(m.scalar_type() != data.scalar_type() || p.scalar_type() != data.scalar_type()),
+                   "mine and padded must have the tensor's dtype");
+  TORCH_CHECK_VALUE(static_cast<size_t>(m.numel()) == slice,
+                    "mine must hold " + std::to_string(slice) + " elements, got " + std::to_string(m.numel()));
+  TORCH_CHECK_VALUE(!(slice * local != numel && static_cast<size_t>(p.numel()) != slice * local),
+                    "padded must hold " + std::to_string(slice * local) + " elements, got " +
+                    std::to_string(p.numel()));
   out.s.dtype = to_dtype(data.scalar_type(), "tensor");
   out.s.data = data.data_ptr();
   out.s.numel = numel;
@@ -242,9 +241,9 @@ CheckedSlice checked_slice(Communicator& c, py::handle tensor, py::handle padded
 float* checked_slice_floats(py::handle t, const char* name, size_t n, std::vector<at::Tensor>& keep, bool optional) {
   if (optional && t.is_none()) return nullptr;
   at::Tensor r = checked_contiguous(t, name, {at::kFloat});
-  if (static_cast<size_t>(r.numel()) != n)
-    throw py::value_error(std::string(name) + " must hold " + std::to_string(n) + " floats, got " +
-                          std::to_string(r.numel()));
+  TORCH_CHECK_VALUE(static_cast<size_t>(r.numel()) == n,
+                    std::string(name) + " must hold " + std::to_string(n) + " floats, got " +
+                    std::to_string(r.numel()));
   keep.push_back(r);
   return r.data_ptr<float>();
 }
@@ -270,10 +269,10 @@ PipelinedQuantizeArgs checked_pipelined(int bits, int64_t block, int64_t chunk, 
                                         uint64_t requant_seed) {
   PipelinedQuantizeArgs a;
   a.fmt = checked_format(bits, block);
-  if (chunk < block || chunk % block != 0 || static_cast<size_t>(chunk) * members < count)
-    throw py::value_error("chunk must be a positive multiple of block (" + std::to_string(block) + ") covering " +
-                          std::to_string(count) + " elements over " + std::to_string(members) + " ranks, got " +
-                          std::to_string(chunk));
+  TORCH_CHECK_VALUE(!(chunk < block || chunk % block != 0 || static_cast<size_t>(chunk) * members < count),
+                    "chunk must be a positive multiple of block (" + std::to_string(block) + ") covering " +
+                    std::to_string(count) + " elements over " + std::to_string(members) + " ranks, got " +
+                    std::to_string(chunk));
   (void)checked_payload_bytes(a.fmt, static_cast<size_t>(chunk), members);  // sizes fit
   a.chunk = static_cast<size_t>(chunk);
   a.count = count;
@@ -306,8 +305,8 @@ py::object host_quantized_all_reduce_tensors(Communicator& c, py::handle tensor,
 py::object pipelined_quantized_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, int bits,
                                                   int64_t block, int64_t chunk, bool average, bool stochastic,
                                                   uint64_t seed, uint64_t requant_seed, bool async, uint32_t tag) {
-  if (c.topology().num_hosts() != c.world_size() || c.world_size() < 2)
-    throw py::value_error("pipelined_quantized_all_reduce needs every rank on a host of its own");
+  TORCH_CHECK_VALUE(!(c.topology().num_hosts() != c.world_size() || c.world_size() < 2),
+                    "pipelined_quantized_all_reduce needs every rank on a host of its own");
   at::Tensor data = checked_contiguous(tensor, "tensor", kFloatTypes);
   const size_t numel = static_cast<size_t>(data.numel());
   PipelinedQuantizeArgs a = checked_pipelined(bits, block, chunk, numel, static_cast<size_t>(c.world_size()), average,
@@ -335,9 +334,9 @@ py::object host_top_k_all_reduce_tensors(Communicator& c, py::handle tensor, py:
                                          bool average, bool async, uint32_t tag) {
   CheckedSlice cs = checked_slice(c, tensor, padded, mine);
   const size_t hosts = static_cast<size_t>(c.scope_size(Scope::kCross)), per = cs.s.slice;
-  if (k < 1 || static_cast<size_t>(k) > per)
-    throw py::value_error("k must be in [1, " + std::to_string(per) + "] (the slice), got " + std::to_string(k));
-  if (per > static_cast<size_t>(INT32_MAX)) throw py::value_error("the slice has more elements than int32 indices address");
+  TORCH_CHECK_VALUE(!(k < 1 || static_cast<size_t>(k) > per),
+                    "k must be in [1, " + std::to_string(per) + "] (the slice), got " + std::to_string(k));
+  TORCH_CHECK_VALUE(per <= static_cast<size_t>(INT32_MAX), "the slice has more elements than int32 indices address");
   SliceTopKArgs a;
   a.k = static_cast<size_t>(k);
   a.sparse = sparse;
@@ -350,9 +349,9 @@ py::object host_top_k_all_reduce_tensors(Communicator& c, py::handle tensor, py:
   at::Tensor idx = checked_contiguous(indices, "indices", {at::kInt});
   at::Tensor s = checked_contiguous(send, "send", {at::kByte});
   at::Tensor g = checked_contiguous(gathered, "gathered", {at::kByte});
-  if (static_cast<size_t>(idx.numel()) != a.k || static_cast<size_t>(s.numel()) != 8 * a.k ||
-      static_cast<size_t>(g.numel()) != hosts * 8 * a.k)
-    throw py::value_error("indices, send and gathered must hold k ints, 8 k bytes and hosts * 8 k bytes");
+  TORCH_CHECK_VALUE(static_cast<size_t>(idx.numel()) == a.k && static_cast<size_t>(s.numel()) == 8 * a.k &&
+                        static_cast<size_t>(g.numel()) == hosts * 8 * a.k,
+                    "indices, send and gathered must hold k ints, 8 k bytes and hosts * 8 k bytes");
   cs.keep.insert(cs.keep.end(), {idx, s, g});
   a.indices = idx.data_ptr<int32_t>();
   a.send = s.data_ptr<uint8_t>();
@@ -371,9 +370,9 @@ py::object host_cast_all_reduce_tensors(Communicator& c, py::handle tensor, py::
   a.residual = checked_slice_floats(residual, "residual", per, cs.keep, true);
   a.acc = checked_slice_floats(accumulator, "accumulator", per, cs.keep, false);
   at::Tensor out = checked_contiguous(sent, "sent", {at::kBFloat16, at::kHalf});
-  if (static_cast<size_t>(out.numel()) != per)
-    throw py::value_error("sent must hold the slice's " + std::to_string(per) + " elements, got " +
-                          std::to_string(out.numel()));
+  TORCH_CHECK_VALUE(static_cast<size_t>(out.numel()) == per,
+                    "sent must hold the slice's " + std::to_string(per) + " elements, got " +
+                    std::to_string(out.numel()));
   cs.keep.push_back(out);
   a.wire = to_dtype(out.scalar_type(), "sent");
   a.sent = out.data_ptr();
@@ -385,7 +384,7 @@ py::object host_cast_all_reduce_tensors(Communicator& c, py::handle tensor, py::
 void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator) {
   m.def("quantized_bytes",
         [](int64_t count, int bits, int64_t block) {
-          if (count < 0) throw py::value_error("count must be >= 0");
+          TORCH_CHECK_VALUE(count >= 0, "count must be >= 0");
           return checked_payload_bytes(checked_format(bits, block), static_cast<size_t>(count), 1);
         },
         py::arg("count"), py::arg("bits"), py::arg("block"));

@@ -51,19 +51,19 @@ class CudaWork {
 
 // A dense CUDA tensor on the stager's device; `arg` names it in errors.
 at::Tensor device_tensor(const py::handle& obj, const char* arg, const CudaStager& s) {
-  if (!THPVariable_Check(obj.ptr())) throw py::type_error(std::string(arg) + " must be a torch.Tensor");
+  TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()), std::string(arg) + " must be a torch.Tensor");
   at::Tensor t = THPVariable_Unpack(obj.ptr());
-  if (t.layout() != at::kStrided) throw py::value_error(std::string(arg) + " must be a dense (strided) tensor");
-  if (t.device() != s.device())
-    throw py::value_error(std::string(arg) + " must be on " + s.device().str() + " (the other tensors' device), got " +
-                          t.device().str());
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, std::string(arg) + " must be a dense (strided) tensor");
+  TORCH_CHECK_VALUE(t.device() == s.device(),
+                    std::string(arg) + " must be on " + s.device().str() + " (the other tensors' device), got " +
+                    t.device().str());
   return t;
 }
 
 // Submits `r` (pointers into `out.buffer` and `in`) to the pipeline, ordered after the caller's
 // current stream; returns a CudaWork for async calls, None otherwise (the caller's stream then
 // already waits for the copies back).
-py::object submit(Communicator& c, const CudaStager& s, Request r, const Staged& out, const at::Tensor& in, bool async) {
+py::object submit(Communicator& c, const CudaStager& s, Request r, const Contiguous& out, const at::Tensor& in, bool async) {
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(s.device().index());
   const c10::cuda::CUDAStream to_device = s.lane(Lane::kToDevice);
   auto done = std::make_shared<cuda::CudaEvent>(s.device().index());
@@ -88,20 +88,12 @@ py::object submit(Communicator& c, const CudaStager& s, Request r, const Staged&
                                              std::vector<at::Tensor>{out.user}));
 }
 
-Request request(CollKind kind, DType dtype, size_t count) {
-  Request r;
-  r.kind = kind;
-  r.dtype = dtype;
-  r.count = count;
-  return r;
-}
-
 py::object all_reduce(Communicator& c, const CudaStager& s, py::handle tensor, int op, bool async) {
   RECORD_USER_SCOPE("braid::all_reduce");
   at::Tensor t = device_tensor(tensor, "tensor", s);
-  Request r = request(CollKind::kAllReduce, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()));
+  Request r = make_request(CollKind::kAllReduce, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()));
   r.op = to_op(op, r.dtype, "tensor");
-  Staged out = stage(t, "tensor");
+  Contiguous out = contiguous_output(t, "tensor");
   r.in = out.buffer.data_ptr();
   r.out = out.buffer.data_ptr();
   return submit(c, s, std::move(r), out, at::Tensor(), async);
@@ -110,11 +102,11 @@ py::object all_reduce(Communicator& c, const CudaStager& s, py::handle tensor, i
 py::object broadcast(Communicator& c, const CudaStager& s, py::handle tensor, int src, bool async) {
   RECORD_USER_SCOPE("braid::broadcast");
   at::Tensor t = device_tensor(tensor, "tensor", s);
-  if (src < 0 || src >= c.world_size())
-    throw py::value_error("src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
-  Request r = request(CollKind::kBroadcast, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()));
+  TORCH_CHECK_VALUE(!(src < 0 || src >= c.world_size()),
+                    "src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
+  Request r = make_request(CollKind::kBroadcast, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()));
   r.root = src;
-  Staged out = stage(t, "tensor");
+  Contiguous out = contiguous_output(t, "tensor");
   r.in = out.buffer.data_ptr();
   r.out = out.buffer.data_ptr();
   return submit(c, s, std::move(r), out, at::Tensor(), async);
@@ -125,10 +117,10 @@ py::object reduce_scatter(Communicator& c, const CudaStager& s, py::handle outpu
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_whole_and_part(o, i, i, "input", o, "output", c.world_size());
-  Request r = request(CollKind::kReduceScatter, to_dtype(o.scalar_type(), "output"), static_cast<size_t>(o.numel()));
+  Request r = make_request(CollKind::kReduceScatter, to_dtype(o.scalar_type(), "output"), static_cast<size_t>(o.numel()));
   r.op = to_op(op, r.dtype, "output");
   at::Tensor in = i.contiguous();
-  Staged out = stage(o, "output");
+  Contiguous out = contiguous_output(o, "output");
   check_aliasing(in, "input", out.buffer, "output", c.rank());
   r.in = in.data_ptr();
   r.out = out.buffer.data_ptr();
@@ -140,8 +132,8 @@ py::object all_gather(Communicator& c, const CudaStager& s, py::handle output, p
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_whole_and_part(o, i, o, "output", i, "input", c.world_size());
-  Request r = request(CollKind::kAllGather, to_dtype(o.scalar_type(), "output"), static_cast<size_t>(i.numel()));
-  Staged out = stage(o, "output");
+  Request r = make_request(CollKind::kAllGather, to_dtype(o.scalar_type(), "output"), static_cast<size_t>(i.numel()));
+  Contiguous out = contiguous_output(o, "output");
   at::Tensor in = i.contiguous();
   check_aliasing(out.buffer, "output", in, "input", c.rank());
   r.in = in.data_ptr();
@@ -154,9 +146,9 @@ py::object all_to_all(Communicator& c, const CudaStager& s, py::handle output, p
   at::Tensor o = device_tensor(output, "output", s);
   at::Tensor i = device_tensor(input, "input", s);
   check_all_to_all(o, i, c.world_size());
-  Request r = request(CollKind::kAllToAll, to_dtype(o.scalar_type(), "output"),
+  Request r = make_request(CollKind::kAllToAll, to_dtype(o.scalar_type(), "output"),
                       static_cast<size_t>(i.numel() / c.world_size()));
-  Staged out = stage(o, "output");
+  Contiguous out = contiguous_output(o, "output");
   at::Tensor in = i.contiguous();
   r.in = in.data_ptr();
   r.out = out.buffer.data_ptr();
@@ -174,7 +166,7 @@ void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Com
              try {
                return std::make_shared<CudaStager>(device, o);
              } catch (const std::invalid_argument& e) {
-               throw py::value_error(e.what());
+               C10_THROW_ERROR(ValueError, e.what());
              }
            }),
            py::arg("device"), py::arg("chunk_bytes"), py::arg("slots"))

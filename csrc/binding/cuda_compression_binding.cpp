@@ -16,15 +16,15 @@ namespace {
 // A contiguous CUDA tensor of one of `allowed` dtypes, on `device` when given.
 at::Tensor cuda_tensor(const py::handle& obj, const char* arg, std::initializer_list<at::ScalarType> allowed,
                        const c10::Device* device = nullptr) {
-  if (!THPVariable_Check(obj.ptr())) throw py::type_error(std::string(arg) + " must be a torch.Tensor");
+  TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()), std::string(arg) + " must be a torch.Tensor");
   at::Tensor t = THPVariable_Unpack(obj.ptr());
-  if (!t.is_cuda()) throw py::value_error(std::string(arg) + " must be a CUDA tensor, got one on " + t.device().str());
-  if (device != nullptr && t.device() != *device)
-    throw py::value_error(std::string(arg) + " must be on " + device->str() + ", got " + t.device().str());
+  TORCH_CHECK_VALUE(t.is_cuda(), std::string(arg) + " must be a CUDA tensor, got one on " + t.device().str());
+  TORCH_CHECK_VALUE(!(device != nullptr && t.device() != *device),
+                    std::string(arg) + " must be on " + device->str() + ", got " + t.device().str());
   bool ok = false;
   for (auto a : allowed) ok = ok || t.scalar_type() == a;
-  if (!ok) throw py::type_error(std::string(arg) + " has unsupported dtype " + c10::toString(t.scalar_type()));
-  if (!t.is_contiguous()) throw py::value_error(std::string(arg) + " must be contiguous");
+  TORCH_CHECK_TYPE(ok, std::string(arg) + " has unsupported dtype " + c10::toString(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.is_contiguous(), std::string(arg) + " must be contiguous");
   return t;
 }
 
@@ -44,7 +44,7 @@ at::Tensor quantize_cuda(py::handle input, py::handle residual, int bits, int64_
   at::Tensor r;
   if (!residual.is_none()) {
     r = cuda_tensor(residual, "residual", {at::kFloat}, &dev);
-    if (r.numel() != in.numel()) throw py::value_error("residual.numel() must equal input.numel()");
+    TORCH_CHECK_VALUE(r.numel() == in.numel(), "residual.numel() must equal input.numel()");
   }
   c10::cuda::CUDAGuard guard(dev);
   at::Tensor q = at::empty({static_cast<int64_t>(checked_payload_bytes(fmt, chunk, static_cast<size_t>(nchunks)))},
@@ -66,8 +66,8 @@ void dequantize_cuda(py::handle payload, int bits, int64_t block, py::handle out
   const size_t chunk = checked_chunk(chunk_arg, std::max<int64_t>(needed, 1), n, fmt);
   const size_t nchunks = chunk == 0 ? 0 : (n + chunk - 1) / chunk;
   const size_t need = checked_payload_bytes(fmt, chunk, nchunks);
-  if (static_cast<size_t>(q.numel()) < need)
-    throw py::value_error("payload must hold at least " + std::to_string(need) + " bytes");
+  TORCH_CHECK_VALUE(static_cast<size_t>(q.numel()) >= need,
+                    "payload must hold at least " + std::to_string(need) + " bytes");
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::dequantize(fmt, q.data_ptr<uint8_t>(), n, chunk, to_dtype(out.scalar_type(), "output"),
                               out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
@@ -80,8 +80,8 @@ void dequantize_accumulate_cuda(py::handle payload, int bits, int64_t block, py:
   const c10::Device dev = acc.device();
   at::Tensor q = cuda_tensor(payload, "payload", {at::kByte}, &dev);
   const size_t n = static_cast<size_t>(acc.numel());
-  if (static_cast<size_t>(q.numel()) != fmt.bytes(n))
-    throw py::value_error("payload must hold " + std::to_string(fmt.bytes(n)) + " bytes");
+  TORCH_CHECK_VALUE(static_cast<size_t>(q.numel()) == fmt.bytes(n),
+                    "payload must hold " + std::to_string(fmt.bytes(n)) + " bytes");
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::dequantize_accumulate(fmt, q.data_ptr<uint8_t>(), n, acc.data_ptr<float>(),
                                          c10::cuda::getCurrentCUDAStream()),
@@ -92,11 +92,11 @@ void error_feedback_cuda(py::handle input, py::handle residual, py::handle sent)
   at::Tensor in = cuda_tensor(input, "input", kFloats);
   const c10::Device dev = in.device();
   at::Tensor r = cuda_tensor(residual, "residual", {at::kFloat}, &dev);
-  if (r.numel() != in.numel()) throw py::value_error("residual.numel() must equal input.numel()");
+  TORCH_CHECK_VALUE(r.numel() == in.numel(), "residual.numel() must equal input.numel()");
   at::Tensor s;
   if (!sent.is_none()) {
     s = cuda_tensor(sent, "sent", {at::kFloat}, &dev);
-    if (s.numel() != in.numel()) throw py::value_error("sent.numel() must equal input.numel()");
+    TORCH_CHECK_VALUE(s.numel() == in.numel(), "sent.numel() must equal input.numel()");
   }
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::error_feedback_update(to_dtype(in.scalar_type(), "input"), in.data_ptr(), r.data_ptr<float>(),
@@ -107,8 +107,8 @@ void error_feedback_cuda(py::handle input, py::handle residual, py::handle sent)
 
 py::tuple top_k_cuda(py::handle input, int64_t k) {
   at::Tensor in = cuda_tensor(input, "input", kFloats);
-  if (k < 0) throw py::value_error("k must be >= 0, got " + std::to_string(k));
-  if (in.numel() > INT32_MAX) throw py::value_error("input has more elements than int32 indices can address");
+  TORCH_CHECK_VALUE(k >= 0, "k must be >= 0, got " + std::to_string(k));
+  TORCH_CHECK_VALUE(in.numel() <= INT32_MAX, "input has more elements than int32 indices can address");
   const int64_t kk = std::min<int64_t>(k, in.numel());
   c10::cuda::CUDAGuard guard(in.device());
   at::Tensor values = at::empty({kk}, in.options().dtype(at::kFloat));
@@ -129,11 +129,10 @@ void scatter_add_cuda(py::handle accumulator, py::handle indices, py::handle val
   const c10::Device dev = acc.device();
   at::Tensor idx = cuda_tensor(indices, "indices", {at::kInt}, &dev);
   at::Tensor val = cuda_tensor(values, "values", {at::kFloat}, &dev);
-  if (idx.numel() != val.numel()) throw py::value_error("values.numel() must equal indices.numel()");
+  TORCH_CHECK_VALUE(idx.numel() == val.numel(), "values.numel() must equal indices.numel()");
   if (idx.numel() > 0) {
     const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
-    if (lo < 0 || hi >= acc.numel())
-      throw py::value_error("indices must lie in [0, " + std::to_string(acc.numel()) + ")");
+    TORCH_CHECK_VALUE(!(lo < 0 || hi >= acc.numel()), "indices must lie in [0, " + std::to_string(acc.numel()) + ")");
   }
   c10::cuda::CUDAGuard guard(dev);
   check_cuda(cuda::scatter_add(acc.data_ptr<float>(), idx.data_ptr<int32_t>(), val.data_ptr<float>(),

@@ -39,12 +39,13 @@ std::string python_stack() {
   }
 }
 
-// Sends a request to the core; returns a PyWork for async calls, None otherwise. `staged` is the
-// output (or nothing, for barrier); `input` the staged input of out-of-place collectives. The
+// Sends a request to the core; returns a PyWork for async calls, None otherwise. `output` is the
+// output and its contiguous copy (or nothing, for barrier); `input` the contiguous input of
+// out-of-place collectives. The
 // blocking path allocates nothing here: it is the latency of every small collective.
-py::object dispatch(Communicator& c, Request req, bool async, const Staged* staged, const at::Tensor* input) {
-  if (staged != nullptr && staged->copy_back()) {
-    req.epilogue = [s = *staged] { s.user.copy_(s.buffer); };
+py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* output, const at::Tensor* input) {
+  if (output != nullptr && output->copy_back()) {
+    req.epilogue = [s = *output] { s.user.copy_(s.buffer); };
   }
   if (g_trace_stack) req.trace_stack = python_stack();
   if (!async) {
@@ -54,9 +55,9 @@ py::object dispatch(Communicator& c, Request req, bool async, const Staged* stag
   }
   auto keep = std::make_shared<std::vector<at::Tensor>>();
   std::vector<at::Tensor> outputs;
-  if (staged != nullptr) {
-    keep->push_back(staged->buffer);
-    outputs.push_back(staged->user);
+  if (output != nullptr) {
+    keep->push_back(output->buffer);
+    outputs.push_back(output->user);
   }
   if (input != nullptr) keep->push_back(*input);
   req.keepalive = keep;
@@ -71,14 +72,10 @@ py::object dispatch(Communicator& c, Request req, bool async, const Staged* stag
 py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   RECORD_USER_SCOPE("braid::all_reduce");  // a named range in torch.profiler traces
   at::Tensor t = as_tensor(tensor, "tensor");
-  Request r;
-  r.kind = CollKind::kAllReduce;
-  r.dtype = to_dtype(t.scalar_type(), "tensor");
+  Contiguous s = contiguous_output(t, "tensor");
+  Request r = make_request(CollKind::kAllReduce, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()),
+                           s.buffer.data_ptr(), s.buffer.data_ptr());
   r.op = to_op(op, r.dtype, "tensor");
-  r.count = static_cast<size_t>(t.numel());
-  Staged s = stage(t, "tensor");
-  r.in = s.buffer.data_ptr();
-  r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
@@ -87,16 +84,14 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_whole_and_part(out, in, in, "input", out, "output", c.world_size());
-  Request r;
-  r.kind = CollKind::kReduceScatter;
-  r.dtype = to_dtype(out.scalar_type(), "output");
-  r.op = to_op(op, r.dtype, "output");
-  r.count = static_cast<size_t>(out.numel());
+  const DType dtype = to_dtype(out.scalar_type(), "output");
+  const ReduceOp rop = to_op(op, dtype, "output");
   at::Tensor in_c = in.contiguous();
-  Staged s = stage(out, "output");
+  Contiguous s = contiguous_output(out, "output");
   check_aliasing(in_c, "input", s.buffer, "output", c.rank());
-  r.in = in_c.data_ptr();
-  r.out = s.buffer.data_ptr();
+  Request r = make_request(CollKind::kReduceScatter, dtype, static_cast<size_t>(out.numel()), in_c.data_ptr(),
+                           s.buffer.data_ptr());
+  r.op = rop;
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
@@ -105,16 +100,13 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_whole_and_part(out, in, out, "output", in, "input", c.world_size());
-  Request r;
-  r.kind = CollKind::kAllGather;
-  r.dtype = to_dtype(out.scalar_type(), "output");
-  r.count = static_cast<size_t>(in.numel());
-  r.tag = tag;
-  Staged s = stage(out, "output");
+  const DType dtype = to_dtype(out.scalar_type(), "output");
+  Contiguous s = contiguous_output(out, "output");
   at::Tensor in_c = in.contiguous();
   check_aliasing(s.buffer, "output", in_c, "input", c.rank());
-  r.in = in_c.data_ptr();
-  r.out = s.buffer.data_ptr();
+  Request r = make_request(CollKind::kAllGather, dtype, static_cast<size_t>(in.numel()), in_c.data_ptr(),
+                           s.buffer.data_ptr());
+  r.tag = tag;
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
@@ -123,14 +115,11 @@ py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool
   at::Tensor out = as_tensor(output, "output");
   at::Tensor in = as_tensor(input, "input");
   check_all_to_all(out, in, c.world_size());
-  Request r;
-  r.kind = CollKind::kAllToAll;
-  r.dtype = to_dtype(out.scalar_type(), "output");
-  r.count = static_cast<size_t>(in.numel() / c.world_size());
-  Staged s = stage(out, "output");
+  const DType dtype = to_dtype(out.scalar_type(), "output");
+  Contiguous s = contiguous_output(out, "output");
   at::Tensor in_c = in.contiguous();
-  r.in = in_c.data_ptr();
-  r.out = s.buffer.data_ptr();
+  Request r = make_request(CollKind::kAllToAll, dtype, static_cast<size_t>(in.numel() / c.world_size()),
+                           in_c.data_ptr(), s.buffer.data_ptr());
   return dispatch(c, std::move(r), async, &s, &in_c);
 }
 
@@ -144,9 +133,9 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
   at::Tensor in = as_tensor(input, "input");
   const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
                                                   input_splits ? &*input_splits : nullptr, c.rank(), c.world_size(), "");
-  if (overlaps(out, in)) throw py::value_error("output must not overlap input (all_to_all is never in place)");
+  TORCH_CHECK_VALUE(!overlaps(out, in), "output must not overlap input (all_to_all is never in place)");
   const DType dtype = to_dtype(out.scalar_type(), "output");
-  Staged s = stage(out, "output");
+  Contiguous s = contiguous_output(out, "output");
   at::Tensor in_c = in.contiguous();
   auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in_c, s.buffer});
   ExchangePlan plan = plan_uneven_all_to_all(c.rank(), c.world_size(), dtype, in_c, s.buffer, s.user, counts);
@@ -162,16 +151,13 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   RECORD_USER_SCOPE("braid::broadcast");  // a named range in torch.profiler traces
   at::Tensor t = as_tensor(tensor, "tensor");
-  if (src < 0 || src >= c.world_size())
-    throw py::value_error("src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
-  Request r;
-  r.kind = CollKind::kBroadcast;
-  r.dtype = to_dtype(t.scalar_type(), "tensor");
-  r.count = static_cast<size_t>(t.numel());
+  TORCH_CHECK_VALUE(!(src < 0 || src >= c.world_size()),
+                    "src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
+  const DType dtype = to_dtype(t.scalar_type(), "tensor");
+  Contiguous s = contiguous_output(t, "tensor");
+  Request r = make_request(CollKind::kBroadcast, dtype, static_cast<size_t>(t.numel()), s.buffer.data_ptr(),
+                           s.buffer.data_ptr());
   r.root = src;
-  Staged s = stage(t, "tensor");
-  r.in = s.buffer.data_ptr();
-  r.out = s.buffer.data_ptr();
   return dispatch(c, std::move(r), async, &s, nullptr);
 }
 
@@ -180,35 +166,29 @@ py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
 // element count agree with the sender's. `arg` and `peer_arg` name the arguments in errors.
 struct P2PTransfer {
   Request req;
-  Staged staged;  // recv: the output, staged; send: the input and its contiguous copy
+  Contiguous tensor;  // the tensor and its contiguous copy (recv: written, then copied back)
 };
 
 P2PTransfer make_p2p(const Communicator& c, bool send, py::handle tensor, int peer, const std::string& arg,
                      const std::string& peer_arg) {
   at::Tensor t = as_tensor(tensor, arg.c_str());
-  if (peer < 0 || peer >= c.world_size() || peer == c.rank())
-    throw py::value_error(peer_arg + " must be another rank in [0, " + std::to_string(c.world_size()) +
-                          "), not this rank (" + std::to_string(c.rank()) + "), got " + std::to_string(peer));
+  TORCH_CHECK_VALUE(!(peer < 0 || peer >= c.world_size() || peer == c.rank()),
+                    peer_arg + " must be another rank in [0, " + std::to_string(c.world_size()) +
+                    "), not this rank (" + std::to_string(c.rank()) + "), got " + std::to_string(peer));
   P2PTransfer p;
-  p.req.kind = send ? CollKind::kSend : CollKind::kRecv;
-  p.req.dtype = to_dtype(t.scalar_type(), arg.c_str());
-  p.req.count = static_cast<size_t>(t.numel());
+  p.tensor = send ? as_contiguous(t) : contiguous_output(t, arg.c_str());
+  void* data = p.tensor.buffer.data_ptr();
+  p.req = make_request(send ? CollKind::kSend : CollKind::kRecv, to_dtype(t.scalar_type(), arg.c_str()),
+                       static_cast<size_t>(t.numel()), send ? data : nullptr, send ? nullptr : data);
   p.req.root = peer;
-  if (send) {
-    p.staged = as_contiguous(t);
-    p.req.in = p.staged.buffer.data_ptr();
-  } else {
-    p.staged = stage(t, arg.c_str());
-    p.req.out = p.staged.buffer.data_ptr();
-  }
   return p;
 }
 
-// A send keeps its contiguous input alive and copies nothing back; a receive copies a staged
+// A send keeps its contiguous input alive and copies nothing back; a receive copies a contiguous
 // result into the caller's tensor.
 py::object submit_p2p(Communicator& c, P2PTransfer p, bool async) {
-  if (p.req.kind == CollKind::kSend) return dispatch(c, std::move(p.req), async, nullptr, &p.staged.buffer);
-  return dispatch(c, std::move(p.req), async, &p.staged, nullptr);
+  if (p.req.kind == CollKind::kSend) return dispatch(c, std::move(p.req), async, nullptr, &p.tensor.buffer);
+  return dispatch(c, std::move(p.req), async, &p.tensor, nullptr);
 }
 
 py::object send_tensor(Communicator& c, py::handle tensor, int dst, bool async) {
@@ -240,21 +220,19 @@ std::vector<py::object> p2p_batch(Communicator& c, const std::vector<std::tuple<
 
 py::object barrier(Communicator& c, bool async) {
   RECORD_USER_SCOPE("braid::barrier");  // a named range in torch.profiler traces
-  Request r;
-  r.kind = CollKind::kBarrier;
-  return dispatch(c, std::move(r), async, nullptr, nullptr);
+  return dispatch(c, make_request(CollKind::kBarrier, DType::kFloat32, 0), async, nullptr, nullptr);
 }
 
 // Reduces `inputs` (same shape and dtype, contiguous) into a new tensor with the core kernel, in
 // list order: lets tests check the kernel against torch without a communicator.
 at::Tensor reduce_tensors(const std::vector<at::Tensor>& inputs, int op, int world_size) {
-  if (inputs.empty()) throw py::value_error("inputs must not be empty");
+  TORCH_CHECK_VALUE(!inputs.empty(), "inputs must not be empty");
   std::vector<at::Tensor> cs;
   std::vector<Operand> srcs;
   for (const auto& t : inputs) {
-    if (!t.device().is_cpu()) throw py::value_error("inputs must be CPU tensors");
-    if (t.sizes() != inputs[0].sizes() || t.scalar_type() != inputs[0].scalar_type())
-      throw py::value_error("inputs must share shape and dtype");
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "inputs must be CPU tensors");
+    TORCH_CHECK_VALUE(!(t.sizes() != inputs[0].sizes() || t.scalar_type() != inputs[0].scalar_type()),
+                      "inputs must share shape and dtype");
     cs.push_back(t.contiguous());
     srcs.push_back({cs.back().data_ptr(), false});
   }

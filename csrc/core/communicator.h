@@ -60,7 +60,7 @@ struct Request {
   void* out = nullptr;
   // A recv from kAnySource writes the sender's rank here (when set) before it completes.
   std::shared_ptr<int> source;
-  // Runs on the executing thread after the data moved (e.g. copies a staged result back).
+  // Runs on the executing thread after the data moved (e.g. copies a result back from a contiguous copy).
   std::function<void()> epilogue;
   // Whatever must outlive the call (tensors of an async call); released at completion.
   std::shared_ptr<void> keepalive;
@@ -73,6 +73,19 @@ struct Request {
   bool trace_inline = false;  // run by the thread that issued it, at once
   std::string trace_stack;
 };
+
+// A request as the core's own steps and every binding build one (the Python module's
+// collectives, the c10d backend, the CUDA path): the kind, `count` elements of `dtype`, the
+// buffers; the caller sets what its kind adds (op, root, tag, scope).
+inline Request make_request(CollKind kind, DType dtype, size_t count, const void* in = nullptr, void* out = nullptr) {
+  Request r;
+  r.kind = kind;
+  r.dtype = dtype;
+  r.count = count;
+  r.in = in;
+  r.out = out;
+  return r;
+}
 
 // Between hosts, reduce-scatter and all-gather steps (and all_reduce's large messages) go around a
 // ring from three members (one neighbour each way) and directly at two (the same exchange, in one

@@ -23,14 +23,9 @@ void Communicator::host_step(CollKind kind, DType dt, ReduceOp op, size_t count,
     if (moves && in != out && bytes > 0) std::memmove(out, in, bytes);
     return;
   }
-  Request r;
-  r.kind = kind;
-  r.dtype = dt;
+  Request r = make_request(kind, dt, count, in, out);
   r.op = op;
-  r.count = count;
   r.root = root;
-  r.in = in;
-  r.out = out;
   CollectiveDesc d = describe_request(r, ++host_seq_);
   run_on_host(r, d);
 }

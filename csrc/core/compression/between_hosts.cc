@@ -20,15 +20,10 @@ void store_slice(DType dtype, const float* acc, void* out, size_t n, bool averag
 
 // In place, among this rank's counterparts on the other hosts; avg divides by `divisor`.
 void all_reduce_between_hosts(Communicator& c, DType dtype, void* data, size_t n, bool average, int divisor) {
-  Request r;
-  r.kind = CollKind::kAllReduce;
-  r.dtype = dtype;
+  Request r = make_request(CollKind::kAllReduce, dtype, n, data, data);
   r.op = average ? ReduceOp::kAvg : ReduceOp::kSum;
-  r.count = n;
   r.scope = Scope::kCross;
   r.divisor = divisor;
-  r.in = data;
-  r.out = data;
   c.run_collective(r);
 }
 
