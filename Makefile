@@ -9,7 +9,9 @@ NPROC ?= 2
 BUILD_DIR ?= build/cmake
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_CHECK_DIR ?= build/cuda-check
+# csrc/flags.txt: the build settings setup.py and CMakeLists.txt read too.
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
+CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
 .PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
@@ -53,8 +55,8 @@ cuda-check:
 	@if [ -n "$(NVCC)" ] && ! command -v cmake >/dev/null 2>&1; then \
 	  mkdir -p $(CUDA_CHECK_DIR) && \
 	  for f in $$(find csrc/cuda -name '*.cu' | sort); do \
-	    echo "nvcc -arch=sm_90 -c $$f"; \
-	    $(NVCC) -std=c++17 -arch=sm_90 -Icsrc -c $$f -o $(CUDA_CHECK_DIR)/$$(basename $$f .cu).o || exit 1; \
+	    echo "nvcc -arch=sm_$(CUDA_ARCH) -c $$f"; \
+	    $(NVCC) $(filter -std=%,$(CXX_FLAGS)) -arch=sm_$(CUDA_ARCH) -Icsrc -c $$f -o $(CUDA_CHECK_DIR)/$$(basename $$f .cu).o || exit 1; \
 	  done; \
 	elif [ -z "$(NVCC)" ]; then echo "nvcc not found: CUDA sources not compile-checked"; fi
 	@$(MAKE) --no-print-directory cuda-binding-check

@@ -3,8 +3,11 @@
 CUDA sources (csrc/cuda/*.cu) join the build only when torch has CUDA and nvcc is found.
 Knobs: BRAID_FORCE_CPU=1 (skip CUDA), BRAID_NO_EXTENSION=1 (the Python package only), MAX_JOBS
 (parallel compile jobs, read by ninja),
-TORCH_CUDA_ARCH_LIST (defaults to 9.0 when no GPU is visible), BRAID_MARCH (-march value for
-the CPU kernels, default "native"; set it to "" for a portable build).
+TORCH_CUDA_ARCH_LIST (defaults to csrc/flags.txt's cuda_arch when no GPU is visible), BRAID_MARCH
+(-march value for the CPU kernels, default csrc/flags.txt's march; "" for a portable build),
+BRAID_DEBUG_INFO=1 (keep the debugging information Python's flags ask for with -g: without it the
+build drops it, which takes a third off the compile time of the torch-heavy binding files and
+most of the library's size; symbols stay).
 """
 import glob
 import os
@@ -22,10 +25,18 @@ def sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
-def compile_flags():
-    """The C++ flags every build of braid uses (csrc/flags.txt says why)."""
+def build_settings():
+    """csrc/flags.txt, which every build of braid reads (it says why each setting): the C++ flags
+    (lines starting with '-') and the name=value settings."""
+    flags, settings = [], {}
     with open(os.path.join(ROOT, "csrc", "flags.txt")) as f:
-        return [line.strip() for line in f if line.strip().startswith("-")]
+        for line in (raw.strip() for raw in f):
+            if line.startswith("-"):
+                flags.append(line)
+            elif "=" in line and not line.startswith("#"):
+                name, value = line.split("=", 1)
+                settings[name.strip()] = value.strip()
+    return flags, settings
 
 
 def want_cuda():
@@ -36,8 +47,11 @@ def want_cuda():
 
 
 def extension():
-    march = os.environ.get("BRAID_MARCH", "native")
-    cxx = ["-O3", *compile_flags()]
+    flags, settings = build_settings()
+    march = os.environ.get("BRAID_MARCH", settings["march"])
+    cxx = ["-O3", *flags]
+    if os.environ.get("BRAID_DEBUG_INFO", "0") in ("", "0"):
+        cxx.append("-g0")  # after Python's -g, which it overrides
     if march:
         cxx.append(f"-march={march}")
     core = sources("csrc/core/**/*.cc")
@@ -45,12 +59,13 @@ def extension():
     cuda = sources("csrc/cuda/**/*.cu")
     if want_cuda() and cuda:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+            arch = settings["cuda_arch"]
+            os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[:-1]}.{arch[-1]}"  # 90 -> 9.0
         return CUDAExtension(
             "braid.comm._C",
             core + binding + cuda,
             define_macros=[("BRAID_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *(f for f in flags if f.startswith("-std="))]},
         )
     return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx})
 

@@ -124,9 +124,9 @@ Request make_moving(CollKind kind, const at::Tensor& t, size_t count, const void
 // normally from a failed future, which would hand back unreduced tensors as if all went well),
 // takes a timeout, is interruptible and refuses, as braid's own works do, to wait on the progress
 // thread for work queued behind it; result() gives the output tensors.
-class BraidWork final : public c10d::Work {
+class C10dWork final : public c10d::Work {
  public:
-  BraidWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::shared_ptr<braid::Work> work,
+  C10dWork(c10::intrusive_ptr<c10::ivalue::Future> fut, std::shared_ptr<braid::Work> work,
             std::vector<at::Tensor> outputs, std::shared_ptr<int> source = nullptr)
       : fut_(std::move(fut)), work_(std::move(work)), outputs_(std::move(outputs)), source_(std::move(source)) {}
 
@@ -162,7 +162,7 @@ class BraidWork final : public c10d::Work {
 c10::intrusive_ptr<c10d::Work> pending_work(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs,
                                             std::shared_ptr<int> source = nullptr) {
   auto fut = future_of(*w, outputs);
-  return c10::make_intrusive<BraidWork>(std::move(fut), std::move(w), std::move(outputs), std::move(source));
+  return c10::make_intrusive<C10dWork>(std::move(fut), std::move(w), std::move(outputs), std::move(source));
 }
 
 class BraidBackend final : public c10d::Backend {
@@ -481,7 +481,7 @@ class BraidBackend final : public c10d::Backend {
     at::Tensor t = tensors[0].contiguous();
     Batch b;
     Request r = make_moving(CollKind::kSend, t, t.numel(), t.data_ptr(), nullptr);
-    r.root = dst;
+    r.peer = dst;
     b.add(std::move(r));
     b.keep.push_back(t);
     b.outputs = tensors;
@@ -496,7 +496,7 @@ class BraidBackend final : public c10d::Backend {
     Contiguous t = as_contiguous(tensors[0]);
     Batch b;
     Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
-    r.root = src;
+    r.peer = src;
     b.add(std::move(r));
     b.keep.push_back(t.buffer);
     b.copy_back(t);
@@ -514,7 +514,7 @@ class BraidBackend final : public c10d::Backend {
     Contiguous t = as_contiguous(tensors[0]);
     auto source = std::make_shared<int>(-1);
     Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
-    r.root = kAnySource;
+    r.peer = kAnySource;
     r.source = source;
     auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{t.buffer});
     r.keepalive = keep;
@@ -544,7 +544,7 @@ class BraidBackend final : public c10d::Backend {
     auto token = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{at::zeros({1}, at::kByte)});
     auto transfer = [&](CollKind kind, int peer) {
       Request r = make_request(kind, DType::kUInt8, 1, (*token)[0].data_ptr(), (*token)[0].data_ptr());
-      r.root = peer;
+      r.peer = peer;
       r.keepalive = token;
       return comm_->submit(std::move(r), true);
     };
@@ -726,7 +726,7 @@ class BraidBackend final : public c10d::Backend {
   static c10::intrusive_ptr<c10d::Work> completed(const std::vector<at::Tensor>& outputs) {
     auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
     fut->markCompleted(c10::IValue(c10::List<at::Tensor>(outputs)));
-    return c10::make_intrusive<BraidWork>(std::move(fut), nullptr, outputs);
+    return c10::make_intrusive<C10dWork>(std::move(fut), nullptr, outputs);
   }
 
   // Blocking calls run on the caller's thread (inline when nothing is queued) and return a
@@ -785,7 +785,7 @@ class BraidBackend final : public c10d::Backend {
     };
     std::shared_ptr<Work> last = submit_device_call(*comm_, *stager, std::move(call), async);
     auto fut = lane_future(last, stager->lane(Lane::kToDevice), b.outputs);
-    return c10::make_intrusive<BraidWork>(std::move(fut), std::move(last), std::move(b.outputs));
+    return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(b.outputs));
   }
 
   CudaStagers stagers_;

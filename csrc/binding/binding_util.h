@@ -201,10 +201,11 @@ inline std::shared_ptr<Communicator> python_owned(Communicator* c) {
   return std::shared_ptr<Communicator>(c, [](Communicator* p) { without_gil([p] { delete p; }); });
 }
 
-// Python-facing handle of an async collective.
-class PyWork {
+// The Python handle (`_C.Work`, wrapped by comm/work.py's Work) of an async collective on host
+// memory; CudaWork (cuda_comm_binding.cpp) is its counterpart for CUDA tensors.
+class HostWork {
  public:
-  PyWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
+  HostWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
 
   bool wait(py::object timeout) {
     std::chrono::nanoseconds ns{0};
@@ -368,11 +369,11 @@ inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, con
     const int to = (rank + step) % world;
     const int from = (rank - step + world) % world;
     Request s = make_request(CollKind::kSend, dtype, static_cast<size_t>(counts.send[to]), src + send_off[to]);
-    s.root = to;
+    s.peer = to;
     plan.requests.push_back(std::move(s));
     Request r = make_request(CollKind::kRecv, dtype, static_cast<size_t>(counts.recv[from]), nullptr,
                              dst + recv_off[from]);
-    r.root = from;
+    r.peer = from;
     plan.requests.push_back(std::move(r));
   }
   const char* own = src + send_off[rank];

@@ -203,7 +203,7 @@ py::object quantized_all_reduce_tensors(Communicator& c, py::handle send, py::ha
                       {"compressed_all_reduce", DType::kFloat32, static_cast<uint64_t>(chunk) * n, ratio});
   }
   if (!async) return py::none();
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{g}));
+  return py::cast(std::make_shared<HostWork>(std::move(w), std::vector<at::Tensor>{g}));
 }
 
 // The tensor of an all-reduce that is exact on the host and compressed between hosts, with its
@@ -260,7 +260,7 @@ py::object submit_host_compressed(Communicator& c, CheckedSlice& cs, std::functi
                       async ? keep : nullptr, async, {"compressed_all_reduce", s.dtype, s.numel, wire_ratio});
   }
   if (!async) return py::none();
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{cs.keep[0]}));
+  return py::cast(std::make_shared<HostWork>(std::move(w), std::vector<at::Tensor>{cs.keep[0]}));
 }
 
 // The pipelined quantized all-reduce's settings (quantized_between_hosts), checked.
@@ -325,7 +325,7 @@ py::object pipelined_quantized_all_reduce_tensors(Communicator& c, py::handle te
                       async, {"compressed_all_reduce", a.dtype, numel, ratio});
   }
   if (!async) return py::none();
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{data}));
+  return py::cast(std::make_shared<HostWork>(std::move(w), std::vector<at::Tensor>{data}));
 }
 
 py::object host_top_k_all_reduce_tensors(Communicator& c, py::handle tensor, py::handle residual, py::handle padded,

@@ -14,7 +14,7 @@
 namespace braid {
 namespace {
 
-// The Python handle of a staged collective, with PyWork's methods: wait() blocks until the host
+// The Python handle of a staged collective, with HostWork's methods: wait() blocks until the host
 // collective is done (raising its error), then makes the caller's current stream wait for the
 // copies back; get_future() gives a Future(devices=[device]) completed on the copy-back lane.
 class CudaWork {
@@ -40,7 +40,7 @@ class CudaWork {
   }
 
  private:
-  PyWork host_;
+  HostWork host_;
   std::shared_ptr<Work> work_;
   std::shared_ptr<cuda::CudaEvent> done_;
   c10::Device device_;

@@ -39,7 +39,7 @@ std::string python_stack() {
   }
 }
 
-// Sends a request to the core; returns a PyWork for async calls, None otherwise. `output` is the
+// Sends a request to the core; returns a HostWork for async calls, None otherwise. `output` is the
 // output and its contiguous copy (or nothing, for barrier); `input` the contiguous input of
 // out-of-place collectives. The
 // blocking path allocates nothing here: it is the latency of every small collective.
@@ -66,7 +66,7 @@ py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* 
     py::gil_scoped_release nogil;
     w = c.submit(std::move(req), true);
   }
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::move(outputs)));
+  return py::cast(std::make_shared<HostWork>(std::move(w), std::move(outputs)));
 }
 
 py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
@@ -145,7 +145,7 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
     w = c.submit_exchange(dtype, std::move(plan.requests), std::move(plan.epilogue), keep, async);
   }
   if (!async) return py::none();
-  return py::cast(std::make_shared<PyWork>(std::move(w), std::vector<at::Tensor>{s.user}));
+  return py::cast(std::make_shared<HostWork>(std::move(w), std::vector<at::Tensor>{s.user}));
 }
 
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
@@ -180,7 +180,7 @@ P2PTransfer make_p2p(const Communicator& c, bool send, py::handle tensor, int pe
   void* data = p.tensor.buffer.data_ptr();
   p.req = make_request(send ? CollKind::kSend : CollKind::kRecv, to_dtype(t.scalar_type(), arg.c_str()),
                        static_cast<size_t>(t.numel()), send ? data : nullptr, send ? nullptr : data);
-  p.req.root = peer;
+  p.req.peer = peer;
   return p;
 }
 
@@ -327,12 +327,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("cross_piece_bytes", &Tunables::cross_piece_bytes)
       .def_readwrite("trace_buffer", &Tunables::trace_buffer);
 
-  py::class_<PyWork, std::shared_ptr<PyWork>>(m, "Work")
-      .def("wait", &PyWork::wait, py::arg("timeout") = py::none())
-      .def("is_completed", &PyWork::is_completed)
-      .def("is_success", &PyWork::is_success)
-      .def("exception_message", &PyWork::exception_message)
-      .def("get_future", [](PyWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
+  py::class_<HostWork, std::shared_ptr<HostWork>>(m, "Work")
+      .def("wait", &HostWork::wait, py::arg("timeout") = py::none())
+      .def("is_completed", &HostWork::is_completed)
+      .def("is_success", &HostWork::is_success)
+      .def("exception_message", &HostWork::exception_message)
+      .def("get_future", [](HostWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
 
   py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
   communicator

@@ -25,7 +25,7 @@ CollectiveDesc describe_request(const Request& r, uint64_t seq) {
   d.dtype = static_cast<uint8_t>(r.dtype);
   d.op = static_cast<uint8_t>(r.op);
   const bool tagged = r.kind == CollKind::kAllGather || r.kind == CollKind::kAllToAll;
-  d.root = tagged ? r.tag : static_cast<uint32_t>(r.root);
+  d.root = tagged ? r.tag : static_cast<uint32_t>(r.rank_named());
   return d;
 }
 
@@ -222,7 +222,7 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
     throw std::invalid_argument(std::string("reduce op ") + reduce_op_name(req.op) + " needs an integer dtype, got " +
                                 dtype_name(req.dtype));
   if (trace_.on())
-    req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.root, nullptr, std::move(req.trace_stack));
+    req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.rank_named(), nullptr, std::move(req.trace_stack));
   if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
   if (!async) {
     req.trace_inline = true;
@@ -329,7 +329,7 @@ void Communicator::execute(Request& r) {
   // Issued and started here, by this thread: one time for both.
   const bool here = r.trace_id == 0 || r.trace_inline;
   if (r.trace_id == 0 && !p2p && trace_.on())
-    r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.root, nullptr, std::move(r.trace_stack));
+    r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.rank_named(), nullptr, std::move(r.trace_stack));
   try {
     check_not_poisoned();
   } catch (const CommError& e) {

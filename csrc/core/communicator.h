@@ -44,9 +44,10 @@ struct Request {
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;  // all_reduce/broadcast: elements; reduce_scatter: output elements;
                      // all_gather: input elements; all_to_all: elements per chunk
-  int root = 0;      // broadcast: source; send/recv: the peer (recv: kAnySource for whichever
-                     // peer's message comes first); all_reduce: the destination of a reduce
-                     // built on it (compared between ranks, else unused)
+  int root = 0;      // broadcast: the source; all_reduce: the destination of a reduce built on
+                     // it (compared between ranks, else unused)
+  int peer = -1;     // send/recv: the other rank (recv: kAnySource for whichever peer's message
+                     // comes first)
   // all_gather / all_to_all: what the bytes mean to the caller (a compressed all-reduce's hash of
   // its compressor, settings, op and element count; a gather's destination + 1), compared between
   // ranks like the rest of the descriptor (in the root field, which these kinds do not use); 0
@@ -72,6 +73,9 @@ struct Request {
   uint64_t trace_id = 0;
   bool trace_inline = false;  // run by the thread that issued it, at once
   std::string trace_stack;
+
+  // The rank the call names: send/recv's peer, else the root.
+  int rank_named() const { return kind == CollKind::kSend || kind == CollKind::kRecv ? peer : root; }
 };
 
 // A request as the core's own steps and every binding build one (the Python module's

@@ -10,20 +10,20 @@
 namespace braid {
 
 void Communicator::execute_p2p(Request& r) {
-  if (r.kind == CollKind::kRecv && r.root == kAnySource) {
+  if (r.kind == CollKind::kRecv && r.peer == kAnySource) {
     std::vector<int> peers;
     for (int p = 0; p < world_; ++p)
       if (p != rank_) peers.push_back(p);
     int from;
     while ((from = p2p_first_incoming(peers)) < 0) p2p_wait_any(peers, nullptr, 0, [] { return false; });
-    r.root = from;
+    r.peer = from;
     if (r.source) *r.source = from;
   }
   const size_t bytes = r.count * dtype_size(r.dtype);
   if (r.kind == CollKind::kSend)
-    p2p_blocking(r.root, true, const_cast<void*>(r.in), bytes, r.dtype);
+    p2p_blocking(r.peer, true, const_cast<void*>(r.in), bytes, r.dtype);
   else
-    p2p_blocking(r.root, false, r.out, bytes, r.dtype);
+    p2p_blocking(r.peer, false, r.out, bytes, r.dtype);
 }
 
 void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype) {
@@ -41,7 +41,7 @@ namespace {
 // The transfer a send or receive request describes, from the bytes it has already moved.
 P2POp op_of(const Request& r) {
   P2POp op;
-  op.peer = r.root;
+  op.peer = r.peer;
   op.send = r.kind == CollKind::kSend;
   op.data = op.send ? const_cast<char*>(static_cast<const char*>(r.in)) : static_cast<char*>(r.out);
   op.bytes = r.count * dtype_size(r.dtype);
@@ -54,8 +54,8 @@ P2POp op_of(const Request& r) {
 std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
   // Only with a peer on this host: a shared-memory transfer stopped part way resumes from its
   // byte offset (each chunk names it); a TCP one keeps state of its own.
-  if (r.root < 0 || r.root >= world_ || r.root == rank_ ||
-      topo_.host_of[static_cast<size_t>(r.root)] != topo_.host)
+  if (r.peer < 0 || r.peer >= world_ || r.peer == rank_ ||
+      topo_.host_of[static_cast<size_t>(r.peer)] != topo_.host)
     return nullptr;
   bool finished = false;
   ErrorKind kind = ErrorKind::kNone;
@@ -96,7 +96,7 @@ void Communicator::trace_p2p_done(const Request& r, const char* error) {
     return;
   }
   const uint64_t bytes = r.count * dtype_size(r.dtype);
-  const bool here = r.root < 0 || topo_.host_of[static_cast<size_t>(r.root)] == topo_.host;
+  const bool here = r.peer < 0 || topo_.host_of[static_cast<size_t>(r.peer)] == topo_.host;
   trace_.complete(r.trace_id, nullptr, here ? bytes : 0, here ? 0 : bytes);
 }
 

@@ -27,7 +27,7 @@ braid::Request p2p(CollKind kind, int peer, std::vector<float>& buf) {
   r.kind = kind;
   r.dtype = DType::kFloat32;
   r.count = buf.size();
-  r.root = peer;
+  r.peer = peer;
   r.in = buf.data();
   r.out = buf.data();
   return r;
