@@ -93,11 +93,12 @@ test-py:
 conformance: install
 	$(PY) tests/conformance/run.py --world-sizes 2 3
 
+# The suites run side by side (-j): their multi-rank tests spend most of their time waiting.
 test-cpp:
 	@if command -v cmake >/dev/null 2>&1; then \
 	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
 	  cmake --build $(BUILD_DIR) -j $(NPROC) && \
-	  ctest --test-dir $(BUILD_DIR) --output-on-failure; \
+	  ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(NPROC); \
 	else echo "cmake not found: C++ core tests skipped"; fi
 
 sanitize:

@@ -21,25 +21,30 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts una
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 RANK_TIMEOUT_S = 150
 
-# A rank: runs test_multihost.<fn>(rank, n, store_path, *args) and prints its result as JSON.
+# A rank: runs test_multihost's functions (fn, store path, args) in turn, each as
+# fn(rank, n, store_path, *args), and prints each result as JSON (one process start for several).
 _RANK_MAIN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
 import test_multihost
-fn = getattr(test_multihost, {fn!r})
-print("RESULT " + json.dumps(fn({rank}, {n}, {store!r}, *{args!r})), flush=True)
+for fn, store, args in {calls!r}:
+    print("RESULT " + json.dumps(getattr(test_multihost, fn)({rank}, {n}, store, *args)), flush=True)
 """
 
 
 def start_ranks(hosts, layout, fn, store_path, *args, env=None):
-    """One process per rank, on the host ``layout`` names; returns the Popen objects."""
+    """One process per rank, on the host ``layout`` names, running ``fn``; returns the Popen objects."""
+    return start_rank_calls(hosts, layout, [(fn, store_path, list(args))], env=env)
+
+
+def start_rank_calls(hosts, layout, calls, env=None):
+    """One process per rank, on the host ``layout`` names, running ``calls`` ((fn, store path, args)
+    each, a store per call) in turn; returns the Popen objects."""
     procs = []
     for rank, h in enumerate(layout):
-        code = _RANK_MAIN.format(
-            tests=TESTS_DIR, fn=fn, rank=rank, n=len(layout), store=store_path, args=list(args)
-        )
+        code = _RANK_MAIN.format(tests=TESTS_DIR, rank=rank, n=len(layout), calls=[list(c) for c in calls])
         procs.append(
             hosts.popen(
                 h,
@@ -54,8 +59,9 @@ def start_ranks(hosts, layout, fn, store_path, *args, env=None):
     return procs
 
 
-def results_of(procs, timeout_s=RANK_TIMEOUT_S):
-    """Every rank's JSON result; a rank that fails or hangs fails the test with its stderr."""
+def results_of(procs, timeout_s=RANK_TIMEOUT_S, calls=1):
+    """Every rank's JSON result; a rank that fails or hangs fails the test with its stderr. With
+    ``calls`` > 1 (ranks started by start_rank_calls), one such list per call, in call order."""
     deadline = time.monotonic() + timeout_s
     out = []
     for rank, p in enumerate(procs):
@@ -66,9 +72,12 @@ def results_of(procs, timeout_s=RANK_TIMEOUT_S):
                 q.kill()
             raise AssertionError(f"rank {rank} did not finish within {timeout_s} s") from None
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, f"rank {rank} exited {p.returncode}:\n{stderr[-3000:]}"
-        out.append(json.loads(lines[-1][len("RESULT ") :]))
-    return out
+        assert p.returncode == 0 and len(lines) >= calls, (
+            f"rank {rank} exited {p.returncode}:\n{stderr[-3000:]}")
+        out.append([json.loads(ln[len("RESULT ") :]) for ln in lines[-calls:]])
+    if calls == 1:
+        return [r[0] for r in out]
+    return [[r[i] for r in out] for i in range(calls)]
 
 
 def assert_agree(summaries, min_cases):
@@ -86,14 +95,11 @@ def test_collectives_between_namespaces(layout):
     """Exact all_reduce (every dtype and op, every path), data movement and compressed
     all-reduces between hosts that share nothing but a network."""
     with SimulatedHosts(max(layout) + 1) as hosts:
-        store = new_store_path()
-        assert_agree(
-            results_of(start_ranks(hosts, layout, "all_reduce_across_hosts", store, layout, 21)), 100
-        )
-        store = new_store_path()
-        assert_agree(
-            results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 22)), 50
-        )
+        calls = [("all_reduce_across_hosts", new_store_path(), [layout, 21]),
+                 ("data_movement_across_hosts", new_store_path(), [layout, 22])]
+        exact, movement = results_of(start_rank_calls(hosts, layout, calls), calls=2)
+        assert_agree(exact, 100)
+        assert_agree(movement, 50)
 
 
 @pytest.mark.timeout(300)
@@ -106,13 +112,10 @@ def test_collectives_between_namespaces_over_ipv6():
     layout = [0, 0, 1]
     env = {"BRAID_SOCKET_IFNAME": "eth", "BRAID_SOCKET_FAMILY": "AF_INET6"}
     with SimulatedHosts(2, ipv6=True) as hosts:
-        store = new_store_path()
-        assert_agree(
-            results_of(start_ranks(hosts, layout, "data_movement_across_hosts", store, layout, 23, env=env)),
-            50,
-        )
-        store = new_store_path()
-        endpoints = results_of(start_ranks(hosts, layout, "tcp_endpoint", store, layout, env=env))
+        calls = [("data_movement_across_hosts", new_store_path(), [layout, 23]),
+                 ("tcp_endpoint", new_store_path(), [layout])]
+        movement, endpoints = results_of(start_rank_calls(hosts, layout, calls, env=env), calls=2)
+        assert_agree(movement, 50)
         assert all(e.startswith("[fd00:") for e in endpoints), endpoints
 
 
