@@ -40,8 +40,17 @@ CXX_SOURCES := $(shell find csrc -name '*.cc' -o -name '*.cpp' -o -name '*.h' -o
 $(VENV)/.editable: $(VENV)/.deps setup.py
 	BRAID_NO_EXTENSION=1 $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
+# Where cmake is present the core is built once, by CMakeLists.txt (position-independent), and both
+# the extension (BRAID_CORE_LIB) and the C++ tests (test-cpp) link it.
 $(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
-	$(PY) setup.py -q build_ext --inplace --build-temp build/ext
+	@if command -v cmake >/dev/null 2>&1; then \
+	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+	  cmake --build $(BUILD_DIR) --target braid_core -j $(NPROC) && \
+	  echo "BRAID_CORE_LIB=$(BUILD_DIR)/libbraid_core.a setup.py build_ext" && \
+	  BRAID_CORE_LIB=$(BUILD_DIR)/libbraid_core.a $(PY) setup.py -q build_ext --inplace --build-temp build/ext; \
+	else \
+	  $(PY) setup.py -q build_ext --inplace --build-temp build/ext; \
+	fi
 	touch $@
 
 install: $(VENV)/.built

@@ -5,7 +5,9 @@ Knobs: BRAID_FORCE_CPU=1 (skip CUDA), BRAID_NO_EXTENSION=1 (the Python package o
 (parallel compile jobs, read by ninja),
 TORCH_CUDA_ARCH_LIST (defaults to csrc/flags.txt's cuda_arch when no GPU is visible), BRAID_MARCH
 (-march value for the CPU kernels, default csrc/flags.txt's march; "" for a portable build),
-BRAID_DEBUG_INFO=1 (keep the debugging information Python's flags ask for with -g: without it the
+BRAID_CORE_LIB (a static library of the core built by CMakeLists.txt with the same flags, which the
+extension then links instead of compiling csrc/core; the Makefile passes it), BRAID_DEBUG_INFO=1
+(keep the debugging information Python's flags ask for with -g: without it the
 build drops it, which takes a third off the compile time of the torch-heavy binding files and
 most of the library's size; symbols stay).
 """
@@ -55,6 +57,13 @@ def extension():
     if march:
         cxx.append(f"-march={march}")
     core = sources("csrc/core/**/*.cc")
+    linked = []
+    core_lib = os.environ.get("BRAID_CORE_LIB", "")
+    if core_lib:
+        if not os.path.isfile(core_lib):
+            raise SystemExit(f"BRAID_CORE_LIB={core_lib!r} is not a file "
+                             "(build CMakeLists.txt's braid_core first)")
+        core, linked = [], [os.path.abspath(core_lib)]
     binding = sources("csrc/binding/*.cpp")
     cuda = sources("csrc/cuda/**/*.cu")
     if want_cuda() and cuda:
@@ -66,8 +75,11 @@ def extension():
             core + binding + cuda,
             define_macros=[("BRAID_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *(f for f in flags if f.startswith("-std="))]},
+            extra_objects=linked,
+            depends=linked,
         )
-    return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx})
+    return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx},
+                        extra_objects=linked, depends=linked)
 
 
 setup(

@@ -230,7 +230,11 @@ def forced_algorithms(rank, n, store_path, layout, seed):
 def algo_disagreement(rank, n, store_path, layout):
     from helpers import outcome
 
-    with hosts_comm(
+    # Connections made while the communicator is built: the disagreeing rank can find the mismatch
+    # on its host and fail before a counterpart's first (lazy) connection to it, which is then
+    # refused and raises PeerError naming it instead of the mismatch its abort frame carries to
+    # connected peers. This test is about the descriptor check, so every rank is connected first.
+    with environment({"BRAID_TCP_CONNECT": "eager"}), hosts_comm(
         rank, n, store_path, layout, algo="leaders" if rank == n - 1 else "hierarchical", timeout=30.0
     ) as c:
         return outcome(c.all_reduce, torch.ones(10000))
