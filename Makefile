@@ -41,12 +41,13 @@ $(VENV)/.editable: $(VENV)/.deps setup.py
 	BRAID_NO_EXTENSION=1 $(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 # Where cmake is present the core is built once, by CMakeLists.txt (position-independent), and both
-# the extension (BRAID_CORE_LIB) and the C++ tests (test-cpp) link it.
+# the extension (BRAID_CORE_LIB) and the C++ tests (test-cpp) link it; without cmake, or where its
+# build of the core fails, setup.py compiles the core itself.
 $(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
-	@if command -v cmake >/dev/null 2>&1; then \
-	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
-	  cmake --build $(BUILD_DIR) --target braid_core -j $(NPROC) && \
-	  echo "BRAID_CORE_LIB=$(BUILD_DIR)/libbraid_core.a setup.py build_ext" && \
+	@if command -v cmake >/dev/null 2>&1 && \
+	    cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+	    cmake --build $(BUILD_DIR) --target braid_core -j $(NPROC); then \
+	  echo "BRAID_CORE_LIB=$(BUILD_DIR)/libbraid_core.a setup.py build_ext"; \
 	  BRAID_CORE_LIB=$(BUILD_DIR)/libbraid_core.a $(PY) setup.py -q build_ext --inplace --build-temp build/ext; \
 	else \
 	  $(PY) setup.py -q build_ext --inplace --build-temp build/ext; \
