@@ -21,12 +21,6 @@
 namespace braid {
 namespace {
 
-// The core's dtype of a reduced tensor of c10d call `op` (to_dtype's check, its message naming
-// the call).
-DType dtype_of(const at::Tensor& t, const char* op) {
-  return to_dtype(t.scalar_type(), ("braid " + std::string(op) + ": tensor").c_str());
-}
-
 // How a tensor travels in a call that only moves data (broadcast, gathers, scatter, all-to-all,
 // send/recv): as its dtype where braid has it, else as its bytes (bool, int8, int16, complex,
 // ...: nothing is computed on them, as DDP's broadcast of a bool buffer needs). `scale`: wire
@@ -48,7 +42,7 @@ ReduceOp op_of(const c10d::ReduceOp& op, DType dtype, const char* what) {
   TORCH_CHECK_VALUE(known.has_value(), "braid ", what, ": reduce op ", static_cast<int>(op.op_),
                     " is not supported (SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR and PREMUL_SUM are)");
   const ReduceOp r = *known;
-  check_op_dtype(r, dtype, "the tensor of braid " + std::string(what));
+  check_op_dtype(r, dtype, "tensor", what);
   return r;
 }
 
@@ -227,8 +221,8 @@ class BraidBackend final : public c10d::Backend {
     Contiguous t = scaled.defined()            ? Contiguous{tensors[0], scaled}
                : rank_ == opts.rootRank ? as_contiguous(tensors[0])
                                         : Contiguous{tensors[0], tensors[0].contiguous().clone()};
-    Request r = make_request(CollKind::kAllReduce, dtype_of(t.buffer, "reduce"), t.buffer.numel(), t.buffer.data_ptr(),
-                     t.buffer.data_ptr());
+    Request r = make_request(CollKind::kAllReduce, to_dtype(t.buffer.scalar_type(), "tensor", "reduce"),
+                             t.buffer.numel(), t.buffer.data_ptr(), t.buffer.data_ptr());
     r.op = op_of(opts.reduceOp, r.dtype, "reduce");
     r.root = static_cast<int>(opts.rootRank);  // ranks that disagree on it raise a mismatch
     b.add(std::move(r));
@@ -657,8 +651,8 @@ class BraidBackend final : public c10d::Backend {
       check_output(tensor, what, "tensor");
       at::Tensor scaled = premul_scaled(op, tensor, what);
       Contiguous t = scaled.defined() ? Contiguous{tensor, scaled} : as_contiguous(tensor);
-      Request r = make_request(CollKind::kAllReduce, dtype_of(t.buffer, what), t.buffer.numel(), t.buffer.data_ptr(),
-                       t.buffer.data_ptr());
+      Request r = make_request(CollKind::kAllReduce, to_dtype(t.buffer.scalar_type(), "tensor", what),
+                               t.buffer.numel(), t.buffer.data_ptr(), t.buffer.data_ptr());
       r.op = op_of(op, r.dtype, what);
       b.add(std::move(r));
       b.keep.push_back(t.buffer);
@@ -714,8 +708,8 @@ class BraidBackend final : public c10d::Backend {
       const auto* ib = static_cast<const char*>(in.data_ptr());
       if (overlaps(in, out.buffer) && out.buffer.data_ptr() != ib + rank_ * out.buffer.nbytes()) in = in.clone();
     }
-    Request r = make_request(CollKind::kReduceScatter, dtype_of(in, what), out.buffer.numel(), in.data_ptr(),
-                     out.buffer.data_ptr());
+    Request r = make_request(CollKind::kReduceScatter, to_dtype(in.scalar_type(), "tensor", what),
+                             out.buffer.numel(), in.data_ptr(), out.buffer.data_ptr());
     r.op = op_of(op, r.dtype, what);
     b.add(std::move(r));
     b.keep.push_back(in);

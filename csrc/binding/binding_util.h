@@ -42,11 +42,12 @@ inline std::optional<DType> dtype_from(at::ScalarType t) {
   }
 }
 
-inline DType to_dtype(at::ScalarType t, const char* arg) {
+// The core's dtype of a tensor that `arg` names (in c10d's call `call`, when given), or a TypeError.
+// The message is built only on failure: this runs on every call.
+inline DType to_dtype(at::ScalarType t, const char* arg, const char* call = nullptr) {
   if (auto d = dtype_from(t)) return *d;
-  C10_THROW_ERROR(TypeError,
-                  std::string(arg) + " has unsupported dtype " + c10::toString(t) + "; braid supports " +
-                  kSupportedDTypes);
+  C10_THROW_ERROR(TypeError, c10::str(call ? "braid " : "", call ? call : "", call ? ": " : "", arg,
+                                      " has unsupported dtype ", t, "; braid supports ", kSupportedDTypes));
 }
 
 // The core's reduce op of a torch.distributed one, or nothing when the core has none. PREMUL_SUM
@@ -101,10 +102,11 @@ inline ReduceOp to_op(int op) {
   return static_cast<ReduceOp>(op);
 }
 
-// That `r` applies to elements of `dtype`, which `arg` holds: bitwise ops need an integer dtype.
-inline void check_op_dtype(ReduceOp r, DType dtype, const std::string& arg) {
+// That `r` applies to elements of `dtype`, which `arg` holds (in c10d's call `call`, when given):
+// bitwise ops need an integer dtype. The message is built only on failure.
+inline void check_op_dtype(ReduceOp r, DType dtype, const char* arg, const char* call = nullptr) {
   TORCH_CHECK_VALUE(op_supports(r, dtype), "op '", reduce_op_name(r), "' needs an integer tensor (int32, int64, uint8); ",
-                    arg, " has dtype ", dtype_name(dtype));
+                    call ? "braid " : "", call ? call : "", call ? ": " : "", arg, " has dtype ", dtype_name(dtype));
 }
 
 // `op` for elements of `dtype`, which `arg` holds.
