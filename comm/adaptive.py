@@ -585,11 +585,9 @@ class Adaptive(Compressor):
         carrier = group_carrier.carrier_of(comm, "comm")
         step = self._step_of(step)
         group = carrier.group if isinstance(carrier, HostGroups) else carrier
-        self._before_call(key, tensor, step, carrier.size,
-                          lambda out, inp: self._gather_on_group(group, out, inp),
-                          lambda: self._layout_of_group(carrier))
-        name = self._active(key, step, carrier.size)
-        call = _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter())
+        name, call = self._begin(key, tensor, step, carrier.size,
+                                 lambda out, inp: self._gather_on_group(group, out, inp),
+                                 lambda: self._layout_of_group(carrier))
         if name == EXACT:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             self._count(self.exact_wire_stats(flat.numel() * flat.element_size(), carrier.size))
@@ -621,11 +619,9 @@ class Adaptive(Compressor):
             raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, got a "
                              f"tensor on {tensor.device} (reduce CUDA tensors over a torch process group)")
         step = self._step_of(step)
-        self._before_call(key, tensor, step, comm.world_size,
-                          lambda out, inp: comm.all_gather(out, inp, False),
-                          lambda: self._layout_of_braid(comm))
-        name = self._active(key, step, comm.world_size)
-        call = _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter())
+        name, call = self._begin(key, tensor, step, comm.world_size,
+                                 lambda out, inp: comm.all_gather(out, inp, False),
+                                 lambda: self._layout_of_braid(comm))
         if name == EXACT:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
             local = comm.local_world_size if comm.num_hosts > 1 and comm.uniform_hosts else 1
@@ -666,10 +662,8 @@ class Adaptive(Compressor):
         check_tensor(tensor)
         n, step = group.world_size, self._step_of(step)
         gather = functools.partial(_gather_on, group, tensor.device)
-        self._before_call(key, tensor, step, n, gather, lambda: self._layout_of(n, hosts, gather),
-                          REDUCE_SCATTER)
-        name = self._active(key, step, n)
-        call = _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), REDUCE_SCATTER)
+        name, call = self._begin(key, tensor, step, n, gather, lambda: self._layout_of(n, hosts, gather),
+                                 REDUCE_SCATTER)
         if name == EXACT:
             # Never into a warm-up step's call, as the all-reduce's flush.
             residual = self.take_residual(key) if step >= self.warmup_steps else None
@@ -715,6 +709,14 @@ class Adaptive(Compressor):
         return (carrier.intra.rank, carrier.intra.size) if isinstance(carrier, HostGroups) else (0, 1)
 
     # -- decision rounds ---------------------------------------------------------------------
+    def _begin(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any, layout: Any,
+               collective: str = ALL_REDUCE) -> tuple:
+        """What every call does first: a round or a probe when due (_before_call), then the choice in
+        force for ``key`` and the call's timing record: (choice, _Call)."""
+        self._before_call(key, tensor, step, world, gather, layout, collective)
+        name = self._active(key, step, world)
+        return name, _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), collective)
+
     def _before_call(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any,
                      layout: Any, collective: str = ALL_REDUCE) -> None:
         """At the first call of a step due for a round: the round. At each call of the step before
