@@ -12,7 +12,10 @@ microseconds per blocking all_reduce of each (the median over rounds, and the be
 slowest rank; the order of the two alternates between rounds), and ``overhead`` = traced /
 untraced - 1 of each: on a machine shared with other work the best rounds are the ones it
 disturbed least; ``paired``: the median over rounds of each round's traced / untraced (the two ran
-back to back, under the same load) - 1. The target is an overhead of at most 2% of a 4 KiB
+back to back, under the same load) - 1. Rounds are short (200 calls, about a millisecond each) and
+many (1001): on a shared machine, whose other work comes in bursts of milliseconds, a short pair
+mostly runs under one load, and the median of many pairs moves by about 0.1% between runs where
+30 long rounds' moved by 1%. The target is an overhead of at most 2% of a 4 KiB
 all_reduce (DESIGN section 15). Results are checked (every rank's input is its rank + 1, so every
 element of the sum is known).
 
@@ -38,7 +41,10 @@ from .multihost import parse_sizes
 IMPLS = ("traced", "untraced")
 DEFAULT_SIZES = (4 << 10,)
 TARGET = 0.02  # the recorder may cost at most this share of a 4 KiB all_reduce
-BATCH_S = 0.05  # a timed round of one implementation lasts about this long
+BATCH_S = 0.05  # a timed round of one implementation lasts at most about this long
+SIZE_BUDGET_S = 5.0  # the rounds of one size last about this long, at least MIN_ROUNDS of them
+MIN_ROUNDS = 31
+WARMUP_S = 1.0  # each implementation's warm-up lasts at most about this long (at least 3 calls)
 
 
 @dataclass(frozen=True)
@@ -66,9 +72,13 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
             def prepare(impl: str) -> None:
                 c.trace_enabled = impl == "traced"
 
+            # Warm-up: run.warmup calls of each, or about WARMUP_S of them for large messages.
+            begin = time.perf_counter()
+            step(run.impls[0])
+            one = turns.max_over_ranks([time.perf_counter() - begin])[0]
             for impl in run.impls:
                 prepare(impl)
-                for _ in range(run.warmup):
+                for _ in range(min(run.warmup, max(3, int(WARMUP_S / max(one, 1e-7))))):
                     step(impl)
             times, best, rounds = _time_alternating(step, prepare, run, progress, nbytes)
             for impl in run.impls:
@@ -93,7 +103,8 @@ def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config
 
 def _time_alternating(step, prepare, run: turns.RunOptions, progress: report.Progress, nbytes: int) -> tuple:
     """Seconds per call of each implementation, over ``run.rounds`` rounds of at most ``run.steps``
-    calls each (fewer for large messages: a round lasts about BATCH_S), the implementations' order
+    calls each (for large messages fewer calls, a round lasting about BATCH_S, and fewer rounds, the
+    size's lasting about SIZE_BUDGET_S but at least MIN_ROUNDS), the implementations' order
     reversed every other round (neither always runs first after the barrier); ``prepare(impl)``
     runs before each round, untimed: (median over rounds, best round, every round), each of the
     slowest rank."""
@@ -102,8 +113,10 @@ def _time_alternating(step, prepare, run: turns.RunOptions, progress: report.Pro
     step(run.impls[0])
     one = turns.max_over_ranks([time.perf_counter() - begin])[0]
     steps = max(3, min(run.steps, int(BATCH_S / max(one, 1e-7))))
+    # `one` is the slowest rank's: every rank runs the same steps and rounds.
+    rounds = min(run.rounds, max(MIN_ROUNDS, int(SIZE_BUDGET_S / (len(run.impls) * steps * max(one, 1e-7)))))
     per_round = {impl: [] for impl in run.impls}
-    for k in range(run.rounds):
+    for k in range(rounds):
         for impl in (run.impls if k % 2 == 0 else tuple(reversed(run.impls))):
             progress(impl, "step", nbytes)
             prepare(impl)
@@ -112,6 +125,7 @@ def _time_alternating(step, prepare, run: turns.RunOptions, progress: report.Pro
             for _ in range(steps):
                 step(impl)
             per_round[impl].append((time.perf_counter() - begin) / steps)
+    progress.skip(len(run.impls) * (run.rounds - rounds))
     slowest = {impl: turns.max_over_ranks(t) for impl, t in per_round.items()}
     return ({impl: statistics.median(t) for impl, t in slowest.items()},
             {impl: min(t) for impl, t in slowest.items()}, slowest)
@@ -137,7 +151,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
                    help="all_reduce sizes in bytes, multiples of 4 (default 4K)")
-    turns.add_run_arguments(p, IMPLS, warmup=500, steps=5000, rounds=31, timeout=120.0, deadline=900.0,
+    turns.add_run_arguments(p, IMPLS, warmup=500, steps=200, rounds=1001, timeout=120.0, deadline=900.0,
                             nproc_help="ranks")
     return p
 

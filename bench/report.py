@@ -51,6 +51,10 @@ class Progress:
             self._last_line = time.monotonic()
         self._stream.flush()
 
+    def skip(self, cells: int) -> None:
+        """Counts ``cells`` announced cells as done without running them (a run that needed fewer)."""
+        self._done += cells
+
     def close(self) -> None:
         """Erases the bar (terminal only)."""
         if self._enabled and self._tty and self._width:

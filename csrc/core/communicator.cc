@@ -221,14 +221,14 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if ((req.kind == CollKind::kAllReduce || req.kind == CollKind::kReduceScatter) && !op_supports(req.op, req.dtype))
     throw std::invalid_argument(std::string("reduce op ") + reduce_op_name(req.op) + " needs an integer dtype, got " +
                                 dtype_name(req.dtype));
-  if (trace_.on())
-    req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.rank_named(), nullptr, std::move(req.trace_stack));
+  // A call run at once by this thread is recorded as it starts (execute), one entry written once;
+  // a call handed to the progress thread is recorded now, and again when it starts.
+  req.trace_here = true;
   if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
-  if (!async) {
-    req.trace_inline = true;
-    if (engine_->run_if_idle([&] { execute(req); })) return nullptr;
-    req.trace_inline = false;
-  }
+  if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
+  req.trace_here = false;
+  if (trace_.on())
+    req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.rank_named(), nullptr, &req.trace_stack);
   std::shared_ptr<Work> work;
   if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
     if (async)
@@ -324,22 +324,26 @@ void Communicator::execute_local(Request& r) {
 
 void Communicator::execute(Request& r) {
   const bool p2p = r.kind == CollKind::kSend || r.kind == CollKind::kRecv;
-  // Collectives that did not come through submit() (the steps of a composite call) are recorded
-  // here; the transfers of an all-to-all with split sizes are part of its entry.
-  // Issued and started here, by this thread: one time for both.
-  const bool here = r.trace_id == 0 || r.trace_inline;
-  if (r.trace_id == 0 && !p2p && trace_.on())
-    r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.rank_named(), nullptr, std::move(r.trace_stack));
+  // Recorded here, issued and started at once: a call submit() runs on the thread that issued it,
+  // and the collectives that did not come through submit() (the steps of a composite call; the
+  // transfers of an all-to-all with split sizes are part of its entry).
+  const bool record_here = r.trace_id == 0 && (r.trace_here || !p2p) && trace_.on();
   try {
     check_not_poisoned();
   } catch (const CommError& e) {
+    if (record_here)
+      r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.rank_named(), nullptr, &r.trace_stack);
     trace_.fail(r.trace_id, e.what());
     throw;
   }
   // Point-to-point involves two ranks: it must not advance the collective sequence, which every
   // rank keeps in step.
   CollectiveDesc d = describe_request(r, p2p ? seq_ : ++seq_);
-  trace_.start(r.trace_id, p2p ? 0 : d.seq, here);
+  if (record_here)
+    r.trace_id = trace_.issue(r.kind, r.dtype, r.op, r.count, r.rank_named(), nullptr, &r.trace_stack,
+                              p2p ? 0 : d.seq, /*started=*/true);
+  else
+    trace_.start(r.trace_id, p2p ? 0 : d.seq);
   const uint64_t tcp_before = tcp_ ? tcp_->bytes_sent() : 0;
   // One thread runs collectives at a time (the engine serializes them; a composite call's steps
   // nest on it): plain stores, read by the recorder's watcher.

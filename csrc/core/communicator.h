@@ -69,9 +69,10 @@ struct Request {
   // thread goes on from there.
   size_t moved = 0;
   // The flight recorder's entry (0: recorded when it starts), and the caller's stack for it
-  // (BRAID_TRACE_STACK=1; empty otherwise).
+  // (BRAID_TRACE_STACK=1; empty otherwise). `trace_here`: run at once by the thread that issued
+  // it, which records the call as it starts (Communicator::execute).
   uint64_t trace_id = 0;
-  bool trace_inline = false;  // run by the thread that issued it, at once
+  bool trace_here = false;
   std::string trace_stack;
 
   // The rank the call names: send/recv's peer, else the root.

@@ -79,18 +79,19 @@ void Recorder::update(uint64_t id, F&& write) {
 }
 
 uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
-                         std::string stack) {
+                         std::string* stack, uint64_t seq, bool started) {
   if (!on()) return 0;
   const uint64_t now = ticks();
   const uint64_t id = recorded_.fetch_add(1, std::memory_order_relaxed) + 1;
   const size_t at = (id - 1) & mask_;
   Slot& e = slots_[at];
   const bool had_text = e.has_text;
+  const bool has_stack = stack != nullptr && !stack->empty();
   const uint32_t v = e.version.load(std::memory_order_relaxed);
   e.version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e.id = id;
-  e.seq = 0;
+  e.seq = seq;
   e.kind = kind;
   e.dtype = dtype;
   e.op = op;
@@ -100,30 +101,35 @@ uint64_t Recorder::issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count
   e.algo = nullptr;
   e.shm_bytes = e.tcp_bytes = 0;
   e.wire_ratio = -1.0;
-  e.state = TraceState::kIssued;
+  e.state = started ? TraceState::kStarted : TraceState::kIssued;
   e.issued = now;
-  e.started = e.completed = 0;
+  e.started = started ? now : 0;
+  e.completed = 0;
   e.thread = os_thread_id();
-  e.has_text = !stack.empty();
+  e.has_text = has_stack;
   e.version.store(v + 2, std::memory_order_release);
   // The next call's slot, last written `capacity` calls ago and long out of the caches: fetched
   // now, while this call runs, rather than on the next call's latency.
   const char* next = reinterpret_cast<const char*>(&slots_[id & mask_]);
   for (size_t line = 0; line < sizeof(Slot); line += 64) __builtin_prefetch(next + line, 1);
-  if (had_text || !stack.empty()) {  // rare: a stack recorded, or the slot held one or an error
+  if (had_text || has_stack) {  // rare: a stack recorded, or the slot held one or an error
     std::lock_guard<std::mutex> lk(text_mu_);
     errors_[at].clear();
-    stacks_[at] = std::move(stack);
+    if (has_stack)
+      stacks_[at] = std::move(*stack);
+    else
+      stacks_[at].clear();
   }
   return id;
 }
 
-void Recorder::start(uint64_t id, uint64_t seq, bool at_issue) {
-  const uint64_t now = at_issue || id == 0 ? 0 : ticks();
+void Recorder::start(uint64_t id, uint64_t seq) {
+  if (id == 0) return;
+  const uint64_t now = ticks();
   update(id, [&](Slot& e) {
     e.seq = seq;
     e.state = TraceState::kStarted;
-    e.started = at_issue ? e.issued : now;
+    e.started = now;
   });
 }
 

@@ -4,8 +4,8 @@
 // `python -m braid.trace analyze DIR` can name the rank and the call where ranks diverged.
 //
 // Cost: per call, one atomic increment, two reads of a tick counter and a few stores into the
-// call's slot at each state change (issued, started, completed), no lock; strings are copied
-// only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off, Communicator::set_trace_enabled
+// call's slot at each state change (issued and started, written together when the issuing thread
+// runs the call at once; completed), no lock; strings are copied only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off, Communicator::set_trace_enabled
 // pauses it. The dump format is docs/trace.md's ("braid-trace", version 1).
 #pragma once
 
@@ -79,12 +79,13 @@ class Recorder {
   // recorded still complete theirs). A recorder without a ring stays off.
   void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
 
-  // A new call; returns its id (0 when the recorder is off).
+  // A new call; returns its id (0 when the recorder is off). `stack`: the caller's Python stack,
+  // moved from when not empty. `started`: the call starts now, on this thread, as sequence number
+  // `seq` (a blocking call run by the thread that issued it: one entry written once, with one
+  // clock read, for the issue and the start).
   uint64_t issue(CollKind kind, DType dtype, ReduceOp op, uint64_t count, int root, const char* label,
-                 std::string stack = {});
-  // `at_issue`: the call starts on the thread that issued it, right after (its start time is its
-  // issue time: one clock read fewer on the latency of every blocking call).
-  void start(uint64_t id, uint64_t seq, bool at_issue = false);
+                 std::string* stack = nullptr, uint64_t seq = 0, bool started = false);
+  void start(uint64_t id, uint64_t seq);
   void set_algo(uint64_t id, const char* algo);
   void set_wire_ratio(uint64_t id, double ratio);
   void complete(uint64_t id, const char* algo, uint64_t shm_bytes, uint64_t tcp_bytes);
