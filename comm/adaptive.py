@@ -227,21 +227,27 @@ def codec_s(name: str, b: BucketMeasure, m: Measurements) -> float:
 
 def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mapping[str, Optional[Compressor]]
               ) -> float:
-    """Predicted step overhead of ``plan`` (bucket key -> candidate), in seconds.
+    """Predicted step overhead of ``plan`` (bucket key -> candidate), in seconds, from the end of
+    the backward without communication.
 
-    The buckets take the link one after the other in the order they become ready (the order of
-    their windows): bucket i starts at max(its ready time, the end of bucket i - 1) and holds the
-    link for its transfer time. What runs past the end of the backward is exposed. Codec time is
-    added whole: the kernels run on the cores (or the stream) the backward computes on, so they
-    never hide."""
-    link_free = -math.inf
-    codec = 0.0
+    The buckets' collectives run one after the other, in the order the buckets become ready (the
+    order of their windows), on one engine (braid's progress thread, a group's issuing thread or
+    stream): bucket i starts at max(its ready time, the end of bucket i - 1) and holds the engine
+    for its codec time and then its transfer time (a compressed call encodes, sends, decodes and
+    sums in turn: the next bucket waits for all of it). Codec kernels run on the cores (or the GPU)
+    the backward computes on: one that starts before the backward ends pushes the rest of the
+    backward, and the buckets it has still to make ready, later by its time. The overhead is
+    whichever ends last, the engine or the pushed backward."""
+    engine_free = -math.inf
+    pushed = 0.0  # codec time taken from the backward so far: it now ends this much later
     for b in sorted(m.buckets, key=lambda b: -b.window_s):
         name = plan[b.key]
-        start = max(-b.window_s, link_free)
-        link_free = start + transfer_s(name, compressors[name], b, m)
-        codec += codec_s(name, b, m)
-    return max(0.0, link_free) + codec
+        start = max(-b.window_s + pushed, engine_free)
+        codec = codec_s(name, b, m)
+        if start < pushed:  # the backward is still computing
+            pushed += codec
+        engine_free = start + codec + transfer_s(name, compressors[name], b, m)
+    return max(0.0, engine_free, pushed)
 
 
 def carried(b: BucketMeasure, candidates: Sequence[str]) -> list:
