@@ -1,7 +1,8 @@
 """The braid communicator: the collectives and point-to-point transfers users call, on CPU
-tensors and, in builds with CUDA, on CUDA tensors staged through pinned host memory
-(cuda_staging.py); :func:`init` builds one from the launcher's environment (launch_env.py), and
-every communicator joins its peers through the store (bootstrap.py)."""
+tensors and, in builds with CUDA, on CUDA tensors staged through pinned host memory (the binding
+dispatches by the tensors' device: csrc/binding/torch_binding.cpp); :func:`init` builds one from
+the launcher's environment (launch_env.py), and every communicator joins its peers through the
+store (bootstrap.py)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -21,7 +22,6 @@ from . import _C
 from .bootstrap import Bootstrap
 from .build_info import is_cuda_build
 from .compression import CompressedWork, Compressor
-from .cuda_staging import CudaStagers
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
 from .group_carrier import GroupCarrier, HostGroups
 from .launch_env import launch_rank, launch_store, launch_world_size
@@ -97,11 +97,6 @@ def _version() -> str:
 
 def _wrap(w, what: str):
     return None if w is None else Work(w, what)
-
-
-def _off_cpu(*tensors) -> bool:
-    """Whether any argument is a tensor that is not on the CPU (such calls take the staged path)."""
-    return any(isinstance(t, torch.Tensor) and not t.is_cpu for t in tensors)
 
 
 def _device(device) -> torch.device:
@@ -223,7 +218,11 @@ class Communicator(CompressionHost, Group):
             if kind is int:  # saturate at the C++ field's range: the constructor then names the bounds
                 value = min(value, 2**31 - 1 if name in ("nslots", "nsocks") else 2**63 - 1)
             setattr(tun, name, value)
-        self._stagers = CudaStagers(staging_chunk_bytes, staging_slots)
+        for name, value in (("staging_chunk_bytes", staging_chunk_bytes), ("staging_slots", staging_slots)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
         self._device = device
         if skew_rounds is not None:
             if not isinstance(skew_rounds, bool):
@@ -245,8 +244,10 @@ class Communicator(CompressionHost, Group):
             raise
         self._finalizer = weakref.finalize(self, _close_soon, self._c)
         try:
+            if is_cuda_build():  # calls on CUDA tensors go through staging pipelines with these options
+                self._c.set_staging_options(staging_chunk_bytes or 0, staging_slots or 0)
             if device.type == "cuda":
-                self._stagers.get(device, "device")
+                self._c.prepare_device(torch.cuda.current_device() if device.index is None else device.index)
             comm_id = boot.connect(self._c)
             self._c.set_trace_identity(comm_id, host_ids, socket.gethostname(), _version())
         except BaseException as e:
@@ -389,10 +390,6 @@ class Communicator(CompressionHost, Group):
             code = REDUCE_OPS.get(op) if op.__class__ is str else None
             if async_op.__class__ is not bool:
                 async_op = _async_flag(async_op)
-            if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
-                stager = self._stagers.get(tensor.device, "tensor")
-                w = self._c.cuda_all_reduce(stager, tensor, op_code(op) if code is None else code, async_op)
-                return None if w is None else Work(w, "all_reduce")
             w = self._c.all_reduce(tensor, op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w, "all_reduce")
         if not isinstance(compression, Compressor):
@@ -413,18 +410,11 @@ class Communicator(CompressionHost, Group):
                        async_op: bool = False) -> Optional[Work]:
         """Reduces ``input`` (world_size * output.numel() elements) across ranks; rank r receives
         the reduced r-th slice in ``output``."""
-        if _off_cpu(output, input):
-            stager = self._stagers.of(output, input)
-            w = self._c.cuda_reduce_scatter(stager, output, input, op_code(op), _async_flag(async_op))
-            return _wrap(w, "reduce_scatter")
         w = self._c.reduce_scatter(output, input, op_code(op), _async_flag(async_op))
         return _wrap(w, "reduce_scatter")
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[Work]:
         """Concatenates every rank's ``input`` into ``output`` (world_size * input.numel())."""
-        if _off_cpu(output, input):
-            stager = self._stagers.of(output, input)
-            return _wrap(self._c.cuda_all_gather(stager, output, input, _async_flag(async_op)), "all_gather")
         return _wrap(self._c.all_gather(output, input, _async_flag(async_op)), "all_gather")
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
@@ -441,12 +431,6 @@ class Communicator(CompressionHost, Group):
         and every rank must pass split sizes if one does. These travel point to point, each pair
         as its sizes need, instead of as one collective.
         """
-        if _off_cpu(output, input):
-            stager = self._stagers.of(output, input)
-            if output_split_sizes is not None or input_split_sizes is not None:
-                raise ValueError("all_to_all with split sizes takes CPU tensors only; on CUDA tensors "
-                                 "use equal splits (output_split_sizes and input_split_sizes None)")
-            return _wrap(self._c.cuda_all_to_all(stager, output, input, _async_flag(async_op)), "all_to_all")
         if output_split_sizes is None and input_split_sizes is None:
             return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
         w = self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
@@ -459,9 +443,6 @@ class Communicator(CompressionHost, Group):
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
-        if _off_cpu(tensor):
-            stager = self._stagers.get(tensor.device, "tensor")
-            return _wrap(self._c.cuda_broadcast(stager, tensor, src, _async_flag(async_op)), "broadcast")
         return _wrap(self._c.broadcast(tensor, src, _async_flag(async_op)), "broadcast")
 
     def barrier(self, async_op: bool = False) -> Optional[Work]:

@@ -116,15 +116,57 @@ inline ReduceOp to_op(int op, DType dtype, const char* arg) {
   return r;
 }
 
-inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
+// A dense tensor argument on any device (a collective's: collective_device() checks where its
+// tensors are); `arg` names it in errors.
+inline at::Tensor dense_tensor(const py::handle& obj, const char* arg) {
   TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()),
                    std::string(arg) + " must be a torch.Tensor, got " +
                    std::string(py::str(py::type::of(obj).attr("__name__"))));
   at::Tensor t = THPVariable_Unpack(obj.ptr());
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, std::string(arg) + " must be a dense (strided) tensor");
+  return t;
+}
+
+// A dense CPU tensor argument (calls that take CPU tensors only).
+inline at::Tensor as_tensor(const py::handle& obj, const char* arg) {
+  at::Tensor t = dense_tensor(obj, arg);
   TORCH_CHECK_VALUE(t.device().is_cpu(),
                     std::string(arg) + " must be a CPU tensor, got a tensor on " + t.device().str());
   return t;
+}
+
+// A collective's tensor argument and its name.
+struct NamedTensor {
+  const at::Tensor* tensor;
+  const char* arg;
+};
+
+// Where a collective's tensors are, checked: the CPU, or (in a build with CUDA) one CUDA device,
+// that of the first tensor off the CPU (the output's before the input's), which every other
+// tensor must then be on. Errors name the argument and its device. The device decides the path:
+// the core works on CPU tensors in place; CUDA tensors travel through the staging pipeline
+// (dispatch_cuda).
+inline c10::Device collective_device(std::initializer_list<NamedTensor> tensors) {
+  const NamedTensor* off = nullptr;
+  for (const NamedTensor& t : tensors)
+    if (!t.tensor->device().is_cpu()) {
+      off = &t;
+      break;
+    }
+  if (off == nullptr) return c10::Device(c10::kCPU);
+  const c10::Device d = off->tensor->device();
+#ifdef BRAID_WITH_CUDA
+  TORCH_CHECK_VALUE(d.is_cuda(), off->arg, " must be a CPU or CUDA tensor, got a tensor on ", d.str());
+  for (const NamedTensor& t : tensors)
+    TORCH_CHECK_VALUE(t.tensor->device() == d, t.arg, " must be on ", d.str(), " (the other tensors' device), got ",
+                      t.tensor->device().str());
+  return d;
+#else
+  TORCH_CHECK_VALUE(false, off->arg, " is on ", d.str(),
+                    ", but this braid build takes CPU tensors only (it was built where torch had no CUDA or nvcc "
+                    "was not found): reinstall braid on a machine with both, or move the tensor to the CPU");
+  return d;
+#endif
 }
 
 // A tensor and the contiguous memory the core works on: the tensor itself when it is contiguous,
@@ -396,6 +438,15 @@ void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<C
 void bind_cuda_compression(py::module_& m);
 // Python bindings of the communicator's collectives on CUDA tensors (cuda_comm_binding.cpp).
 void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator);
+#endif
+
+#ifdef BRAID_WITH_CUDA
+// A collective on CUDA tensors of `device` (cuda_comm_binding.cpp): `r` points into `out.buffer`
+// and `in` (undefined for a call in place), carried through the communicator's staging pipeline
+// for the device after the caller's current stream. A CudaWork for async calls, else None (the
+// caller's stream then waits for the copies back).
+py::object dispatch_cuda(Communicator& c, c10::Device device, Request r, const Contiguous& out, const at::Tensor& in,
+                         bool async);
 #endif
 
 }  // namespace braid

@@ -44,19 +44,26 @@ class CudaStager {
   std::shared_ptr<cuda::CudaCopyEngine> engine_;
 };
 
-// One stager per device, made on its first call with the BRAID_STAGING_* options (every rank reads
-// the same variables, and the pipeline needs equal options on every rank). c10d calls come from
-// any thread: the map is guarded.
+// One stager per device, made on its first call with `options` (by default the BRAID_STAGING_*
+// variables: every rank reads the same, and the pipeline needs equal options on every rank;
+// validated here, std::invalid_argument naming the knob). c10d calls come from any thread: the
+// map is guarded.
 class CudaStagers {
  public:
+  explicit CudaStagers(StagingOptions options = StagingOptions::from_env()) : options_(options) {
+    options_.validate();
+  }
+
   std::shared_ptr<CudaStager> get(c10::DeviceIndex device) {
     std::lock_guard<std::mutex> lock(mu_);
     auto& s = by_device_[device];
-    if (s == nullptr) s = std::make_shared<CudaStager>(device, StagingOptions::from_env());
+    if (s == nullptr) s = std::make_shared<CudaStager>(device, options_);
     return s;
   }
+  const StagingOptions& options() const { return options_; }
 
  private:
+  StagingOptions options_;
   std::mutex mu_;  // guards by_device_
   std::map<c10::DeviceIndex, std::shared_ptr<CudaStager>> by_device_;
 };

@@ -39,15 +39,20 @@ std::string python_stack() {
   }
 }
 
-// Sends a request to the core; returns a HostWork for async calls, None otherwise. `output` is the
-// output and its contiguous copy (or nothing, for barrier); `input` the contiguous input of
-// out-of-place collectives. The
-// blocking path allocates nothing here: it is the latency of every small collective.
-py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* output, const at::Tensor* input) {
+// Sends a request to the core, by the device of its tensors (collective_device): CPU tensors
+// straight, CUDA tensors through the staging pipeline (dispatch_cuda). Returns a HostWork (a
+// CudaWork) for async calls, None otherwise. `output` is the output and its contiguous copy (or
+// nothing, for barrier); `input` the contiguous input of out-of-place collectives. The blocking
+// CPU path allocates nothing here: it is the latency of every small collective.
+py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* output, const at::Tensor* input,
+                    c10::Device device = c10::Device(c10::kCPU)) {
+  if (g_trace_stack) req.trace_stack = python_stack();
+#ifdef BRAID_WITH_CUDA
+  if (device.is_cuda()) return dispatch_cuda(c, device, std::move(req), *output, input ? *input : at::Tensor(), async);
+#endif
   if (output != nullptr && output->copy_back()) {
     req.epilogue = [s = *output] { s.user.copy_(s.buffer); };
   }
-  if (g_trace_stack) req.trace_stack = python_stack();
   if (!async) {
     py::gil_scoped_release nogil;
     c.submit(std::move(req), false);
@@ -71,18 +76,20 @@ py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* 
 
 py::object all_reduce(Communicator& c, py::handle tensor, int op, bool async) {
   RECORD_USER_SCOPE("braid::all_reduce");  // a named range in torch.profiler traces
-  at::Tensor t = as_tensor(tensor, "tensor");
+  at::Tensor t = dense_tensor(tensor, "tensor");
+  const c10::Device device = collective_device({{&t, "tensor"}});
   Contiguous s = contiguous_output(t, "tensor");
   Request r = make_request(CollKind::kAllReduce, to_dtype(t.scalar_type(), "tensor"), static_cast<size_t>(t.numel()),
                            s.buffer.data_ptr(), s.buffer.data_ptr());
   r.op = to_op(op, r.dtype, "tensor");
-  return dispatch(c, std::move(r), async, &s, nullptr);
+  return dispatch(c, std::move(r), async, &s, nullptr, device);
 }
 
 py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, int op, bool async) {
   RECORD_USER_SCOPE("braid::reduce_scatter");  // a named range in torch.profiler traces
-  at::Tensor out = as_tensor(output, "output");
-  at::Tensor in = as_tensor(input, "input");
+  at::Tensor out = dense_tensor(output, "output");
+  at::Tensor in = dense_tensor(input, "input");
+  const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
   check_whole_and_part(out, in, in, "input", out, "output", c.world_size());
   const DType dtype = to_dtype(out.scalar_type(), "output");
   const ReduceOp rop = to_op(op, dtype, "output");
@@ -92,13 +99,14 @@ py::object reduce_scatter(Communicator& c, py::handle output, py::handle input, 
   Request r = make_request(CollKind::kReduceScatter, dtype, static_cast<size_t>(out.numel()), in_c.data_ptr(),
                            s.buffer.data_ptr());
   r.op = rop;
-  return dispatch(c, std::move(r), async, &s, &in_c);
+  return dispatch(c, std::move(r), async, &s, &in_c, device);
 }
 
 py::object all_gather(Communicator& c, py::handle output, py::handle input, bool async, uint32_t tag) {
   RECORD_USER_SCOPE("braid::all_gather");  // a named range in torch.profiler traces
-  at::Tensor out = as_tensor(output, "output");
-  at::Tensor in = as_tensor(input, "input");
+  at::Tensor out = dense_tensor(output, "output");
+  at::Tensor in = dense_tensor(input, "input");
+  const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
   check_whole_and_part(out, in, out, "output", in, "input", c.world_size());
   const DType dtype = to_dtype(out.scalar_type(), "output");
   Contiguous s = contiguous_output(out, "output");
@@ -107,20 +115,21 @@ py::object all_gather(Communicator& c, py::handle output, py::handle input, bool
   Request r = make_request(CollKind::kAllGather, dtype, static_cast<size_t>(in.numel()), in_c.data_ptr(),
                            s.buffer.data_ptr());
   r.tag = tag;
-  return dispatch(c, std::move(r), async, &s, &in_c);
+  return dispatch(c, std::move(r), async, &s, &in_c, device);
 }
 
 py::object all_to_all(Communicator& c, py::handle output, py::handle input, bool async) {
   RECORD_USER_SCOPE("braid::all_to_all");  // a named range in torch.profiler traces
-  at::Tensor out = as_tensor(output, "output");
-  at::Tensor in = as_tensor(input, "input");
+  at::Tensor out = dense_tensor(output, "output");
+  at::Tensor in = dense_tensor(input, "input");
+  const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
   check_all_to_all(out, in, c.world_size());
   const DType dtype = to_dtype(out.scalar_type(), "output");
   Contiguous s = contiguous_output(out, "output");
   at::Tensor in_c = in.contiguous();
   Request r = make_request(CollKind::kAllToAll, dtype, static_cast<size_t>(in.numel() / c.world_size()),
                            in_c.data_ptr(), s.buffer.data_ptr());
-  return dispatch(c, std::move(r), async, &s, &in_c);
+  return dispatch(c, std::move(r), async, &s, &in_c, device);
 }
 
 // all_to_all with split sizes: rank j receives rows [sum(input_splits[:j]), ...) of this rank's
@@ -129,8 +138,11 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
                         const std::optional<std::vector<int64_t>>& output_splits,
                         const std::optional<std::vector<int64_t>>& input_splits, bool async) {
   RECORD_USER_SCOPE("braid::all_to_all_v");  // a named range in torch.profiler traces
-  at::Tensor out = as_tensor(output, "output");
-  at::Tensor in = as_tensor(input, "input");
+  at::Tensor out = dense_tensor(output, "output");
+  at::Tensor in = dense_tensor(input, "input");
+  TORCH_CHECK_VALUE(collective_device({{&out, "output"}, {&in, "input"}}).is_cpu(),
+                    "all_to_all with split sizes takes CPU tensors only; on CUDA tensors use equal splits "
+                    "(output_split_sizes and input_split_sizes None)");
   const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
                                                   input_splits ? &*input_splits : nullptr, c.rank(), c.world_size(), "");
   TORCH_CHECK_VALUE(!overlaps(out, in), "output must not overlap input (all_to_all is never in place)");
@@ -150,7 +162,8 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
 
 py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   RECORD_USER_SCOPE("braid::broadcast");  // a named range in torch.profiler traces
-  at::Tensor t = as_tensor(tensor, "tensor");
+  at::Tensor t = dense_tensor(tensor, "tensor");
+  const c10::Device device = collective_device({{&t, "tensor"}});
   TORCH_CHECK_VALUE(!(src < 0 || src >= c.world_size()),
                     "src must be a rank in [0, " + std::to_string(c.world_size()) + "), got " + std::to_string(src));
   const DType dtype = to_dtype(t.scalar_type(), "tensor");
@@ -158,7 +171,7 @@ py::object broadcast(Communicator& c, py::handle tensor, int src, bool async) {
   Request r = make_request(CollKind::kBroadcast, dtype, static_cast<size_t>(t.numel()), s.buffer.data_ptr(),
                            s.buffer.data_ptr());
   r.root = src;
-  return dispatch(c, std::move(r), async, &s, nullptr);
+  return dispatch(c, std::move(r), async, &s, nullptr, device);
 }
 
 // Point-to-point: one transfer of `tensor` to (send) or from rank `peer`. Transfers between two

@@ -200,6 +200,9 @@ class Communicator {
   // Pauses or resumes the recorder (trace.h); whether it records now.
   void set_trace_enabled(bool on) { trace_.set_recording(on); }
   bool trace_enabled() const { return trace_.on(); }
+  // What the torch binding keeps with this communicator for its calls on CUDA tensors (their
+  // staging pipelines, csrc/binding/cuda_stager.h), opaque to the core, released with it.
+  std::shared_ptr<void>& device_staging() { return device_staging_; }
 
  private:
   // The algorithm of a `kind` collective of `bytes` (per rank's part: see communicator.cc), on
@@ -284,6 +287,7 @@ class Communicator {
   std::atomic<bool> p2p_waiting_{false};  // run_p2p sleeps: new work must wake it
   // The flight recorder.
   Recorder trace_;
+  std::shared_ptr<void> device_staging_;
   std::string trace_dir_;  // BRAID_TRACE_DIR at construction
   TraceIdentity trace_who_;
   std::atomic<bool> trace_dumped_{false};  // the failure dump is written once
