@@ -37,6 +37,7 @@ from .group_carrier import GroupCarrier, HostGroups
 from .hosts import host_identity
 from .vocabulary import AVG, Op, compressed_op_code
 from .wire import BraidCollectives, CompressionHost, WireStats
+from .work import Work
 
 EXACT = "exact"
 CANDIDATES = (EXACT, "bf16", "fp16", "int8", "int4", "topk")
@@ -431,9 +432,10 @@ def _probe(name: str, q: Compressor, x: torch.Tensor, scratch: dict) -> tuple:
 
 class _Call:
     """One collective of a step, for the link fit: what went, by which collective, when it was
-    issued and finished."""
+    issued and finished. ``work``: a braid work that knows when it completed (``completed_at()``,
+    on time.perf_counter()'s clock), read when asked; other calls are stamped by a callback."""
 
-    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window")
+    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window", "work")
 
     def __init__(self, key: Hashable, numel: int, elem_size: int, choice: str, issued: float,
                  collective: str = ALL_REDUCE):
@@ -441,9 +443,16 @@ class _Call:
         self.collective = collective
         self.done: Optional[float] = None
         self.window: Optional[float] = None
+        self.work: Any = None
 
     def stamp(self, _fut: Any = None) -> None:
         self.done = time.perf_counter()
+
+    def finished(self) -> Optional[float]:
+        """When the call completed (None: not yet)."""
+        if self.done is None and self.work is not None:
+            self.done = self.work.completed_at()
+        return self.done
 
 
 class Adaptive(Compressor):
@@ -618,7 +627,7 @@ class Adaptive(Compressor):
 
     def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op: Op = "avg", *,
                       key: Hashable = "default", async_op: bool = False,
-                      step: Optional[int] = None) -> tuple[Optional[CompressedWork], WireStats]:
+                      step: Optional[int] = None) -> tuple[Optional[Union[CompressedWork, Work]], WireStats]:
         code = compressed_op_code(op)
         check_tensor(tensor)
         if tensor.device.type != "cpu":
@@ -635,9 +644,17 @@ class Adaptive(Compressor):
                 self._flush(key, flat, (comm.local_rank, local))
             stats = self.exact_wire_stats(flat.numel() * flat.element_size(), comm.world_size)
             raw = comm.all_reduce(flat, code, async_op)
-            work = None if raw is None else CompressedWork(raw, lambda: copy_back(flat, tensor), tensor)
             if raw is None:
                 copy_back(flat, tensor)
+                work = None
+            elif flat.data_ptr() == tensor.data_ptr():
+                # The result is already in the tensor: the plain work, timed by its own completion
+                # (a Python callback on the progress thread would wait for the GIL, and the next
+                # bucket behind it: the exact plan then costs what the exact hook costs).
+                work = Work(raw, "all_reduce")
+                call.work = raw
+            else:
+                work = CompressedWork(raw, lambda: copy_back(flat, tensor), tensor)
         else:
             work, stats = self._compressors[name].all_reduce_on(comm, tensor, op, key=key, async_op=async_op,
                                                                 step=step)
@@ -690,7 +707,7 @@ class Adaptive(Compressor):
     def _record(self, call: _Call, work: Any) -> Any:
         if work is None:
             call.stamp()
-        else:
+        elif call.work is None:
             work.get_future().then(call.stamp)
         self._step_calls.append(call)
         return work
@@ -812,7 +829,7 @@ class Adaptive(Compressor):
         probe's estimate. Each bucket counts with its fastest call of the steps since the last
         round (the others waited for a late rank or a busy core). Without exact calls in the
         window the last fit holds."""
-        calls = [c for c in self._calls_since if c.done is not None]
+        calls = [c for c in self._calls_since if c.finished() is not None]
         fastest: dict = {}
         prev_done = -math.inf
         for c in sorted(calls, key=lambda c: c.issued):

@@ -268,6 +268,12 @@ class HostWork {
     if (!work_->is_completed() || work_->succeeded()) return py::none();
     return py::str(work_->error_message());
   }
+  // Seconds on the steady clock (time.perf_counter()'s on Linux) when it completed, or None.
+  py::object completed_at() const {
+    const auto at = work_->completed_at();
+    if (!at) return py::none();
+    return py::float_(std::chrono::duration<double>(at->time_since_epoch()).count());
+  }
 
   c10::intrusive_ptr<c10::ivalue::Future> future() {
     work_->check_same_process();  // in a forked child nothing would ever complete the future

@@ -345,6 +345,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("is_completed", &HostWork::is_completed)
       .def("is_success", &HostWork::is_success)
       .def("exception_message", &HostWork::exception_message)
+      .def("completed_at", &HostWork::completed_at,
+           "When it completed, in time.perf_counter()'s seconds (the steady clock); None before.")
       .def("get_future", [](HostWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
 
   py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");

@@ -31,7 +31,9 @@ struct CollectiveDesc {
   uint64_t seq = 0;     // 1-based count of collectives issued on this communicator
   uint64_t count = 0;   // elements per rank (all_reduce, broadcast: of the tensor)
   uint32_t root = 0;    // broadcast source; a reduce's destination (all_reduce); all_gather /
-                        // all_to_all: the caller's tag (Request::tag)
+                        // all_to_all: the caller's tag (Request::tag). One word for both, as
+                        // none of these kinds has both: the step counter and two descriptors
+                        // fill one cache line (segment_header.h), which a fifth word overflows.
   uint8_t kind = 0;     // CollKind
   uint8_t dtype = 0;    // DType
   uint8_t op = 0;       // ReduceOp (0 where no reduction)

@@ -42,6 +42,7 @@ void Work::finish(ErrorKind kind, std::string msg) noexcept {
     if (done_) return;
     kind_ = kind;
     msg_ = std::move(msg);
+    done_at_ = std::chrono::steady_clock::now();
     done_ = true;
     cbs.swap(callbacks_);
     body.swap(body_);
@@ -51,6 +52,12 @@ void Work::finish(ErrorKind kind, std::string msg) noexcept {
   // takes the GIL, and a Python thread holding the GIL may be waiting for this lock.
   body = nullptr;
   for (auto& cb : cbs) cb(*this);
+}
+
+std::optional<std::chrono::steady_clock::time_point> Work::completed_at() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!done_) return std::nullopt;
+  return done_at_;
 }
 
 void Work::check_same_process() const {

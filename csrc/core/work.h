@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,9 @@ class Work {
   void wait_done() noexcept;
   ErrorKind error_kind() const;
   std::string error_message() const;
+  // When it completed, on the steady clock (Linux: CLOCK_MONOTONIC, Python's time.perf_counter()
+  // and time.monotonic()); nullopt before. Lets a caller time its calls without a callback.
+  std::optional<std::chrono::steady_clock::time_point> completed_at() const;
 
   // Called exactly once, on the completing thread, after the state is final (at once if it is).
   void on_complete(std::function<void(const Work&)> cb);
@@ -70,6 +74,7 @@ class Work {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::chrono::steady_clock::time_point done_at_{};
   ErrorKind kind_ = ErrorKind::kNone;
   std::string msg_;
   std::vector<std::function<void(const Work&)>> callbacks_;
