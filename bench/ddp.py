@@ -159,10 +159,14 @@ def _run_shape(
     floor = LinkFloor(runs["compute"]["model"]) if args.link_mbit and "compute" in runs else None
     g = torch.Generator().manual_seed(rank)
     # Round-robin: step i of every mode runs back to back, so the slow phases of a shared
-    # machine hit every mode alike instead of whichever mode happened to run then.
+    # machine hit every mode alike instead of whichever mode happened to run then; the order
+    # rotates by one mode per step, since the mode run last in a step measured a few percent
+    # slower than the same exchange run earlier in it.
+    modes = list(args.modes)
     for step in range(args.warmup + args.steps):
         ids = torch.randint(0, args.vocab, (batch, seq + 1), generator=g)
-        for mode in args.modes:
+        turn = step % len(modes)
+        for mode in modes[turn:] + modes[:turn]:
             run = runs[mode]
             progress(mode, f"{batch}x{seq} step {step + 1}/{args.warmup + args.steps}", None)
             if step == args.warmup and run["compressor"] is not None:
