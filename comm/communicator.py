@@ -441,7 +441,7 @@ class Communicator(CompressionHost, Group):
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         if isinstance(src, bool) or not isinstance(src, int):
             raise TypeError(f"src must be an int rank, got {type(src).__name__}")
-        if not 0 <= src < self._world_size:
+        if not 0 <= src < self._world_size:  # here too: a src past C++'s int would fail conversion first
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
         return _wrap(self._c.broadcast(tensor, src, _async_flag(async_op)), "broadcast")
 

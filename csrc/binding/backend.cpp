@@ -769,7 +769,7 @@ class BraidBackend final : public c10d::Backend {
   // the future (devices=[device]) completes there, so wait() and the future's waiters are ordered
   // after them. wait() blocks the host until the last request's collective is done.
   c10::intrusive_ptr<c10d::Work> run_on_device(Batch b, c10::Device device, bool async) {
-    auto stager = stagers_.get(device.index());
+    auto stager = stagers_of(*comm_).get(device.index());
     DeviceCall call;
     call.requests = std::move(b.requests);
     call.used = b.keep;
@@ -782,7 +782,6 @@ class BraidBackend final : public c10d::Backend {
     return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(b.outputs));
   }
 
-  CudaStagers stagers_;
 #endif
 
   std::shared_ptr<Communicator> comm_;

@@ -51,15 +51,6 @@ class CudaWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// The communicator's staging pipelines, one per device, made at its first CUDA call where
-// set_staging_options() did not make them (with the BRAID_STAGING_* options). The GIL guards
-// the pointer; CudaStagers guards its own map.
-CudaStagers& stagers_of(Communicator& c) {
-  std::shared_ptr<void>& state = c.device_staging();
-  if (state == nullptr) state = std::make_shared<CudaStagers>();
-  return *std::static_pointer_cast<CudaStagers>(state);
-}
-
 }  // namespace
 
 py::object dispatch_cuda(Communicator& c, c10::Device device, Request r, const Contiguous& out, const at::Tensor& in,
@@ -105,7 +96,7 @@ void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Com
             if (chunk_bytes != 0) o.chunk_bytes = chunk_bytes;
             if (slots != 0) o.slots = slots;
             try {
-              c.device_staging() = std::make_shared<CudaStagers>(o);
+              set_stagers(c, o);
             } catch (const std::invalid_argument& e) {
               C10_THROW_ERROR(ValueError, e.what());
             }

@@ -13,6 +13,23 @@
 
 namespace braid {
 
+namespace {
+std::mutex g_stagers_mu;  // guards the making of a communicator's CudaStagers
+}  // namespace
+
+CudaStagers& stagers_of(Communicator& c) {
+  std::lock_guard<std::mutex> lock(g_stagers_mu);
+  std::shared_ptr<void>& state = c.device_staging();
+  if (state == nullptr) state = std::make_shared<CudaStagers>();
+  return *std::static_pointer_cast<CudaStagers>(state);
+}
+
+void set_stagers(Communicator& c, StagingOptions options) {
+  auto made = std::make_shared<CudaStagers>(options);
+  std::lock_guard<std::mutex> lock(g_stagers_mu);
+  c.device_staging() = std::move(made);
+}
+
 std::shared_ptr<Work> submit_device_call(Communicator& comm, const CudaStager& s, DeviceCall call, bool async) {
   if (call.requests.empty()) throw std::invalid_argument("submit_device_call: a call needs at least one request");
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(s.device().index());

@@ -60,13 +60,21 @@ class CudaStagers {
     if (s == nullptr) s = std::make_shared<CudaStager>(device, options_);
     return s;
   }
-  const StagingOptions& options() const { return options_; }
 
  private:
   StagingOptions options_;
   std::mutex mu_;  // guards by_device_
   std::map<c10::DeviceIndex, std::shared_ptr<CudaStager>> by_device_;
 };
+
+// The staging pipelines of communicator `c`, kept in c.device_staging(): made at the first call
+// that needs them with the BRAID_STAGING_* options unless set_stagers() made them first. The
+// Python module's calls and the c10d backend's share them; c10d calls come from any thread, so
+// the first making is guarded.
+CudaStagers& stagers_of(Communicator& c);
+// Replaces the pipelines of `c` with ones of `options` (validated: std::invalid_argument), before
+// its first call on CUDA tensors.
+void set_stagers(Communicator& c, StagingOptions options);
 
 // One call on CUDA tensors of a stager's device: its requests (pointers into device memory, in
 // issue order), every tensor they point into or `finish` touches, and `finish`, which runs after

@@ -5,8 +5,8 @@
 //
 // Cost: per call, one atomic increment, two reads of a tick counter and a few stores into the
 // call's slot at each state change (issued and started, written together when the issuing thread
-// runs the call at once; completed), no lock; strings are copied only for errors and stacks. BRAID_TRACE_BUFFER=0 turns it off, Communicator::set_trace_enabled
-// pauses it. The dump format is docs/trace.md's ("braid-trace", version 1).
+// runs the call at once; completed), no lock; strings are copied only for errors and stacks.
+// BRAID_TRACE_BUFFER=0 turns it off, Communicator::set_trace_enabled pauses it. The dump format is docs/trace.md's ("braid-trace", version 1).
 #pragma once
 
 #include <atomic>

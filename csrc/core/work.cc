@@ -37,12 +37,13 @@ void Work::fail(ErrorKind kind, const std::string& msg) noexcept { finish(kind, 
 void Work::finish(ErrorKind kind, std::string msg) noexcept {
   std::vector<std::function<void(const Work&)>> cbs;
   std::function<void()> body;
+  const auto now = std::chrono::steady_clock::now();  // read outside the lock that waiters take
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_) return;
     kind_ = kind;
     msg_ = std::move(msg);
-    done_at_ = std::chrono::steady_clock::now();
+    done_at_ = now;
     done_ = true;
     cbs.swap(callbacks_);
     body.swap(body_);
