@@ -270,6 +270,7 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
             {
                 "mode": mode,
                 "step_s": statistics.median(per_step),
+                "step_times": per_step,
                 "loss": gathered[0][mode]["loss"],
                 "wire_ratio": gathered[0][mode]["wire_ratio"],
                 "nparams": gathered[0][mode]["nparams"],
@@ -297,7 +298,13 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
             ordered = sorted(r["decisions"].items(), key=lambda i: int(i[0]))
             chose = ", ".join(f"{k}: {c}" for k, (c, _) in ordered)
             lines.append(f"{r['mode']} chose per bucket {{{chose}}}")
+            times = {x["mode"]: x["step_times"] for x in rows if x["mode"] not in ("compute", "floor")}
+            paired = report.paired_ratios(times, r["mode"])
+            if paired:
+                lines.append(f"{r['mode']} against each mode in the same steps (median of per-step ratios): "
+                             + ", ".join(f"{m} {v:.3f}x" for m, v in paired.items()))
     return "\n".join(lines), rows
+
 
 
 def _int8_over_gloo(step_s: dict, wire_ratio: dict) -> str:

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -237,3 +238,14 @@ def plot_busbw(path: str, records: Sequence[dict], title: str) -> None:
         ax.set_ylabel("busbw (GB/s)")
         ax.legend(fontsize=8)
     save_panels(fig, axes, path, title)
+
+
+def paired_ratios(step_times: dict, mode: str) -> dict:
+    """``mode``'s step over each other mode's, taken step by step (the modes run back to back within
+    a step) and the median over the steps: {other mode: ratio}. On a shared machine whose speed
+    drifts during a run (by up to 2x over a few minutes on a shared VM), the ratio of two
+    medians carries that drift into the comparison; the per-step ratio pairs steps run moments
+    apart and cancels it."""
+    mine = step_times[mode]
+    return {m: statistics.median(a / b for a, b in zip(mine, other))
+            for m, other in step_times.items() if m != mode and len(other) == len(mine)}

@@ -215,6 +215,25 @@ def test_ddp_link_floor_against_a_hand_computation():
     assert probe.floors(6 * mib, 1e6 * mib, 2) == pytest.approx([0.55], abs=1e-4)
 
 
+def test_auto_summary_pairs_steps_against_drift():
+    """multihost's "auto" line compares step by step: on a machine that slows down 2x during the
+    run, a mode whose steps are all 1% slower than exact's shows 1.01x, and the best fixed choice is
+    the one auto is slowest against; the ratio of the medians would mislead here."""
+    from braid.bench.multihost import _auto_summary
+    from braid.bench.report import paired_ratios
+
+    drift = [1.0, 1.0, 1.0, 2.0, 2.0]
+    exact = drift
+    int8 = [t * 0.98 for t in drift]
+    auto = [1.01 * t for t in drift[:3]] + [2.02, 2.02]
+    assert paired_ratios({"auto": auto, "braid": exact}, "auto") == pytest.approx({"braid": 1.01})
+    rows = [{"link_mbit": 0, "batch": 1, "seq": 32, "mode": m, "step_times": t, "step_s": sorted(t)[2],
+             **({"decisions": {"0": ["exact", "why"]}} if m == "auto" else {})}
+            for m, t in (("auto", auto), ("braid", exact), ("int8", int8), ("compute", [0.5] * 5))]
+    (line,) = _auto_summary(rows)
+    assert "1.031x the best fixed choice (int8" in line and "1.010x exact" in line and "chose exact" in line
+
+
 def test_pipeline_schedule_floor_against_hand_computations():
     """The pipeline benchmark's floor replays recorded actions with instant transfers: GPipe at
     P = 2, M = 2 (forward 1, backward 2) takes the textbook (M + P - 1)(F + B) = 9; a split
