@@ -430,23 +430,66 @@ def _probe(name: str, q: Compressor, x: torch.Tensor, scratch: dict) -> tuple:
 # The compressor.
 
 
+class DeviceMarks:
+    """Timing marks on a CUDA device: events recorded on its current stream, read once they have
+    completed. A CUDA call's host-side moments (when its kernels were enqueued) say nothing of
+    when the device ran them, so a call on a GPU is timed by the device: issued when the stream
+    reaches it (its gradient is ready), done when the collective's result is ready on the stream
+    its future's callbacks run on (synchronized with the collective's kernels)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def seconds(origin: Any, event: Any) -> float:
+        """Seconds from ``origin`` to ``event`` on the device (both completed)."""
+        return origin.elapsed_time(event) / 1e3
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        event.synchronize()
+
+
+def _marks_for(device: torch.device) -> Optional[DeviceMarks]:
+    """The device's marks (CUDA), or None where the host's clock times the calls (the CPU)."""
+    return DeviceMarks(device) if device.type == "cuda" else None
+
+
 class _Call:
     """One collective of a step, for the link fit: what went, by which collective, when it was
     issued and finished. ``work``: a braid work that knows when it completed (``completed_at()``,
-    on time.perf_counter()'s clock), read when asked; other calls are stamped by a callback."""
+    on time.perf_counter()'s clock), read when asked; other calls are stamped by a callback; calls on
+    a CUDA device by marks on the device (:class:`DeviceMarks`), read at the next round."""
 
-    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window", "work")
+    __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window", "work",
+                 "marks", "issued_mark", "done_mark", "end_mark")
 
     def __init__(self, key: Hashable, numel: int, elem_size: int, choice: str, issued: float,
-                 collective: str = ALL_REDUCE):
+                 collective: str = ALL_REDUCE, marks: Optional[DeviceMarks] = None):
         self.key, self.numel, self.elem_size, self.choice, self.issued = key, numel, elem_size, choice, issued
         self.collective = collective
         self.done: Optional[float] = None
         self.window: Optional[float] = None
         self.work: Any = None
+        # On a device: its marks, issued now, done and the end of the step's backward later
+        # (read into issued / done / window at the next round).
+        self.marks = marks
+        self.issued_mark = marks.mark() if marks is not None else None
+        self.done_mark: Any = None
+        self.end_mark: Any = None
 
     def stamp(self, _fut: Any = None) -> None:
-        self.done = time.perf_counter()
+        if self.marks is not None:
+            # On a device: a future's callback runs on a stream synchronized with the call's
+            # kernels, so a mark recorded now is reached when the call's result is ready.
+            self.done_mark = self.marks.mark()
+        else:
+            self.done = time.perf_counter()
 
     def finished(self) -> Optional[float]:
         """When the call completed (None: not yet)."""
@@ -581,10 +624,18 @@ class Adaptive(Compressor):
         """The backward of a step ended now (the DDP hook calls it at the last bucket): each call of
         the step gets its window, and the step counts toward the next decision round."""
         now = time.perf_counter()
+        # On a device the backward ends, in stream order, where its last bucket was issued.
+        marked = [c for c in self._step_calls if c.marks is not None]
+        end_mark = marked[-1].issued_mark if marked else None
         for call in self._step_calls:
             # Step 0's buckets are DDP's first layout, rebuilt after it: their calls measure the
             # link, but their windows and sizes are not the buckets' to come.
-            call.window = now - call.issued if self._steps >= 1 else None
+            if self._steps < 1:
+                call.window = None
+            elif call.marks is not None:
+                call.end_mark = end_mark
+            else:
+                call.window = now - call.issued
         self._calls_since.extend(self._step_calls)
         self._step_calls = []
         self._steps += 1
@@ -707,7 +758,7 @@ class Adaptive(Compressor):
     def _record(self, call: _Call, work: Any) -> Any:
         if work is None:
             call.stamp()
-        elif call.work is None:
+        elif call.work is None or call.marks is not None:
             work.get_future().then(call.stamp)
         self._step_calls.append(call)
         return work
@@ -738,7 +789,8 @@ class Adaptive(Compressor):
         force for ``key`` and the call's timing record: (choice, _Call)."""
         self._before_call(key, tensor, step, world, gather, layout, collective)
         name = self._active(key, step, world)
-        return name, _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), collective)
+        return name, _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), collective,
+                           _marks_for(tensor.device))
 
     def _before_call(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any,
                      layout: Any, collective: str = ALL_REDUCE) -> None:
@@ -892,6 +944,7 @@ class Adaptive(Compressor):
         """One decision round: every rank's measurement vector all-gathered (one small collective),
         combined the same way on every rank, and decided."""
         self._fold_probes()
+        _read_marks(self._calls_since)
         keys = sorted({c.key for c in self._calls_since if c.window is not None}, key=repr)
         self._rounds += 1
         if not keys:
@@ -922,6 +975,27 @@ class Adaptive(Compressor):
         r = src.take_residual(key)
         if r is not None:
             dst.put_residual(key, r)
+
+
+def _read_marks(calls: Sequence[_Call]) -> None:
+    """The device-timed calls' marks read into seconds (issued, done, window), from the first such
+    call's issue: the service order and windows then compare device times with device times. A
+    call whose result was not yet marked keeps done None (left out of the fit)."""
+    marked = [c for c in calls if c.marks is not None and c.issued_mark is not None]
+    if not marked:
+        return
+    origin = marked[0].issued_mark
+    for c in marked:
+        marks = c.marks
+        for m in (c.issued_mark, c.done_mark, c.end_mark):
+            if m is not None:
+                marks.wait(m)
+        c.issued = marks.seconds(origin, c.issued_mark)
+        if c.done_mark is not None:
+            c.done = marks.seconds(origin, c.done_mark)
+        if c.end_mark is not None:
+            c.window = marks.seconds(origin, c.end_mark) - c.issued
+        c.issued_mark = c.done_mark = c.end_mark = None  # read once; the events go
 
 
 def _gather_on(group: Group, device: torch.device, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,84 @@ def test_link_fit_separates_latency_from_bandwidth():
     assert latency == 6e-4 and bw["in_host"] == pytest.approx(2 * 4096 / 1e-4)
 
 
+class _DeviceClock(adaptive.DeviceMarks):
+    """DeviceMarks on a scripted device timeline: a mark takes the device time ``now[0]``."""
+
+    class Event:
+        def __init__(self, t):
+            self.t, self.waited = t, False
+
+    def __init__(self):
+        self.device, self.now = torch.device("cpu"), [0.0]
+
+    def mark(self):
+        return self.Event(self.now[0])
+
+    @staticmethod
+    def seconds(origin, event):
+        assert origin.waited and event.waited  # read only once completed
+        return event.t - origin.t
+
+    @staticmethod
+    def wait(event):
+        event.waited = True
+
+
+def test_device_calls_are_timed_by_the_device(monkeypatch):
+    """A call on a GPU is timed by its marks on the device, not by when the host enqueued it: two
+    exact buckets the host issued and saw "done" at once, which the device ran from 0.10 s to
+    0.30 s and from 0.20 s (queued behind the first) to 0.50 s, the backward ending at the second's
+    issue. Their vector (link fit, windows) is the one host-timed calls with those times give."""
+    clock = _DeviceClock()
+    monkeypatch.setattr(adaptive, "_marks_for", lambda device: clock)
+    q = comm.Adaptive()
+    q._steps = 1  # past DDP's first layout: windows count
+    script = [(0, 1 << 20, 0.10, 0.30), (1, 3 << 20, 0.20, 0.50)]
+    calls = []
+    for key, numel, issued, _ in script:
+        clock.now[0] = issued
+        name, call = q._begin(key, torch.zeros(numel), 5, 1, None, None)
+        assert name == "exact" and call.issued_mark.t == issued
+        calls.append(call)
+    for call, (_, _, _, done) in zip(calls, script):
+        clock.now[0] = done
+        q._record(call, None)  # the host sees it done now; the device at ``done``
+    q.end_step()
+    layout = Layout(world=2, hosts=2, local=1)
+    adaptive._read_marks(q._calls_since)
+    got = q._local_vector([0, 1], layout)
+    times = [x for c in calls for x in (c.issued, c.done, c.window)]
+    assert times == pytest.approx([0, 0.2, 0.1, 0.1, 0.4, 0.0])
+
+    host = comm.Adaptive()
+    for key, numel, issued, done in script:
+        c = adaptive._Call(key, numel, 4, "exact", issued - 0.1)
+        c.done, c.window = done - 0.1, 0.2 - issued
+        host._calls_since.append(c)
+    assert got == pytest.approx(host._local_vector([0, 1], layout), nan_ok=True)
+    # Their service: 0.2 s each (the second waited for the first): 4 MiB and 12 MiB at that time.
+    assert got[2] > 0 and got[1] == pytest.approx(host._link_fit[1]["across_hosts"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_marks_time_the_device_not_the_host():
+    """Real events: a kernel that keeps the device busy ~50 ms, issued in microseconds, measures
+    ~50 ms between its marks."""
+    import time
+
+    marks = adaptive._marks_for(torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.synchronize()
+    start = marks.mark()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(50_000_000)  # cycles: tens of ms on a ~1.5-2 GHz device
+    end = marks.mark()
+    enqueued = time.perf_counter() - t0
+    marks.wait(start)
+    marks.wait(end)
+    device_s = marks.seconds(start, end)
+    assert device_s > 0.01 and device_s > 10 * enqueued
+
+
 def test_arguments_and_state_round_trip():
     with pytest.raises(ValueError, match="candidates"):
         comm.Adaptive(["int8", "zstd"])
