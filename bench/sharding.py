@@ -24,6 +24,8 @@ unit / ``fully_shard`` module) and the same batches:
 - ``braid-zero3-int8-weights``, ``braid-zero3-int4-grads``, ``braid-zero3-int8-weights-int4-grads``:
   ZeRO++ on braid's Communicator: int8 weight gathers (qwZ), int4 gradient reduce-scatters
   (qgZ), both; for slow links between hosts (``multihost --sharding-links``), not one host;
+- ``braid-zero3-auto-grads``: the gradient reduce-scatters compressed as ``comm.Adaptive()``
+  decides per bucket from the link, codec costs and windows it measures (exact on one host);
 - ``braid-zero3-hpz``, ``braid-zero3-int8-weights-int4-grads-hpz``: the same over the
   Communicator split by host (``split_by_host``): hpZ's in-host backward gathers, exact and with
   int8 weights and int4 gradients summed exactly inside the host and quantized across;
@@ -145,11 +147,20 @@ def _split(c: comm.Communicator):
 def _braid_wrapper(model: LanguageModel, c, stage: int, weights: str | None = None,
                    grads: str | None = None, hosts: bool = False) -> torch.nn.Module:
     """braid's wrapper; ``weights`` / ``grads``: "int8" or "int4" quantized gathers (qwZ) /
-    reduce-scatters (qgZ), ZeRO++'s compression across slow links; ``hosts``: hierarchical
+    reduce-scatters (qgZ), ZeRO++'s compression across slow links ("auto" for the gradients:
+    ``comm.Adaptive()``, chosen per bucket from the measured link); ``hosts``: hierarchical
     (hpZ, and qgZ exact inside a host) over the Communicator split by host."""
-    quantizers = {None: lambda: None, "int8": comm.Int8Quantizer, "int4": comm.Int4Quantizer}
-    return fsdp.shard(model, c, stage=stage, param_compression=quantizers[weights](),
-                      grad_compression=quantizers[grads](), hierarchical=_split(c) if hosts else False)
+    quantizers = {None: lambda: None, "int8": comm.Int8Quantizer, "int4": comm.Int4Quantizer,
+                  "auto": comm.Adaptive}
+    q = quantizers[grads]()
+    wrapped = fsdp.shard(model, c, stage=stage, param_compression=quantizers[weights](), grad_compression=q,
+                         hierarchical=_split(c) if hosts else False)
+    if isinstance(q, comm.Adaptive):
+        _adaptive[id(wrapped)] = q  # its decisions go in the row
+    return wrapped
+
+
+_adaptive: dict = {}  # id(wrapped model) -> its Adaptive grad_compression
 
 
 def _nccl() -> dist.ProcessGroup:
@@ -177,6 +188,8 @@ IMPLS: dict[str, Callable] = {
     "braid-zero3-int4-grads": lambda model, c: _braid_wrapper(model, c, stage=3, grads="int4"),
     "braid-zero3-int8-weights-int4-grads": lambda model, c: _braid_wrapper(model, c, stage=3, weights="int8",
                                                                            grads="int4"),
+    # The gradient reduce-scatters' compression chosen per bucket from the measured link (Adaptive).
+    "braid-zero3-auto-grads": lambda model, c: _braid_wrapper(model, c, stage=3, grads="auto"),
     # The same with the Communicator split by host: hpZ (the backward's gathers inside the host),
     # exact and with all of ZeRO++ (int8 weights, hpZ, int4 gradients summed exactly in the host).
     "braid-zero3-hpz": lambda model, c: _braid_wrapper(model, c, stage=3, hosts=True),
@@ -199,7 +212,7 @@ UNCHECKED = ("fsdp2-nocomm", "local")
 # Quantized runs follow the exact one within rounding of their weights and gradients: measured
 # within 0.06-0.9% of the loss in tests/test_fsdp.py; the bound is 1% of a loss of order 10.
 COMPRESSED = ("braid-zero3-int8-weights", "braid-zero3-int4-grads", "braid-zero3-int8-weights-int4-grads",
-              "braid-zero3-int8-weights-int4-grads-hpz")
+              "braid-zero3-int8-weights-int4-grads-hpz", "braid-zero3-auto-grads")
 LOSS_TOL = 0.1
 # The carrier of each implementation (--carrier keeps those it names; None moves nothing).
 CARRIER_OF = {
@@ -208,6 +221,7 @@ CARRIER_OF = {
     "fsdp2-braid-comms": "braid", "fsdp2-braid-comms-overlap": "braid", "fsdp2-braid-backend": "braid",
     "braid-zero2": "braid", "braid-zero3": "braid", "braid-zero3-int8-weights": "braid",
     "braid-zero3-int4-grads": "braid", "braid-zero3-int8-weights-int4-grads": "braid",
+    "braid-zero3-auto-grads": "braid",
     "braid-zero3-hpz": "braid", "braid-zero3-int8-weights-int4-grads-hpz": "braid",
     "fsdp2-nccl": "nccl", "fsdp2-braid-comms-on-nccl": "nccl", "braid-zero3-on-nccl": "nccl",
     "fsdp2-nocomm": None, "local": None,
@@ -333,6 +347,10 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
                               if config.uplink and config.link_mbit else None),
             "err": None if errors[impl] is None else float(f"{errors[impl]:.3g}"),
         })
+        q = _adaptive.pop(id(models[impl]), None)
+        if q is not None:  # what Adaptive chose per gradient bucket, and why
+            records[-1]["decisions"] = {str(k[-1] if isinstance(k, tuple) else k): [d.choice, d.reason]
+                                        for k, d in q.decisions().items()}
     return records
 
 
@@ -376,6 +394,11 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
           f"{config.seq}, {world_size} ranks, AdamW; memory = parameters + gradients + optimizer state "
           "per rank")
     print(_table(records))
+    for r in records:
+        if "decisions" in r:
+            ordered = sorted(r["decisions"].items(), key=lambda i: int(i[0]))
+            chose = ", ".join(f"{k}: {c}" for k, (c, _) in ordered)
+            print(f"# {r['impl']} chose per gradient bucket {{{chose}}}")
     # Losses of order 9 in float32; the implementations reduce in different orders, which moves
     # them by rounding only. A wrong gradient changes the loss after one step by far more.
     bad = [r for r in records if r["err"] is not None

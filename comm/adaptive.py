@@ -123,8 +123,11 @@ class Layout:
 @dataclass(frozen=True)
 class BucketMeasure:
     """One bucket: ``numel`` elements of ``elem_size`` bytes, ``window_s`` from its being ready to
-    the end of the backward, the estimated relative error of each candidate on it, and the
-    ``collective`` that carries it (ALL_REDUCE, or REDUCE_SCATTER: ``numel`` the whole input)."""
+    the end of the backward, the estimated relative error of each candidate on it, the
+    ``collective`` that carries it (ALL_REDUCE, or REDUCE_SCATTER: ``numel`` the whole input), and
+    ``link_busy_s``: how long the link spends in the window on the caller's other collectives
+    (the sharded wrapper's parameter all-gathers of the backward, :meth:`Adaptive.share_link`),
+    which the bucket's transfer cannot hide behind."""
 
     key: Hashable
     numel: int
@@ -132,6 +135,12 @@ class BucketMeasure:
     window_s: float
     error: Mapping[str, float] = field(default_factory=dict)
     collective: str = ALL_REDUCE
+    link_busy_s: float = 0.0
+
+    @property
+    def free_s(self) -> float:
+        """The window's time the link has for this bucket and those after it."""
+        return max(0.0, self.window_s - self.link_busy_s)
 
 
 @dataclass(frozen=True)
@@ -238,12 +247,16 @@ def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mappin
     sums in turn: the next bucket waits for all of it). Codec kernels run on the cores (or the GPU)
     the backward computes on: one that starts before the backward ends pushes the rest of the
     backward, and the buckets it has still to make ready, later by its time. The overhead is
-    whichever ends last, the engine or the pushed backward."""
+    whichever ends last, the engine or the pushed backward.
+
+    The link's time for other traffic in a bucket's window (``link_busy_s``) is not the buckets':
+    a bucket is ready, on the link's free time, ``free_s`` before the end of the backward (the
+    other collectives go first: the backward waits on the parameters they gather)."""
     engine_free = -math.inf
     pushed = 0.0  # codec time taken from the backward so far: it now ends this much later
     for b in sorted(m.buckets, key=lambda b: -b.window_s):
         name = plan[b.key]
-        start = max(-b.window_s + pushed, engine_free)
+        start = max(-b.free_s + pushed, engine_free)
         codec = codec_s(name, b, m)
         if start < pushed:  # the backward is still computing
             pushed += codec
@@ -313,10 +326,11 @@ def decide(m: Measurements, current: Mapping[Hashable, str], *, candidates: Sequ
 def _reason(b: BucketMeasure, name: str, m: Measurements, compressors: Mapping, cost: float,
             exact_cost: float, switched: bool, previous: str, gain: float, current_cost: float) -> str:
     exact_t = transfer_s(EXACT, None, b, m)
-    head = (f"exact transfer {exact_t * 1e3:.3g} ms, window {b.window_s * 1e3:.3g} ms; "
+    busy = f" ({b.link_busy_s * 1e3:.3g} ms of it the link's other traffic)" if b.link_busy_s > 0 else ""
+    head = (f"exact transfer {exact_t * 1e3:.3g} ms, window {b.window_s * 1e3:.3g} ms{busy}; "
             f"step overhead {cost * 1e3:.3g} ms")
     if name == EXACT:
-        if exact_t <= b.window_s:
+        if exact_t <= b.free_s:
             text = f"exact: its transfer hides in the window ({head})"
         else:
             text = f"exact: no candidate predicted faster ({head})"
@@ -467,7 +481,7 @@ class _Call:
     a CUDA device by marks on the device (:class:`DeviceMarks`), read at the next round."""
 
     __slots__ = ("key", "numel", "elem_size", "choice", "issued", "collective", "done", "window", "work",
-                 "marks", "issued_mark", "done_mark", "end_mark")
+                 "marks", "issued_mark", "done_mark", "end_mark", "shared")
 
     def __init__(self, key: Hashable, numel: int, elem_size: int, choice: str, issued: float,
                  collective: str = ALL_REDUCE, marks: Optional[DeviceMarks] = None):
@@ -482,6 +496,7 @@ class _Call:
         self.issued_mark = marks.mark() if marks is not None else None
         self.done_mark: Any = None
         self.end_mark: Any = None
+        self.shared = (0.0, 0.0)  # the caller's other bytes after this call in its step: (flat, in-host)
 
     def stamp(self, _fut: Any = None) -> None:
         if self.marks is not None:
@@ -565,6 +580,7 @@ class Adaptive(Compressor):
         self._next_round = self.warmup_steps if not self._decisions else self.warmup_steps + self.interval
         self._rounds = 0
         self._step_calls: list[_Call] = []   # this step's calls
+        self._shared: list[tuple] = []       # this step's other traffic since its first call (share_link)
         self._calls_since: list[_Call] = []  # calls of the steps since the last round
         self._errors: dict[Hashable, dict] = {}
         self._codec: dict[str, float] = {}   # seconds per element, EWMA over probe steps
@@ -624,6 +640,10 @@ class Adaptive(Compressor):
         """The backward of a step ended now (the DDP hook calls it at the last bucket): each call of
         the step gets its window, and the step counts toward the next decision round."""
         now = time.perf_counter()
+        for call in self._step_calls:
+            after = [(n, host) for t, n, host in self._shared if t >= call.issued]
+            call.shared = (sum(n for n, host in after if not host), sum(n for n, host in after if host))
+        self._shared = []
         # On a device the backward ends, in stream order, where its last bucket was issued.
         marked = [c for c in self._step_calls if c.marks is not None]
         end_mark = marked[-1].issued_mark if marked else None
@@ -639,6 +659,15 @@ class Adaptive(Compressor):
         self._calls_since.extend(self._step_calls)
         self._step_calls = []
         self._steps += 1
+
+    def share_link(self, nbytes: float, *, in_host: bool = False) -> None:
+        """The caller sent ``nbytes`` (this rank's bytes on the wire) by another collective on the
+        same group now, during the backward: the sharded wrapper's parameter all-gathers, flat over
+        the group or (``in_host``) inside this rank's host (hpZ). A bucket whose window holds such
+        traffic has that much less of the link to hide behind. Counted only after the step's first
+        call (earlier traffic is in no bucket's window)."""
+        if self._step_calls:
+            self._shared.append((time.perf_counter(), float(nbytes), bool(in_host)))
 
     # -- the all-reduce ----------------------------------------------------------------------
     def all_reduce(self, comm: Any, tensor: torch.Tensor, op: Op = "avg", *, key: Hashable = "default",
@@ -873,7 +902,8 @@ class Adaptive(Compressor):
 
     def _local_vector(self, keys: list, layout: Layout) -> list:
         """This rank's measurements: bandwidth per level, latency, codec cost per candidate (the
-        probe's, corrected by the real calls), then per bucket its elements, element size, window
+        probe's, corrected by the real calls), then per bucket its elements, element size, window,
+        the other traffic's bytes in that window (in the host, across hosts: :meth:`share_link`)
         and each candidate's error.
 
         The link is fitted from the exact calls alone (their time is the link's); the compressed
@@ -900,12 +930,12 @@ class Adaptive(Compressor):
         if exact:
             self._link_fit = fit_link(exact)
         if self._link_fit is None:
-            return self._vector(keys, calls, math.nan, {IN_HOST: math.nan, ACROSS_HOSTS: math.nan})
+            return self._vector(keys, calls, math.nan, {IN_HOST: math.nan, ACROSS_HOSTS: math.nan}, layout)
         latency, bw = self._link_fit
         bw = {**bw, **{level: float(rate) for level, rate in self.link.items()}}
         if exact:
             self._correct_codecs(fastest, layout, latency, bw)
-        return self._vector(keys, calls, latency, bw)
+        return self._vector(keys, calls, latency, bw, layout)
 
     def _correct_codecs(self, fastest: dict, layout: Layout, latency: float, bw: dict) -> None:
         """Per compressed candidate run since the last round: its calls' time beyond the predicted
@@ -927,17 +957,23 @@ class Adaptive(Compressor):
                 old = self._correction.get(choice)
                 self._correction[choice] = now if old is None else 0.5 * old + 0.5 * now
 
-    def _vector(self, keys: list, calls: list, latency: float, bw: dict) -> list:
+    def _vector(self, keys: list, calls: list, latency: float, bw: dict, layout: Layout) -> list:
         vec = [bw[IN_HOST], bw[ACROSS_HOSTS], latency]
         vec += [self._codec.get(n, math.nan) * self._correction.get(n, 1.0)
                 for n in self.candidates if n != EXACT]
+        # Flat traffic's bytes split by level as a flat collective's are: of the n - 1 peers a rank
+        # sends to, local - 1 share its host.
+        share_in = (layout.local - 1) / (layout.world - 1) if layout.world > 1 else 0.0
         for k in keys:
             mine = [c for c in calls if c.key == k and c.window is not None]
-            window = min(c.window for c in mine) if mine else math.nan
+            least = min(mine, key=lambda c: c.window) if mine else None  # its window, its traffic
+            window = least.window if least else math.nan
+            flat, host = least.shared if least else (math.nan, math.nan)
             numel = mine[-1].numel if mine else math.nan
             elem = mine[-1].elem_size if mine else math.nan
             errors = self._errors.get(k, {})
-            vec += [numel, elem, window] + [errors.get(n, math.nan) for n in self.candidates if n != EXACT]
+            vec += [numel, elem, window, flat * share_in + host, flat * (1 - share_in)]
+            vec += [errors.get(n, math.nan) for n in self.candidates if n != EXACT]
         return vec
 
     def _round(self, gather: Any, layout: Layout) -> None:
@@ -1025,8 +1061,10 @@ def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str], 
     """Every rank's vector into one set of measurements (``collectives``: each key's, the same on
     every rank, which make the same calls), the same on every rank: bandwidth the most
     any rank measured (a rank that waited for a later one counted the wait as transfer; the last
-    to arrive timed the link alone), codec costs and errors the worst rank's, windows the least."""
+    to arrive timed the link alone), codec costs and errors the worst rank's, windows the least,
+    the other traffic in them the most."""
     names = [n for n in candidates if n != EXACT]
+    per_bucket = 5  # numel, element size, window, other bytes in the host, across hosts
     cols = list(zip(*rows))
     bw_in, bw_ac = _known(list(cols[0])), _known(list(cols[1]))
     lat = _known(list(cols[2]))
@@ -1045,18 +1083,22 @@ def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str], 
         got = _known(list(cols[3 + i]))
         codec[n] = max(got) if got else math.inf
     buckets = []
-    base, width = 3 + len(names), 3 + len(names)
+    base, width = 3 + len(names), per_bucket + len(names)
     for j, k in enumerate(keys):
         at = base + j * width
-        numel, elem, window = (_known(list(cols[at + i])) for i in range(3))
+        numel, elem, window, other_in, other_across = (_known(list(cols[at + i])) for i in range(per_bucket))
         if not numel or not elem:
             continue
         errors = {}
         for i, n in enumerate(names):
-            got = _known(list(cols[at + 3 + i]))
+            got = _known(list(cols[at + per_bucket + i]))
             errors[n] = max(got) if got else math.inf
         least = max(0.0, min(window)) if window else 0.0
-        buckets.append(BucketMeasure(k, int(max(numel)), int(max(elem)), least, errors, collectives[k]))
+        # The other traffic: the most any rank sent, at each level's bandwidth.
+        busy = sum(max(got) / levels[level].bytes_per_s for level, got in ((IN_HOST, other_in),
+                                                                            (ACROSS_HOSTS, other_across))
+                   if got and max(got) > 0)
+        buckets.append(BucketMeasure(k, int(max(numel)), int(max(elem)), least, errors, collectives[k], busy))
     if not buckets:
         return None
     return Measurements(layout, levels, codec, buckets)

@@ -70,6 +70,47 @@ def test_a_bucket_whose_exact_transfer_hides_in_its_window_stays_exact():
     assert "hides in the window" in why[0].reason
 
 
+def test_the_links_other_traffic_in_a_window_is_not_the_buckets():
+    """The bucket that hides in its 200 ms window at 500 MB/s (the test above) does not when the
+    link carries 180 ms of other traffic in it (a sharded backward's parameter gathers): then it
+    is compressed too, and the reason says why. The traffic comes from share_link's bytes: 90 MB
+    sent flat over 2 hosts x 2 ranks is 30 MB in the host and 60 MB across; at 500 MB/s, 180 ms."""
+    m = _measure(500 * MB, [0.2, 0.0])
+    busy = adaptive._combine([[500 * MB, 500 * MB, 1e-4, *CODEC.values()]
+                              + [4 << 20, 4, 0.2, 30e6, 60e6, *ERRORS.values()]] * 2,
+                             [0], Layout(world=4, hosts=2, local=2), CANDIDATES, {0: "all_reduce"})
+    assert busy.buckets[0].link_busy_s == pytest.approx(0.18)
+    shared = Measurements(m.layout, m.levels, m.codec_s_per_elem,
+                          [BucketMeasure(0, 4 << 20, 4, 0.2, dict(ERRORS), link_busy_s=0.18), m.buckets[1]])
+    choices, why = _choices(shared)
+    assert choices[0] != "exact" and choices[1] == "bf16", why
+    assert "180 ms of it the link's other traffic" in why[0].reason
+
+
+def test_share_link_counts_the_traffic_after_each_call():
+    """Traffic noted after a bucket's call counts in that bucket's window (flat bytes split by the
+    layout's share of peers in the host; in-host bytes all in the host); traffic before the step's
+    first call, or in no step, counts nowhere and is not kept."""
+    q = comm.Adaptive()
+    q.share_link(1e9)  # before any call: nothing to count it against
+    assert q._shared == []
+    q._steps = 1
+    _, first = q._begin(0, torch.zeros(8), 5, 1, None, None)
+    q._record(first, None)
+    q.share_link(3e6)
+    _, second = q._begin(1, torch.zeros(8), 5, 1, None, None)
+    q._record(second, None)
+    q.share_link(1e6, in_host=True)
+    q.end_step()
+    assert first.shared == (3e6, 1e6) and second.shared == (0.0, 1e6) and q._shared == []
+    vec = q._vector([0, 1], q._calls_since, 1e-4, {"in_host": 1e9, "across_hosts": 1e8},
+                    Layout(world=4, hosts=2, local=2))
+    per = 5 + len(CANDIDATES) - 1
+    at = 3 + len(CANDIDATES) - 1
+    assert vec[at + 3:at + 5] == pytest.approx([1e6 + 1e6, 2e6])       # bucket 0: in host, across
+    assert vec[at + per + 3:at + per + 5] == pytest.approx([1e6, 0.0])  # bucket 1
+
+
 def test_queued_buckets_share_the_link():
     """Two 16 MB buckets ready at once, each alone hidden by its window (50 ms > 34 ms at 500 MB/s),
     together not: the second waits for the first, so the plan compresses one of them."""
@@ -528,12 +569,14 @@ def test_sharded_compresses_across_a_slow_link_and_trains_to_the_exact_loss():
     the two exact warm-up steps are bit for bit the exact run's, then every bucket is compressed
     (never top-k), with the same choices and reasons on both ranks, and the held-out loss reaches
     the exact sharded run's within the int8 hook's tolerance (test_ddp_hook: 10%; measured 0.031
-    against 0.035)."""
+    against 0.035). The gathers of the backward count in the windows of the buckets before them."""
     got = run_ranks(sharded_against_exact, 2, [0, 1], "braid", 60, (SLOW, 2 * SLOW))
     assert got[0][2] == got[1][2], "ranks decided differently"
     for (exact_loss, _, exact_warm, _), (loss, sent, warm, _), decided in got:
         assert _same_state(warm, exact_warm), "the warm-up steps are exact"
         assert decided and all(c not in ("exact", "topk") for c, _ in decided.values()), decided
+        # The backward's parameter gathers after a bucket's reduce-scatter take the link in its window.
+        assert any("the link's other traffic" in why for _, why in decided.values()), decided
         assert sent[-1] < sent[0] / 3, "the late steps send compressed pieces"
         assert exact_loss < 0.1 and loss <= 1.10 * exact_loss, (loss, exact_loss)
 

@@ -193,15 +193,23 @@ class Schedule:
                 piece, b.secondary = b.secondary, None
                 work = self.intra.all_gather(wire(b.full.detach()), wire(piece), async_op=True)
                 b.work = (work, keep, None, piece)
-                self._count("all_gather_in_host", piece.numel() * piece.element_size(),
-                            piece.numel() * piece.element_size(), self.intra.world_size)
+                nbytes = piece.numel() * piece.element_size()
+                self._count("all_gather_in_host", nbytes, nbytes, self.intra.world_size)
+                self._share_link((self.intra.world_size - 1) * nbytes, in_host=True)
                 continue
             out, inp, decode = self._gather_buffers(b)
             b.work = (c.all_gather(out, inp, async_op=True), keep, decode, inp)
-            self._count("all_gather", inp.numel() * inp.element_size(),
-                        b.shard_numel * b.full.element_size())
+            nbytes = inp.numel() * inp.element_size()
+            self._count("all_gather", nbytes, b.shard_numel * b.full.element_size())
+            self._share_link((c.world_size - 1) * nbytes)
         unit.in_flight = True
         self.in_flight.append(unit)
+
+    def _share_link(self, nbytes: int, in_host: bool = False) -> None:
+        """A gather during a synchronized backward shares the link with the gradients'
+        reduce-scatters: an Adaptive grad_compression counts it against their windows."""
+        if self.finish_queued and self.sync and isinstance(self.grad_compression, Adaptive):
+            self.grad_compression.share_link(nbytes, in_host=in_host)
 
     def _gather_buffers(self, b: Bucket) -> tuple:
         """(output, input, decode or None) of a bucket's all-gather. Quantized (qwZ): this rank's
