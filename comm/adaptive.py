@@ -45,6 +45,9 @@ DEFAULT_CANDIDATES = (EXACT, "bf16", "int8", "int4", "topk")
 IN_HOST, ACROSS_HOSTS = "in_host", "across_hosts"
 LEVELS = (IN_HOST, ACROSS_HOSTS)
 ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
+# The caller's other collectives on the link (Adaptive.share_link): exact bytes this rank sends,
+# flat over the group or inside its host. They time the link as the buckets' exact calls do.
+OTHER, OTHER_IN_HOST = "other", "other_in_host"
 # What each collective can carry. A reduce-scatter sends every rank one piece of the same size
 # (the sharded wrapper's qgZ: an all-to-all of quantized or 16-bit pieces, summed in float32);
 # top-k's selections differ from rank to rank, so it travels by all-gather, in all-reduces only.
@@ -74,7 +77,8 @@ ROUNDINGS = {ALL_REDUCE: {"bf16": 1, "fp16": 1, "int8": 2, "int4": 2, "topk": 1}
 # the compressed ones an all-to-all and an all-gather (a cast over a group: the same two phases);
 # a reduce-scatter, exact or an all-to-all of pieces, one.
 ROUNDS = {ALL_REDUCE: {EXACT: 1, "bf16": 2, "fp16": 2, "int8": 2, "int4": 2, "topk": 2},
-          REDUCE_SCATTER: {EXACT: 1, "bf16": 1, "fp16": 1, "int8": 1, "int4": 1}}
+          REDUCE_SCATTER: {EXACT: 1, "bf16": 1, "fp16": 1, "int8": 1, "int4": 1},
+          OTHER: {EXACT: 1}, OTHER_IN_HOST: {EXACT: 1}}
 # Ranks on one host reduce through shared memory (or NVLink), which moves a byte for less than a
 # codec encodes and decodes it: DESIGN section 8's "exact inside a host". Measured on the Xeon VM
 # (docs/results/2026-11-26-xeon-2vcpu.md, "Adaptive compression"): 1 MB all-reduced exactly in
@@ -181,6 +185,11 @@ def level_bytes(name: str, q: Optional[Compressor], numel: int, elem_size: int, 
     n, hosts, local = layout.world, layout.hosts, layout.local
     if n == 1:
         return 0.0, 0.0
+    if collective == OTHER_IN_HOST:  # ``numel`` bytes, inside the host
+        return float(numel * elem_size), 0.0
+    if collective == OTHER:  # ``numel`` bytes sent flat over the group
+        share_in = (local - 1) / (n - 1)
+        return numel * elem_size * share_in, numel * elem_size * (1 - share_in)
     if collective == REDUCE_SCATTER:
         return _reduce_scatter_bytes(q, numel, elem_size, layout)
     per = -(-numel // local)
@@ -581,6 +590,8 @@ class Adaptive(Compressor):
         self._rounds = 0
         self._step_calls: list[_Call] = []   # this step's calls
         self._shared: list[tuple] = []       # this step's other traffic since its first call (share_link)
+        self._other_calls: list[_Call] = []  # ... those of it with a work: link samples
+        self._stalls: list[tuple] = []       # this step's waits on other traffic: (end, seconds)
         self._calls_since: list[_Call] = []  # calls of the steps since the last round
         self._errors: dict[Hashable, dict] = {}
         self._codec: dict[str, float] = {}   # seconds per element, EWMA over probe steps
@@ -638,12 +649,14 @@ class Adaptive(Compressor):
     # -- steps -------------------------------------------------------------------------------
     def end_step(self) -> None:
         """The backward of a step ended now (the DDP hook calls it at the last bucket): each call of
-        the step gets its window, and the step counts toward the next decision round."""
+        the step gets its window (the backward's time from the call to now, less the waits
+        :meth:`stalled` reported in it), and the step counts toward the next decision round."""
         now = time.perf_counter()
         for call in self._step_calls:
             after = [(n, host) for t, n, host in self._shared if t >= call.issued]
             call.shared = (sum(n for n, host in after if not host), sum(n for n, host in after if host))
         self._shared = []
+        stalls, self._stalls = self._stalls, []
         # On a device the backward ends, in stream order, where its last bucket was issued.
         marked = [c for c in self._step_calls if c.marks is not None]
         end_mark = marked[-1].issued_mark if marked else None
@@ -655,19 +668,44 @@ class Adaptive(Compressor):
             elif call.marks is not None:
                 call.end_mark = end_mark
             else:
-                call.window = now - call.issued
+                waited = sum(min(seconds, end - call.issued) for end, seconds in stalls if end > call.issued)
+                call.window = max(0.0, now - call.issued - waited)
         self._calls_since.extend(self._step_calls)
-        self._step_calls = []
+        self._calls_since.extend(self._other_calls)
+        self._step_calls, self._other_calls = [], []
         self._steps += 1
 
-    def share_link(self, nbytes: float, *, in_host: bool = False) -> None:
-        """The caller sent ``nbytes`` (this rank's bytes on the wire) by another collective on the
-        same group now, during the backward: the sharded wrapper's parameter all-gathers, flat over
-        the group or (``in_host``) inside this rank's host (hpZ). A bucket whose window holds such
-        traffic has that much less of the link to hide behind. Counted only after the step's first
-        call (earlier traffic is in no bucket's window)."""
-        if self._step_calls:
-            self._shared.append((time.perf_counter(), float(nbytes), bool(in_host)))
+    def share_link(self, nbytes: int, *, in_host: bool = False, work: Any = None,
+                   device: Optional[torch.device] = None) -> None:
+        """The caller issued now, during the backward, another collective on the same group that
+        sends ``nbytes`` (this rank's bytes on the wire): the sharded wrapper's parameter
+        all-gathers, flat over the group or (``in_host``) inside this rank's host (hpZ). A bucket
+        whose window holds such traffic has that much less of the link to hide behind. With its
+        ``work`` (async, on ``device``; default the CPU) the call also times the link: it queues
+        with the buckets' calls, and both ranks start it from the queue together, where a bucket's
+        call issued by a late rank finds its peer's bytes already buffered and looks fast. Counted
+        only after the step's first call (earlier traffic is in no bucket's window)."""
+        if not self._step_calls:
+            return
+        now = time.perf_counter()
+        self._shared.append((now, float(nbytes), bool(in_host)))
+        if work is not None:
+            call = _Call(OTHER, int(nbytes), 1, EXACT, now, OTHER_IN_HOST if in_host else OTHER,
+                         _marks_for(device or torch.device("cpu")))
+            completed_at = getattr(work, "completed_at", None)
+            if call.marks is None and completed_at is not None:
+                call.work = work
+            else:
+                work.get_future().then(call.stamp)
+            self._other_calls.append(call)
+
+    def stalled(self, seconds: float) -> None:
+        """The backward waited ``seconds``, ending now, on the caller's other collectives (the
+        sharded wrapper, blocked on a parameter gather): time the bucket windows that span it do
+        not compute in. Windows are the backward's compute from a bucket to its end; a wait the
+        link's traffic caused belongs to the communication the plan is deciding."""
+        if self._step_calls and seconds > 0:
+            self._stalls.append((time.perf_counter(), float(seconds)))
 
     # -- the all-reduce ----------------------------------------------------------------------
     def all_reduce(self, comm: Any, tensor: torch.Tensor, op: Op = "avg", *, key: Hashable = "default",

@@ -52,6 +52,10 @@ class Work:
     def is_success(self) -> bool:
         return self._w.is_success()
 
+    def completed_at(self) -> Optional[float]:
+        """When the collective completed, in ``time.perf_counter()``'s seconds; None before."""
+        return self._w.completed_at()
+
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed by braid's progress thread with the list of output
         tensors (as ``torch.distributed``'s Work), or with the error."""

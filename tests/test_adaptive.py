@@ -111,6 +111,46 @@ def test_share_link_counts_the_traffic_after_each_call():
     assert vec[at + per + 3:at + per + 5] == pytest.approx([1e6, 0.0])  # bucket 1
 
 
+class _Done:
+    """A finished work as braid's: it knows when it completed."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def completed_at(self):
+        return self.at
+
+
+def test_the_callers_waits_leave_the_windows_and_its_traffic_times_the_link(monkeypatch):
+    """On a scripted clock: a bucket issued at 0 s in a backward that ends at 0.3 s, of which the
+    caller waited 0.1 s on its gathers (stalled), has a 0.2 s window; a wait that began before the
+    bucket counts only from its issue. The gathers noted with their works time the link: 1 MB in
+    8.1 ms and 3 MB in 24.1 ms (sent after the bucket's call, the second queued behind the first)
+    fit 100 us of latency and 125 MB/s, the bucket's own call (compressed here) giving no link
+    sample."""
+    clock = [0.0]
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    q = comm.Adaptive()
+    q._steps = 1
+    q._decisions = {0: adaptive.Decision("int4", "given")}
+    q.stalled(1.0)  # before the step's first call: in no window
+    _, call = q._begin(0, torch.zeros(8), 5, 2, lambda out, inp: out, lambda: TWO_HOSTS)
+    q._record(call, None)  # "done" at once: the compressed call gives no exact sample
+    q.share_link(1e6, work=_Done(0.0081))
+    clock[0] = 0.0081
+    q.share_link(3e6, work=_Done(0.0322))
+    clock[0] = 0.05
+    q.stalled(0.08)  # began at -0.03: 0.05 of it after the bucket's issue
+    clock[0] = 0.25
+    q.stalled(0.05)
+    clock[0] = 0.3
+    q.end_step()
+    assert call.window == pytest.approx(0.3 - 0.05 - 0.05) and call.shared == (4e6, 0.0)
+    q._local_vector([0], TWO_HOSTS)
+    latency, bw = q._link_fit
+    assert latency == pytest.approx(1e-4) and bw["across_hosts"] == pytest.approx(125e6)
+
+
 def test_queued_buckets_share_the_link():
     """Two 16 MB buckets ready at once, each alone hidden by its window (50 ms > 34 ms at 500 MB/s),
     together not: the second waits for the first, so the plan compresses one of them."""

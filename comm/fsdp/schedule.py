@@ -30,6 +30,7 @@ backward (the same units, the same parameters used), as with DDP.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -195,21 +196,29 @@ class Schedule:
                 b.work = (work, keep, None, piece)
                 nbytes = piece.numel() * piece.element_size()
                 self._count("all_gather_in_host", nbytes, nbytes, self.intra.world_size)
-                self._share_link((self.intra.world_size - 1) * nbytes, in_host=True)
+                self._share_link((self.intra.world_size - 1) * nbytes, work, piece.device, in_host=True)
                 continue
             out, inp, decode = self._gather_buffers(b)
-            b.work = (c.all_gather(out, inp, async_op=True), keep, decode, inp)
+            work = c.all_gather(out, inp, async_op=True)
+            b.work = (work, keep, decode, inp)
             nbytes = inp.numel() * inp.element_size()
             self._count("all_gather", nbytes, b.shard_numel * b.full.element_size())
-            self._share_link((c.world_size - 1) * nbytes)
+            self._share_link((c.world_size - 1) * nbytes, work, inp.device)
         unit.in_flight = True
         self.in_flight.append(unit)
 
-    def _share_link(self, nbytes: int, in_host: bool = False) -> None:
+    def _adaptive_in_backward(self) -> Optional[Adaptive]:
+        """The Adaptive grad_compression while a synchronized backward runs (else None)."""
+        q = self.grad_compression
+        return q if self.finish_queued and self.sync and isinstance(q, Adaptive) else None
+
+    def _share_link(self, nbytes: int, work: Any, device: torch.device, in_host: bool = False) -> None:
         """A gather during a synchronized backward shares the link with the gradients'
-        reduce-scatters: an Adaptive grad_compression counts it against their windows."""
-        if self.finish_queued and self.sync and isinstance(self.grad_compression, Adaptive):
-            self.grad_compression.share_link(nbytes, in_host=in_host)
+        reduce-scatters: an Adaptive grad_compression counts it against their windows and times
+        the link by it."""
+        q = self._adaptive_in_backward()
+        if q is not None:
+            q.share_link(nbytes, in_host=in_host, work=work, device=device)
 
     def _gather_buffers(self, b: Bucket) -> tuple:
         """(output, input, decode or None) of a bucket's all-gather. Quantized (qwZ): this rank's
@@ -317,13 +326,20 @@ class Schedule:
     def _wait_gather(self, unit: Unit) -> None:
         if not unit.in_flight:
             return
+        q = self._adaptive_in_backward()
+        waited = 0.0  # a synchronized backward blocked on the link (an Adaptive leaves it out of windows)
         for b in unit.buckets:
             if b.work is not None:
-                (work, keep, decode, _), b.work = b.work, None
+                (work, keep, decode, sent), b.work = b.work, None
+                began = time.perf_counter()
                 work.wait()
+                if sent.device.type == "cpu":  # a CUDA wait only orders the stream
+                    waited += time.perf_counter() - began
                 if decode is not None:
                     decode()
                 keep.__exit__(None, None, None)  # the counter as it was at the launch
+        if q is not None:
+            q.stalled(waited)
         unit.in_flight = False
         unit.gathered = True
         self.in_flight.remove(unit)
