@@ -143,7 +143,8 @@ class BucketMeasure:
 
     @property
     def free_s(self) -> float:
-        """The window's time the link has for this bucket and those after it."""
+        """The window's time the link has for this bucket and those after it (what the reasons
+        compare its exact transfer with)."""
         return max(0.0, self.window_s - self.link_busy_s)
 
 
@@ -258,18 +259,28 @@ def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mappin
     backward, and the buckets it has still to make ready, later by its time. The overhead is
     whichever ends last, the engine or the pushed backward.
 
-    The link's time for other traffic in a bucket's window (``link_busy_s``) is not the buckets':
-    a bucket is ready, on the link's free time, ``free_s`` before the end of the backward (the
-    other collectives go first: the backward waits on the parameters they gather)."""
+    The caller's other traffic (``link_busy_s``: the sharded wrapper's parameter gathers) queues on
+    the same engine: what was issued after bucket i and before bucket i + 1 (the difference of
+    their ``link_busy_s``) follows bucket i's call, and the backward needs it when it reaches
+    bucket i + 1 (a ZeRO-3 backward prefetches the gather of the unit after the next): where it
+    is not there yet, the backward waits, and everything after it runs that much later."""
+    order = sorted(m.buckets, key=lambda b: -b.window_s)
     engine_free = -math.inf
-    pushed = 0.0  # codec time taken from the backward so far: it now ends this much later
-    for b in sorted(m.buckets, key=lambda b: -b.window_s):
+    pushed = 0.0  # how much later the backward runs than without communication
+    for i, b in enumerate(order):
         name = plan[b.key]
-        start = max(-b.free_s + pushed, engine_free)
+        ready = -b.window_s + pushed
+        start = max(ready, engine_free)
         codec = codec_s(name, b, m)
         if start < pushed:  # the backward is still computing
             pushed += codec
         engine_free = start + codec + transfer_s(name, compressors[name], b, m)
+        after = order[i + 1] if i + 1 < len(order) else None
+        follow = b.link_busy_s - (after.link_busy_s if after is not None else 0.0)
+        if follow > 0:
+            engine_free += follow
+            needed = -after.window_s + pushed if after is not None else pushed
+            pushed += max(0.0, engine_free - needed)
     return max(0.0, engine_free, pushed)
 
 
@@ -650,7 +661,8 @@ class Adaptive(Compressor):
     def end_step(self) -> None:
         """The backward of a step ended now (the DDP hook calls it at the last bucket): each call of
         the step gets its window (the backward's time from the call to now, less the waits
-        :meth:`stalled` reported in it), and the step counts toward the next decision round."""
+        :meth:`stalled` reported in it and the codec probes run in it), and the step counts toward
+        the next decision round."""
         now = time.perf_counter()
         for call in self._step_calls:
             after = [(n, host) for t, n, host in self._shared if t >= call.issued]
@@ -880,6 +892,7 @@ class Adaptive(Compressor):
         """Times each candidate ``collective`` carries on (up to PROBE_ELEMS of) this rank's bucket
         with its kernels, and keeps the error each would make on it."""
         self._probed.add(key)
+        began = time.perf_counter()
         x = tensor.detach().reshape(-1)[:PROBE_ELEMS].to(torch.float32)
         errors = {}
         for name, q in self._compressors.items():
@@ -891,6 +904,9 @@ class Adaptive(Compressor):
             acc[1] += x.numel()
             errors[name] = err * math.sqrt(ROUNDINGS[collective][name])
         self._errors[key] = errors
+        # The probe is no part of the backward: the windows of the calls before it leave it out.
+        end = time.perf_counter()
+        self._stalls.append((end, end - began))
 
     def _fold_probes(self) -> None:
         """The probe step's codec costs into the running estimate: an average over probe steps with

@@ -87,6 +87,28 @@ def test_the_links_other_traffic_in_a_window_is_not_the_buckets():
     assert "180 ms of it the link's other traffic" in why[0].reason
 
 
+def test_traffic_queued_behind_a_bucket_stalls_the_backward_that_needs_it():
+    """A ZeRO-3 backward: bucket 0 ready 100 ms before the end, then a 20 ms gather queued behind
+    it, which the backward needs 5 ms later, when bucket 1 is ready. Exact, bucket 0's 34 ms
+    (16 MB at 500 MB/s) would fit in the window with the gather (80 ms of it free), but the
+    gather then lands 49 ms after the backward wanted it, which the whole backward waits: so
+    bucket 0 is compressed. The same gather issued after the last bucket delays nothing the
+    backward computes, and bucket 0 stays exact."""
+    m = _measure(500 * MB, [0.1, 0.095])
+    needed = Measurements(m.layout, m.levels, m.codec_s_per_elem,
+                          [BucketMeasure(0, 4 << 20, 4, 0.1, dict(ERRORS), link_busy_s=0.02),
+                           BucketMeasure(1, 1024, 4, 0.095, dict(ERRORS))])
+    choices, why = _choices(needed)
+    assert choices[0] != "exact", why
+    # Exact: the engine frees at -100 + 34 + 20 ms, the backward wanted the gather at -95 ms.
+    assert why[0].exact_s == pytest.approx(0.049, abs=1e-3)
+    late = Measurements(m.layout, m.levels, m.codec_s_per_elem,
+                        [BucketMeasure(0, 4 << 20, 4, 0.1, dict(ERRORS), link_busy_s=0.02),
+                         BucketMeasure(1, 1024, 4, 0.095, dict(ERRORS), link_busy_s=0.02)])
+    choices, why = _choices(late)
+    assert choices == {0: "exact", 1: "exact"}, why
+
+
 def test_share_link_counts_the_traffic_after_each_call():
     """Traffic noted after a bucket's call counts in that bucket's window (flat bytes split by the
     layout's share of peers in the host; in-host bytes all in the host); traffic before the step's
@@ -149,6 +171,29 @@ def test_the_callers_waits_leave_the_windows_and_its_traffic_times_the_link(monk
     q._local_vector([0], TWO_HOSTS)
     latency, bw = q._link_fit
     assert latency == pytest.approx(1e-4) and bw["across_hosts"] == pytest.approx(125e6)
+
+
+def test_the_codec_probe_is_no_part_of_the_windows(monkeypatch):
+    """The step before a round that measures the codecs probes each bucket in its hook: 50 ms of
+    kernels run after the first bucket's call are left out of its window (0.1 s - 0.05 s)."""
+    clock = [0.0]
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+
+    def probe(name, q, x, scratch):
+        clock[0] += 0.05 / 4  # four candidates
+        return 1e-9, 0.01
+
+    monkeypatch.setattr(adaptive, "_probe", probe)
+    q = comm.Adaptive()
+    q._steps = 1
+    _, call = q._begin(0, torch.zeros(8), 5, 1, None, None)
+    q._record(call, None)
+    clock[0] = 0.02
+    q._probe_bucket(1, torch.zeros(8), "all_reduce")
+    assert clock[0] == pytest.approx(0.07)
+    clock[0] = 0.1
+    q.end_step()
+    assert call.window == pytest.approx(0.05)
 
 
 def test_queued_buckets_share_the_link():
