@@ -44,7 +44,8 @@ training (the two stand-ins compute something else: no check).
 
 --json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
 "params", "world_size", "batch", "seq", "step_ms", "carrier", "ratio_vs_fsdp2", "mem_mb",
-"sent_mb_per_step", "uplink_mb_per_step", "link_floor_ms", "err"}]};
+"sent_mb_per_step", "uplink_mb_per_step", "link_floor_ms", "err"}, with "decisions" ({bucket: [choice,
+reason]}) for an Adaptive's rows]};
 ``uplink_mb_per_step`` (with ``--uplink IFACE``) is what the busiest host sent through that interface
 per step, by the kernel's counter; ``link_floor_ms`` (with ``--link-mbit``) those bytes over the
 link's rate, the least time the step's traffic needs;
