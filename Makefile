@@ -158,6 +158,7 @@ gpu-test:
 	status=0; \
 	$(GPU_PY) -m pytest tests/test_cuda_comm.py tests/test_cuda_backend.py tests/test_group.py tests/test_pg_compression.py \
 	  tests/test_compression_cuda.py tests/test_compression_kernels.py tests/test_cp.py::test_ring_attention_on_gpu \
+	  tests/test_adaptive.py::test_device_marks_time_the_device_not_the_host \
 	  -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	workers=$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
 	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py $$workers -q -rs -p no:cacheprovider 2>&1 \
