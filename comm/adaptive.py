@@ -559,7 +559,9 @@ class Adaptive(Compressor):
     ``warmup_steps`` steps are exact and measured; the first decision round is at step
     ``warmup_steps``. Over a braid communicator or any process group (gloo, NCCL, HostGroups:
     exact inside a host, the choice across); as the sharded wrapper's ``grad_compression``, its
-    gradient reduce-scatters (:meth:`reduce_scatter`: exact, bf16, fp16, int8 or int4)."""
+    gradient reduce-scatters (:meth:`reduce_scatter`: exact, bf16, fp16, int8 or int4). A caller
+    whose backward runs other collectives on the same group tells it of them (:meth:`share_link`)
+    and of its waits on them (:meth:`stalled`), as the sharded wrapper does for its gathers."""
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, *, error_budget: float = 0.3,
                  interval: int = 8, hysteresis: float = 0.1, link: Optional[Mapping[str, float]] = None,
