@@ -684,6 +684,14 @@ class Adaptive(Compressor):
             else:
                 waited = sum(min(seconds, end - call.issued) for end, seconds in stalls if end > call.issued)
                 call.window = max(0.0, now - call.issued - waited)
+        for call in self._other_calls:
+            # Its work may hold the gather's buffers (a quantized gather's payloads): not kept until
+            # the round. Done by now as a rule (the backward waited for it); else its future stamps it.
+            if call.work is not None:
+                call.finished()
+                if call.done is None:
+                    call.work.get_future().then(call.stamp)
+                call.work = None
         self._calls_since.extend(self._step_calls)
         self._calls_since.extend(self._other_calls)
         self._step_calls, self._other_calls = [], []

@@ -168,6 +168,9 @@ def test_the_callers_waits_leave_the_windows_and_its_traffic_times_the_link(monk
     clock[0] = 0.3
     q.end_step()
     assert call.window == pytest.approx(0.3 - 0.05 - 0.05) and call.shared == (4e6, 0.0)
+    # The gathers' works (which may hold their buffers) are let go at the end of the step.
+    others = [c for c in q._calls_since if c.key == adaptive.OTHER]
+    assert len(others) == 2 and all(c.work is None and c.done is not None for c in others)
     q._local_vector([0], TWO_HOSTS)
     latency, bw = q._link_fit
     assert latency == pytest.approx(1e-4) and bw["across_hosts"] == pytest.approx(125e6)
