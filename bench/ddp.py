@@ -306,7 +306,6 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     return "\n".join(lines), rows
 
 
-
 def _int8_over_gloo(step_s: dict, wire_ratio: dict) -> str:
     """The process-group carrier's targets, where the run has the modes: the int8 hook over gloo
     sends >= 3.9x fewer bytes than the exact exchange and steps no slower than torch's fp16 hook."""

@@ -714,8 +714,7 @@ class Adaptive(Compressor):
         if work is not None:
             call = _Call(OTHER, int(nbytes), 1, EXACT, now, OTHER_IN_HOST if in_host else OTHER,
                          _marks_for(device or torch.device("cpu")))
-            completed_at = getattr(work, "completed_at", None)
-            if call.marks is None and completed_at is not None:
+            if call.marks is None and hasattr(work, "completed_at"):
                 call.work = work
             else:
                 work.get_future().then(call.stamp)
@@ -847,7 +846,7 @@ class Adaptive(Compressor):
     def _record(self, call: _Call, work: Any) -> Any:
         if work is None:
             call.stamp()
-        elif call.work is None or call.marks is not None:
+        elif call.work is None:  # (set only for host-timed braid calls)
             work.get_future().then(call.stamp)
         self._step_calls.append(call)
         return work
@@ -1025,9 +1024,6 @@ class Adaptive(Compressor):
         vec = [bw[IN_HOST], bw[ACROSS_HOSTS], latency]
         vec += [self._codec.get(n, math.nan) * self._correction.get(n, 1.0)
                 for n in self.candidates if n != EXACT]
-        # Flat traffic's bytes split by level as a flat collective's are: of the n - 1 peers a rank
-        # sends to, local - 1 share its host.
-        share_in = (layout.local - 1) / (layout.world - 1) if layout.world > 1 else 0.0
         for k in keys:
             mine = [c for c in calls if c.key == k and c.window is not None]
             least = min(mine, key=lambda c: c.window) if mine else None  # its window, its traffic
@@ -1036,7 +1032,9 @@ class Adaptive(Compressor):
             numel = mine[-1].numel if mine else math.nan
             elem = mine[-1].elem_size if mine else math.nan
             errors = self._errors.get(k, {})
-            vec += [numel, elem, window, flat * share_in + host, flat * (1 - share_in)]
+            # The other traffic's bytes by level: the flat part split as a flat collective's.
+            flat_in, flat_across = level_bytes(EXACT, None, flat, 1, layout, OTHER)
+            vec += [numel, elem, window, flat_in + host, flat_across]
             vec += [errors.get(n, math.nan) for n in self.candidates if n != EXACT]
         return vec
 

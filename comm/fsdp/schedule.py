@@ -331,9 +331,10 @@ class Schedule:
         for b in unit.buckets:
             if b.work is not None:
                 (work, keep, decode, sent), b.work = b.work, None
-                began = time.perf_counter()
+                timed = q is not None and sent.device.type == "cpu"  # a CUDA wait only orders the stream
+                began = time.perf_counter() if timed else 0.0
                 work.wait()
-                if sent.device.type == "cpu":  # a CUDA wait only orders the stream
+                if timed:
                     waited += time.perf_counter() - began
                 if decode is not None:
                     decode()
