@@ -8,10 +8,13 @@ gloo and of braid with each of its algorithms, against the ring optimum.
 
 The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
 /dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
-Every rank runs braid and gloo in the same process, their batches alternating, and reports the
-nccl-tests columns plus link use: the bytes that left the host's uplink during the batch (the
-kernel's counter of the host's interface), over the batch's time, over the link rate. Needs root
-and iproute2; elsewhere it says why and exits 0.
+Every rank runs braid and gloo in the same process, their batches taking turns in an order that
+rotates every round (bench/turns.py), each after a barrier, and reports the nccl-tests columns
+plus link use: the bytes that left the host's uplink during the batch (the kernel's counter of
+the host's interface), over the batch's time, over the link rate. A group's setup (built and its
+first 4-byte all_reduce; gloo's, then braid's) is timed on each rank from a barrier on the store
+that every rank has passed, and reported for the slowest rank. Needs root and iproute2; elsewhere
+it says why and exits 0.
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def rank_main(settings: dict) -> int:
     import torch.distributed as dist
     from braid import comm
 
+    from .turns import order_of_round
+
     # torch 2.13 renamed reduce_scatter_tensor; both spellings take the same arguments.
     _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     torch.set_num_threads(1)
@@ -113,12 +118,17 @@ def rank_main(settings: dict) -> int:
     store = dist.TCPStore(settings["master"], STORE_PORT, world, is_master=rank == 0, timeout=timeout)
     # Setup: each library's group built and its first (4-byte) all_reduce done, and the sockets
     # that left this process holding (braid connects on demand: its count grows with what runs).
-    before, t0 = _sockets(), time.perf_counter()
+    # Each is timed from the same starting line, every rank past a barrier on the store: timed
+    # from a rank's own start, a setup would also hold how much later the last rank started.
+    before = _sockets()
+    _line_up(store, world, "gloo")
+    t0 = time.perf_counter()
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("gloo/", store), rank=rank, world_size=world, timeout=timeout
     )
     dist.all_reduce(torch.ones(1))
     gloo_setup, gloo_sockets = time.perf_counter() - t0, _sockets() - before
+    _line_up(store, world, "braid")
     t0 = time.perf_counter()
     c = comm.Communicator(dist.PrefixStore("braid/", store), rank, world, timeout=settings["timeout"])
     c.all_reduce(torch.ones(1))
@@ -174,8 +184,8 @@ def rank_main(settings: dict) -> int:
             dist.all_reduce(one, op=dist.ReduceOp.MAX)
             iters[impl] = max(2, min(settings["max_iters"], math.ceil(MIN_BATCH_S / max(one.item(), 1e-6))))
         best = {}
-        for _ in range(settings["rounds"]):
-            for impl in impls:
+        for round_index in range(settings["rounds"]):
+            for impl in order_of_round(impls, round_index):
                 x = inputs[impl]
                 t = x.clone()
                 wrong = 0
@@ -240,6 +250,14 @@ def rank_main(settings: dict) -> int:
         print("RECORDS " + json.dumps(records), flush=True)
         print("SETUP " + json.dumps(setup), flush=True)
     return 0
+
+
+def _line_up(store, world: int, name: str) -> None:
+    """Returns once all ``world`` ranks have called it with ``name``: a barrier on the store, the
+    starting line of a timed setup (the last rank to arrive opens it; the store tells the others)."""
+    if store.add(f"line/{name}", 1) == world:
+        store.set(f"line/{name}/open", "1")
+    store.wait([f"line/{name}/open"])
 
 
 def _sockets() -> int:
@@ -618,7 +636,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     )
     parser.add_argument("--iters", type=int, default=50, help="most iterations of a timed batch (default 50)")
     parser.add_argument(
-        "--rounds", type=int, default=2, help="alternating rounds; the best counts (default 2)"
+        "--rounds", type=int, default=2,
+        help="rounds, the implementations' order rotating every round; the best counts (default 2)"
     )
     parser.add_argument("--quick", action="store_true", help="the short run of `make bench`")
     parser.add_argument(

@@ -34,9 +34,10 @@ unit / ``fully_shard`` module) and the same batches:
 - ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
 
 A step is ``zero_grad``, forward, cross-entropy loss, backward and an AdamW step. Timing: the
-implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
-barrier, then ``--steps`` steps timed together; a round's time per step is the slowest rank's;
-the result is the median over ``--rounds`` rounds after ``--warmup`` steps. Memory: the bytes a
+implementations take turns (so a slow phase of the machine hits them alike), in an order that
+rotates every round (bench/turns.py): each turn a gloo barrier, then ``--steps`` steps timed
+together; a round's time per step is the slowest rank's; the result is the median over
+``--rounds`` rounds after ``--warmup`` steps. Memory: the bytes a
 rank holds between steps for parameters, gradients and optimizer state, summed from tensor sizes
 (storage shared by several tensors counted once). ``err``: the largest difference between the
 implementation's losses over the warm-up steps and fsdp2-gloo's, a check that each runs the same
@@ -44,11 +45,12 @@ training (the two stand-ins compute something else: no check).
 
 --json writes {"benchmark": "sharding", "date", "machine", "config", "records": [{"impl",
 "params", "world_size", "batch", "seq", "step_ms", "carrier", "ratio_vs_fsdp2", "mem_mb",
-"sent_mb_per_step", "uplink_mb_per_step", "link_floor_ms", "err"}, with "decisions" ({bucket: [choice,
-reason]}) for an Adaptive's rows]};
+"sent_mb_per_step", "uplink_mb_per_step", "link_floor_ms", "below_link_floor", "err"}, with
+"decisions" ({bucket: [choice, reason]}) for an Adaptive's rows]};
 ``uplink_mb_per_step`` (with ``--uplink IFACE``) is what the busiest host sent through that interface
-per step, by the kernel's counter; ``link_floor_ms`` (with ``--link-mbit``) those bytes over the
-link's rate, the least time the step's traffic needs;
+per step, by the kernel's counter; ``link_floor_ms`` (with ``--link-mbit``) the least step time the
+link allows those bytes (turns.UplinkCounter: per round, the busiest host's bytes less the bucket
+of the interface's tbf shaper, at its rate); a step below its floor is a finding (exit status 3);
 ratio_vs_fsdp2 and err are against FSDP2 on the same carrier: ``fsdp2-nccl`` for NCCL rows, else
 ``fsdp2-gloo``.
 """
@@ -70,7 +72,6 @@ from braid.comm import fsdp
 
 from . import launch, report, turns
 from .models import LanguageModel
-from .simhosts import tx_bytes
 from .tp import LocalCommunicator
 
 REFERENCE = "fsdp2-gloo"
@@ -244,28 +245,6 @@ class Config:
     link_mbit: int = 0          # its rate: the link floor of each step
 
 
-class UplinkCounter:
-    """Bytes that leave this host through ``interface`` during each implementation's timed steps,
-    read by one rank per host (``reads``) around every step: all of the host's ranks step
-    together, so the host's traffic of a step lies between the reads."""
-
-    def __init__(self, interface: str | None, reads: bool):
-        self.interface = interface if reads else None
-        self.sent: dict[str, int] = {}
-
-    def wrap(self, impl: str, step: Callable[[], object]) -> Callable[[], object]:
-        if self.interface is None:
-            return step
-        self.sent.setdefault(impl, 0)
-
-        def counted():
-            before = tx_bytes(self.interface)
-            out = step()
-            self.sent[impl] += tx_bytes(self.interface) - before
-            return out
-        return counted
-
-
 def _memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Parameters (local shards, and full buffers a wrapper keeps), gradients, optimizer state."""
     if isinstance(model, fsdp.ShardedModule):
@@ -310,7 +289,7 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
         opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
         progress(impl, "warmup", 4 * nparams)
         losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(run.warmup)]
-    uplink = UplinkCounter(config.uplink, reads=c.local_rank == 0)
+    uplink = turns.UplinkCounter(config.uplink, reads=c.local_rank == 0, link_mbit=config.link_mbit)
     steps = {impl: uplink.wrap(impl, turns.synchronized(
         functools.partial(_step, models[impl], opts[impl], ids, shape.vocab), device)) for impl in models}
     for m in models.values():
@@ -322,8 +301,7 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
                    else None) for impl, m in models.items()}
     held = [float(_memory_bytes(models[i], opts[i])) for i in models]
     memory = dict(zip(models, turns.max_over_ranks(held)))
-    # The busiest host's uplink (one rank per host reads; the others report 0).
-    through = dict(zip(models, turns.max_over_ranks([float(uplink.sent.get(i, 0)) / timed for i in models])))
+    through, floor = uplink.busiest(list(models), run.rounds, run.steps)
     errors = {}
     for impl in models:
         ref = losses.get(_reference(impl))
@@ -342,10 +320,10 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
             # braid's wrapper: bytes this rank sent per step (gathers and reduce-scatters).
             "sent_mb_per_step": None if sent[impl] is None else round(sent[impl] / 2**20, 3),
             # --uplink: bytes through the busiest host's uplink per step (the kernel's counter),
-            # and with --link-mbit the time the link needs for them: no step can be shorter.
+            # and with --link-mbit the least step time the link allows them (turns.UplinkCounter).
             "uplink_mb_per_step": round(through[impl] / 2**20, 3) if config.uplink else None,
-            "link_floor_ms": (round(through[impl] * 8 / (config.link_mbit * 1e6) * 1e3, 1)
-                              if config.uplink and config.link_mbit else None),
+            "link_floor_ms": None if floor[impl] is None else round(floor[impl] * 1e3, 1),
+            "below_link_floor": floor[impl] is not None and step[impl] < floor[impl],
             "err": None if errors[impl] is None else float(f"{errors[impl]:.3g}"),
         })
         q = _adaptive.pop(id(models[impl]), None)
@@ -407,12 +385,18 @@ def _report(config: Config, records: list[dict], world_size: int) -> int:
     if bad:
         print("# losses differ from FSDP2's on the same carrier: "
               + ", ".join(f"{r['impl']} ({r['err']:.3g})" for r in bad))
+    # The floor is what the link allows the bytes counted: a step below it means the count or the
+    # link's rate is wrong, and with them every floor of the run.
+    below = [r for r in records if r["below_link_floor"]]
+    if below:
+        print("# steps below their link floor: "
+              + ", ".join(f"{r['impl']} ({r['step_ms']:.1f} < {r['link_floor_ms']:.1f} ms)" for r in below))
     print(f"# wall time {time.time() - config.run.started:.1f} s, load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     if config.run.json_path:
         turns.write_json(config.run, "sharding",
                          {"model": str(config.model), "batch": config.batch, "seq": config.seq}, records)
-    return launch.EXIT_FINDINGS if bad else 0
+    return launch.EXIT_FINDINGS if bad or below else 0
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
@@ -428,8 +412,9 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="count the bytes each step sends through this network interface (a host's uplink, "
                         "read by one rank per host; python -m braid.bench multihost passes eth0)")
     p.add_argument("--link-mbit", type=int, default=0,
-                   help="the --uplink's rate (Mbit/s): adds each step's link floor, its uplink bytes over "
-                        "that rate (default 0: none)")
+                   help="the --uplink's rate (Mbit/s): adds each step's link floor, the least step time "
+                        "the link allows its uplink bytes (a tbf qdisc on the interface gives the rate and "
+                        "bucket; default 0: none)")
     return p
 
 

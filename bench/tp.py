@@ -19,9 +19,10 @@ projection split by columns, the output and down projections by rows):
   rank's share of the arithmetic alone.
 
 A step is ``zero_grad``, forward, and backward of a weighted sum of the output. Timing: the
-implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
-barrier, then ``--steps`` steps timed together; a round's time per step is the slowest rank's;
-the result is the median over ``--rounds`` rounds after ``--warmup`` steps. Exposed
+implementations take turns (so a slow phase of the machine hits them alike), in an order that
+rotates every round (bench/turns.py): each turn a gloo barrier, then ``--steps`` steps timed
+together; a round's time per step is the slowest rank's; the result is the median over
+``--rounds`` rounds after ``--warmup`` steps. Exposed
 communication = step time minus the ``compute`` step time: what communication (and, for DTensor,
 its dispatch) adds to the critical path. ``err`` is the largest difference of the output and of
 the input gradient from the dense block run locally, a check that the sharded step is the same

@@ -1,14 +1,18 @@
-"""What the model benchmarks (tp, sharding) share: run options, carriers, a rank's session, timing in turns.
+"""What the model benchmarks share: run options, carriers, a rank's session, timing in turns, uplink bytes.
 
-Implementations take turns (so a slow phase of the machine hits them alike): per round, a gloo
-barrier, then ``steps`` calls of one implementation timed together; a round's time per call is
-the slowest rank's, the result the median over rounds.
+Implementations take turns (so a slow phase of the machine hits them alike): per round, for each
+implementation a gloo barrier, then ``steps`` calls of it timed together; a round's time per call
+is the slowest rank's, the result the median over rounds. The order rotates by one place every
+round (:func:`order_of_round`): the DDP benchmark measured the mode that ran last in a step a few
+percent slower than the same exchange run earlier, so no implementation keeps one place.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from braid import comm
 
 from . import launch, report
+from .simhosts import find_tool, tx_bytes
 
 
 @dataclass(frozen=True)
@@ -189,12 +194,21 @@ def max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def order_of_round(impls: Sequence[str], round_index: int) -> list[str]:
+    """The order in which ``impls`` run in round ``round_index``: rotated by one place per round, so
+    over ``len(impls)`` rounds each runs once in every place (two alternate)."""
+    turn = round_index % len(impls) if impls else 0
+    return [*impls[turn:], *impls[:turn]]
+
+
 def time_in_turns(steps: Mapping[str, Callable[[], object]], run: RunOptions, progress: report.Progress,
                   nbytes: int) -> dict[str, float]:
-    """Seconds per call of each ``steps[impl]``: the median over rounds of the slowest rank."""
+    """Seconds per call of each ``steps[impl]``: the median over rounds of the slowest rank. Each
+    round runs the implementations in :func:`order_of_round`'s order, each after a barrier."""
     per_step: dict[str, list[float]] = {impl: [] for impl in steps}
-    for _ in range(run.rounds):
-        for impl, step in steps.items():
+    for round_index in range(run.rounds):
+        for impl in order_of_round(list(steps), round_index):
+            step = steps[impl]
             progress(impl, "step", nbytes)
             dist.barrier()
             begin = time.perf_counter()
@@ -202,6 +216,90 @@ def time_in_turns(steps: Mapping[str, Callable[[], object]], run: RunOptions, pr
                 step()
             per_step[impl].append((time.perf_counter() - begin) / run.steps)
     return {impl: statistics.median(max_over_ranks(times)) for impl, times in per_step.items()}
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """What bounds the bytes a host's uplink passes: its rate, and the bucket of a token-bucket
+    shaper (bytes it passes at once after an idle spell; 0 for a plain link). In any span of T
+    seconds the link passes at most ``bucket + bytes_per_s * T`` bytes."""
+
+    bytes_per_s: float
+    bucket: int
+
+    @classmethod
+    def of(cls, interface: str, mbit: float) -> "LinkShape":
+        """The shaping of ``interface`` in this network namespace: the rate and bucket of its root
+        tbf qdisc where it has one (simulated hosts shape their uplinks so; the bucket holds 4 ms
+        of traffic there, 0.5 MB at 1 Gbit), else ``mbit`` with no bucket (a physical link)."""
+        tc = find_tool("tc")
+        if tc is not None:
+            shown = subprocess.run([tc, "-j", "qdisc", "show", "dev", interface], capture_output=True,
+                                   text=True, timeout=30)
+            if shown.returncode != 0:
+                raise RuntimeError(f"--uplink {interface}: tc cannot show its qdisc: {shown.stderr.strip()}")
+            for qdisc in json.loads(shown.stdout or "[]"):
+                if qdisc.get("kind") == "tbf" and qdisc.get("root"):
+                    options = qdisc["options"]
+                    return cls(float(options["rate"]), int(options["burst"]))
+        return cls(mbit * 1e6 / 8, 0)
+
+    def floor_s(self, nbytes: float) -> float:
+        """The least seconds in which the link passes ``nbytes``: the bucket at once, the rest at
+        the rate."""
+        return max(0.0, nbytes - self.bucket) / self.bytes_per_s
+
+
+class UplinkCounter:
+    """Bytes that leave this host through ``interface`` during each of an implementation's timed
+    steps, read by one rank per host (``reads``) around every step: the host's ranks step
+    together, so the host's traffic of a round lies between the first and last reads, inside the
+    reading rank's timed round. With ``link_mbit`` the reading rank also knows the link's
+    :class:`LinkShape`, which turns a round's bytes into the least time the round can take."""
+
+    def __init__(self, interface: str | None, reads: bool, link_mbit: float = 0):
+        self.interface = interface if reads else None
+        self.link_mbit = link_mbit
+        self.shape = LinkShape.of(interface, link_mbit) if self.interface and link_mbit else None
+        self.sent: dict[str, list[int]] = {}
+
+    def wrap(self, impl: str, step: Callable[[], object]) -> Callable[[], object]:
+        """``step``, counting what the host sends during each call (as is where this rank does not
+        read)."""
+        if self.interface is None:
+            return step
+        sent = self.sent.setdefault(impl, [])
+
+        def counted():
+            before = tx_bytes(self.interface)
+            out = step()
+            sent.append(tx_bytes(self.interface) - before)
+            return out
+        return counted
+
+    def busiest(self, impls: Sequence[str], rounds: int, steps: int) -> tuple[dict, dict]:
+        """Over every host (a collective: every rank passes the same arguments): each
+        implementation's uplink bytes per step, the mean over its timed steps, and the floor of its
+        step time, None without ``link_mbit``.
+
+        The floor: per round, the busiest host's bytes less the bucket at the link's rate, over
+        ``steps``; the median over ``rounds``. Every rank's round time bounds the reading rank's,
+        which bounds the time its host's link needed for those bytes, so each round's time per step
+        (slowest rank) is at least that round's floor, and :func:`time_in_turns`'s median at least
+        the median floor."""
+        mean, floors = [], []
+        for impl in impls:
+            sent = self.sent.get(impl, [])
+            mean.append(sum(sent) / len(sent) if sent else 0.0)
+            per_round = [sum(sent[r * steps:(r + 1) * steps]) for r in range(rounds)]
+            floors += [self.shape.floor_s(b) / steps if self.shape else 0.0 for b in per_round]
+        mean = max_over_ranks(mean)
+        per_step = dict(zip(impls, mean))
+        if not self.link_mbit:
+            return per_step, dict.fromkeys(impls)
+        floors = max_over_ranks(floors)
+        return per_step, {impl: statistics.median(floors[i * rounds:(i + 1) * rounds])
+                          for i, impl in enumerate(impls)}
 
 
 def finish(run: RunOptions, benchmark: str, settings: dict, records: list[dict], bad: list[dict],

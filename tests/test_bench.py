@@ -131,13 +131,13 @@ def test_multihost_benchmark_runs(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/sys/class/net/lo/statistics/tx_bytes"), reason="no loopback counter")
-def test_sharding_uplink_counter_counts_what_a_step_sends():
-    """The sharding benchmark's uplink counter: bytes a step sends through the interface (here
-    1 MiB over loopback) are counted for that implementation only, and a rank that does not read
-    (not its host's first) counts nothing."""
+def test_uplink_counter_counts_what_a_step_sends():
+    """The model benchmarks' uplink counter (bench/turns.py): bytes a step sends through the
+    interface (here 1 MiB over loopback) are counted for that step of that implementation only,
+    and a rank that does not read (not its host's first) counts nothing."""
     import socket
 
-    from braid.bench.sharding import UplinkCounter
+    from braid.bench.turns import UplinkCounter
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
@@ -157,8 +157,143 @@ def test_sharding_uplink_counter_counts_what_a_step_sends():
     idle.wrap("a", step)()
     for s in (client, peer, server):
         s.close()
-    assert len(payload) <= counter.sent["a"] < 2 * len(payload), counter.sent
-    assert counter.sent["b"] < 64 << 10 and idle.sent == {}, (counter.sent, idle.sent)
+    (sent_a,), (sent_b,) = counter.sent["a"], counter.sent["b"]
+    assert len(payload) <= sent_a < 2 * len(payload), counter.sent
+    assert sent_b < 64 << 10 and idle.sent == {}, (counter.sent, idle.sent)
+
+
+def test_turns_rotate_and_each_follows_a_barrier(monkeypatch):
+    """time_in_turns: every round runs each implementation once, in an order rotated by one place
+    per round (each in every place once over three rounds), each turn after its own barrier and
+    timed over --steps calls."""
+    from types import SimpleNamespace
+
+    from braid.bench import report, turns
+
+    log = []
+    monkeypatch.setattr(turns.dist, "barrier", lambda: log.append("|"))
+    monkeypatch.setattr(turns, "max_over_ranks", lambda values: values)  # one rank
+    steps = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    run = SimpleNamespace(rounds=3, steps=2)
+    seconds = turns.time_in_turns(steps, run, report.Progress(9, enabled=False), 0)
+    assert "".join(log) == "|aa|bb|cc" "|bb|cc|aa" "|cc|aa|bb"
+    assert sorted(seconds) == ["a", "b", "c"] and all(t >= 0 for t in seconds.values())
+    assert turns.order_of_round(["x", "y"], 0) == ["x", "y"]
+    assert turns.order_of_round(["x", "y"], 1) == ["y", "x"]
+    assert turns.order_of_round(["x", "y"], 2) == ["x", "y"]
+
+
+def test_link_floor_of_rounds_by_hand(monkeypatch):
+    """The uplink counter's floor: per round, the busiest host's bytes less the shaper's bucket
+    at its rate, over the round's steps; the median over rounds. A rank that does not read
+    reports zeros, and no link rate means no floor."""
+    from braid.bench import turns
+
+    monkeypatch.setattr(turns, "max_over_ranks", lambda values: values)  # one rank
+    counter = turns.UplinkCounter(None, reads=False)
+    counter.shape = turns.LinkShape(bytes_per_s=1e6, bucket=100_000)
+    counter.link_mbit = 8
+    # Two steps a round, three rounds: 0.6, 0.1 (all within the bucket) and 1.1 MB per round.
+    counter.sent = {"a": [300_000, 300_000, 50_000, 50_000, 600_000, 500_000]}
+    per_step, floor = counter.busiest(["a", "b"], rounds=3, steps=2)
+    assert per_step == {"a": pytest.approx(1_800_000 / 6), "b": 0.0}
+    # Rounds: (0.6 - 0.1) / 2 = 0.25 s, 0, (1.1 - 0.1) / 2 = 0.5 s: median 0.25 s.
+    assert floor == {"a": pytest.approx(0.25), "b": 0.0}
+    counter.link_mbit = 0
+    assert counter.busiest(["a"], rounds=3, steps=2)[1] == {"a": None}
+    assert turns.LinkShape(1e6, 0).floor_s(2e6) == pytest.approx(2.0)
+
+
+@pytest.mark.timeout(120)
+def test_link_shape_read_from_the_interfaces_tbf():
+    """LinkShape.of reads rate and bucket from the interface's tbf qdisc (in a network namespace
+    of its own, as a simulated host's uplink), and takes the given rate with no bucket from an
+    interface without one."""
+    from braid.bench.simhosts import find_tool, unavailable_reason
+
+    if unavailable_reason(rate=True) is not None:
+        pytest.skip(f"no network namespaces with tbf here: {unavailable_reason(rate=True)}")
+    ip, tc = find_tool("ip"), find_tool("tc")
+    name = f"braid-test-shape-{os.getpid()}"
+    subprocess.run([ip, "netns", "add", name], check=True, timeout=30)
+    try:
+        subprocess.run([ip, "-n", name, "link", "add", "up0", "type", "veth", "peer", "name", "up1"],
+                       check=True, timeout=30)
+        subprocess.run([tc, "-n", name, "qdisc", "add", "dev", "up0", "root", "tbf", "rate", "250mbit",
+                        "burst", "40000", "latency", "50ms"], check=True, timeout=30)
+        probe = ("from braid.bench.turns import LinkShape; "
+                 "print(LinkShape.of('up0', 1000)); print(LinkShape.of('up1', 1000))")
+        done = subprocess.run([ip, "netns", "exec", name, sys.executable, "-c", probe], capture_output=True,
+                              text=True, timeout=90)
+    finally:
+        subprocess.run([ip, "netns", "del", name], timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["LinkShape(bytes_per_s=31250000.0, bucket=40000)",
+                                        "LinkShape(bytes_per_s=125000000.0, bucket=0)"]
+
+
+def test_moe_output_checks_bitwise_and_sum_order(monkeypatch):
+    """The MoE benchmark's check of outputs against gloo's: at top-2 one ulp apart fails (bitwise);
+    at top-3 other summation orders of float32 terms pass and twice their bound fails; int8
+    dispatch is reported, not checked."""
+    import torch
+    from braid.bench import moe
+
+    monkeypatch.setattr(moe.turns, "max_over_ranks", lambda values: values)  # one rank
+    g = torch.Generator().manual_seed(3)
+    terms = torch.randn(3, 64, 32, generator=g) * torch.logspace(-3, 3, 32)
+
+    class Gloo:
+        def term_magnitudes(self, x):
+            return terms.double().abs().sum(0)
+
+    layers = {"gloo": Gloo(), "braid": None, "braid-hier": None, "braid-hier-int8": None}
+    in_order = (terms[0] + terms[1]) + terms[2]
+    other_order = terms[0] + (terms[1] + terms[2])
+    assert not torch.equal(in_order, other_order)  # the case must round differently
+    first = {"gloo": in_order, "braid": in_order.clone(), "braid-hier": other_order,
+             "braid-hier-int8": in_order + 0.01}
+    checks = moe._check_outputs(first, layers, None, top_k=3)
+    assert checks["braid"] == ("sum order", 0.0, False)
+    assert checks["braid-hier"][0] == "sum order" and not checks["braid-hier"][2]
+    assert checks["braid-hier-int8"] == (None, pytest.approx(0.01, rel=1e-2), False)
+    gamma = 2 * 2.0 ** -24 / (1 - 2 * 2.0 ** -24)
+    beyond = in_order.double() + 4 * gamma * terms.double().abs().sum(0)
+    first["braid-hier"] = beyond.float()
+    assert moe._check_outputs(first, layers, None, top_k=3)["braid-hier"][2]
+
+    two = terms[0] + terms[1]
+    first = {"gloo": two, "braid": terms[1] + terms[0], "braid-hier": torch.nextafter(two, two + 1)}
+    checks = moe._check_outputs(first, {k: None for k in first}, None, top_k=2)
+    assert checks["braid"] == ("bitwise", 0.0, False)
+    assert checks["braid-hier"][0] == "bitwise" and checks["braid-hier"][2]
+
+
+@pytest.mark.timeout(300)
+def test_moe_benchmark_runs_and_checks(tmp_path):
+    """A short MoE run at top-3 on 2 ranks, then on 2 simulated hosts where they can be made: every
+    implementation's record, each exact one held to its check and passing, and across hosts a
+    link floor under every step."""
+    from braid.bench.simhosts import unavailable_reason
+
+    out = tmp_path / "moe.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "braid.bench", "moe", "--shape", "128x32x32x4x3", "--nproc", "2",
+         "--warmup", "1", "--steps", "1", "--rounds", "2", "--timeout", "60", "--json", str(out)],
+        capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    one_host = [r for r in records if r["hosts"] == 1]
+    assert sorted(r["impl"] for r in one_host) == sorted(("local", "gloo", "braid", "braid-on-gloo"))
+    assert all(r["check"] == "sum order" and not r["check_failed"] for r in one_host if r["impl"] != "gloo")
+    across = [r for r in records if r["hosts"] == 2]
+    if unavailable_reason(rate=True) is not None:
+        assert not across and "cannot be made here" in proc.stdout
+        return
+    assert sorted(r["impl"] for r in across) == sorted(("local", "gloo", "braid", "braid-hier",
+                                                         "braid-hier-int8"))
+    assert all(r["link_floor_ms"] is not None and not r["below_link_floor"] for r in across)
+    assert [r["check"] for r in across if r["impl"] == "braid-hier-int8"] == [None]
 
 
 def test_cost_model_counts_and_fit():

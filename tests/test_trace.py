@@ -1,7 +1,8 @@
 """braid.trace, the flight recorder's reader, on synthetic dumps written by the tests: the analyzer
 names missing ranks and mismatched fields, leaves evicted calls out, finds slow ranks and computes
 statistics by hand-checked numbers; the Chrome export has the right structure; bad files give a
-TraceFileError naming the file (exit status 2 on the command line), and fuzzed files never crash it.
+TraceFileError naming the file (on the command line: named on stderr, exit status 2, the other
+dumps still analyzed), and fuzzed files never crash it.
 No rank processes: the C++ recorder that writes the dumps is tested with the communicator."""
 import copy
 import json
@@ -535,15 +536,62 @@ def test_cli_from_repo_root_analyze_and_export(tmp_path):
     assert sum(e["ph"] == "X" for e in json.loads(out.read_text())["traceEvents"]) == 23
 
 
-def test_cli_bad_file_exits_2_with_one_line(tmp_path):
-    """A truncated dump: exit status 2, one line on stderr naming the file, no traceback."""
+def test_cli_bad_file_named_and_the_others_analyzed(tmp_path):
+    """A truncated dump among three: exit status 2, one line on stderr naming the file and why, no
+    traceback, and the other two dumps still analyzed, the bad one's rank said to have left an
+    unreadable dump rather than none."""
     for doc in hang_docs():
         write(tmp_path, doc)
     bad = tmp_path / f"braid-trace-{COMM}-rank1.json"
     bad.write_text(bad.read_text()[:100])
     done = _run_cli("analyze", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stdout == ""
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"python -m braid.trace: error: {bad}: not a braid-trace dump: "
                                   "truncated JSON")
+    assert f"communicator {COMM}: 3 ranks on 1 host, dumps from ranks 0, 2" in done.stdout
+    assert (f"rank 1 (host 0) left a dump that cannot be read, left out: {bad}: not a braid-trace dump: "
+            "truncated JSON") in done.stdout
+    assert "left no dump" not in done.stdout
+    assert "Unfinished: all_reduce seq 8: rank 2 still waiting" in done.stdout
+
+
+def test_corrupt_dump_costs_only_itself(tmp_path, capsys):
+    """load() with ``bad``: unreadable files are collected there, each with its TraceFileError, and
+    the rest returned; the command analyzes every communicator it can read (one JSON line each),
+    names each bad file, says a dump was bad by its exit status, and exports the rest too."""
+    for doc in hang_docs() + [dump_doc(r, 2, collectives(range(1, 4)), comm_id="other") for r in range(2)]:
+        write(tmp_path, doc)
+    broken = tmp_path / "braid-trace-other-rank1.json"
+    broken.write_text("rank 1 was here")
+    stray = tmp_path / "braid-trace-stray.json"
+    stray.write_text("")
+    with pytest.raises(TraceFileError, match="invalid JSON"):
+        load(tmp_path)
+    bad = {}
+    dumps = load(tmp_path, bad)
+    assert sorted(bad) == [str(broken), str(stray)]
+    assert "invalid JSON" in str(bad[str(broken)]) and "empty file" in str(bad[str(stray)])
+    assert [(d.comm_id, d.rank) for d in dumps] == [(COMM, 0), (COMM, 1), (COMM, 2), ("other", 0)]
+
+    assert main(["analyze", str(tmp_path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    results = {r["comm_id"]: r for r in map(json.loads, out.splitlines())}
+    assert results[COMM]["unreadable_dumps"] == {} and results[COMM]["first_divergence"]["seq"] == 8
+    assert results["other"]["ranks"] == [0] and results["other"]["missing_dumps"] == [1]
+    assert list(results["other"]["unreadable_dumps"]) == ["1"]
+    assert results["other"]["unreadable_dumps"]["1"].startswith(f"{broken}: not a braid-trace dump")
+    assert err.splitlines() == [f"python -m braid.trace: error: {bad[str(broken)]}",
+                                f"python -m braid.trace: error: {bad[str(stray)]}"]
+
+    chrome = tmp_path / "out.json"
+    assert main(["export", str(tmp_path), "--chrome", str(chrome)]) == 2
+    assert "calls of 4 ranks" in capsys.readouterr().out
+    assert len({e["pid"] for e in json.loads(chrome.read_text())["traceEvents"]}) == 4  # a process per rank
+
+    for path in tmp_path.glob("braid-trace-*.json"):
+        if path not in (broken, stray):
+            path.unlink()
+    assert main(["analyze", str(tmp_path)]) == 2  # nothing readable: only the errors
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 2

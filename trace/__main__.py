@@ -8,12 +8,14 @@ from collections.abc import Sequence
 
 from .analysis import DEFAULT_RECENT, analyze
 from .chrome import to_chrome
-from .dump import TraceFileError, communicators, load
+from .dump import TraceFileError, communicators, load, named_in_file
 from .report import render
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command; returns the exit status (2: unreadable dumps or bad arguments)."""
+    """Runs the command; returns the exit status (2: bad arguments, nothing to read, or a dump
+    that cannot be read: each such dump is named on stderr and the others are still analyzed or
+    exported)."""
     parser = argparse.ArgumentParser(
         prog="python -m braid.trace",
         description="Reads braid's flight-recorder dumps (braid-trace-<comm>-rank<R>.json, one per rank).")
@@ -41,11 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     export_cmd.add_argument("--chrome", metavar="OUT.json", required=True, help="the trace file to write")
     ns = parser.parse_args(argv)
 
+    bad: dict[str, TraceFileError] = {}
     try:
-        groups = communicators(load(ns.path))
+        groups = communicators(load(ns.path, bad))
     except TraceFileError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    # {comm_id: {rank: why}} of the unreadable dumps, by the recorder's file names.
+    unreadable: dict[str, dict[int, str]] = {}
+    for path, error in bad.items():
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        named = named_in_file(path)
+        if named is not None:
+            unreadable.setdefault(named[0], {})[named[1]] = str(error)
+    status = 2 if bad else 0
+    if not groups:
+        return status
     if ns.comm is not None:
         chosen = [c for c in groups if c == ns.comm] or [c for c in groups if c.startswith(ns.comm)]
         if len(chosen) != 1:
@@ -54,12 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups = {chosen[0]: groups[chosen[0]]}
 
     if ns.command == "analyze":
-        results = [analyze(group, recent=ns.recent) for group in groups.values()]
+        results = [analyze(group, recent=ns.recent, unreadable=unreadable.get(comm_id))
+                   for comm_id, group in groups.items()]
         if ns.json:
             sys.stdout.write("".join(json.dumps(r) + "\n" for r in results))
         else:
             sys.stdout.write("\n".join(render(r) for r in results))
-        return 0
+        return status
     trace = to_chrome([d for group in groups.values() for d in group])
     try:
         with open(ns.chrome, "w") as f:
@@ -71,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ranks = sum(len(group) for group in groups.values())
     print(f"wrote {ns.chrome}: {calls} calls of {ranks} rank{'s' if ranks != 1 else ''}; "
           f"open it in ui.perfetto.dev or chrome://tracing")
-    return 0
+    return status
 
 
 def _positive_int(text: str) -> int:

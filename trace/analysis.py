@@ -6,7 +6,7 @@ the rules."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from .dump import Dump, Entry, communicators
@@ -48,13 +48,16 @@ def call_size(entry: Entry, world_size: int) -> Optional[int]:
     return entry.count * itemsize * chunks
 
 
-def analyze(dumps: Sequence[Dump], recent: int = DEFAULT_RECENT) -> dict:
+def analyze(dumps: Sequence[Dump], recent: int = DEFAULT_RECENT,
+            unreadable: Mapping[int, str] | None = None) -> dict:
     """Analyzes the dumps of one communicator (``communicators()`` splits a directory's dumps).
 
     Returns {"comm_id", "world_size", "hosts", "ranks" (those with a dump), "missing_dumps",
-    "dumps" (per rank: reason, dump time, buffer, last call), "window" (what eviction left to
-    compare), "first_divergence", "stuck", "slowest", "slowest_rank", "slowest_window", "stats"}.
-    ``recent``: how many of the last collectives every rank recorded are used to find slow ranks."""
+    "unreadable_dumps", "dumps" (per rank: reason, dump time, buffer, last call), "window" (what
+    eviction left to compare), "first_divergence", "stuck", "slowest", "slowest_rank",
+    "slowest_window", "stats"}. ``recent``: how many of the last collectives every rank recorded
+    are used to find slow ranks. ``unreadable``: {rank: why} for ranks whose dump file exists but
+    could not be read (``load``'s ``bad``); those of the missing ranks are in "unreadable_dumps"."""
     groups = communicators(dumps)
     if len(groups) != 1:
         raise ValueError(f"analyze() takes the dumps of one communicator, got {len(groups)}: "
@@ -65,13 +68,16 @@ def analyze(dumps: Sequence[Dump], recent: int = DEFAULT_RECENT) -> dict:
     views = [_RankView(d) for d in group]
     world_size = group[0].world_size
     dumped = [v.rank for v in views]
+    missing = [r for r in range(world_size) if r not in dumped]
+    unreadable = unreadable or {}
     slowest, slowest_window = _slowest(views, recent)
     return {
         "comm_id": comm_id,
         "world_size": world_size,
         "hosts": list(group[0].hosts),
         "ranks": dumped,
-        "missing_dumps": [r for r in range(world_size) if r not in dumped],
+        "missing_dumps": missing,
+        "unreadable_dumps": {str(r): unreadable[r] for r in missing if r in unreadable},
         "dumps": [_dump_summary(v) for v in views],
         "window": _window(views),
         "first_divergence": _first_divergence(views),

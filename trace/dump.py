@@ -15,6 +15,10 @@ VERSION = 1
 # pattern, so other files in it (a torch.profiler trace, a log) are left alone.
 FILE_PREFIX = "braid-trace-"
 FILE_SUFFIX = ".json"
+# The recorder's file name: which communicator and rank a dump is of, even when its content is
+# unreadable.
+_FILE_NAME = re.compile(re.escape(FILE_PREFIX) + r"(?P<comm_id>.+)-rank(?P<rank>\d+)"
+                        + re.escape(FILE_SUFFIX))
 STATES = ("issued", "started", "completed", "failed")
 
 
@@ -81,12 +85,14 @@ class Dump:
         return self.recorded > len(self.entries)
 
 
-def load(path: str | os.PathLike) -> list[Dump]:
+def load(path: str | os.PathLike, bad: Optional[dict[str, TraceFileError]] = None) -> list[Dump]:
     """Reads and validates dumps: one file, or every ``braid-trace-*.json`` file of a directory.
 
     Returns the dumps sorted by communicator and rank. Raises ``TraceFileError`` naming the file
     for a file that is not a valid dump, and for two dumps of one communicator that disagree on its
-    layout or claim the same rank."""
+    layout or claim the same rank. With ``bad`` (a dict), a file that is not a valid dump is left
+    out and recorded there instead, ``{file: its TraceFileError}``, so that one corrupt dump does
+    not cost the others."""
     path = os.fspath(path)
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if n.startswith(FILE_PREFIX) and n.endswith(FILE_SUFFIX))
@@ -97,7 +103,14 @@ def load(path: str | os.PathLike) -> list[Dump]:
         files = [path]
     else:
         raise TraceFileError(f"{path}: no such file or directory")
-    dumps = [read_dump(f) for f in files]
+    dumps = []
+    for f in files:
+        try:
+            dumps.append(read_dump(f))
+        except TraceFileError as e:
+            if bad is None:
+                raise
+            bad[f] = e
     _check_layouts(dumps)
     return sorted(dumps, key=lambda d: (d.comm_id, d.rank))
 
@@ -182,6 +195,12 @@ def validate(doc: Any, path: str) -> Dump:
         reason=f.get("reason", _STR), dumped_us=f.get("dumped_us", _int_at_least(0)),
         buffer=f.get("buffer", _int_at_least(0)), recorded=recorded,
         braid_version=f.get("braid_version", _STR), entries=tuple(entries))
+
+
+def named_in_file(path: str) -> Optional[tuple[str, int]]:
+    """(comm_id, rank) that the recorder's name of a dump file says, or None for another name."""
+    found = _FILE_NAME.fullmatch(os.path.basename(path))
+    return (found["comm_id"], int(found["rank"])) if found else None
 
 
 def communicators(dumps: Iterable[Dump]) -> dict[str, list[Dump]]:

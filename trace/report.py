@@ -100,9 +100,14 @@ def _header(result: dict, lines: list) -> None:
         by_reason.setdefault(d["reason"] or "no reason given", []).append(d["rank"])
     for reason, ranks in by_reason.items():
         lines.append(f"  {_ranks(ranks)} dumped for: {reason}")
+    # A dump that exists but cannot be read says nothing of its rank's state, only why.
+    unreadable = result["unreadable_dumps"]
+    for rank, why in sorted(unreadable.items(), key=lambda item: int(item[0])):
+        lines.append(f"  rank {rank} (host {hosts[int(rank)]}) left a dump that cannot be read, left out: "
+                     f"{why}")
     # By host: a host whose ranks all left no dump may be down as a whole.
     for host in sorted(set(hosts)):
-        missing = [r for r in result["missing_dumps"] if hosts[r] == host]
+        missing = [r for r in result["missing_dumps"] if hosts[r] == host and str(r) not in unreadable]
         if not missing:
             continue
         they = "it" if len(missing) == 1 else "they"
