@@ -1,8 +1,9 @@
 """The braid communicator: the collectives and point-to-point transfers users call, on CPU
 tensors and, in builds with CUDA, on CUDA tensors staged through pinned host memory (the binding
-dispatches by the tensors' device: csrc/binding/torch_binding.cpp); :func:`init` builds one from
-the launcher's environment (launch_env.py), and every communicator joins its peers through the
-store (bootstrap.py)."""
+dispatches the collectives by the tensors' device: csrc/binding/torch_binding.cpp; the calls the
+core runs on host memory only, all_to_all with split sizes and point-to-point, fall back to
+:func:`_through_host` here); :func:`init` builds one from the launcher's environment
+(launch_env.py), and every communicator joins its peers through the store (bootstrap.py)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -11,9 +12,10 @@ import json
 import operator
 import os
 import socket
+import threading
 import weakref
 from datetime import timedelta
-from typing import Hashable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -128,6 +130,142 @@ def _close_soon(c) -> None:
         c.close()
 
 
+# -- CUDA tensors on the calls the core runs on host memory only ---------------------------------
+
+class _HostStaging:
+    """The copies of the fallback path (:func:`_through_host`) for one CUDA device, ordered on the
+    caller's current stream at the call: copies down are queued on it, so they see the work the
+    caller queued before the call, and the host waits for them before the core reads them; copies
+    back are queued on it too, so the caller's later work sees them, and an async call's
+    ``wait()`` makes the stream current at that moment wait for them. Pinned buffers come from torch's
+    caching host allocator, which holds a block until the copies queued on it are done."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.current_stream(device)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.device == self.device
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """An empty pinned host tensor of ``t``'s shape and dtype."""
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+    def down(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.host(t)
+        h.copy_(t, non_blocking=True)  # on the current stream: the caller's, at the call
+        return h
+
+    def wait_down(self) -> None:
+        """Blocks until the copies down are in host memory (the core reads them next)."""
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        done.synchronize()
+
+    def up(self, t: torch.Tensor, h: torch.Tensor) -> "torch.cuda.Event":
+        """Queues the copy of ``h`` into ``t`` on the call's stream (from any thread); returns the
+        event that follows it."""
+        with torch.cuda.stream(self.stream):
+            t.copy_(h, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return copied
+
+    def order(self, copied: "torch.cuda.Event") -> None:
+        torch.cuda.current_stream(self.device).wait_event(copied)
+
+    def future(self) -> torch.futures.Future:
+        return torch.futures.Future(devices=[self.device])
+
+    def complete(self, fut: torch.futures.Future, value: list) -> None:
+        """Sets ``fut``'s value on the call's stream: its waiters' streams wait for that stream."""
+        with torch.cuda.stream(self.stream):
+            fut.set_result(value)
+
+
+class _StagedWork:
+    """An async call of the fallback path: the core's work on the host stand-ins, then the copy of
+    the stand-in of ``tensor`` back into it, once, at the first ``wait()`` or when the future
+    completes (whichever comes first); ``wait()`` makes the current stream wait for that copy. It
+    holds the stand-in until then. Has the methods of the core's works, so :class:`Work` wraps it."""
+
+    def __init__(self, work: Any, stage: Any, tensor: torch.Tensor, host: torch.Tensor):
+        self._w, self._stage, self._tensor, self._host = work, stage, tensor, host
+        self._copied: Any = None
+        self._lock = threading.Lock()  # wait() and the future's callback may race to copy back
+
+    def _copy_back(self) -> Any:
+        with self._lock:
+            if self._copied is None:
+                self._copied = self._stage.up(self._tensor, self._host)
+            return self._copied
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if not self._w.wait(timeout):
+            return False
+        self._stage.order(self._copy_back())
+        return True
+
+    def is_completed(self) -> bool:
+        return self._w.is_completed()
+
+    def is_success(self) -> bool:
+        return self._w.is_success()
+
+    def completed_at(self) -> Optional[float]:
+        return self._w.completed_at()
+
+    def exception_message(self) -> Optional[str]:
+        return self._w.exception_message()
+
+    def get_future(self) -> torch.futures.Future:
+        fut = self._stage.future()
+
+        def done(source: torch.futures.Future) -> None:
+            try:
+                source.value()  # raises the call's error
+                self._copy_back()
+            except Exception as e:  # noqa: BLE001 - the future carries it to its waiter
+                fut.set_exception(e)
+                return
+            self._stage.complete(fut, [self._tensor])
+
+        self._w.get_future().add_done_callback(done)
+        return fut
+
+
+def _through_host(stage: Any, tensors: Sequence[tuple], call: Callable[[list, bool], Optional[list]],
+                  async_op: bool) -> Optional[list]:
+    """The fallback path for device tensors on the calls the core runs on host memory only
+    (all_to_all with split sizes, send, recv): each tensor of ``tensors`` (``(tensor, written)``
+    pairs) that ``stage`` owns gets a pinned host stand-in, a copy of it where the call reads it;
+    ``call(stand_ins, async_op)`` runs the core's call on them and returns its works (None when
+    blocking), work i filling ``tensors[i]`` where that one is written. Blocking: the stand-ins of
+    written tensors are copied back on the caller's stream before this returns. Async: works
+    that fill a tensor become :class:`_StagedWork` (copy back at wait()); the others (sends) are
+    the core's, which holds its input until it is sent. ``stage``: a :class:`_HostStaging` (a CPU
+    stand-in in the tests). A device-to-device path, where one exists, is taken before this."""
+    stand_ins, copied_down = [], False
+    for t, written in tensors:
+        if not stage.owns(t):
+            stand_ins.append(t)
+        elif written:
+            stand_ins.append(stage.host(t))
+        else:
+            stand_ins.append(stage.down(t))
+            copied_down = True
+    if copied_down:
+        stage.wait_down()
+    works = call(stand_ins, async_op)
+    backs = [(t, h) if written and h is not t else None for (t, written), h in zip(tensors, stand_ins)]
+    if works is None:
+        for back in backs:
+            if back is not None:
+                stage.up(*back)
+        return None
+    return [w if back is None else _StagedWork(w, stage, *back) for w, back in zip(works, backs)]
+
+
 class Communicator(CompressionHost, Group):
     """A group of ranks running braid collectives on CPU tensors and (builds with CUDA) CUDA tensors.
 
@@ -141,7 +279,9 @@ class Communicator(CompressionHost, Group):
             tensors. Either way every call takes CPU tensors, and CUDA tensors where braid was built
             with CUDA: those travel through pinned host memory in chunks, stream-ordered (the
             call is ordered after the caller's current stream; ``wait()`` and blocking calls
-            make that stream wait for the result).
+            make that stream wait for the result). all_to_all with split sizes and
+            point-to-point take CUDA tensors by a fallback path: whole pinned copies, the host
+            waiting for the copies down before the call (see :meth:`all_to_all`).
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
         algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us,
@@ -430,12 +570,31 @@ class Communicator(CompressionHost, Group):
         ``output_split_sizes[i]`` (a difference raises ``CollectiveMismatch`` on the receiver),
         and every rank must pass split sizes if one does. These travel point to point, each pair
         as its sizes need, instead of as one collective.
+
+        CUDA tensors with split sizes go device to device between the ranks of one host (CUDA
+        IPC), stream-ordered like the other collectives. Where that path is off (ranks on several
+        hosts, ``BRAID_CUDA_IPC=0``, IPC refused) they take the fallback path, as :meth:`send`
+        and :meth:`recv` do: the input is copied to pinned host memory on the caller's current
+        stream (after the work queued on it) and the host waits for that copy; the exchange runs
+        on host memory; the output is copied back on that stream (a blocking call queues the copy
+        before it returns, an async one at ``wait()``, which also makes the then current stream
+        wait).
         """
         if output_split_sizes is None and input_split_sizes is None:
             return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
-        w = self._c.all_to_all_v(output, input, _splits(output_split_sizes, "output_split_sizes"),
-                                 _splits(input_split_sizes, "input_split_sizes"), _async_flag(async_op))
-        return _wrap(w, "all_to_all")
+        out_splits = _splits(output_split_sizes, "output_split_sizes")
+        in_splits = _splits(input_split_sizes, "input_split_sizes")
+        if self._device_to_device(output, input):
+            return _wrap(self._c.all_to_all_v(output, input, out_splits, in_splits, _async_flag(async_op)),
+                         "all_to_all")
+
+        def exchange(t: list, async_op: bool) -> Optional[list]:
+            w = self._c.all_to_all_v(t[0], t[1], out_splits, in_splits, async_op)
+            return None if w is None else [w]
+
+        works = self._on_host([("output", output, True), ("input", input, False)], exchange,
+                              _async_flag(async_op))
+        return None if works is None else Work(works[0], "all_to_all")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Optional[Work]:
         """Copies rank ``src``'s ``tensor`` into every rank's ``tensor``."""
@@ -459,39 +618,100 @@ class Communicator(CompressionHost, Group):
         up to 4 MiB per pair), so a blocking send of a larger message waits for the receive: post
         exchanges with :meth:`batch_isend_irecv` or ``async_op=True``. Point-to-point runs in issue
         order with the collectives: a collective issued after a pending receive waits for it.
+        A CUDA tensor takes the fallback path (:meth:`all_to_all`): copied to pinned host memory
+        after the work queued on the caller's stream, the host waiting for the copy.
         """
-        return _wrap(self._c.send(tensor, _index(dst, "dst"), _async_flag(async_op)), f"send to rank {dst}")
+        dst = _index(dst, "dst")
+
+        def post(t: list, async_op: bool) -> Optional[list]:
+            w = self._c.send(t[0], dst, async_op)
+            return None if w is None else [w]
+
+        works = self._on_host([("tensor", tensor, False)], post, _async_flag(async_op))
+        return None if works is None else Work(works[0], f"send to rank {dst}")
 
     def recv(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[Work]:
         """Receives into ``tensor`` what rank ``src`` sends (see :meth:`send`). A sender of another
-        dtype or size raises ``CollectiveMismatch`` here."""
-        return _wrap(self._c.recv(tensor, _index(src, "src"), _async_flag(async_op)), f"recv from rank {src}")
+        dtype or size raises ``CollectiveMismatch`` here. A CUDA tensor takes the fallback path
+        (:meth:`all_to_all`): received in pinned host memory, copied back on the caller's stream
+        (async: at ``wait()``)."""
+        src = _index(src, "src")
+
+        def post(t: list, async_op: bool) -> Optional[list]:
+            w = self._c.recv(t[0], src, async_op)
+            return None if w is None else [w]
+
+        works = self._on_host([("tensor", tensor, True)], post, _async_flag(async_op))
+        return None if works is None else Work(works[0], f"recv from rank {src}")
 
     def batch_isend_irecv(self, ops: Sequence["P2POp"]) -> list:
         """Posts every transfer of ``ops`` (:class:`P2POp`) at once and returns one :class:`Work`
         per op, in order. The transfers advance together, so a ring exchange (send to the next
         rank, receive from the previous) of any size cannot wait on its own send. Every op is
-        checked before any is posted."""
+        checked before any is posted. CUDA tensors take the fallback path (:meth:`all_to_all`):
+        what is sent copied to pinned host memory first, what is received copied back at the
+        op's ``wait()``."""
         if isinstance(ops, P2POp) or not isinstance(ops, Sequence):
             raise TypeError(f"ops must be a sequence of braid.comm.P2POp, got {type(ops).__name__}")
         spec = []
         for i, op in enumerate(ops):
             if not isinstance(op, P2POp):
                 raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
-            spec.append((op.op == "send", op.tensor, op.peer))
-        works = self._c.p2p_batch(spec)
+            spec.append((op.op == "send", op.peer))
+
+        def post(t: list, _async_op: bool) -> list:
+            return self._c.p2p_batch([(is_send, tensor, peer) for (is_send, peer), tensor in zip(spec, t)])
+
+        works = self._on_host([(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)],
+                              post, True)
         return [Work(w, f"send to rank {op.peer}" if op.op == "send" else f"recv from rank {op.peer}")
                 for w, op in zip(works, ops)]
 
     def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
         """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together
-        (:meth:`batch_isend_irecv`); returns a work whose ``wait()`` completes both. CUDA tensors
-        travel through host memory (copied down now, the received block copied up at ``wait()``)."""
-        if not (send.is_cuda or recv.is_cuda):
-            return WorkList(self.batch_isend_irecv([P2POp("send", send, dst), P2POp("recv", recv, src)]))
-        host = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
-        works = self.batch_isend_irecv([P2POp("send", send.cpu(), dst), P2POp("recv", host, src)])
-        return WorkList(works, lambda: recv.copy_(host))
+        (:meth:`batch_isend_irecv`, CUDA tensors included); returns a work whose ``wait()``
+        completes both."""
+        return WorkList(self.batch_isend_irecv([P2POp("send", send, dst), P2POp("recv", recv, src)]))
+
+    def _staging(self, named: Sequence[tuple]) -> Optional[_HostStaging]:
+        """The fallback path's copies for a call on ``named``'s tensors ((name, tensor, written)
+        triples): None when none is on a CUDA device; a ValueError naming the tensor for CUDA
+        tensors this build cannot take, or CUDA tensors on two devices. Tensors on other devices
+        are left to the binding's checks."""
+        device = None
+        for name, t, _ in named:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                continue
+            problem = self.device_problem(t.device)
+            if problem is not None:
+                raise ValueError(f"{name} is on {t.device}, but {problem}")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{name} is on {t.device}, another tensor of the call on {device}: a call's "
+                                 "CUDA tensors must share one device")
+        return None if device is None else _HostStaging(device)
+
+    def _device_to_device(self, *tensors: torch.Tensor) -> bool:
+        """Whether a call on ``tensors`` runs device to device (CUDA IPC): all of them on one CUDA
+        device whose channel is on. The first such call sets the channel up, a collective of every
+        rank (each reaches it at the same call)."""
+        first = tensors[0]
+        if not isinstance(first, torch.Tensor) or not first.is_cuda or not hasattr(self._c, "device_ipc"):
+            return False
+        if any(not isinstance(t, torch.Tensor) or t.device != first.device for t in tensors):
+            return False  # the binding names the argument on the wrong device
+        return self._c.device_ipc(first.device.index)
+
+    def _on_host(self, named: Sequence[tuple], call: Callable[[list, bool], Optional[list]],
+                 async_op: bool) -> Optional[list]:
+        """``call(tensors, async_op)``, a call the core runs on host memory only (its works, or None
+        when blocking), on ``named``'s tensors ((name, tensor, written) triples): as they are on
+        the CPU, through :func:`_through_host` where they are on a CUDA device."""
+        stage = self._staging(named)
+        if stage is None:
+            return call([t for _, t, _ in named], async_op)
+        return _through_host(stage, [(t, written) for _, t, written in named], call, async_op)
 
     def close(self) -> None:
         """Finishes queued work, leaves the group and frees its resources. Idempotent; also runs

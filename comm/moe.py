@@ -43,10 +43,21 @@ as one byte per element and a float32 scale per row (:class:`RowQuantizer`), so 
 the same quantized token wherever it runs; on hosts they are quantized once and cross quantized,
 then fan out exactly. The combine and both backward exchanges are exact.
 
+Devices. Tensors a dispatch or the layer makes live on the tokens' device. The host reads small
+metadata where the sizes of an exchange depend on the data: once per exchange hop of a dropless
+or capacity dispatch (the counts each rank sends per expert, one device-to-host copy), and once at
+the layer's first forward (where the ranks sit: one all-gather over the group, in host memory
+where the group takes it, else on the tokens' device, as on an NCCL group; kept for later
+forwards, as :func:`dispatch` keeps it per ``hosts``).
+
 Padded to capacity (``MoE(..., capacity_factor=c, pad_to_capacity=True)``): every expert gets
 exactly ``C`` rows from every rank, zero rows after the kept ones, so every exchange has equal
-pieces known from shapes and nothing is read on the host (no counts exchange, no ``.tolist()``): a
-GPU's stream never waits. Every rank must then hold the same number of tokens.
+pieces known from shapes and, after the first forward, nothing is read on the host (no counts
+exchange, no ``.tolist()``): a GPU's stream never waits for the host. Every rank must then hold
+the same number of tokens: the first forward checks it (its all-gather carries every rank's
+count) and raises ValueError on every rank; later forwards trust it, a check there would be a
+collective or a host read per forward (a braid Communicator still refuses unequal pieces at the
+exchange, with CollectiveMismatch; other backends may not notice).
 
 Every dispatch and combine is a collective of the group (of ``hosts.inter`` and ``hosts.intra``
 across hosts): every rank calls them in the same order, and every rank runs the backward through
@@ -65,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .group import as_group
+from .group import Group, as_group, check_device
 from .group_carrier import HostGroups, resolve_hosts
 from .hosts import host_identity, host_numbers
 
@@ -184,8 +195,8 @@ def _exchange(group: Any, parts: Sequence[torch.Tensor], send: Optional[list], r
             out[0] = codec.decode(codec.encode(parts[0]), parts[0].dtype)
         return out
     # ``send`` None: equal pieces (the padded dispatch's; every rank passes None, so every rank
-    # calls the same collective), by the equal all-to-all: no split sizes, which a CUDA tensor on
-    # braid's Communicator and some backends take only on the host.
+    # calls the same collective), by the equal all-to-all: no split sizes, which braid's
+    # Communicator takes on CUDA tensors only through host memory with the host waiting.
     equal = send is None
     total = parts[0].shape[0] if equal else sum(recv)
     splits = {} if equal else {"output_split_sizes": recv, "input_split_sizes": send}
@@ -243,10 +254,11 @@ def _exchange_counts(group: Any, counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _expert_major(counts: torch.Tensor) -> Optional[torch.Tensor]:
-    """Rows arrive source-major: from rank s, the rows of local expert e, ``counts[s, e]`` of them.
-    Returns the indices that put them expert-major (the rows of one expert contiguous, source
-    ranks in order within it); None when they already are (one source or one expert)."""
+def _expert_major(counts: torch.Tensor, total: int) -> Optional[torch.Tensor]:
+    """Rows arrive source-major: from rank s, the rows of local expert e, ``counts[s, e]`` of them,
+    ``total`` in all (known on the host). Returns the indices, on the counts' device, that put
+    them expert-major (the rows of one expert contiguous, source ranks in order within it); None
+    when they already are (one source or one expert)."""
     n, local = counts.shape
     if n == 1 or local == 1:
         return None
@@ -254,55 +266,81 @@ def _expert_major(counts: torch.Tensor) -> Optional[torch.Tensor]:
     lengths = counts.t().reshape(-1)           # block (e, s), expert-major
     starts = source_start.t().reshape(-1)      # where block (e, s) sits in the arrival order
     dest_start = torch.cumsum(lengths, 0) - lengths
-    total = int(lengths.sum())
-    return torch.arange(total) + torch.repeat_interleave(starts - dest_start, lengths, output_size=total)
+    return torch.arange(total, device=counts.device) + torch.repeat_interleave(
+        starts - dest_start, lengths, output_size=total)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
 
 
 # -- where the ranks sit ----------------------------------------------------------------------------
 
-class _HostLayout:
-    """Which host and local index each rank of the group has (``hosts.inter``'s rank is the host,
-    ``hosts.intra``'s the local index), gathered once over the group; checked to cover every
-    (host, local index) pair once."""
+def _metadata_device(group: Any, device: torch.device) -> torch.device:
+    """Where ``group``'s exchanges of host metadata run: in host memory where the group takes CPU
+    tensors (a Communicator, gloo: no copy to the device and back), else on ``device``, the
+    tokens' (an NCCL group takes CUDA tensors only). A duck-typed group is taken to hold CPU."""
+    host = torch.device("cpu")
+    if isinstance(group, Group) and group.device_problem(host) is not None:
+        return torch.device(device)
+    return host
 
-    def __init__(self, hosts: HostGroups, group: Any):
-        self.intra = as_group(hosts.intra.group, "hosts")
-        self.inter = as_group(hosts.inter.group, "hosts")
-        n, h, local = group.world_size, self.inter.world_size, self.intra.world_size
-        if h * local != n:
-            raise ValueError(f"hosts: {h} hosts x {local} ranks do not make the group's {n} ranks")
-        table = torch.empty(2 * n, dtype=torch.int64)
-        group.all_gather(table, torch.tensor([self.inter.rank, self.intra.rank], dtype=torch.int64))
-        self.host_of = table[0::2].clone()
-        self.local_of = table[1::2].clone()
-        pairs = sorted(zip(self.host_of.tolist(), self.local_of.tolist()))
-        if pairs != [(a, b) for a in range(h) for b in range(local)]:
-            found = list(zip(self.host_of.tolist(), self.local_of.tolist()))
-            raise ValueError(f"hosts: the HostGroups are not this group's split by host (every rank must be "
-                             f"rank i of its host's intra group and rank h of its inter group; got (host, "
-                             f"local) {found})")
+
+class _RankLayout:
+    """Where the ranks of a group sit: each rank's host (numbered from 0, as braid's communicator
+    tells hosts apart) or, split by host (``hosts``), its host and its index there (``hosts.inter``'s
+    rank and ``hosts.intra``'s, checked to cover every pair once), and every rank's token count
+    when gathered (``tokens``: the padded layer's check). One all-gather over the group on the
+    metadata device (:func:`_metadata_device`), read on the host once; tensors of it are kept per
+    device (:meth:`on`)."""
+
+    def __init__(self, group: Any, device: torch.device, hosts: Optional[HostGroups] = None, tokens: int = 0):
+        n = group.world_size
+        self.inter = self.intra = None
+        if hosts is not None:
+            self.intra = as_group(hosts.intra.group, "hosts")
+            self.inter = as_group(hosts.inter.group, "hosts")
+            h, local = self.inter.world_size, self.intra.world_size
+            if h * local != n:
+                raise ValueError(f"hosts: {h} hosts x {local} ranks do not make the group's {n} ranks")
+            mine = [self.inter.rank, self.intra.rank, tokens]
+        else:  # a hash of the host identity: equal on ranks that share a host
+            digest = hashlib.sha256(host_identity().encode()).digest()[:8]
+            mine = [int.from_bytes(digest, "little", signed=True), 0, tokens]
+        rows = [mine]
+        if n > 1:
+            where = _metadata_device(group, device)
+            table = torch.empty(3 * n, dtype=torch.int64, device=where)
+            group.all_gather(table, torch.tensor(mine, dtype=torch.int64, device=where))
+            flat = table.tolist()  # the layout's one read on the host
+            rows = [flat[3 * r:3 * r + 3] for r in range(n)]
+        self.tokens = [row[2] for row in rows]
+        if hosts is None:
+            self.hosts, self.locals = host_numbers([str(row[0]) for row in rows]), None
+        else:
+            self.hosts, self.locals = [row[0] for row in rows], [row[1] for row in rows]
+            if sorted(zip(self.hosts, self.locals)) != [(a, b) for a in range(h) for b in range(local)]:
+                raise ValueError(f"hosts: the HostGroups are not this group's split by host (every rank must "
+                                 f"be rank i of its host's intra group and rank h of its inter group; got "
+                                 f"(host, local) {list(zip(self.hosts, self.locals))})")
+        self.num_hosts = max(self.hosts) + 1
+        self._on: dict = {}
+
+    def on(self, device: torch.device) -> tuple:
+        """(host of each rank, local index of each rank or None without ``hosts``) as int64
+        tensors on ``device``, made at the first call for that device."""
+        found = self._on.get(device)
+        if found is None:
+            found = self._on[device] = tuple(
+                None if v is None else torch.tensor(v, dtype=torch.int64, device=device)
+                for v in (self.hosts, self.locals))
+        return found
 
 
 # The layout of each HostGroups dispatch() has used, with its group: gathered once, not per call.
 _LAYOUTS: "weakref.WeakKeyDictionary[HostGroups, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _host_map(group: Any) -> torch.Tensor:
-    """Host number of every rank of ``group`` (equal for ranks that share a host, as braid's
-    communicator tells hosts apart), by one all-gather of a hash of each rank's host identity."""
-    if group.world_size == 1:
-        return torch.zeros(1, dtype=torch.int64)
-    digest = hashlib.sha256(host_identity().encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    every = torch.empty(group.world_size, dtype=torch.int64)
-    group.all_gather(every, mine)
-    return torch.tensor(host_numbers([str(v) for v in every.tolist()]), dtype=torch.int64)
 
 
 # -- dispatch and combine --------------------------------------------------------------------------
@@ -310,15 +348,14 @@ def _host_map(group: Any) -> torch.Tensor:
 class DispatchHandle:
     """What :func:`combine` needs to bring the experts' outputs home, and what the dispatch moved.
 
-    ``counts`` (a list) and ``tokens_per_expert`` (an int64 tensor): rows of each local expert in
-    the expert inputs, in local expert order. :meth:`stats` tells what crossed between hosts."""
+    ``counts`` (a list) and ``tokens_per_expert`` (an int64 tensor on the tokens' device): rows
+    of each local expert in the expert inputs, in local expert order. :meth:`stats` tells what
+    crossed between hosts."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, counts: torch.Tensor,
-                 static_counts: Optional[list] = None):
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, tokens_per_expert: torch.Tensor, counts: list):
         self.shape, self.dtype = shape, dtype
-        self.tokens_per_expert = counts
-        # Padded to capacity, the counts are known from shapes alone: no device-to-host copy.
-        self.counts = static_counts if static_counts is not None else counts.tolist()
+        self.tokens_per_expert = tokens_per_expert
+        self.counts = counts
         self._hops: list = []   # (kind, state) of each exchange hop, the home side first
         self._across: Optional[dict] = None
         self._grad_row_bytes = 0   # bytes of the gradient of one dispatched row (the backward's)
@@ -330,32 +367,46 @@ class DispatchHandle:
         rows sent to other hosts (``rows_received``: from them); ``rows_lower_bound``: (token,
         remote host) pairs, the least any dispatch sends; ``bytes``: bytes sent to other hosts by
         the dispatch, the combine (once it ran) and the backward of both (the gradients of the
-        same rows, exact, counted as if the tokens need theirs)."""
-        return None if self._across is None else dict(self._across, bytes=dict(self._across["bytes"]))
+        same rows, exact, counted as if the tokens need theirs). Reading ``rows_lower_bound``
+        after a flat dispatch copies it from the tokens' device (the dispatch leaves it there)."""
+        return _across_stats(self._across)
+
+
+def _across_stats(across: Optional[dict]) -> Optional[dict]:
+    """A copy of a dispatch's record of what crossed between hosts, every number an int."""
+    if across is None:
+        return None
+    return dict(across, rows_lower_bound=int(across["rows_lower_bound"]), bytes=dict(across["bytes"]))
 
 
 def _flat_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: Any, num_experts: int,
                    codec: Optional[RowQuantizer]) -> tuple:
-    """Dispatch over one group: (expert inputs, counts per local expert, the combine's state)."""
+    """Dispatch over one group: (expert inputs, rows per local expert as a tensor and as a list,
+    the combine's state). The host reads the counts once: what arrives from each rank per local
+    expert and what this rank sends to each, in one device-to-host copy."""
     n = group.world_size
     local = num_experts // n
     k = ids.shape[1]
     flat = ids.reshape(-1)
-    valid = (flat >= 0).nonzero().squeeze(1)
-    order = torch.argsort(flat[valid], stable=True)
-    assignment = valid[order]                 # by expert, in token order within an expert
-    expert = flat[assignment]
+    # Assignments to no expert (-1) sort after every expert: the others come first, by expert, in
+    # token order within one (a stable sort), without a host read to count them.
+    key = torch.where(flat >= 0, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = _count(key, num_experts + 1)[:num_experts]
+    arriving = _exchange_counts(group, counts)   # [source rank, local expert], flattened
+    read = torch.cat([arriving, counts.view(n, local).sum(1)]).tolist()
+    table = [read[s * local:(s + 1) * local] for s in range(n)]
+    send = read[n * local:]
+    recv = [sum(row) for row in table]
+    assignment = order[:sum(send)]            # by expert, in token order within an expert
     token = torch.div(assignment, k, rounding_mode="floor")
-    counts = torch.bincount(expert, minlength=num_experts)
-    arriving = _exchange_counts(group, counts).view(n, local)   # [source rank, local expert]
-    send = counts.view(n, local).sum(1).tolist()
-    recv = arriving.sum(1).tolist()
     (rows,) = _Exchange.apply(group, send, recv, codec, x.index_select(0, token))
-    perm = _expert_major(arriving)
+    perm = _expert_major(arriving.view(n, local), sum(recv))
     inputs = rows if perm is None else rows.index_select(0, perm)
     state = {"group": group, "send": send, "recv": recv, "token": token, "perm": perm,
              "weights": weights.reshape(-1).index_select(0, assignment), "tokens": x.shape[0]}
-    return inputs, arriving.sum(0), state
+    per_expert = [sum(row[e] for row in table) for e in range(local)]
+    return inputs, arriving.view(n, local).sum(0), per_expert, state
 
 
 def _flat_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
@@ -417,40 +468,39 @@ def _padded_combine(outputs: torch.Tensor, state: dict) -> torch.Tensor:
     return y.index_add_(0, state["token"], mine)
 
 
-def _across(send: list, recv: list, host_of: torch.Tensor, me: int) -> tuple:
-    """Rows sent to and received from ranks on other hosts."""
-    remote = (host_of != host_of[me]).tolist()
-    return (sum(s for s, r in zip(send, remote) if r), sum(s for s, r in zip(recv, remote) if r))
-
-
-def _remote_pairs(ids: torch.Tensor, rank_host: torch.Tensor, local: int, my_host: int) -> int:
-    """(token, remote host) pairs among the assignments ``ids`` (-1: none): the rows a dispatch
-    that sends each token once per remote host sends."""
+def _hosts_needed(ids: torch.Tensor, host_of: torch.Tensor, local: int, hosts: int) -> tuple:
+    """For the assignments ``ids`` (T, k) (-1: none) on ranks of hosts ``host_of``, ``local``
+    experts per rank: (need, host), need[t, h] whether token t has an expert on host h, host the
+    host of each assignment (-1 for none)."""
     valid = ids >= 0
-    host = torch.where(valid, rank_host[torch.where(valid, ids, 0) // local], -1)
-    hosts = int(rank_host.max()) + 1
-    need = (host.unsqueeze(2) == torch.arange(hosts)).any(1)
-    need[:, my_host] = False
-    return int(need.sum())
+    host = torch.where(valid, host_of[torch.where(valid, ids, 0) // local], -1)
+    need = (host.unsqueeze(2) == torch.arange(hosts, device=ids.device)).any(1)
+    return need, host
 
 
 def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: Any, num_experts: int,
-              codec: Optional[RowQuantizer], layout: Optional[_HostLayout],
-              host_of: Optional[torch.Tensor]) -> tuple:
-    """:func:`dispatch` after its checks, on 2-D ``x``, ``ids``, ``weights``; ``layout``: across
-    hosts; ``host_of``: the host of every rank, for the statistics of a flat dispatch."""
+              codec: Optional[RowQuantizer], layout: Optional[_RankLayout]) -> tuple:
+    """:func:`dispatch` after its checks, on 2-D ``x``, ``ids``, ``weights``. ``layout``: split by
+    host, a dispatch across hosts; without, where the ranks sit, for the statistics of a flat
+    dispatch (None: no statistics)."""
     n = group.world_size
     local = num_experts // n
     k = ids.shape[1]
-    if layout is None:
-        inputs, counts, state = _flat_dispatch(x, ids, weights, group, num_experts, codec)
-        handle = DispatchHandle(x.shape, x.dtype, counts)
+    if layout is None or layout.inter is None:
+        inputs, counts, per_expert, state = _flat_dispatch(x, ids, weights, group, num_experts, codec)
+        handle = DispatchHandle(x.shape, x.dtype, counts, per_expert)
         handle._hops = [("flat", state)]
-        if host_of is not None:
-            sent, got = _across(state["send"], state["recv"], host_of, group.rank)
+        if layout is not None:
+            mine = layout.hosts[group.rank]
+            remote = [h != mine for h in layout.hosts]
+            sent = sum(c for c, r in zip(state["send"], remote) if r)
+            got = sum(c for c, r in zip(state["recv"], remote) if r)
             row = codec.row_bytes(x.shape[1]) if codec else x.shape[1] * x.element_size()
-            bound = _remote_pairs(ids, host_of, local, int(host_of[group.rank]))
-            handle._across = {"rows": sent, "rows_received": got, "rows_lower_bound": bound,
+            # (token, remote host) pairs: what a dispatch sending each token once per remote
+            # host sends. Left on the device, read when stats() asks.
+            need, _ = _hosts_needed(ids, layout.on(x.device)[0], local, layout.num_hosts)
+            handle._across = {"rows": sent, "rows_received": got,
+                              "rows_lower_bound": need.sum() - need[:, mine].sum(),
                               "bytes": {"dispatch": sent * row, "combine": 0, "backward": 0}}
             handle._grad_row_bytes = x.shape[1] * x.element_size()
         return inputs, handle
@@ -458,23 +508,28 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
     # lives there, with its k weights and its k targets on h (-1 for experts elsewhere), each
     # target the expert's number among the host's experts (local index * local + its index).
     hosts = layout.inter.world_size
-    valid = ids >= 0
-    owner = torch.where(valid, ids, 0) // local
-    host = torch.where(valid, layout.host_of[owner], -1)
-    target = layout.local_of[owner] * local + torch.where(valid, ids, 0) % local
-    need = (host.unsqueeze(2) == torch.arange(hosts)).any(1)          # [token, host]
-    pairs = need.t().nonzero()                                          # by host, token order within
-    row_host, row_token = pairs[:, 0], pairs[:, 1]
-    send_counts = torch.bincount(row_host, minlength=hosts)
-    send, recv = send_counts.tolist(), _exchange_counts(layout.inter, send_counts).tolist()
+    host_of, local_of = layout.on(x.device)
+    need, host = _hosts_needed(ids, host_of, local, hosts)             # [token, host]
+    expert = torch.where(ids >= 0, ids, 0)
+    target = local_of[expert // local] * local + expert % local
+    send_counts = need.sum(0)
+    arriving = _exchange_counts(layout.inter, send_counts)
+    host_counts = torch.cat([send_counts, arriving]).tolist()          # the hop's one read on the host
+    send, recv = host_counts[:hosts], host_counts[hosts:]
+    # The (host, token) pairs, by host, token order within: the set entries of need.t() in order,
+    # first after a stable sort, sum(send) of them. (Without tokens there are none; any divisor.)
+    t = x.shape[0]
+    pairs = torch.argsort((~need.t()).reshape(-1).to(torch.uint8), stable=True)[:sum(send)]
+    row_host = torch.div(pairs, max(t, 1), rounding_mode="floor")
+    row_token = pairs - row_host * t
     targets = torch.where(host.index_select(0, row_token) == row_host.unsqueeze(1),
                           target.index_select(0, row_token), -1).to(torch.int32)
     x1, w1, t1 = _Exchange.apply(layout.inter, send, recv, codec, x.index_select(0, row_token),
                                  weights.index_select(0, row_token), targets)
     # Hop 2 (hosts.intra): the rows that arrived fan out to this host's experts, exact.
-    inputs, counts, state = _flat_dispatch(x1, t1.long(), w1, layout.intra, layout.intra.world_size * local,
-                                           None)
-    handle = DispatchHandle(x.shape, x.dtype, counts)
+    inputs, counts, per_expert, state = _flat_dispatch(x1, t1.long(), w1, layout.intra,
+                                                       layout.intra.world_size * local, None)
+    handle = DispatchHandle(x.shape, x.dtype, counts, per_expert)
     handle._hops = [("hosts", {"group": layout.inter, "send": send, "recv": recv, "token": row_token,
                                  "tokens": x.shape[0]}), ("flat", state)]
     me = layout.inter.rank
@@ -482,8 +537,8 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, group: 
     # A row carries its k weights and k int32 targets; its gradient, the weights' gradients.
     row = codec.row_bytes(x.shape[1]) if codec else x.shape[1] * x.element_size()
     row += k * (weights.element_size() + 4)
-    handle._across = {"rows": sent, "rows_received": got,
-                      "rows_lower_bound": int(need.sum()) - int(need[:, me].sum()),
+    # Each (token, remote host) pair crosses once: the rows sent are the lower bound.
+    handle._across = {"rows": sent, "rows_received": got, "rows_lower_bound": sent,
                       "bytes": {"dispatch": sent * row, "combine": 0, "backward": 0}}
     handle._grad_row_bytes = x.shape[1] * x.element_size() + k * weights.element_size()
     handle._partial_dtype = x.dtype
@@ -503,8 +558,7 @@ def _combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
             y = back.new_zeros((state["tokens"], back.shape[1])).index_add_(0, state["token"], back)
     across = handle._across
     if across is not None:  # the combine sends back what arrived; its backward, gradients of that
-        item = torch.empty((), dtype=handle._partial_dtype or outputs.dtype).element_size()
-        out_row = outputs.shape[1] * item
+        out_row = outputs.shape[1] * (handle._partial_dtype or outputs.dtype).itemsize
         across["bytes"]["combine"] = across["rows_received"] * out_row
         across["bytes"]["backward"] = (across["rows"] * out_row
                                        + across["rows_received"] * handle._grad_row_bytes)
@@ -527,12 +581,18 @@ def _check_dispatch(x: Any, expert_ids: Any, weights: Any, num_experts: Any, n: 
         got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
         raise ValueError(f"{where}: weights must be a floating tensor of expert_ids' shape "
                          f"{tuple(expert_ids.shape)}, got {got}")
+    for name, t in (("expert_ids", expert_ids), ("weights", weights)):
+        if t.device != x.device:
+            raise ValueError(f"{where}: {name} is on {t.device} and x on {x.device}: x, expert_ids and "
+                             "weights must share a device")
     _positive_int(num_experts, "num_experts", where)
     if num_experts % n:
         raise ValueError(f"{where}: num_experts={num_experts} does not divide by the group's {n} ranks")
-    if expert_ids.numel() and (int(expert_ids.max()) >= num_experts or int(expert_ids.min()) < -1):
-        raise ValueError(f"{where}: expert_ids must lie in [0, num_experts={num_experts}) (or -1: no "
-                         f"expert), got values in [{int(expert_ids.min())}, {int(expert_ids.max())}]")
+    if expert_ids.numel():
+        low, high = torch.stack([expert_ids.min(), expert_ids.max()]).tolist()  # one read on the host
+        if high >= num_experts or low < -1:
+            raise ValueError(f"{where}: expert_ids must lie in [0, num_experts={num_experts}) (or -1: no "
+                             f"expert), got values in [{low}, {high}]")
 
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group: Any = None, *,
@@ -547,20 +607,23 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, g
     order then token order within an expert. ``group``: a Communicator, a ProcessGroup or None
     (the default group); ``hosts``: the group split by host (across hosts: each token crosses to
     a host once); ``compression``: "int8" or "fp8" activations on the dispatch. Differentiable in
-    ``x`` and ``weights``; a collective (module docstring)."""
+    ``x`` and ``weights``; a collective (module docstring). ``x``, ``expert_ids`` and ``weights``
+    share a device, one the group takes; the host reads the range of ``expert_ids`` (a check)
+    and the counts (module docstring, "Devices")."""
     g = as_group(group, "group", "dispatch")
     _check_dispatch(x, expert_ids, weights, num_experts, g.world_size)
+    check_device(g, x.device, "dispatch: the tokens (x)")
     codec = _codec(compression, "dispatch")
     layout = None
     if hosts is not None:
         if not isinstance(hosts, HostGroups):
             raise TypeError(f"dispatch: hosts must be a HostGroups or None, got {type(hosts).__name__}")
         known = _LAYOUTS.get(hosts)
-        layout = known[1] if known is not None and known[0] is g else _HostLayout(hosts, g)
+        layout = known[1] if known is not None and known[0] is g else _RankLayout(g, x.device, hosts)
         _LAYOUTS[hosts] = (g, layout)
     k = expert_ids.shape[-1]
     return _dispatch(x.reshape(-1, x.shape[-1]), expert_ids.reshape(-1, k).long(), weights.reshape(-1, k),
-                     g, num_experts, codec, layout, layout.host_of if layout else None)
+                     g, num_experts, codec, layout)
 
 
 def combine(outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -638,8 +701,15 @@ def route(logits: torch.Tensor, top_k: int, *, normalize_topk: bool = True,
     passes float32, or float64 for float64 models): softmax, top-k of the probabilities plus
     ``expert_bias`` (selection only), weights the selected probabilities, renormalised to sum to 1
     when ``normalize_topk``; capacity, drops and losses as the module docstring says."""
-    t, e = logits.shape
     where = "route"
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise TypeError(f"{where}: logits must be a floating tensor of shape (tokens, num_experts), "
+                        f"got {got}")
+    if logits.dim() != 2:
+        raise ValueError(f"{where}: logits must have shape (tokens, num_experts), got shape "
+                         f"{tuple(logits.shape)}")
+    t, e = logits.shape
     _positive_int(top_k, "top_k", where)
     if top_k > e:
         raise ValueError(f"{where}: top_k={top_k} is larger than the {e} experts")
@@ -783,8 +853,7 @@ class MoE(nn.Module):
                              if bias_update_rate else None)
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64, device=device)
                              if bias_update_rate else None, persistent=False)
-        self._layout: Optional[_HostLayout] = None
-        self._host_of: Optional[torch.Tensor] = None
+        self._layout: Optional[_RankLayout] = None
         self._stats: Optional[dict] = None
 
     @classmethod
@@ -816,13 +885,15 @@ class MoE(nn.Module):
                 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE: x must be a floating tensor of shape (..., d_model={self.d_model}), got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if self._host_of is None:  # collective, once: every rank runs its first forward together
-            if self.hosts is not None:
-                self._layout = _HostLayout(self.hosts, self.group)
-                self._host_of = self._layout.host_of
-            else:
-                self._host_of = _host_map(self.group)
+        check_device(self.group, x.device, "MoE: the tokens (x)")
         tokens = x.reshape(-1, self.d_model)
+        if self._layout is None:  # collective, once: every rank runs its first forward together
+            layout = _RankLayout(self.group, x.device, self.hosts, tokens.shape[0])
+            if self.pad_to_capacity and len(set(layout.tokens)) > 1:
+                raise ValueError(f"MoE: pad_to_capacity=True needs the same number of tokens on every rank "
+                                 f"(x holds {tokens.shape[0]} here; by rank: {layout.tokens}); checked at "
+                                 "the first forward")
+            self._layout = layout
         rdtype = torch.promote_types(x.dtype, torch.float32)
         logits = F.linear(tokens.to(rdtype), self.router.weight.to(rdtype))
         r = route(logits, self.top_k, normalize_topk=self.normalize_topk,
@@ -840,14 +911,14 @@ class MoE(nn.Module):
             handle._hops = [("padded", state)]
         else:
             inputs, handle = _dispatch(tokens, r.expert_ids, r.weights, self.group, self.num_experts,
-                                       self.codec, self._layout, self._host_of)
+                                       self.codec, self._layout)
         outputs = torch.cat([e(chunk) for e, chunk in zip(self.experts, inputs.split(handle.counts))])
         y = _combine(outputs, handle)
         # Kept as tensors (stats() reads them): a forward copies nothing from the device to the host.
         self._stats = {"tokens": tokens.shape[0], "tokens_per_expert": r.tokens_per_expert.detach(),
                        "dropped": r.dropped_count, "expert_tokens": handle.counts,
                        "aux_loss": r.aux_loss.detach(), "z_loss": r.z_loss.detach(),
-                       "across_hosts": handle.stats()}
+                       "across_hosts": handle._across}
         return y.reshape(x.shape), r.aux_loss + r.z_loss
 
     def stats(self) -> Optional[dict]:
@@ -860,7 +931,8 @@ class MoE(nn.Module):
             return None
         s = dict(self._stats)
         s.update(tokens_per_expert=s["tokens_per_expert"].tolist(), dropped=int(s["dropped"]),
-                 aux_loss=float(s["aux_loss"]), z_loss=float(s["z_loss"]))
+                 aux_loss=float(s["aux_loss"]), z_loss=float(s["z_loss"]),
+                 across_hosts=_across_stats(s["across_hosts"]))
         return s
 
     @torch.no_grad()

@@ -16,7 +16,13 @@ over experts) and computes the losses from their formulas. Across simulated host
 the hierarchical dispatch must be exact and send each token once per remote host; the compressed
 dispatch must equal the dense model fed the same quantized tokens (the backward passes the
 gradient straight through the rounding), and stay within a bound derived from the int8/fp8 step.
+
+Padded to capacity, a forward and backward after the first read nothing on the host: on CPU the
+ways to read a tensor's value are patched to raise (and the guard is shown to catch each), on a
+GPU torch's sync debug mode raises at any stream sync. The GPU cases (marked) run the layer on
+CUDA tensors against the same dense reference, the reference on the CPU.
 """
+import contextlib
 import copy
 import math
 
@@ -24,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid.comm import moe
+from braid.comm.build_info import is_cuda_build
 from braid.comm.ddp import comm_hook
 from braid.comm.group import as_group
 from braid.comm.group_carrier import host_groups
@@ -101,18 +108,25 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _compare(layer, router, experts, x, xs, cfg, group, label, quantize=None) -> list:
-    """Runs ``layer`` on this rank's ``x`` and the dense model on every rank's tokens ``xs``;
-    returns the failures (each "label: what")."""
+def _compare(layer, router, experts, x, xs, cfg, group, label, quantize=None, guard=None) -> list:
+    """Runs ``layer`` on this rank's ``x`` (moved to the layer's device) and the dense model on
+    every rank's tokens ``xs`` (on the CPU); returns the failures (each "label: what"). With
+    ``guard`` (a context manager factory), a first forward runs before and the compared forward
+    and backward run inside the guard."""
     g = as_group(group)
     rank, n = g.rank, g.world_size
+    device = layer.router.weight.device
     for p in [router.weight, *(q for e in experts for q in e.parameters())]:
         p.grad = None  # the dense model serves several layers
     gen = torch.Generator().manual_seed(7)
     out_grads = [torch.randn(xi.shape, generator=gen, dtype=torch.float64) for xi in xs]
-    x = x.clone().requires_grad_()
-    y, aux = layer(x)
-    ((y * out_grads[rank]).sum() + aux).backward()
+    x = x.to(device, copy=True).requires_grad_()
+    if guard is not None:
+        with torch.no_grad():  # the first forward: where the ranks sit, read on the host once
+            layer(x)
+    with guard() if guard is not None else contextlib.nullcontext():
+        y, aux = layer(x)
+        ((y * out_grads[rank].to(device)).sum() + aux).backward()
     dense_x = [xi.clone().requires_grad_() for xi in xs]
     total = 0
     refs = []
@@ -129,15 +143,15 @@ def _compare(layer, router, experts, x, xs, cfg, group, label, quantize=None) ->
         except AssertionError as e:
             failures.append(f"{label}: {what}: {str(e).splitlines()[0:4]}")
 
-    check("output", y.detach(), refs[rank][0].detach())
-    check("aux loss", aux.detach(), refs[rank][1].detach())
-    check("input gradient", x.grad, dense_x[rank].grad)
+    check("output", y.detach().cpu(), refs[rank][0].detach())
+    check("aux loss", aux.detach().cpu(), refs[rank][1].detach())
+    check("input gradient", x.grad.cpu(), dense_x[rank].grad)
     router_grad = layer.router.weight.grad.clone()
     g.all_reduce(router_grad)
-    check("router gradient (summed over ranks)", router_grad, _grad(router.weight))
+    check("router gradient (summed over ranks)", router_grad.cpu(), _grad(router.weight))
     for i, e in enumerate(layer.local_experts):
         for (name, p), q in zip(layer.experts[i].named_parameters(), experts[e].parameters()):
-            check(f"expert {e} {name} gradient", _grad(p), _grad(q))
+            check(f"expert {e} {name} gradient", _grad(p).cpu(), _grad(q))
     stats = layer.stats()
     if stats["tokens_per_expert"] != refs[rank][2].tolist() or stats["dropped"] != refs[rank][3]:
         failures.append(f"{label}: stats {stats['tokens_per_expert']} dropped {stats['dropped']}, reference "
@@ -186,20 +200,37 @@ class HostCopies(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _padded_has_no_host_copies(group, rank: int, n: int) -> list:
-    """A forward and backward of a layer padded to capacity copy nothing from the device to the
-    host (the routing, the dispatch, the experts, the combine and their backward)."""
-    router, experts = _dense(40, 2 * n)
-    layer = moe.MoE.from_dense(router, experts, group, top_k=2, capacity_factor=1.0, pad_to_capacity=True,
-                               aux_loss_coeff=0.01)
-    x = _tokens(40, rank, 12, None).requires_grad_()
-    with HostCopies() as mode:
-        y, aux = layer(x)
-        (y.sum() + aux).backward()
-    return [f"padded dispatch copied to the host: {sorted(set(mode.seen))}"] if mode.seen else []
+class HostRead(AssertionError):
+    """A read of a tensor's value on the host where none may happen."""
+
+
+# The Python ways to read a tensor's value on the host (on a GPU each waits for the stream);
+# .tolist() reads the data without dispatching an operator, which HostCopies cannot see.
+HOST_READS = ("tolist", "item", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Raises HostRead at any read of a tensor's value on the host inside the block: the methods
+    of HOST_READS and ``torch.nonzero`` patched to raise, and the operators HostCopies records
+    (those reached from C++ as well) checked when the block ends."""
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise HostRead(f"{name} called")
+        return read
+
+    with pytest.MonkeyPatch.context() as patch, HostCopies() as mode:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+        patch.setattr(torch, "nonzero", refuse("torch.nonzero"))
+        yield
+    if mode.seen:
+        raise HostRead(f"operators that copy to the host ran: {sorted(set(mode.seen))}")
 
 
 def _exactness_cases(group, rank: int, n: int) -> list:
+    """CASES against the dense model; the padded ones, after their first forward, under
+    no_host_reads."""
     failures = []
     for c, cfg in enumerate(CASES):
         num_experts = cfg["per_rank"] * n
@@ -208,8 +239,23 @@ def _exactness_cases(group, rank: int, n: int) -> list:
         counts = [cfg["tokens"][r % 4] for r in range(n)]
         shapes = [(2, t // 2) if cfg.get("shape") and t % 2 == 0 else None for t in counts]
         xs = [_tokens(c, r, counts[r], shapes[r]) for r in range(n)]
-        failures += _compare(layer, router, experts, xs[rank], xs, cfg, group, f"case {c} {cfg}")
+        failures += _compare(layer, router, experts, xs[rank], xs, cfg, group, f"case {c} {cfg}",
+                             guard=no_host_reads if cfg.get("pad") else None)
     return failures
+
+
+def _padded_needs_equal_tokens(group, rank: int, n: int) -> list:
+    """pad_to_capacity with a different number of tokens on each rank: the first forward raises
+    ValueError on every rank, with every rank's count."""
+    router, experts = _dense(41, 2 * n)
+    layer = moe.MoE.from_dense(router, experts, group, top_k=2, capacity_factor=1.0, pad_to_capacity=True)
+    try:
+        layer(_tokens(41, rank, 4 + rank))
+    except ValueError as e:
+        want = f"needs the same number of tokens on every rank (x holds {4 + rank} here; by rank: " \
+               f"{[4 + r for r in range(n)]})"
+        return [] if want in str(e) else [f"unequal tokens, padded: {e}"]
+    return ["unequal tokens, padded: no error"]
 
 
 def _dispatch_layout(group, rank: int, n: int) -> list:
@@ -264,7 +310,7 @@ def _run_exact(rank, world_size, store_path, kind):
         failures = _uneven_all_to_all(group, rank, world_size)
         failures += _dispatch_layout(group, rank, world_size)
         failures += _exactness_cases(group, rank, world_size)
-        failures += _padded_has_no_host_copies(group, rank, world_size)
+        failures += _padded_needs_equal_tokens(group, rank, world_size)
         as_group(group).barrier()
         return failures
 
@@ -274,7 +320,9 @@ def _run_exact(rank, world_size, store_path, kind):
 def test_moe_equals_dense(kind, world_size):
     """Output, input gradient, router gradient and every expert's gradients equal the dense
     float64 MoE: top-1/2/3, both losses, capacity with both drop policies, a rank with no tokens,
-    experts with none; dispatch() and combine() on their own; the group's uneven all_to_all."""
+    experts with none, padded to capacity without a host read after the first forward (and
+    refused with unequal token counts); dispatch() and combine() on their own; the group's uneven
+    all_to_all."""
     for r, failures in enumerate(run_ranks(_run_exact, world_size, kind)):
         assert not failures, f"rank {r}: " + "\n".join(failures)
 
@@ -385,6 +433,81 @@ def test_moe_across_hosts(kind, host_of):
             assert hier["bytes"]["dispatch"] == hier["rows"] * (row + k * 12), crossed  # + weights, targets
             # int8: one byte per value and a float32 scale per row instead of 8 bytes per value.
             assert crossed[f"top-{k} int8"]["bytes"]["dispatch"] == hier["rows"] * (D + 4 + k * 12), crossed
+
+
+# -- on CUDA tensors ---------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Two ranks sharing the GPU, on two simulated hosts (BRAID_HOST_ID): dropless with both losses,
+# capacity, padded (after its first forward, no stream sync), hierarchical exact and int8.
+GPU_CASES = (
+    ("dropless", {"top_k": 2, "per_rank": 2, "aux": 0.01, "z": 1e-3, "tokens": (9, 6)}),
+    ("capacity", {"top_k": 2, "per_rank": 3, "capacity": 0.5, "policy": "probs", "tokens": (12, 10)}),
+    ("padded", {"top_k": 2, "per_rank": 2, "capacity": 0.75, "policy": "position", "tokens": (10, 10),
+                "pad": True}),
+    ("hierarchical", {"top_k": 2, "per_rank": 2, "tokens": (8, 11), "hosts": True}),
+    ("int8", {"top_k": 3, "per_rank": 2, "tokens": (7, 12), "hosts": True, "codec": "int8"}),
+)
+
+
+@contextlib.contextmanager
+def no_stream_syncs():
+    """torch raises at any operation that makes the host wait for a CUDA stream inside the block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _run_gpu(rank, world_size, store_path, kind):
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    failures = []
+    with environment({"BRAID_HOST_ID": f"host{rank}"}):
+        if kind == "nccl":
+            ctx = process_group(rank, world_size, store_path, backend="nccl")
+        else:
+            ctx = carrier(kind, rank, world_size, store_path)
+        with ctx as group:
+            group = dist.group.WORLD if group is None else group
+            hosts = group.split_by_host() if kind == "communicator" else host_groups(dist.group.WORLD)
+            for c, (name, cfg) in enumerate(GPU_CASES):
+                router, experts = _dense(90 + c, cfg["per_rank"] * world_size)
+                codec = moe.RowQuantizer(cfg["codec"]) if "codec" in cfg else None
+                layer = moe.MoE.from_dense(copy.deepcopy(router).to(device),
+                                           [copy.deepcopy(e).to(device) for e in experts], group,
+                                           hierarchical=hosts if cfg.get("hosts") else False,
+                                           dispatch_compression=codec, **_layer_kwargs(cfg))
+                quantize = None if codec is None else (lambda v, q=codec: q.decode(q.encode(v), v.dtype))
+                # gloo moves host memory: its group copies CUDA tensors down and back, which waits
+                # for the stream by nature; the layer's own freedom from syncs is checked on the
+                # other groups (and on CPU by no_host_reads).
+                guard = no_stream_syncs if cfg.get("pad") and kind != "gloo" else None
+                xs = [_tokens(90 + c, r, cfg["tokens"][r]) for r in range(world_size)]
+                failures += _compare(layer, router, experts, xs[rank], xs, cfg, group, f"{kind} {name}",
+                                     quantize, guard)
+            torch.cuda.synchronize()
+            as_group(group).barrier()
+            if kind == "communicator":
+                hosts.intra.group.close()
+                hosts.inter.group.close()
+    return failures
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ("communicator", "gloo", "nccl"))
+def test_moe_on_cuda_tensors(kind):
+    """Dropless, capacity, padded, hierarchical and int8 dispatch on CUDA tensors equal the dense
+    float64 MoE (output and every gradient), over a Communicator, gloo and NCCL; padded makes
+    no stream sync after its first forward (on gloo, see _run_gpu)."""
+    if kind == "communicator" and not is_cuda_build():
+        pytest.skip("needs a braid build with CUDA")
+    if kind == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs one GPU per rank")
+    for r, failures in enumerate(run_ranks(_run_gpu, 2, kind, deadline_s=300)):
+        assert not failures, f"rank {r}: " + "\n".join(failures)
 
 
 # -- expert and data parallelism ---------------------------------------------------------------------
@@ -518,6 +641,24 @@ def test_expert_bias_selects_but_does_not_weight():
     torch.testing.assert_close(r.weights, probs / probs.sum(1, keepdim=True))
 
 
+def test_host_read_guard_catches_each_read():
+    """no_host_reads, the guard of the padded runs, fails on every way of reading a value on the
+    host (and lets computation on the device through): it can fail."""
+    t = torch.arange(4.0)
+    reads = {"tolist": lambda: t.tolist(), "item": lambda: t[1].item(), "cpu": lambda: t.cpu(),
+             "nonzero": lambda: t.nonzero(), "torch.nonzero": lambda: torch.nonzero(t),
+             "bool": lambda: bool(t[1] > 0), "int": lambda: int(t[1]), "float": lambda: float(t[1]),
+             "index": lambda: [0, 1][t.long()[1]], "bincount": lambda: torch.bincount(t.long())}
+    for what, read in reads.items():
+        with pytest.raises(HostRead):
+            with no_host_reads():
+                read()
+            pytest.fail(f"{what} read the host unnoticed")
+    with no_host_reads():
+        y = (t * 2).cumsum(0)
+    assert y.tolist() == [0.0, 2.0, 6.0, 12.0]
+
+
 def test_row_quantizer_round_trip():
     """Per-row int8/fp8: zero rows stay zero, the empty batch passes, 4 bytes of scale per row."""
     x = torch.randn(5, 7, generator=torch.Generator().manual_seed(5))
@@ -580,6 +721,19 @@ def test_bad_arguments_name_the_argument():
         moe.dispatch(x, ids, w, three, num_experts=4)
     with pytest.raises(TypeError, match="hosts must be a HostGroups"):
         moe.dispatch(x, ids, w, one, num_experts=4, hosts=object())
+    # Tensors on another device than x's (meta tensors stand in for a GPU's): refused before any
+    # value is read.
+    with pytest.raises(ValueError, match="expert_ids is on meta and x on cpu: x, expert_ids and weights"):
+        moe.dispatch(x, ids.to("meta"), w, one, num_experts=4)
+    with pytest.raises(ValueError, match="weights is on meta and x on cpu"):
+        moe.dispatch(x, ids, w.to("meta"), one, num_experts=4)
+    with pytest.raises(ValueError, match=r"route: logits must have shape \(tokens, num_experts\), got shape "
+                                         r"\(2, 3, 4\)"):
+        moe.route(torch.zeros(2, 3, 4), 2)
+    with pytest.raises(ValueError, match=r"logits must have shape .*, got shape \(4,\)"):
+        moe.route(torch.zeros(4), 2)
+    with pytest.raises(TypeError, match="route: logits must be a floating tensor"):
+        moe.route(torch.zeros(3, 4, dtype=torch.int64), 2)
     inputs, handle = moe.dispatch(x, ids, w, one, num_experts=4)
     with pytest.raises(ValueError, match="outputs must be a 2-D tensor with one row per expert input"):
         moe.combine(inputs[:1], handle)
