@@ -489,9 +489,10 @@ class DeviceMarks:
         event.synchronize()
 
 
-def _marks_for(device: torch.device) -> Optional[DeviceMarks]:
-    """The device's marks (CUDA), or None where the host's clock times the calls (the CPU)."""
-    return DeviceMarks(device) if device.type == "cuda" else None
+def _marks_for(device: Optional[torch.device]) -> Optional[DeviceMarks]:
+    """The device's marks (CUDA), or None where the host's clock times the calls (the CPU, or a
+    work whose device the caller did not name: a CPU work)."""
+    return DeviceMarks(device) if device is not None and device.type == "cuda" else None
 
 
 class _Call:
@@ -713,7 +714,7 @@ class Adaptive(Compressor):
         self._shared.append((now, float(nbytes), bool(in_host)))
         if work is not None:
             call = _Call(OTHER, int(nbytes), 1, EXACT, now, OTHER_IN_HOST if in_host else OTHER,
-                         _marks_for(device or torch.device("cpu")))
+                         _marks_for(device))
             if call.marks is None and hasattr(work, "completed_at"):
                 call.work = work
             else:

@@ -44,8 +44,9 @@ def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
     """This rank's slice of ``flat`` across ``local`` host ranks, and the padded copy of ``flat``
     (empty when its size divides) for an all-reduce exact on the host."""
     per = -(-flat.numel() // local)
-    padded = torch.empty(per * local if per * local != flat.numel() else 0, dtype=flat.dtype)
-    return padded, torch.empty(per, dtype=flat.dtype)
+    size = per * local if per * local != flat.numel() else 0
+    padded = torch.empty(size, dtype=flat.dtype, device=flat.device)
+    return padded, torch.empty(per, dtype=flat.dtype, device=flat.device)
 
 
 def _exact_on_hosts(comm: BraidCollectives) -> bool:
@@ -772,7 +773,7 @@ class TopK(Compressor):
             return work, finish_dense
         k = self.k(numel)
         send = self._select(CpuKernels, flat, residual, k)
-        gathered = torch.empty(n * 8 * k, dtype=torch.uint8)
+        gathered = torch.empty(n * 8 * k, dtype=torch.uint8, device=flat.device)
         work = comm.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
 
         def finish() -> None:
@@ -790,8 +791,13 @@ class TopK(Compressor):
             # non-finite values rank above every number, so when one was sent, every non-finite
             # entry of the residual is reset to 0 (the others' fate in the other compressors).
             kern.scatter_add(residual, indices, values.neg())
-            if not bool(torch.isfinite(values).all()):
-                residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if residual.device.type == "cpu":  # the flag is in host memory: reading it costs nothing
+                if not bool(torch.isfinite(values).all()):
+                    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            else:  # on a device the reset is masked by the flag there: no host wait per call
+                sent_nonfinite = torch.isfinite(values).all().logical_not()
+                nonfinite = torch.isfinite(residual).logical_not_()
+                residual.masked_fill_(nonfinite.logical_and_(sent_nonfinite), 0.0)
         send = torch.empty(8 * k, dtype=torch.uint8, device=flat.device)
         send[: 4 * k].view(torch.float32).copy_(values)
         send[4 * k :].view(torch.int32).copy_(indices)
@@ -849,9 +855,11 @@ class TopK(Compressor):
         sparse = self.sparse(per, hosts, es)
 
         def make() -> list:  # padded, slice, values, indices, send, gathered, accumulator
-            return [*_slice_buffers(flat, local), torch.empty(k), torch.empty(k, dtype=torch.int32),
-                    torch.empty(8 * k, dtype=torch.uint8), torch.empty(hosts * 8 * k, dtype=torch.uint8),
-                    torch.empty(per)]
+            on = flat.device
+            return [*_slice_buffers(flat, local), torch.empty(k, device=on),
+                    torch.empty(k, dtype=torch.int32, device=on),
+                    torch.empty(8 * k, dtype=torch.uint8, device=on),
+                    torch.empty(hosts * 8 * k, dtype=torch.uint8, device=on), torch.empty(per, device=on)]
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
                                   and b[2].numel() == k)
@@ -936,7 +944,8 @@ class Cast(Compressor):
         per = -(-flat.numel() // local)
 
         def make() -> list:  # padded, slice, sent, accumulator
-            return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype), torch.empty(per)]
+            return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype, device=flat.device),
+                    torch.empty(per, device=flat.device)]
 
         bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
         work = comm.host_cast_all_reduce(flat, self.residual_for(key, per), *bufs, op_code == AVG,

@@ -78,7 +78,7 @@ def _chunks_of(rank: int, world_size: int, balanced: bool) -> tuple[int, ...]:
     return (rank, 2 * world_size - 1 - rank) if balanced else (rank,)
 
 
-def _positions(seq_len: int, rank: int, world_size: int, balanced: bool) -> torch.Tensor:
+def _positions(seq_len: int, rank: int, world_size: int, balanced: bool, device: Any) -> torch.Tensor:
     parts = 2 * world_size if balanced else world_size
     if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
         raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
@@ -86,7 +86,8 @@ def _positions(seq_len: int, rank: int, world_size: int, balanced: bool) -> torc
         layout = f"2 * world_size = {parts} chunks (balanced)" if balanced else f"world_size = {parts} chunks"
         raise ValueError(f"seq_len ({seq_len}) must divide into {layout}")
     c = seq_len // parts
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in _chunks_of(rank, world_size, balanced)])
+    chunks = _chunks_of(rank, world_size, balanced)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks])
 
 
 def _check_balanced(balanced: Any) -> bool:
@@ -95,15 +96,17 @@ def _check_balanced(balanced: Any) -> bool:
     return balanced
 
 
-def shard_indices(seq_len: int, communicator: CommunicatorLike, *, balanced: bool) -> torch.Tensor:
-    """The sequence positions this rank holds, in local order (an int64 tensor of seq_len / N).
+def shard_indices(seq_len: int, communicator: CommunicatorLike, *, balanced: bool,
+                  device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
+    """The sequence positions this rank holds, in local order (an int64 tensor of seq_len / N, on
+    ``device``: default the CPU).
 
     ``balanced=False``: the rank-th of N contiguous chunks. ``balanced=True``: chunks r and 2N-1-r
     of 2N (the layout :func:`ring_attention` uses for causal attention by default). ``seq_len``
     must divide into the chunks. Useful for position ids (RoPE) of a sharded sequence.
     """
     ring = _Ring(communicator, "shard_indices")
-    return _positions(seq_len, ring.rank, ring.world_size, _check_balanced(balanced))
+    return _positions(seq_len, ring.rank, ring.world_size, _check_balanced(balanced), device)
 
 
 def _seq_dim(tensor: torch.Tensor, dim: int, what: str) -> int:
@@ -120,8 +123,9 @@ def shard(tensor: torch.Tensor, communicator: CommunicatorLike, *, balanced: boo
     in the layout of :func:`shard_indices`. Differentiable."""
     ring = _Ring(communicator, "shard")
     dim = _seq_dim(tensor, dim, "shard")
-    index = _positions(tensor.shape[dim], ring.rank, ring.world_size, _check_balanced(balanced))
-    return tensor.index_select(dim, index.to(tensor.device))
+    balanced = _check_balanced(balanced)
+    index = _positions(tensor.shape[dim], ring.rank, ring.world_size, balanced, tensor.device)
+    return tensor.index_select(dim, index)
 
 
 def unshard(tensor: torch.Tensor, communicator: CommunicatorLike, *, balanced: bool,
@@ -134,8 +138,9 @@ def unshard(tensor: torch.Tensor, communicator: CommunicatorLike, *, balanced: b
     balanced = _check_balanced(balanced)
     parts = ring.all_gather(tensor.detach())
     seq_len = tensor.shape[dim] * ring.world_size
-    order = torch.cat([_positions(seq_len, r, ring.world_size, balanced) for r in range(ring.world_size)])
-    return torch.cat(parts, dim).index_select(dim, torch.argsort(order).to(tensor.device))
+    order = torch.cat([_positions(seq_len, r, ring.world_size, balanced, tensor.device)
+                       for r in range(ring.world_size)])
+    return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
 
 
 def _pieces(rank: int, source: int, local_len: int, causal: bool, balanced: bool) -> list:

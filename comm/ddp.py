@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import _C, group_carrier
 from .adaptive import Adaptive
 from .communicator import Communicator
-from .compression import FLOAT_DTYPES, Compressor, compressor
+from .compression import COMPRESSOR_NAMES, FLOAT_DTYPES, Compressor, compressor
 from .group_carrier import HostGroups
 
 # Buckets smaller than this go uncompressed: their all-reduce costs its latency, not its bytes,
@@ -213,6 +213,10 @@ def comm_hook(
             process_group = group_carrier.host_groups(process_group)
     if compression == "auto":
         compression = Adaptive()
+    elif isinstance(compression, str) and compression not in COMPRESSOR_NAMES:
+        names = ", ".join(map(repr, ("auto",) + COMPRESSOR_NAMES))
+        raise ValueError(f"compression must be one of {names}, a braid.comm compressor or None, "
+                         f"got {compression!r}")
     elif isinstance(compression, str):
         compression = compressor(compression)
     if compression is not None and not isinstance(compression, Compressor):

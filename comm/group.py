@@ -336,11 +336,15 @@ class ProcessGroupAdapter(Group):
         served = ", ".join(f"{d} ({b})" for d, b in self._backends.items())
         return f"the process group serves {served} tensors only, not {kind}"
 
+    def backend_for(self, device: torch.device) -> Optional[str]:
+        """The name of the group's backend for tensors on ``device`` ("gloo", "nccl", "braid"), or
+        None where the group's configuration names none for that device type."""
+        return self._backends.get(torch.device(device).type)
+
     def _staged(self, t: torch.Tensor) -> bool:
-        kind = t.device.type
-        if kind == "cpu":
+        if t.device.type == "cpu":
             return False
-        backend = self._backends.get(kind)
+        backend = self.backend_for(t.device)
         return backend is None or backend == "gloo"
 
     def _issue(self, launch: Callable[..., Any], outputs: tuple, inputs: tuple, async_op: bool,

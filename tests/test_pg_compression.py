@@ -247,6 +247,7 @@ def bad_group_arguments(rank, n, store_path):
         seen["hierarchical communicator"] = outcome(lambda: ddp.comm_hook(make_comm(rank, n, store_path),
                                                                            hierarchical=True))
         seen["compression name"] = outcome(ddp.comm_hook, None, "int9")
+        seen["compression name's case"] = outcome(ddp.comm_hook, None, "Auto")
         seen["process_group type"] = outcome(ddp.comm_hook, "gloo")
         seen["op"] = outcome(q.all_reduce, None, torch.ones(4), "max")
         dist.barrier()
@@ -262,7 +263,8 @@ def test_bad_arguments_over_groups_are_named():
         "uneven hosts": ("ValueError", "same number of ranks on every host, got hosts of [2, 1] ranks"),
         "meta tensor": ("ValueError", "tensor must be a CPU or CUDA tensor"),
         "hierarchical communicator": ("ValueError", "hierarchical=True applies to torch process groups"),
-        "compression name": ("ValueError", "compression must be one of 'int8'"),
+        "compression name": ("ValueError", "compression must be one of 'auto', 'int8'"),
+        "compression name's case": ("ValueError", "compression must be one of 'auto', 'int8'"),
         "process_group type": ("TypeError", "process_group must be a braid.comm.Communicator"),
         "op": ("ValueError", "op 'sum' or 'avg'"),
     }

@@ -26,6 +26,10 @@ What FSDP2 (torch 2.13) passes, and what comes back:
   take: they travel as a wider type of the same size, or through a padded copy when the byte
   count does not divide.
 
+FSDP2 on CUDA tensors over a mesh whose CUDA backend is gloo is refused (see
+:func:`gloo_mesh_problem`): torch's gloo backend kills the process on the DTensor gathers such a
+model needs, a fault braid's objects cannot route around.
+
 The interface classes live in a private torch module (torch 2.13 exports no public name for
 them); FSDP2 only calls the methods above.
 """
@@ -40,7 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from ..adaptive import Adaptive
 from ..compression import BlockQuantizer
-from ..group import as_group, check_device
+from ..group import adapter, as_group, check_device
 from ..vocabulary import AVG, WIRE_DTYPES, op_code
 from .schedule import QUANTIZABLE
 
@@ -93,9 +97,37 @@ def _group_for(mine: Any, group: Optional[dist.ProcessGroup], what: str) -> Any:
     return mine
 
 
-def _check_devices(c: Any, what: str, **tensors: torch.Tensor) -> None:
+def gloo_mesh_problem(group: Any, device: torch.device) -> Optional[str]:
+    """Why FSDP2 must not shard tensors on ``device`` over ``group`` (its mesh's ProcessGroup), or
+    None where it may.
+
+    torch's gloo backend copies CUDA tensors through host memory in its all-reduce, broadcast and
+    ``_allgather_base``, but not in ``allgather_into_tensor_coalesced``: that one forwards to
+    ``ProcessGroupGloo::allgather_coalesced``, which has no CUDA path and hands the device pointers
+    to gloo's TCP transport (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp). Every functional
+    all-gather takes it (``_c10d_functional.all_gather_into_tensor``, Functional.cpp), so on a CUDA
+    mesh over gloo a fully_shard model's ``full_tensor()``, ``redistribute`` to Replicate and full
+    state dicts die with SIGSEGV (pytorch/pytorch#132471), with braid's comm objects or without."""
+    if torch.device(device).type != "cuda" or not isinstance(group, dist.ProcessGroup):
+        return None
+    if adapter(group).backend_for(device) != "gloo":
+        return None
+    return ("FSDP2 shards CUDA tensors over a mesh whose CUDA backend is gloo, and torch's gloo hands "
+            "CUDA pointers to its TCP transport in allgather_into_tensor_coalesced (ProcessGroupGloo::"
+            "allgather_coalesced has no CUDA path), which DTensor's full_tensor(), redistribute and full "
+            "state dicts use: the process dies with SIGSEGV (pytorch/pytorch#132471). Build the mesh over "
+            "a group whose CUDA backend gathers CUDA tensors: init_process_group(\"cpu:gloo,cuda:braid\") "
+            "(braid's backend, in a braid build with CUDA) or \"cpu:gloo,cuda:nccl\"")
+
+
+def _check_devices(c: Any, group: Optional[dist.ProcessGroup], what: str, **tensors: torch.Tensor) -> None:
+    """The tensors' device can travel over ``c`` (braid's group) and FSDP2 may shard it over
+    ``group`` (FSDP2's)."""
     for name, t in tensors.items():
         check_device(c, t.device, f"{what}: {name}'s elements")
+        problem = gloo_mesh_problem(group, t.device)
+        if problem:
+            raise ValueError(f"{what}: {name} is on {t.device}, but {problem}")
 
 
 def _carrier(nbytes: int) -> Optional[torch.dtype]:
@@ -130,7 +162,7 @@ class BraidAllGather(_BraidComm, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[dist.Work]:
         c = _group_for(self.communicator, group, "BraidAllGather")
-        _check_devices(c, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
+        _check_devices(c, group, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
         out, inp, after = output_tensor, input_tensor, None
         if self.compression is not None and out.dtype in QUANTIZABLE:
             out, inp, after = self._quantized(c, output_tensor, input_tensor)
@@ -186,7 +218,7 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
                  group: Optional[dist.ProcessGroup] = None, op: Any = dist.ReduceOp.SUM,
                  async_op: bool = False) -> Optional[dist.Work]:
         c = _group_for(self.communicator, group, "BraidReduceScatter")
-        _check_devices(c, "BraidReduceScatter", output_tensor=output_tensor, input_tensor=input_tensor)
+        _check_devices(c, group, "BraidReduceScatter", output_tensor=output_tensor, input_tensor=input_tensor)
         # FSDP2 passes a RedOpType (SUM, AVG) or a ReduceOp instance (PREMUL_SUM with its factor).
         kind = op.op if type(op) is dist.ReduceOp else op
         if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
@@ -239,7 +271,9 @@ def fsdp2_comms(communicator: Any = None, *, param_compression: Any = None,
                 m.set_custom_all_gather(ag)
                 m.set_custom_reduce_scatter(rs)
 
-    (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the group's.
+    (:func:`use_braid_comms` does this loop.) The FSDP2 mesh's ranks must be the group's. On CUDA
+    tensors the mesh's CUDA backend must not be gloo: the objects refuse it at FSDP2's first call
+    (:func:`gloo_mesh_problem` says why).
 
     ``param_compression`` (``comm.Int8Quantizer()`` or ``Int4Quantizer()``): the weights' gathers
     travel block-quantized, rounded to nearest, identical on every rank (ZeRO++'s qwZ; FSDP2 keeps

@@ -206,7 +206,7 @@ class ShardedModule(nn.Module):
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
         self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
-                                  param_compression, grad_compression, hosts, self.device)
+                                  self.device, param_compression, grad_compression, hosts)
         self._schedule.install()
 
     def _build(self, unit_specs: list, cap_bytes: int) -> tuple:
@@ -308,10 +308,11 @@ class ShardedModule(nn.Module):
                 local += g.double().abs().pow(norm_type).sum()
             self.communicator.all_reduce(local, op="sum")
             total = local[0].pow(1.0 / norm_type)
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1:
-            for g in grads:
-                g.mul_(coef)
+        # The scale stays on the device, as torch.nn.utils.clip_grad_norm_'s: the host never waits
+        # for the norm (a coefficient clamped to 1 leaves the gradients as they are).
+        coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)
+        for g in grads:
+            g.mul_(coef)
         return total.float()
 
     # -- state dicts -----------------------------------------------------------------------

@@ -156,10 +156,9 @@ class _ParallelLinear(nn.Module):
             raise TypeError(f"{name}: sequence_dim must be an int, got {sequence_dim!r}")
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, **factory))
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, device=device, dtype=dtype))
         bias_size = out_local if self.split_dim == 0 else out_features
-        self.bias = nn.Parameter(torch.empty(bias_size, **factory)) if bias else None
+        self.bias = nn.Parameter(torch.empty(bias_size, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -360,12 +359,25 @@ class VocabParallelEmbedding(nn.Module):
             return self.padding_idx - self.vocab_start
         return None
 
+    def _check_ids(self, input: torch.Tensor) -> None:
+        """Ids outside the vocabulary raise, as nn.Embedding's do: an IndexError on the CPU; on a
+        device an assertion the device raises when it gets there (the host never waits for the
+        ids: a read here would stall every forward), as nn.Embedding's CUDA kernel asserts."""
+        if not input.numel():
+            return
+        if input.device.type != "cpu":
+            inside = ((input >= 0) & (input < self.num_embeddings)).all()
+            torch._assert_async(inside, f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings})")
+            return
+        low, high = int(input.min()), int(input.max())
+        if low < 0 or high >= self.num_embeddings:
+            raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got "
+                             f"values in [{low}, {high}]")
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding: input must hold int32 or int64 ids, got {input.dtype}")
-        if input.numel() and (int(input.min()) < 0 or int(input.max()) >= self.num_embeddings):
-            raise IndexError(f"VocabParallelEmbedding: ids must be in [0, {self.num_embeddings}), got "
-                             f"values in [{int(input.min())}, {int(input.max())}]")
+        self._check_ids(input)
         foreign = (input < self.vocab_start) | (input >= self.vocab_end)
         local = (input - self.vocab_start).masked_fill_(foreign, 0)
         # Foreign ids look up row 0 and are then zeroed: masked_fill sends them no gradient.
