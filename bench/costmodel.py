@@ -22,6 +22,11 @@ a contention factor per algorithm that sends to several peers at once (the ratio
 modelled time of its large messages, capturing what the alpha-beta model leaves out: many flows sharing one
 uplink lose to one flow per direction). The fitted model is printed beside the measurements and
 extrapolated; it is a model, its predictions are not measurements.
+
+``scored_report`` tests that extrapolation where it can be checked: fitted on the measurements of
+some link settings, the model is scored on those of the others (its relative error, and whether it
+names the measured fastest algorithm), since a model scored on the points it was fitted to says
+little about a link it never saw.
 """
 from __future__ import annotations
 
@@ -130,11 +135,76 @@ def fit(points: Sequence[tuple]) -> Model:
 
 def points_of(records: Sequence[dict]) -> list:
     """(algorithm, hosts, bytes, rate bytes/s, seconds) of the records of a ``multihost --hosts``
-    run with shaped links whose braid all-reduce was forced to one of the modelled algorithms (the
-    algorithm the record reports; braid's own choice repeats one of them and is left out, so that
-    no measurement counts twice)."""
-    return [(r["algorithm"], r["hosts"], r["bytes"], r["link_mbit"] * 1e6 / 8, r["time_us"] / 1e6)
-            for r in records if r["impl"] != "braid" and r.get("algorithm") in ALGORITHMS and r["link_mbit"]]
+    run whose braid all-reduce was forced to one of the modelled algorithms (the algorithm the
+    record reports; braid's own choice repeats one of them and is left out, so that no measurement
+    counts twice), between two hosts or more. The rate is the record's ``rate_bytes_s`` (on an
+    unshaped link what one TCP stream carried between two of its hosts), else the shaped link's;
+    records of an unshaped link without one are left out."""
+    points = []
+    for r in records:
+        rate = r.get("rate_bytes_s") or r["link_mbit"] * 1e6 / 8
+        if r["impl"] != "braid" and r.get("algorithm") in ALGORITHMS and r["hosts"] >= 2 and rate:
+            points.append((r["algorithm"], r["hosts"], r["bytes"], rate, r["time_us"] / 1e6))
+    return points
+
+
+def errors(model: Model, points: Sequence[tuple]) -> list:
+    """|modelled / measured - 1| of each point."""
+    return [abs(model.time(a, h, s, r) / t - 1) for a, h, s, r, t in points]
+
+
+def fastest_named(model: Model, points: Sequence[tuple]) -> tuple:
+    """(cells, right): of the (hosts, bytes, rate) cells where two algorithms or more were measured,
+    how many the model names the measured fastest of them in."""
+    cells = {}
+    for a, h, s, r, t in points:
+        cells.setdefault((h, s, r), {})[a] = t
+    cells = {k: v for k, v in cells.items() if len(v) > 1}
+    right = sum(min(v, key=v.get) == min(v, key=lambda a, k=k: model.time(a, *k)) for k, v in cells.items())
+    return len(cells), right
+
+
+def splits(settings: Sequence[str]) -> list:
+    """(fitted on, scored on) tuples of link settings: each setting alone against all the others,
+    and, from three settings on, all the others against it."""
+    out = []
+    for one in settings:
+        rest = tuple(x for x in settings if x != one)
+        out.append(((one,), rest))
+        if len(rest) > 1:
+            out.append((rest, (one,)))
+    return out
+
+
+def scored_report(groups: dict) -> str:
+    """The model fitted on some link settings and scored on the others: ``groups`` maps a
+    setting's name (e.g. "100 Mbit") to its points (``points_of``). For each split, the fitted
+    parameters, then per setting (the fitted ones first, marked "fit") the median and worst
+    relative error and the cells whose fastest algorithm the model names."""
+    groups = {k: v for k, v in groups.items() if v}
+    if len(groups) < 2:
+        return ("cost model scored on other links: not done (it needs measurements at two link settings "
+                "or more: --scale-link 100,1000,0, or --from-json of such a run)")
+    lines = ["Cost model fitted on some link settings, scored on the others (error: |modelled / measured "
+             "- 1|; fastest: cells (hosts, size) where the model names the measured fastest algorithm):",
+             f"{'fitted on':<20} {'alpha':>7} {'gamma':>7}  {'contention':<30} {'scored on':<16} "
+             f"{'points':>6} {'median':>7} {'worst':>6} {'fastest':>8}"]
+    for fitted_on, scored_on in splits(list(groups)):
+        fitting = [p for name in fitted_on for p in groups[name]]
+        if len({p[0] for p in fitting}) < 2:
+            lines.append(f"{', '.join(fitted_on):<20} not fitted (fewer than two algorithms measured)")
+            continue
+        m = fit(fitting)
+        head = (f"{', '.join(fitted_on):<20} {m.alpha * 1e6:>4.0f} us {m.gamma * 1e6:>4.0f} us  "
+                + f"{', '.join(f'{a} {c:.2f}x' for a, c in m.contention.items()) or '-':<30}")
+        for i, name in enumerate((*fitted_on, *scored_on)):
+            errs = sorted(errors(m, groups[name]))
+            cells, right = fastest_named(m, groups[name])
+            label = name + (" (fit)" if name in fitted_on else "")
+            lines.append(f"{head if i == 0 else ' ' * len(head)} {label:<16} {len(errs):>6} "
+                         f"{errs[len(errs) // 2] * 100:>6.0f}% {errs[-1] * 100:>5.0f}% "
+                         f"{f'{right} of {cells}':>8}")
+    return "\n".join(lines)
 
 
 def report(records: Sequence[dict], hosts=(16, 64, 256, 1024), gbits=(1, 10, 100),
@@ -143,15 +213,15 @@ def report(records: Sequence[dict], hosts=(16, 64, 256, 1024), gbits=(1, 10, 100
     predicts fastest (with its time) past what was run."""
     points = points_of(records)
     if len({p[0] for p in points}) < 2:
-        return ("cost model: not fitted (it needs measurements of two algorithms or more on a shaped link: "
+        return ("cost model: not fitted (it needs measurements of two algorithms or more between hosts: "
                 "--algos)")
     m = fit(points)
-    errors = [abs(m.time(a, h, s, r) / t - 1) for a, h, s, r, t in points]
+    errs = sorted(errors(m, points))
     lines = [f"Cost model (fitted to {len(points)} measurements): alpha {m.alpha * 1e6:.0f} us per latency, "
              f"gamma {m.gamma * 1e6:.0f} us per message sent; contention "
-             + ", ".join(f"{a} {c:.2f}x" for a, c in m.contention.items())
-             + f"; error on the measurements: median {sorted(errors)[len(errors) // 2] * 100:.0f}%, "
-             f"worst {max(errors) * 100:.0f}%",
+             + (", ".join(f"{a} {c:.2f}x" for a, c in m.contention.items()) or "none (no 1 MiB message)")
+             + f"; error on the measurements it was fitted to: median {errs[len(errs) // 2] * 100:.0f}%, "
+             f"worst {errs[-1] * 100:.0f}%",
              "Predicted fastest (model, not measured): " + f"{'hosts':>6} {'link':>8} "
              + " ".join(f"{_size(s):>22}" for s in sizes)]
     for h in hosts:

@@ -4,7 +4,10 @@ and the DDP step of the ~25M-parameter LM (``python -m braid.bench ddp``, its ra
 and, with ``--sharding-links``, the sharded training step (``python -m braid.bench sharding``: FSDP2
 on gloo, braid's ZeRO-3 exact and with ZeRO++'s quantized gathers and reduce-scatters). With
 ``--hosts 4,8,16``: many hosts, each group's setup and sockets, and 4 KiB and 8 MiB all_reduces of
-gloo and of braid with each of its algorithms, against the ring optimum.
+gloo and of braid with each of its algorithms, against the ring optimum, and the cost model
+(bench/costmodel.py) fitted to them; with several ``--scale-link`` settings it is also fitted on
+each setting and scored on the others, and ``--from-json`` prints all of it again from an earlier
+run's ``--json``.
 
 The hosts are network namespaces joined by a bridge (braid.bench.simhosts), each with its own
 /dev/shm and hostname, so only TCP crosses between them; ``tc tbf`` shapes each host's uplink.
@@ -540,8 +543,8 @@ def scale_table(records: Sequence[dict], setups: Sequence[dict]) -> str:
         lines.append(f"{str(u['hosts']) + 'x' + str(u['per_host']):>9} {link_name(u['link_mbit']):>9} "
                      f"{u['braid_setup_s']:>11.3f}s {u['braid_sockets']:>8} {u['gloo_setup_s']:>10.3f}s "
                      f"{u['gloo_sockets']:>8}")
-    lines.append(f"{'hosts':>9} {'size':>8} {'impl':<18} {'algorithm':<13} {'ms':>9} {'vs gloo':>8} "
-                 f"{'vs ring opt':>11}")
+    lines.append(f"{'hosts':>9} {'link':>9} {'size':>8} {'impl':<18} {'algorithm':<13} {'ms':>9} "
+                 f"{'vs gloo':>8} {'vs ring opt':>11}")
     gloo = {(r["hosts"], r["per_host"], r["link_mbit"], r["bytes"], r.get("op")): r["time_us"]
             for r in records if r["impl"] in ("gloo", "gloo-rs")}
     for r in records:
@@ -552,23 +555,55 @@ def scale_table(records: Sequence[dict], setups: Sequence[dict]) -> str:
         factor = (1 if r.get("op") == "reduce_scatter" else 2) * (h - 1) / h
         optimum = factor * r["bytes"] / (r["link_mbit"] * 1e6 / 8) if r["link_mbit"] else None
         vs_opt = f"{r['time_us'] / 1e6 / optimum:.2f}x" if optimum and r["bytes"] >= 1 << 20 else "-"
-        lines.append(f"{str(h) + 'x' + str(r['per_host']):>9} {human_bytes(r['bytes']):>8} {r['impl']:<18} "
+        lines.append(f"{str(h) + 'x' + str(r['per_host']):>9} {link_name(r['link_mbit']):>9} "
+                     f"{human_bytes(r['bytes']):>8} {r['impl']:<18} "
                      f"{r.get('algorithm') or '-':<13} {r['time_us'] / 1e3:>9.2f} "
                      f"{r['time_us'] / gloo[key]:>7.2f}x {vs_opt:>11}")
     return "\n".join(lines)
 
 
 def run_scale(args) -> tuple:
-    """Every --hosts x --ranks-per-host layout on --scale-link: (records, setups)."""
+    """Every --hosts x --ranks-per-host layout on every --scale-link: (records, setups). Each
+    record and setup carries the link's rate in bytes/s for the cost model: the shaper's, or on an
+    unshaped link what one TCP stream carries between two of the hosts, measured after the
+    collectives (nothing else running on the bridge)."""
     records, setups = [], []
-    for n_hosts in args.hosts:
-        for per in args.ranks_per_host:
-            print(f"{n_hosts} hosts x {per} rank(s), {link_name(args.scale_link)} links:", flush=True)
-            with SimulatedHosts(n_hosts, rate_mbit=args.scale_link or None) as hosts:
-                got, setup = run_config(hosts, per, args.scale_link, args, args.algos)
-            records += got
-            setups.append(setup)
+    for link in args.scale_link:
+        for n_hosts in args.hosts:
+            for per in args.ranks_per_host:
+                print(f"{n_hosts} hosts x {per} rank(s), {link_name(link)} links:", flush=True)
+                with SimulatedHosts(n_hosts, rate_mbit=link or None) as hosts:
+                    got, setup = run_config(hosts, per, link, args, args.algos)
+                    rate = link * 1e6 / 8 if link or n_hosts < 2 else tcp_floor(hosts, 1, 256 << 20)
+                if not link and rate:
+                    print(f"  one TCP stream between two of the hosts: {rate / 1e9:.3f} GB/s", flush=True)
+                for r in (*got, setup):
+                    r["rate_bytes_s"] = rate
+                records += got
+                setups.append(setup)
     return records, setups
+
+
+def cost_model_text(records: Sequence[dict]) -> str:
+    """The cost model fitted to every record, and, with several link settings, fitted on some and
+    scored on the others."""
+    links = dict.fromkeys(r["link_mbit"] for r in records)
+    groups = {link_name(link): costmodel.points_of([r for r in records if r["link_mbit"] == link])
+              for link in links}
+    return costmodel.report(records) + "\n\n" + costmodel.scored_report(groups)
+
+
+def read_scale_json(path: str) -> dict:
+    """The JSON an earlier ``--hosts ... --json`` run wrote; ValueError saying why not."""
+    try:
+        with open(path) as f:
+            document = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path!r}: {e}") from None
+    kind = document.get("benchmark") if isinstance(document, dict) else None
+    if kind != "multihost-scale":
+        raise ValueError(f"{path!r} is not the --json of a `multihost --hosts` run (benchmark {kind!r})")
+    return document
 
 
 def ddp_table(rows: Sequence[dict]) -> str:
@@ -674,14 +709,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
                              "4K,8M)")
     parser.add_argument("--ranks-per-host", type=parse_host_counts, default=[1],
                         help="ranks on each of --hosts (default 1)")
-    parser.add_argument("--scale-link", type=int, default=100,
-                        help="Mbit/s of each host's uplink with --hosts (default 100; 0: unshaped)")
+    parser.add_argument("--scale-link", type=parse_links, default=[100],
+                        help="Mbit/s of each host's uplink with --hosts, several to measure each and score "
+                             "the cost model fitted on one on the others (default 100; 0: unshaped; "
+                             "e.g. 100,1000,0)")
     parser.add_argument("--scale-ops", type=lambda t: [x for x in t.split(",") if x], default=["all_reduce"],
                         help="with --hosts, collectives timed: all_reduce and/or reduce_scatter "
                              "(braid's and gloo's; default all_reduce)")
     parser.add_argument("--algos", default=SCALE_ALGOS,
                         help=f"with --hosts, braid's all_reduce algorithms timed forced beside its own "
                              f"choice (default {SCALE_ALGOS})")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="measure nothing: print the many-hosts tables and the cost model (fitted, and "
+                             "scored across link settings) of the --json an earlier --hosts run wrote")
     parser.add_argument("--json", type=output_path(), help="write the records as JSON to this path")
     parser.add_argument(
         "--plot", type=output_path(".png"), help="write a PNG of time against size to this path"
@@ -692,6 +732,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         parser.error(f"--scale-ops takes all_reduce and/or reduce_scatter, got {','.join(args.scale_ops)!r}")
     if args.rank_main:
         return rank_main(json.loads(args.rank_main))
+    if args.from_json is not None:
+        try:
+            earlier = read_scale_json(args.from_json)
+        except ValueError as e:
+            parser.error(f"--from-json: {e}")
+        print(scale_table(earlier["records"], earlier["setup"]))
+        print()
+        print(cost_model_text(earlier["records"]))
+        return 0
     if args.compressors is None:
         args.compressors = "" if args.hosts else "int8,int4,topk1%"
     args.compressors = [c for c in args.compressors.split(",") if c]
@@ -704,8 +753,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
     for name in args.algos:
         if name not in ("oneshot", "doubling", "leaders", "hierarchical", "ring"):
             parser.error(f"--algos: unknown {name!r} (oneshot, doubling, leaders, hierarchical, ring)")
-    if args.scale_link < 0:
-        parser.error("--scale-link must be 0 (unshaped) or positive")
+    if args.hosts and not args.scale_link:
+        parser.error("--scale-link: none given (Mbit/s, 0: unshaped)")
+    if len(set(args.scale_link)) < len(args.scale_link):
+        parser.error(f"--scale-link: a setting given twice in {','.join(map(str, args.scale_link))}")
     if args.sizes is None:
         args.sizes = list(SCALE_SIZES if args.hosts else DEFAULT_SIZES)
     if args.quick:
@@ -725,7 +776,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m braid.bench m
         print()
         print(scale_table(records, setups))
         print()
-        print(costmodel.report(records))
+        print(cost_model_text(records))
         if args.json:
             write_json(args.json, {"benchmark": "multihost-scale", "machine": machine_info(),
                                    "records": records, "setup": setups})
