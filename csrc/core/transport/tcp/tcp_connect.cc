@@ -43,6 +43,9 @@ constexpr int kRequestChannel = -1;
 constexpr int kNoticeChannel = -2;
 // How long publish_failure spends in all on notices to peers it holds no connection to.
 constexpr auto kNoticeBudget = std::chrono::seconds(1);
+// How long a refused lazy connection waits for the refusing peer's notice (sent before it left,
+// within kNoticeBudget) before it is reported as the peer being gone.
+constexpr auto kNoticeGrace = std::chrono::milliseconds(1500);
 constexpr int kAcceptSliceMs = 50;
 
 std::array<uint8_t, kMacBytes> proof_mac(const std::vector<uint8_t>& secret, const char* role, const Hello& h,
@@ -189,7 +192,23 @@ Fd TcpTransport::handshake_connect(int peer, int channel, int index, Clock::time
   for (int attempt = 1;; ++attempt) {
     // Lazily, the peer's listener was up before its address was published: a refusal means it
     // is gone. Eagerly it may not be up yet.
-    Fd fd = connect_to(to, deadline, who, /*retry_refused=*/!cfg_.lazy);
+    Fd fd;
+    try {
+      fd = connect_to(to, deadline, who, /*retry_refused=*/!cfg_.lazy);
+    } catch (const CommError& e) {
+      if (e.kind() != ErrorKind::kPeer) throw;
+      // A peer that failed tells the ranks it holds no connection to why, in a notice, before it
+      // leaves; its listener, closed as it leaves, can refuse this connection before this rank's
+      // acceptor has read that notice. Give the notice a moment, so that every rank raises what
+      // happened (a mismatch, say) and not "could not connect"; a peer that died sent none.
+      const auto until = std::min(deadline, Clock::now() + kNoticeGrace);
+      while (Clock::now() < until) {
+        check_abort();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      check_abort();
+      throw;
+    }
     Hello h{};
     h.magic = kHelloMagic;
     h.version = kWireVersion;
