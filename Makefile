@@ -77,7 +77,7 @@ cuda-check:
 # (cuda_cmake_macros.h, one define); a stand-in for it goes in the check's include folder.
 # torch's headers take most of the time: the sources are checked in two translation units that
 # include them (torch_binding.cpp alone: its helpers share names with backend.cpp's), side by side.
-CUDA_BINDING_GROUPS := "cuda_compression_binding.cpp cuda_comm_binding.cpp cuda_stager.cpp backend.cpp" "torch_binding.cpp"
+CUDA_BINDING_GROUPS := "cuda_compression_binding.cpp cuda_comm_binding.cpp cuda_stager.cpp cuda_ipc.cpp backend.cpp" "torch_binding.cpp"
 cuda-binding-check:
 	@if [ -n "$(NVCC)" ] && [ -x "$(PY)" ]; then \
 	  stub=$(CUDA_CHECK_DIR)/include/c10/cuda/impl && mkdir -p $$stub && \
@@ -102,6 +102,20 @@ test-py:
 # gloo side by side at 2 and 3 ranks; CI runs a share of it (tests/test_conformance.py).
 conformance: install
 	$(PY) tests/conformance/run.py --world-sizes 2 3
+
+# Opt-in: installs Lightning and accelerate (no dependency of braid) into the venv, every package
+# already there held at its version (torch too), and runs tests/test_recipes.py's Lightning and
+# accelerate recipes, each on gloo and on braid; versions and the pytest summary go to results/recipes.log.
+RECIPES_SPEC ?= lightning==2.6.6 accelerate==1.15.0
+.PHONY: recipes-check
+recipes-check:
+	mkdir -p results
+	$(PIP) freeze --exclude-editable > results/recipes-constraints.txt
+	$(PIP) install -c results/recipes-constraints.txt $(RECIPES_SPEC)
+	$(PY) -c "import accelerate, lightning, torch; print('torch', torch.__version__, 'lightning', \
+	  lightning.__version__, 'accelerate', accelerate.__version__)" | tee results/recipes.log
+	$(PY) -m pytest tests/test_recipes.py -k "lightning or accelerate" -v -rs -p no:cacheprovider 2>&1 \
+	  | tee -a results/recipes.log; exit $${PIPESTATUS[0]}
 
 # The suites run side by side (-j): their multi-rank tests spend most of their time waiting.
 test-cpp:
@@ -156,10 +170,12 @@ GPU_TEST_WORKERS ?= 8
 gpu-test:
 	mkdir -p $(GPU_OUT)
 	status=0; \
+	$(GPU_PY) -m pytest tests/test_cuda_ipc.py tests/test_moe.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
+	  | tee $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m pytest tests/test_cuda_comm.py tests/test_cuda_backend.py tests/test_group.py tests/test_pg_compression.py \
 	  tests/test_compression_cuda.py tests/test_compression_kernels.py tests/test_cp.py::test_ring_attention_on_gpu \
 	  tests/test_adaptive.py::test_device_marks_time_the_device_not_the_host \
-	  -q -rs -p no:cacheprovider 2>&1 | tee $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	  -q -rs -p no:cacheprovider 2>&1 | tee -a $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	workers=$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
 	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py $$workers -q -rs -p no:cacheprovider 2>&1 \
 	  | tee -a $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
@@ -167,6 +183,8 @@ gpu-test:
 gpu-bench:
 	mkdir -p $(GPU_OUT)
 	status=0; \
+	$(GPU_PY) -m braid.bench cuda --json $(GPU_OUT)/cuda.json 2>&1 | tee $(GPU_OUT)/cuda.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m braid.bench staging --json $(GPU_OUT)/staging.json 2>&1 | tee $(GPU_OUT)/staging.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m braid.bench compression --json $(GPU_OUT)/compression.json 2>&1 | tee $(GPU_OUT)/compression.log; \

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "pipeline": "torch.distributed.pipelining schedules at 2 and 4 stages: braid backend vs gloo, bubble",
     "cp": "ring (context-parallel) attention at 2 ranks vs one rank, communication hidden behind compute",
     "staging": "CUDA tensors through braid's all_reduce: GB/s against pinned copies, chunk x slots (GPU)",
+    "cuda": "CUDA-tensor collectives on one host: device to device (CUDA IPC) vs staged vs the floor (GPU)",
     "recorder": "the flight recorder's cost on a 4 KiB all_reduce: recording on vs off, same processes",
     "moe": "MoE layer forward+backward tokens/s, one host and across hosts: braid vs all_to_all on gloo",
 }

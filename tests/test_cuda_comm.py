@@ -1,5 +1,6 @@
-"""The braid Communicator on CUDA tensors: collectives staged through pinned host memory, ordered
-on the caller's stream (GPU builds), and the errors a build without CUDA gives (every build).
+"""The braid Communicator on CUDA tensors: collectives device to device between a host's ranks
+(CUDA IPC, tests/test_cuda_ipc.py) or staged through pinned host memory, ordered on the caller's
+stream (GPU builds), and the errors a build without CUDA gives (every build).
 
 The staging pipeline's scheduling (chunk boundaries, the order of copies and host steps, failures
 midway) is tested without a GPU in C++ (csrc/tests/staging_test.cc, ctest suite "staging"). The
@@ -13,7 +14,7 @@ import torch
 from braid import comm
 from braid.comm.build_info import is_cuda_build
 from braid.comm.communicator import Communicator
-from helpers.ranks import make_comm, new_store_path, run_ranks
+from helpers.ranks import environment, make_comm, new_store_path, run_ranks
 
 CUDA_BUILD = is_cuda_build()
 
@@ -302,11 +303,16 @@ def check_all_reduce_ordering(check, all_reduce, avg, mine, total, n, device, wh
     check(f"async avg {what}", doubled, (total.float() / n).to(dtype) * 2)
 
 
-def cuda_collectives(rank, n, store_path):
+def cuda_collectives(rank, n, store_path, ipc):
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     c = make_comm(rank, n, store_path, device=device, **STAGING)
     failures = []
+    with environment({"BRAID_CUDA_IPC": "1" if ipc else "0"}):  # read at the device's first call
+        c.all_reduce(torch.zeros(1, device=device))
+    path = c._c.device_path(device.index)
+    if (path == "ipc") != ipc:
+        failures.append(f"rank {rank}: the path is {path!r}")
 
     def check(name, got, want):
         if not torch.equal(got.cpu(), want):
@@ -349,8 +355,10 @@ def cuda_collectives(rank, n, store_path):
 
 
 @needs_cuda
-def test_collectives_on_cuda_tensors():
-    results = run_ranks(cuda_collectives, 2, deadline_s=300)
+@pytest.mark.parametrize("ipc", [True, False], ids=["device-to-device", "staged"])
+def test_collectives_on_cuda_tensors(ipc):
+    """The stream semantics and every collective on both paths a host's ranks can take."""
+    results = run_ranks(cuda_collectives, 2, ipc, deadline_s=300)
     for failures, calls in results:
         assert calls == len(COUNTS) * 2
         assert failures == []

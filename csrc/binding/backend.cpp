@@ -74,13 +74,15 @@ void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
 #endif
 }
 
-// Calls that have no staged form on a device (point-to-point, all-to-all with split sizes or of
-// tensor lists, sparse tensors) take CPU tensors only.
+// Calls that have no staged form on a device (point-to-point, all-to-all of tensor lists, sparse
+// tensors, and all-to-all with split sizes where the device-to-device path is off) take CPU
+// tensors only.
 void check_host(const at::Tensor& t, const char* op, const char* arg) {
   check_tensor(t, op, arg);
   TORCH_CHECK_VALUE(t.device().is_cpu(), "braid ", op, ": ", arg, " is on ", t.device(), "; braid runs ", op,
                     " on CPU tensors only (on CUDA tensors it runs all_reduce, broadcast, reduce, the all-gathers, ",
-                    "reduce-scatters, gather, scatter and all-to-all of equal splits)");
+                    "reduce-scatters, gather, scatter and all-to-all of equal splits, and all-to-all with split ",
+                    "sizes between the ranks of one host with CUDA IPC)");
 }
 
 // A tensor a call writes: one whose elements share memory (expand()) cannot hold a result, and
@@ -417,6 +419,10 @@ class BraidBackend final : public c10d::Backend {
     // the split matrix: equal splits passed explicitly on one rank may meet uneven ones on
     // another. So any split list means point-to-point (torch passes none for equal splits).
     if (!input_splits.empty() || !output_splits.empty()) {
+#ifdef BRAID_WITH_CUDA
+      if (input.is_cuda() && output.device() == input.device())
+        if (auto w = run_exchange_on_device(out, in, counts, {output}, opts.asyncOp)) return w;
+#endif
       check_host(input, "alltoall_base with split sizes", "input");
       check_host(output, "alltoall_base with split sizes", "output");
       return run_exchange(out, in, counts, {output}, opts.asyncOp);
@@ -769,6 +775,10 @@ class BraidBackend final : public c10d::Backend {
   // the future (devices=[device]) completes there, so wait() and the future's waiters are ordered
   // after them. wait() blocks the host until the last request's collective is done.
   c10::intrusive_ptr<c10d::Work> run_on_device(Batch b, c10::Device device, bool async) {
+    bool device_to_device = true;
+    for (const Request& r : b.requests) device_to_device = device_to_device && ipc_runs(r.kind);
+    if (device_to_device)
+      if (auto ch = ipc_channel(device)) return run_ipc(std::move(b), *ch, async);
     auto stager = stagers_of(*comm_).get(device.index());
     DeviceCall call;
     call.requests = std::move(b.requests);
@@ -780,6 +790,52 @@ class BraidBackend final : public c10d::Backend {
     std::shared_ptr<Work> last = submit_device_call(*comm_, *stager, std::move(call), async);
     auto fut = lane_future(last, stager->lane(Lane::kToDevice), b.outputs);
     return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(b.outputs));
+  }
+
+  // The communicator's device-to-device channel of `device` (set up at its first call, with every
+  // rank), or null when calls on it go through the staging pipeline.
+  std::shared_ptr<CudaIpcChannel> ipc_channel(c10::Device device) {
+    try {
+      return ipc_channels_of(*comm_).get(*comm_, device.index());
+    } catch (const std::invalid_argument& e) {
+      C10_THROW_ERROR(ValueError, e.what());
+    }
+  }
+
+  // A call on CUDA tensors device to device (cuda_ipc.h): its requests queued on the channel's
+  // stream after the caller's current stream, then the copies into the caller's tensors; the
+  // future completes on that stream.
+  c10::intrusive_ptr<c10d::Work> run_ipc(Batch b, CudaIpcChannel& ch, bool async) {
+    std::vector<at::Tensor> used = b.keep;
+    used.insert(used.end(), b.outputs.begin(), b.outputs.end());
+    auto finish = [finish = std::move(b.finish)] {
+      for (const auto& f : finish) f();
+    };
+    std::shared_ptr<Work> last = submit_ipc_call(*comm_, ch, std::move(b.requests), std::move(used),
+                                                 std::move(finish), async);
+    auto fut = lane_future(last, ch.stream(), b.outputs);
+    return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(b.outputs));
+  }
+
+  // An all-to-all with split sizes on CUDA tensors, device to device; null when the channel is off.
+  c10::intrusive_ptr<c10d::Work> run_exchange_on_device(const Contiguous& out, const at::Tensor& in,
+                                                        const SplitCounts& counts, std::vector<at::Tensor> outputs,
+                                                        bool async) {
+    auto ch = ipc_channel(in.device());
+    if (ch == nullptr) return {};
+    std::vector<int64_t> send_off(static_cast<size_t>(size_), 0), recv_off(static_cast<size_t>(size_), 0);
+    for (int j = 1; j < size_; ++j) {
+      send_off[j] = send_off[j - 1] + counts.send[j - 1];
+      recv_off[j] = recv_off[j - 1] + counts.recv[j - 1];
+    }
+    auto finish = [out] {
+      if (out.copy_back()) out.user.copy_(out.buffer);
+    };
+    std::shared_ptr<Work> last = submit_ipc_all_to_all_v(
+        *comm_, *ch, to_dtype(in.scalar_type(), "input", "alltoall_base"), in.data_ptr(), out.buffer.data_ptr(),
+        counts.send, send_off, counts.recv, recv_off, {in, out.buffer, out.user}, std::move(finish), async);
+    auto fut = lane_future(last, ch->stream(), outputs);
+    return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(outputs));
   }
 
 #endif

@@ -448,11 +448,17 @@ void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Com
 
 #ifdef BRAID_WITH_CUDA
 // A collective on CUDA tensors of `device` (cuda_comm_binding.cpp): `r` points into `out.buffer`
-// and `in` (undefined for a call in place), carried through the communicator's staging pipeline
-// for the device after the caller's current stream. A CudaWork for async calls, else None (the
-// caller's stream then waits for the copies back).
+// and `in` (undefined for a call in place), ordered after the caller's current stream and carried
+// device to device between the ranks of one host (CUDA IPC, cuda_ipc.h) where the communicator's
+// channel for the device is on, else through the device's staging pipeline (pinned host memory).
+// A CudaWork for async calls, else None (the caller's stream then waits for the results).
 py::object dispatch_cuda(Communicator& c, c10::Device device, Request r, const Contiguous& out, const at::Tensor& in,
                          bool async);
+// An all-to-all with split sizes on CUDA tensors (`counts` in elements, from checked_split_counts):
+// device to device where the channel is on; otherwise a ValueError saying why (the Python
+// Communicator then stages it through host memory itself).
+py::object all_to_all_v_cuda(Communicator& c, c10::Device device, const Contiguous& out, const at::Tensor& in,
+                             const SplitCounts& counts, bool async);
 #endif
 
 }  // namespace braid

@@ -51,10 +51,83 @@ class CudaWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A call on the device-to-device path (cuda_ipc.h): queued on the channel's stream after the
+// caller's, the copy into a non-contiguous output and the completion event queued there last.
+py::object dispatch_ipc(Communicator& c, CudaIpcChannel& ch, Request r, const Contiguous& out, const at::Tensor& in,
+                        bool async) {
+  const c10::cuda::CUDAStream stream = ch.stream();
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream.device_index());
+  auto done = std::make_shared<cuda::CudaEvent>(stream.device_index());
+  std::vector<at::Tensor> used = {out.buffer, out.user};
+  if (in.defined()) used.push_back(in);
+  auto finish = [done, stream, out] {
+    if (out.copy_back()) out.user.copy_(out.buffer);
+    done->record(stream.stream());
+  };
+  std::vector<Request> requests;
+  requests.push_back(std::move(r));
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = submit_ipc_call(c, ch, std::move(requests), std::move(used), std::move(finish), async);
+  }
+  if (!async) {
+    done->block(caller.stream());
+    return py::none();
+  }
+  return py::cast(std::make_shared<CudaWork>(std::move(w), std::move(done), stream.device(), stream,
+                                             std::vector<at::Tensor>{out.user}));
+}
+
 }  // namespace
+
+std::shared_ptr<CudaIpcChannel> ipc_channel(Communicator& c, c10::Device device) {
+  try {
+    py::gil_scoped_release nogil;  // the first call sets the channel up with every rank
+    return ipc_channels_of(c).get(c, device.index());
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, e.what());
+  }
+}
+
+py::object all_to_all_v_cuda(Communicator& c, c10::Device device, const Contiguous& out, const at::Tensor& in,
+                             const SplitCounts& counts, bool async) {
+  const std::shared_ptr<CudaIpcChannel> ch = ipc_channel(c, device);
+  TORCH_CHECK_VALUE(ch != nullptr, "all_to_all with split sizes on CUDA tensors runs device to device between the "
+                    "ranks of one host (CUDA IPC), which is off for this communicator (",
+                    ipc_channels_of(c).path(device.index()), ")");
+  const int world = c.world_size();
+  std::vector<int64_t> send_off(static_cast<size_t>(world), 0), recv_off(static_cast<size_t>(world), 0);
+  for (int j = 1; j < world; ++j) {
+    send_off[j] = send_off[j - 1] + counts.send[j - 1];
+    recv_off[j] = recv_off[j - 1] + counts.recv[j - 1];
+  }
+  const c10::cuda::CUDAStream stream = ch->stream();
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream.device_index());
+  auto done = std::make_shared<cuda::CudaEvent>(stream.device_index());
+  auto finish = [done, stream, out] {
+    if (out.copy_back()) out.user.copy_(out.buffer);
+    done->record(stream.stream());
+  };
+  const DType dtype = to_dtype(in.scalar_type(), "input");
+  std::shared_ptr<Work> w;
+  {
+    py::gil_scoped_release nogil;
+    w = submit_ipc_all_to_all_v(c, *ch, dtype, in.data_ptr(), out.buffer.data_ptr(), counts.send, send_off,
+                                counts.recv, recv_off, {in, out.buffer, out.user}, std::move(finish), async);
+  }
+  if (!async) {
+    done->block(caller.stream());
+    return py::none();
+  }
+  return py::cast(std::make_shared<CudaWork>(std::move(w), std::move(done), stream.device(), stream,
+                                             std::vector<at::Tensor>{out.user}));
+}
 
 py::object dispatch_cuda(Communicator& c, c10::Device device, Request r, const Contiguous& out, const at::Tensor& in,
                          bool async) {
+  if (ipc_runs(r.kind))
+    if (auto ch = ipc_channel(c, device)) return dispatch_ipc(c, *ch, std::move(r), out, in, async);
   const std::shared_ptr<CudaStager> stager = stagers_of(c).get(device.index());
   const CudaStager& s = *stager;
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(s.device().index());
@@ -113,7 +186,27 @@ void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Com
               C10_THROW_ERROR(ValueError, e.what());
             }
           },
-          py::arg("device"), "Sets up the staging pipeline of CUDA device `device` now rather than at its first call.");
+          py::arg("device"), "Sets up the staging pipeline of CUDA device `device` now rather than at its first call.")
+      .def(
+          "device_ipc",
+          [](Communicator& c, int device) {
+            return ipc_channel(c, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))) != nullptr;
+          },
+          py::arg("device"),
+          "Whether calls on CUDA device `device` go device to device (CUDA IPC) between this host's ranks; "
+          "the first call sets the path up, a collective of every rank.")
+      .def(
+          "device_path",
+          [](Communicator& c, int device) {
+            try {
+              return ipc_channels_of(c).path(static_cast<c10::DeviceIndex>(device));
+            } catch (const std::invalid_argument& e) {
+              C10_THROW_ERROR(ValueError, e.what());
+            }
+          },
+          py::arg("device"),
+          "How calls on CUDA device `device` travel between this host's ranks: 'ipc' (device to device), "
+          "'staged: <why>' (through pinned host memory), or '' before the device's first call.");
 }
 
 }  // namespace braid

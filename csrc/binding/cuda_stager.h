@@ -16,6 +16,7 @@
 
 #include "../core/staging.h"
 #include "../cuda/staging/cuda_copy_engine.h"
+#include "cuda_ipc.h"
 
 namespace braid {
 
@@ -61,7 +62,11 @@ class CudaStagers {
     return s;
   }
 
+  // The device-to-device path's channels (cuda_ipc.h), beside the staging pipelines.
+  CudaIpcChannels& ipc() { return ipc_; }
+
  private:
+  CudaIpcChannels ipc_;
   StagingOptions options_;
   std::mutex mu_;  // guards by_device_
   std::map<c10::DeviceIndex, std::shared_ptr<CudaStager>> by_device_;

@@ -140,15 +140,16 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
   RECORD_USER_SCOPE("braid::all_to_all_v");  // a named range in torch.profiler traces
   at::Tensor out = dense_tensor(output, "output");
   at::Tensor in = dense_tensor(input, "input");
-  TORCH_CHECK_VALUE(collective_device({{&out, "output"}, {&in, "input"}}).is_cpu(),
-                    "all_to_all with split sizes takes CPU tensors only; on CUDA tensors use equal splits "
-                    "(output_split_sizes and input_split_sizes None)");
+  const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
   const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
                                                   input_splits ? &*input_splits : nullptr, c.rank(), c.world_size(), "");
   TORCH_CHECK_VALUE(!overlaps(out, in), "output must not overlap input (all_to_all is never in place)");
   const DType dtype = to_dtype(out.scalar_type(), "output");
   Contiguous s = contiguous_output(out, "output");
   at::Tensor in_c = in.contiguous();
+#ifdef BRAID_WITH_CUDA
+  if (device.is_cuda()) return all_to_all_v_cuda(c, device, s, in_c, counts, async);
+#endif
   auto keep = std::make_shared<std::vector<at::Tensor>>(std::vector<at::Tensor>{in_c, s.buffer});
   ExchangePlan plan = plan_uneven_all_to_all(c.rank(), c.world_size(), dtype, in_c, s.buffer, s.user, counts);
   std::shared_ptr<Work> w;

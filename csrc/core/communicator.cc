@@ -512,6 +512,11 @@ void Communicator::abort() {
   close();
 }
 
+void Communicator::set_close_hook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(close_hook_mu_);
+  close_hook_ = std::move(hook);
+}
+
 void Communicator::close() {
   // Tearing down under the call that this thread is running would free what that call uses.
   if (!closed_.load() && !in_forked_child() && engine_ && engine_->inline_on_this_thread())
@@ -519,6 +524,22 @@ void Communicator::close() {
   // The progress thread (a future's callback) would wait for itself to finish.
   if (!closed_.load() && !in_forked_child() && engine_ && engine_->on_progress_thread())
     throw CommError(ErrorKind::kGeneric, kCloseOnProgressThread);
+  if (!closed_.load() && !in_forked_child()) {
+    std::function<void()> hook;
+    {
+      std::lock_guard<std::mutex> lock(close_hook_mu_);
+      hook = std::move(close_hook_);
+      close_hook_ = nullptr;
+    }
+    if (hook) {
+      try {
+        submit_task(std::move(hook), nullptr, false);
+      } catch (const std::exception&) {
+        // A poisoned communicator refuses the task, a peer gone fails it: the hook's owner keeps
+        // what it could not release safely, and the close goes on.
+      }
+    }
+  }
   if (closed_.exchange(true)) return;
   if (in_forked_child()) {
     // Leaked on purpose: the progress thread exists only in the parent (joining it here would

@@ -203,6 +203,12 @@ class Communicator {
   // What the torch binding keeps with this communicator for its calls on CUDA tensors (their
   // staging pipelines, csrc/binding/cuda_stager.h), opaque to the core, released with it.
   std::shared_ptr<void>& device_staging() { return device_staging_; }
+  // Work that must run, in issue order and while the peers are still there, before a clean
+  // close() leaves the group: the binding's device-to-device channels hold memory their peers
+  // read, which must not be freed before every peer is done with it. Run once, as a task, at the
+  // start of close() (not by abort(), nor on a poisoned communicator: its owner must then keep
+  // that memory); its failure does not stop the close. Set before the last call, from any thread.
+  void set_close_hook(std::function<void()> hook);
 
  private:
   // The algorithm of a `kind` collective of `bytes` (per rank's part: see communicator.cc), on
@@ -288,6 +294,8 @@ class Communicator {
   // The flight recorder.
   Recorder trace_;
   std::shared_ptr<void> device_staging_;
+  std::mutex close_hook_mu_;             // guards close_hook_
+  std::function<void()> close_hook_;     // set_close_hook's
   std::string trace_dir_;  // BRAID_TRACE_DIR at construction
   TraceIdentity trace_who_;
   std::atomic<bool> trace_dumped_{false};  // the failure dump is written once

@@ -144,6 +144,7 @@ Tunables Tunables::from_env() {
     t.stream_min_bytes = env_size_as<int64_t>("BRAID_STREAM_MIN_BYTES", 0);
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);
   t.yield_us = env_double("BRAID_YIELD_US", t.yield_us);
+  t.ipc_one_shot_max_bytes = env_size("BRAID_IPC_ONE_SHOT_MAX_BYTES", t.ipc_one_shot_max_bytes);
   if (env("BRAID_SKEW_ROUNDS") != nullptr)
     t.skew_rounds = static_cast<int>(std::min<size_t>(env_size("BRAID_SKEW_ROUNDS", 0), 2));
   t.nsocks = env_size_as<int>("BRAID_NSOCKS", t.nsocks);

@@ -62,6 +62,15 @@ struct Tunables {
   int skew_rounds = -1;
   double yield_us = 50.0;
 
+  // Device tensors between the ranks of one host (CUDA IPC, ipc/ipc_collectives.h).
+  // BRAID_IPC_ONE_SHOT_MAX_BYTES: all_reduce messages up to this many bytes per rank go in one
+  // shot (every rank reads all N inputs and reduces them: one host step per piece, N reads of the
+  // message), larger ones in two (a reduce-scatter of chunks, then an all-gather: two host steps
+  // per piece, about two reads). The synchronizations bound small messages, the reads large ones.
+  // 256 KiB per rank, to be measured on a GPU. Every value is valid: 0 sends every message in two
+  // shots. Read once per process (ipc_one_shot_max_bytes()): the schedules take no Tunables.
+  size_t ipc_one_shot_max_bytes = 256 * 1024;
+
   // Across hosts (TCP).
   // BRAID_NSOCKS: sockets per peer pair (and channel) that a message is striped across. More help
   // where one TCP flow cannot fill the link (long fat links, NICs that spread flows over queues).

@@ -29,6 +29,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+// Occupancy hints for the GPU's register allocator: nothing to do here.
+#define __launch_bounds__(...)
 // A function's static is its block's shared memory: blocks run one at a time.
 #define __shared__ static
 
@@ -50,6 +52,15 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorLaunchFailure = 719,
+};
+
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+};
+
+// A 16-byte vector, loaded and stored as one access on a GPU (16-byte aligned there too).
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
 };
 
 enum cudaMemcpyKind {
@@ -115,6 +126,17 @@ inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
   std::free(p);
   return cudaSuccess;
 }
+// One emulated device with one SM: the kernels that cap their grid per SM then take their
+// grid-stride loops several times already at moderate counts.
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0 || attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+  *value = 1;
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t) {
   if (n != 0) std::memset(p, value, n);
   return cudaSuccess;
@@ -172,6 +194,10 @@ inline float __half2float(__half h) { return braid::f16_to_f32(h.bits); }
 inline float __bfloat162float(__nv_bfloat16 h) { return braid::bf16_to_f32(h.bits); }
 inline __half __float2half_rn(float f) { return __half{braid::f32_to_f16(f)}; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{braid::f32_to_bf16(f)}; }
+inline __half __ushort_as_half(unsigned short bits) { return __half{bits}; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return __nv_bfloat16{bits}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
 // ---- the cub and thrust pieces csrc/cuda uses ------------------------------------------------
 namespace thrust {

@@ -1,6 +1,6 @@
-// The CUDA compression kernels (csrc/cuda/compression), run through the host emulation
+// The CUDA kernels (csrc/cuda/compression, csrc/cuda/ipc), run through the host emulation
 // (cuda_host.h), against the CPU kernels bit for bit: payload bytes, residuals, decoded values,
-// top-k selections. The CPU kernels are checked against pure-torch references
+// top-k selections, reductions. The CPU kernels are checked against pure-torch references
 // (tests/test_compression_kernels.py), so this checks the CUDA kernels' indexing, layouts,
 // rounding, padding and special values without a GPU; what only a GPU shows (its memory model,
 // speed) stays with tests/test_compression_cuda.py. Outputs sit between guard bytes, so a kernel
@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -18,7 +19,9 @@
 #include "core/compression/quantize.h"
 #include "core/compression/top_k.h"
 #include "core/half.h"
+#include "core/reduce.h"
 #include "cuda/compression/compression_cuda.h"
+#include "cuda/ipc/ipc_reduce.h"
 
 using braid::DType;
 using braid::QuantFormat;
@@ -269,6 +272,228 @@ BRAID_TEST(emulated_scatter_add_matches_the_cpu) {
     CHECK_MSG(e == cudaSuccess, "scatter_add k " + std::to_string(k) + ": " + last_failure());
     CHECK_MSG(same_floats(ag, ac), "scatter_add k " + std::to_string(k) + " differs from the CPU's");
   }
+}
+
+// The IPC reduction (csrc/cuda/ipc) against reduce_n: every dtype and operator, 1 to 16 sources,
+// every path of the kernel (16-byte vectors, the scalar elements before the first aligned vector
+// and after the last, the scalar loop of pointers at different offsets), in place and not.
+namespace {
+
+// Random elements of `dtype` with the hard cases among them: for floating types NaNs (of either
+// sign, with payloads), infinities, signed zeros, subnormals and values whose sums overflow the
+// type; for integers the whole range (sums and products wrap) mixed with small values of either
+// sign (avg's division truncates toward zero).
+std::vector<uint8_t> reduce_operand(std::mt19937_64& rng, DType dtype, size_t count) {
+  const size_t es = braid::dtype_size(dtype);
+  std::vector<uint8_t> out(count * es);
+  std::normal_distribution<double> normal;
+  std::uniform_int_distribution<int> pick(0, 63);
+  const double specials[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0, -0.0, 1e-40, -3e-39, 65504.0, 6e4, 3e38, 1e308};
+  for (size_t i = 0; i < count; ++i) {
+    uint8_t* p = out.data() + i * es;
+    const int k = pick(rng);
+    if (braid::dtype_is_integral(dtype)) {
+      uint64_t bits = rng();
+      if (k < 32) bits = static_cast<uint64_t>(static_cast<int64_t>(bits % 201) - 100);
+      std::memcpy(p, &bits, es);  // little-endian: the low bytes
+      continue;
+    }
+    double v = normal(rng) * std::ldexp(1.0, static_cast<int>(rng() % 17) - 8);
+    if (k < 6) v = specials[rng() % (sizeof(specials) / sizeof(specials[0]))];
+    const float f = static_cast<float>(v);
+    if (dtype == DType::kFloat64) {
+      std::memcpy(p, &v, 8);
+    } else if (dtype == DType::kFloat32) {
+      std::memcpy(p, &f, 4);
+    } else {
+      uint16_t h = dtype == DType::kBFloat16 ? braid::f32_to_bf16(f) : braid::f32_to_f16(f);
+      if (k == 0) h = dtype == DType::kBFloat16 ? 0xFFC1 : 0xFE01;  // a negative NaN with a payload
+      std::memcpy(p, &h, 2);
+    }
+  }
+  return out;
+}
+
+// Bit for bit, except that a float32 or float64 NaN equals any NaN: which operand's NaN an x86
+// addition returns depends on the order the compiler put the operands in (reduce_n's vectorized
+// loop and the emulated kernel's scalar one differ), and a GPU writes its one canonical NaN. The
+// half types compare every bit: both paths write the one NaN reduce_n rounds to.
+bool same_element(DType dtype, const uint8_t* a, const uint8_t* b) {
+  if (dtype == DType::kFloat32) {
+    float x, y;
+    std::memcpy(&x, a, 4);
+    std::memcpy(&y, b, 4);
+    if (std::isnan(x) && std::isnan(y)) return true;
+  } else if (dtype == DType::kFloat64) {
+    double x, y;
+    std::memcpy(&x, a, 8);
+    std::memcpy(&y, b, 8);
+    if (std::isnan(x) && std::isnan(y)) return true;
+  }
+  return std::memcmp(a, b, braid::dtype_size(dtype)) == 0;
+}
+
+// Where the operands sit relative to a 16-byte boundary, and whether dst is srcs[0].
+enum class Layout { kAligned, kShifted, kOneSourceShifted, kInPlaceShifted };
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kAligned: return "aligned";
+    case Layout::kShifted: return "all shifted by an element";
+    case Layout::kOneSourceShifted: return "last source shifted by an element";
+    case Layout::kInPlaceShifted: return "in place, shifted by an element";
+  }
+  return "?";
+}
+
+// Runs launch_ipc_reduce on copies of `data` (nsrcs operands of `count` elements) laid out as
+// `layout`, and reduce_n on the originals; true if both wrote the same bytes and the kernel wrote
+// nothing else. `what` names the case in failures.
+bool ipc_reduce_matches(const std::vector<std::vector<uint8_t>>& data, int nsrcs, size_t count, DType dtype,
+                        braid::ReduceOp op, int divisor, Layout layout, const std::string& what) {
+  const size_t es = braid::dtype_size(dtype), bytes = count * es;
+  const bool in_place = layout == Layout::kInPlaceShifted;
+  const bool all_shifted = layout == Layout::kShifted || in_place;
+  // Each operand in its own guarded buffer, whose data() is 16-byte aligned; shifted ones start
+  // an element later.
+  std::vector<Guarded> bufs;
+  std::vector<size_t> shift(static_cast<size_t>(nsrcs) + 1, 0);
+  for (int j = 0; j <= nsrcs; ++j) {
+    const bool shifted = all_shifted || (layout == Layout::kOneSourceShifted && j == nsrcs - 1);
+    shift[static_cast<size_t>(j)] = shifted ? es : 0;
+    bufs.emplace_back(bytes + es, 0xEE);
+  }
+  for (Guarded& b : bufs) CHECK_MSG(reinterpret_cast<uintptr_t>(b.data()) % 16 == 0, what + ": a buffer is misaligned");
+  std::vector<const void*> srcs(static_cast<size_t>(nsrcs));
+  std::vector<braid::Operand> operands(static_cast<size_t>(nsrcs));
+  for (int j = 0; j < nsrcs; ++j) {
+    uint8_t* p = bufs[static_cast<size_t>(j)].data() + shift[static_cast<size_t>(j)];
+    if (bytes != 0) std::memcpy(p, data[static_cast<size_t>(j)].data(), bytes);
+    srcs[static_cast<size_t>(j)] = p;
+    operands[static_cast<size_t>(j)] = {data[static_cast<size_t>(j)].data(), false};
+  }
+  const size_t out_index = in_place ? 0 : static_cast<size_t>(nsrcs);
+  uint8_t* out = bufs[out_index].data() + shift[out_index];
+  std::vector<uint8_t> expected(bytes + 1);
+  braid::reduce_n(dtype, op, operands.data(), nsrcs, braid::ReduceDst::result(expected.data(), divisor), count);
+
+  const cudaError_t e = braid::cuda::launch_ipc_reduce(out, srcs.data(), nsrcs, count, dtype, op, divisor, nullptr);
+  CHECK_MSG(e == cudaSuccess && cudaGetLastError() == cudaSuccess, what + ": " + last_failure());
+  bool ok = true;
+  for (size_t i = 0; i < count && ok; ++i) {
+    if (!same_element(dtype, out + i * es, expected.data() + i * es)) {
+      CHECK_MSG(false, what + ": element " + std::to_string(i) + " differs from reduce_n's");
+      ok = false;
+    }
+  }
+  // Nothing written outside the output (its guards, and the spare element before a shifted
+  // output or after an aligned one) or to a source but an in-place one.
+  Guarded& ob = bufs[out_index];
+  bool outside_intact = ob.intact(bytes + es);
+  const uint8_t* spare = shift[out_index] == 0 ? ob.data() + bytes : ob.data();
+  for (size_t b = 0; b < es; ++b) outside_intact = outside_intact && spare[b] == 0xEE;
+  CHECK_MSG(outside_intact, what + ": wrote outside the output");
+  for (int j = 0; j < nsrcs; ++j) {
+    if (in_place && j == 0) continue;
+    const size_t b = static_cast<size_t>(j);
+    const bool kept = bytes == 0 || std::memcmp(bufs[b].data() + shift[b], data[b].data(), bytes) == 0;
+    CHECK_MSG(kept, what + ": source " + std::to_string(j) + " was modified");
+    ok = ok && kept;
+  }
+  return ok && outside_intact;
+}
+
+const std::vector<DType> kAllDtypes = {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16,
+                                       DType::kInt32,   DType::kInt64,   DType::kUInt8};
+
+std::string reduce_case(DType dtype, braid::ReduceOp op, int nsrcs, size_t count, int divisor, Layout layout) {
+  return std::string("ipc reduce ") + dtype_name(dtype) + " " + braid::reduce_op_name(op) + " of " +
+         std::to_string(nsrcs) + " count " + std::to_string(count) + " divisor " + std::to_string(divisor) + " " +
+         layout_name(layout);
+}
+
+}  // namespace
+
+BRAID_TEST(emulated_ipc_reduce_matches_reduce_n_bit_for_bit) {
+  std::mt19937_64 rng(16);
+  const auto counts = sweep<size_t>({0, 1, 7, 1000, 4097});
+  const auto nsrcs_list = sweep<int>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
+  const Layout layouts[] = {Layout::kAligned, Layout::kShifted, Layout::kOneSourceShifted, Layout::kInPlaceShifted};
+  size_t cases = 0, passed = 0;
+  for (DType dtype : kAllDtypes) {
+    std::vector<std::vector<uint8_t>> data;
+    for (int j = 0; j < braid::cuda::kMaxIpcRanks; ++j) data.push_back(reduce_operand(rng, dtype, counts.back()));
+    for (int o = 0; o < braid::kNumReduceOps; ++o) {
+      const auto op = static_cast<braid::ReduceOp>(o);
+      if (!braid::op_supports(op, dtype)) continue;
+      for (int nsrcs : nsrcs_list) {
+        for (size_t count : counts) {
+          for (Layout layout : layouts) {
+            const std::string what = reduce_case(dtype, op, nsrcs, count, nsrcs, layout);
+            passed += ipc_reduce_matches(data, nsrcs, count, dtype, op, nsrcs, layout, what);
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  // 4 floating types x 5 ops + 3 integer types x 8 ops.
+  CHECK_EQ(cases, size_t(4 * 5 + 3 * 8) * nsrcs_list.size() * counts.size() * 4);
+  CHECK_EQ(passed, cases);
+}
+
+BRAID_TEST(emulated_ipc_reduce_takes_its_grid_stride_loop_and_any_divisor) {
+  // 40009 elements: more 16-byte vectors (2500 of uint8, more of the others) and more scalars
+  // than the emulated device's grid has threads (8 blocks of 256 on its one SM); a divisor
+  // unrelated to the number of sources, and none (avg's partial sums).
+  std::mt19937_64 rng(17);
+  const size_t count = 40009;
+  for (DType dtype : sweep(kAllDtypes)) {
+    std::vector<std::vector<uint8_t>> data;
+    for (int j = 0; j < braid::cuda::kMaxIpcRanks; ++j) data.push_back(reduce_operand(rng, dtype, count));
+    for (int o = 0; o < braid::kNumReduceOps; ++o) {
+      const auto op = static_cast<braid::ReduceOp>(o);
+      if (!braid::op_supports(op, dtype)) continue;
+      for (int nsrcs : {3, 16}) {
+        for (int divisor : {5, 0}) {
+          if (divisor == 0 && op != braid::ReduceOp::kAvg) continue;  // only avg reads it
+          for (Layout layout : {Layout::kAligned, Layout::kOneSourceShifted, Layout::kInPlaceShifted}) {
+            ipc_reduce_matches(data, nsrcs, count, dtype, op, divisor, layout,
+                               reduce_case(dtype, op, nsrcs, count, divisor, layout));
+          }
+        }
+      }
+    }
+  }
+}
+
+BRAID_TEST(emulated_ipc_reduce_refuses_what_reduce_n_refuses) {
+  std::vector<float> a(8, 1.0f), b(8, 2.0f), out(8, 0.0f);
+  const void* srcs[braid::cuda::kMaxIpcRanks + 1] = {};
+  for (const void*& s : srcs) s = a.data();
+  srcs[1] = b.data();
+  for (braid::ReduceOp op : {braid::ReduceOp::kBand, braid::ReduceOp::kBor, braid::ReduceOp::kBxor}) {
+    for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16}) {
+      const std::string what = std::string(braid::reduce_op_name(op)) + " of " + dtype_name(dtype);
+      CHECK_MSG(braid::cuda::launch_ipc_reduce(out.data(), srcs, 2, 4, dtype, op, 0, nullptr) == cudaErrorInvalidValue,
+                what + " was launched");
+      const braid::Operand operands[2] = {{a.data(), false}, {b.data(), false}};
+      bool refused = false;
+      try {
+        braid::reduce_n(dtype, op, operands, 2, braid::ReduceDst::result(out.data(), 2), 4);
+      } catch (const std::invalid_argument&) {
+        refused = true;
+      }
+      CHECK_MSG(refused, what + " is refused by launch_ipc_reduce but not by reduce_n");
+    }
+  }
+  const auto sum = braid::ReduceOp::kSum;
+  CHECK(braid::cuda::launch_ipc_reduce(out.data(), srcs, 0, 8, DType::kFloat32, sum, 0, nullptr) == cudaErrorInvalidValue);
+  CHECK(braid::cuda::launch_ipc_reduce(out.data(), srcs, braid::cuda::kMaxIpcRanks + 1, 8, DType::kFloat32, sum, 0,
+                                       nullptr) == cudaErrorInvalidValue);
+  CHECK(braid::cuda::launch_ipc_reduce(nullptr, srcs, 2, 8, DType::kFloat32, sum, 0, nullptr) == cudaErrorInvalidValue);
+  srcs[1] = nullptr;
+  CHECK(braid::cuda::launch_ipc_reduce(out.data(), srcs, 2, 8, DType::kFloat32, sum, 0, nullptr) == cudaErrorInvalidValue);
+  CHECK_MSG(out == std::vector<float>(8, 0.0f), "a refused call wrote its output");
 }
 
 // The emulation itself: barriers hold (a value published before __syncthreads is seen by every
