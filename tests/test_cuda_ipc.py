@@ -8,11 +8,12 @@ suite "ipc"), and the reduction kernel bit for bit through the host emulation (s
 "cuda_kernels")."""
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 from braid.comm.build_info import is_cuda_build
-from helpers.ranks import FreshRanks, environment, make_comm, process_group, run_ranks
+from helpers.ranks import FreshRanks, environment, make_comm, open_store, process_group, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -167,7 +168,9 @@ def killed_while_waiting(rank, n, store_path):
     c = make_comm(rank, n, store_path, device=device, timeout=30)
     t = torch.ones(4 * MiB, device=device)
     c.all_reduce(t)  # the channel is up
+    torch.cuda.synchronize()
     if rank == 1:
+        open_store(store_path).set("channel up", "1")
         time.sleep(60)  # killed by the test meanwhile
     began = time.monotonic()
     try:
@@ -182,10 +185,10 @@ def killed_while_waiting(rank, n, store_path):
 def test_killed_peer_raises_peer_error_not_a_hang():
     with FreshRanks(2) as ranks:
         ranks.start(killed_while_waiting)
-        time.sleep(8)  # rank 0 is blocked in its next call's host step by then
+        open_store(ranks.store_path).wait(["channel up"], timedelta(seconds=120))
         ranks.kill(1)
         outcome = ranks.outcomes(deadline_s=60)[0]
     assert outcome[0] == "ok", outcome
     kind, waited, message = outcome[1]
     assert kind == "PeerError", message
-    assert waited < 20, waited  # detection is about a second after the kill, not the 30 s timeout
+    assert waited < 10, waited  # detection is about a second after the kill, not the 30 s timeout

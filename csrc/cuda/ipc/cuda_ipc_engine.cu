@@ -7,31 +7,21 @@
 #include <stdexcept>
 #include <string>
 
+#include "../cuda_call.h"
 #include "ipc_reduce.h"
 
 namespace braid {
 namespace cuda {
 namespace {
 
-void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw std::runtime_error("braid CUDA IPC: " + what + ": " + cudaGetErrorString(e));
-}
+constexpr const char* kWho = "braid CUDA IPC";
 
-// Makes `device` current for a scope (the communicator's thread may have another one current)
-// and restores the previous one: allocations, IPC mappings and kernel launches go to the current
-// device.
-class DeviceScope {
+void check(cudaError_t e, const std::string& what) { check_call(e, kWho, what); }
+
+// The engine's device current for a scope (cuda_call.h).
+class Scope : public DeviceScope {
  public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
+  explicit Scope(int device) : DeviceScope(device, kWho) {}
 };
 
 // An export: a header that open_peers checks against its own layout, this rank's memory handle,
@@ -69,7 +59,7 @@ CudaIpcEngine::CudaIpcEngine(int device, cudaStream_t stream, int local_rank, in
       area_bytes > std::numeric_limits<size_t>::max() / 2 / static_cast<size_t>(slots))
     throw std::invalid_argument("CudaIpcEngine: area_bytes " + std::to_string(area_bytes) +
                                 " is not a positive multiple of 256 that fits " + std::to_string(slots) + " slots");
-  DeviceScope scope(device_);
+  Scope scope(device_);
   try {
     void* p = nullptr;
     const size_t bytes = static_cast<size_t>(slots_) * 2 * area_bytes_;
@@ -114,7 +104,7 @@ void CudaIpcEngine::release() noexcept {
 }
 
 std::vector<uint8_t> CudaIpcEngine::export_handles() const {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   std::vector<uint8_t> out(export_bytes(slots_));
   const ExportHeader header{kExportMagic, rank_, world_, slots_, area_bytes_};
   std::memcpy(out.data(), &header, sizeof header);
@@ -143,7 +133,7 @@ void CudaIpcEngine::open_peers(const std::vector<std::vector<uint8_t>>& exports)
     if (p != rank_ && bases_[static_cast<size_t>(p)] != nullptr)
       throw std::logic_error("open_peers: the peers are open already (or a failed call left the engine unusable)");
   }
-  DeviceScope scope(device_);
+  Scope scope(device_);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     const std::vector<uint8_t>& x = exports[static_cast<size_t>(p)];
@@ -184,7 +174,7 @@ void CudaIpcEngine::copy(void* dst, const void* src, size_t bytes) {
   // The copy engines, not a kernel: they stream peer memory over NVLink without taking SMs from
   // the reductions or the caller's compute, and a piece (an area, megabytes) is large enough for
   // their setup not to show. Still to be measured against a kernel copy on a multi-GPU host.
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync");
 }
 
@@ -192,7 +182,7 @@ void CudaIpcEngine::reduce(void* dst, const void* const* srcs, int nsrcs, size_t
                            int divisor) {
   if (!op_supports(op, dtype))
     throw std::invalid_argument(std::string("bitwise reduce op ") + reduce_op_name(op) + " needs an integer dtype");
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(launch_ipc_reduce(dst, srcs, nsrcs, count, dtype, op, divisor, stream_),
         std::string("launch_ipc_reduce (") + dtype_name(dtype) + " " + reduce_op_name(op) + " of " +
             std::to_string(nsrcs) + ")");
@@ -201,17 +191,17 @@ void CudaIpcEngine::reduce(void* dst, const void* const* srcs, int nsrcs, size_t
 // `piece` is not needed by CUDA: a stream waits for an event's latest record, and the protocol
 // (core/ipc/ipc_collectives.h) guarantees that the latest record is the piece's.
 void CudaIpcEngine::signal(IpcEvent event, int slot, uint64_t) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaEventRecord(events_[event_index(rank_, event, slot)], stream_), "cudaEventRecord");
 }
 
 void CudaIpcEngine::wait(int peer, IpcEvent event, int slot, uint64_t) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaStreamWaitEvent(stream_, events_[event_index(peer, event, slot)], 0), "cudaStreamWaitEvent");
 }
 
 void CudaIpcEngine::wait_for_peers() {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   // Every read of this rank's scratch by a peer comes before that peer's kReadDone of the same
   // piece on its stream, and the caller's host step made every peer queue its last one: the

@@ -5,35 +5,27 @@
 #include <stdexcept>
 #include <string>
 
+#include "../cuda_call.h"
+
 namespace braid {
 namespace cuda {
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string("braid staging: ") + what + ": " + cudaGetErrorString(e));
-}
+constexpr const char* kWho = "braid staging";
 
-// Makes `device` current for a scope (the progress thread may have another one current) and
-// restores the previous one.
-class DeviceScope {
+void check(cudaError_t e, const std::string& what) { check_call(e, kWho, what); }
+
+// The engine's device current for a scope (cuda_call.h).
+class Scope : public DeviceScope {
  public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
+  explicit Scope(int device) : DeviceScope(device, kWho) {}
 };
 
 }  // namespace
 
 CudaCopyEngine::CudaCopyEngine(int device, cudaStream_t to_host, cudaStream_t to_device)
     : device_(device), streams_{to_host, to_device} {
-  DeviceScope scope(device_);
+  Scope scope(device_);
 }
 
 CudaCopyEngine::~CudaCopyEngine() {
@@ -48,7 +40,7 @@ CudaCopyEngine::~CudaCopyEngine() {
 }
 
 char* CudaCopyEngine::prepare(size_t bytes, int events) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   if (bytes > host_bytes_) {
     // Queued copies may still use the old memory: both lanes finish first.
     for (cudaStream_t s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
@@ -69,24 +61,24 @@ char* CudaCopyEngine::prepare(size_t bytes, int events) {
 }
 
 void CudaCopyEngine::copy(Lane lane, void* dst, const void* src, size_t bytes) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   const cudaMemcpyKind kind = lane == Lane::kToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   check(cudaMemcpyAsync(dst, src, bytes, kind, stream(lane)), "cudaMemcpyAsync");
 }
 
 void CudaCopyEngine::record(int event, Lane lane) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaEventRecord(events_.at(static_cast<size_t>(event)), stream(lane)), "cudaEventRecord");
 }
 
 void CudaCopyEngine::wait(Lane lane, int event) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   // An event never recorded makes the wait a no-op, as the interface asks.
   check(cudaStreamWaitEvent(stream(lane), events_.at(static_cast<size_t>(event)), 0), "cudaStreamWaitEvent");
 }
 
 void CudaCopyEngine::synchronize(int event) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaEventSynchronize(events_.at(static_cast<size_t>(event))), "a staging copy");
 }
 
@@ -100,19 +92,19 @@ void CudaCopyEngine::drain() noexcept {
 }
 
 CudaEvent::CudaEvent(int device) : device_(device) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
 }
 
 CudaEvent::~CudaEvent() { cudaEventDestroy(event_); }
 
 void CudaEvent::record(cudaStream_t stream) {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaEventRecord(event_, stream), "cudaEventRecord");
 }
 
 void CudaEvent::block(cudaStream_t stream) const {
-  DeviceScope scope(device_);
+  Scope scope(device_);
   check(cudaStreamWaitEvent(stream, event_, 0), "cudaStreamWaitEvent");
 }
 
