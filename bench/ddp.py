@@ -14,6 +14,10 @@ backend): braid compresses, the group moves the bytes. Plain KIND runs the hook 
 communicator. The summary line compares the int8 hook over gloo with the exact exchange (wire
 bytes) and with torch's fp16 hook (step time).
 
+Every mode's step is also given over the exact hook's ("braid") as the median of per-step ratios
+(the modes run back to back within a step, so the machine's drift cancels), and "auto"'s over
+every other mode's the same way.
+
 ``--shapes`` runs one table per (batch x sequence length) per rank, with the same model: how much
 of a step communication takes, and so what an exact hook can save, depends on the tokens each
 rank computes per step against the fixed gradient bytes.
@@ -293,17 +297,30 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     summary = _int8_over_gloo(base, {r["mode"]: r["wire_ratio"] for r in rows})
     if summary:
         lines.append(summary)
+    times = {x["mode"]: x["step_times"] for x in rows if x["mode"] not in ("compute", "floor")}
+    over_exact = _over_exact(times)
+    if over_exact:
+        lines.append("each mode over braid (exact) in the same steps (median of per-step ratios): "
+                     + ", ".join(f"{m} {v:.3f}x" for m, v in over_exact.items()))
     for r in rows:
         if "decisions" in r:
             ordered = sorted(r["decisions"].items(), key=lambda i: int(i[0]))
             chose = ", ".join(f"{k}: {c}" for k, (c, _) in ordered)
             lines.append(f"{r['mode']} chose per bucket {{{chose}}}")
-            times = {x["mode"]: x["step_times"] for x in rows if x["mode"] not in ("compute", "floor")}
             paired = report.paired_ratios(times, r["mode"])
             if paired:
                 lines.append(f"{r['mode']} against each mode in the same steps (median of per-step ratios): "
                              + ", ".join(f"{m} {v:.3f}x" for m, v in paired.items()))
     return "\n".join(lines), rows
+
+
+def _over_exact(step_times: dict) -> dict:
+    """Each mode's step over braid's exact hook's, paired step by step as auto's ratios are
+    (report.paired_ratios): {mode: ratio}, empty without the exact hook ("braid")."""
+    if "braid" not in step_times:
+        return {}
+    return {m: report.paired_ratios({m: times, "braid": step_times["braid"]}, m)["braid"]
+            for m, times in step_times.items() if m != "braid" and len(times) == len(step_times["braid"])}
 
 
 def _int8_over_gloo(step_s: dict, wire_ratio: dict) -> str:

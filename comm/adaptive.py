@@ -9,8 +9,9 @@ make the step shortest, within an error budget, identical on every rank.
     q.decisions()
 
 The engine is split in two. :func:`decide` is a pure function of :class:`Measurements` (each
-level's bandwidth and latency, each candidate's codec seconds per element, each bucket's size,
-window, estimated error and collective) and the current choices; :class:`Adaptive` is a
+level's bandwidth and latency, each candidate's codec seconds per element, the host CPU a
+transfer's bytes cost and how much of it the backward's cores pay, each bucket's size, window,
+estimated error and collective) and the current choices; :class:`Adaptive` is a
 compressor that measures, every ``interval`` steps all-gathers one small vector of measurements
 (so every rank decides from the same numbers), calls :func:`decide` and runs each bucket through
 the compressor chosen for it: all-reduces (the DDP hook, compressed all-reduces) and the sharded
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import socket
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -95,6 +99,18 @@ PROBE_ELEMS = 1 << 20
 # A plan must beat the current one by this much (seconds) besides the hysteresis fraction: gains
 # under a timer's noise on a loaded machine are not gains.
 MIN_GAIN_S = 50e-6
+# The most host CPU a call is taken to cost whatever its size (waking a thread, system calls, a
+# callback), before its bytes are charged anything: measured between two simulated hosts on a
+# 2-vCPU EPYC under load ~12 (docs/results/2026-11-28-epyc-2vcpu-adaptive.md), braid's exact
+# all-reduce of 4-64 KiB used 50-90 us of its threads' CPU per call and gloo's 0.5-0.8 ms, where
+# 25 MB cost 26-28 ms (~1 ns per byte) either way. A step's CPU beyond this per message round (or
+# beyond the round's fitted latency, if less) is its bytes'.
+CALL_CPU_S = 1e-3
+# What each rank appends to its measurement vector about the host CPU its transfers cost: CPU
+# seconds per byte sent in the host and across hosts (sending and receiving together: the calls
+# are symmetric), then its kernel's identity, the machine's cores, the cores it may run on and
+# torch's compute threads (from which the round finds whether a rank has a core to spare).
+CPU_FIELDS = 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,12 +167,21 @@ class BucketMeasure:
 @dataclass(frozen=True)
 class Measurements:
     """What a decision round knows: the layout, each level's link, each candidate's codec cost
-    (seconds per element, one encode + decode round trip on this device) and the buckets."""
+    (seconds per element, one encode + decode round trip on this device) and the buckets.
+
+    ``host_cpu_s_per_byte``: per level, the host CPU seconds a rank spends per byte it sends
+    (sending and receiving together: a TCP transfer's copies and protocol work in the kernel, a
+    shared-memory transfer's copies); ``cpu_contention``: the share of that CPU time taken from
+    the cores the backward computes on (1: no core to spare, as with one rank per core; 0: a
+    spare core per rank). Empty and 0 where not measured (on a GPU the transfers' host CPU does
+    not compete with the backward)."""
 
     layout: Layout
     levels: Mapping[str, Level]
     codec_s_per_elem: Mapping[str, float]
     buckets: Sequence[BucketMeasure]
+    host_cpu_s_per_byte: Mapping[str, float] = field(default_factory=dict)
+    cpu_contention: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -236,6 +261,17 @@ def transfer_s(name: str, q: Optional[Compressor], b: BucketMeasure, m: Measurem
     return t
 
 
+def host_cpu_s(name: str, q: Optional[Compressor], b: BucketMeasure, m: Measurements) -> float:
+    """Predicted seconds the bucket's transfer with candidate ``name`` takes from the backward's
+    cores while both run: its bytes per level times the host CPU per byte, times the share of it
+    the backward's cores pay (:class:`Measurements`)."""
+    if m.cpu_contention <= 0 or not m.host_cpu_s_per_byte:
+        return 0.0
+    by_level = level_bytes(name, q, b.numel, b.elem_size, m.layout, b.collective)
+    return m.cpu_contention * sum(nbytes * m.host_cpu_s_per_byte.get(level, 0.0)
+                                  for level, nbytes in zip(LEVELS, by_level))
+
+
 def codec_s(name: str, b: BucketMeasure, m: Measurements) -> float:
     """Predicted seconds of encoding and decoding the bucket with candidate ``name`` (0 for exact);
     on a hierarchical layout only this rank's slice (1 / local of the bucket) is compressed."""
@@ -256,7 +292,9 @@ def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mappin
     for its codec time and then its transfer time (a compressed call encodes, sends, decodes and
     sums in turn: the next bucket waits for all of it). Codec kernels run on the cores (or the GPU)
     the backward computes on: one that starts before the backward ends pushes the rest of the
-    backward, and the buckets it has still to make ready, later by its time. The overhead is
+    backward, and the buckets it has still to make ready, later by its time. A transfer's host
+    CPU (:func:`host_cpu_s`) is spread over the transfer: the part of the transfer that runs
+    while the backward still computes pushes the backward by that share of it. The overhead is
     whichever ends last, the engine or the pushed backward.
 
     The caller's other traffic (``link_busy_s``: the sharded wrapper's parameter gathers) queues on
@@ -274,7 +312,12 @@ def plan_cost(m: Measurements, plan: Mapping[Hashable, str], compressors: Mappin
         codec = codec_s(name, b, m)
         if start < pushed:  # the backward is still computing
             pushed += codec
-        engine_free = start + codec + transfer_s(name, compressors[name], b, m)
+        sending = start + codec
+        transfer = transfer_s(name, compressors[name], b, m)
+        cpu = host_cpu_s(name, compressors[name], b, m)
+        if cpu > 0 and sending < pushed and transfer > 0:  # its bytes' CPU, while the backward computes
+            pushed += cpu * min(1.0, (pushed - sending) / transfer)
+        engine_free = sending + transfer
         after = order[i + 1] if i + 1 < len(order) else None
         follow = b.link_busy_s - (after.link_busy_s if after is not None else 0.0)
         if follow > 0:
@@ -306,8 +349,9 @@ def decide(m: Measurements, current: Mapping[Hashable, str], *, candidates: Sequ
     first: a tie keeps the cheaper codec). The new plan replaces the current one only
     when it is predicted faster by more than ``hysteresis`` of the current plan's overhead (and
     by MIN_GAIN_S); a current choice that the error budget now rules out is replaced anyway.
-    A bucket whose exact transfer hides in its window stays exact: compressing it only adds codec
-    time. Ranks all on one host stay exact (ONE_HOST_REASON).
+    A bucket whose exact transfer hides in its window stays exact unless its bytes' host CPU
+    (charged where no core is spare) exceeds what a codec costs: otherwise compressing it only adds
+    codec time. Ranks all on one host stay exact (ONE_HOST_REASON).
     """
     keys = [b.key for b in m.buckets]
     if m.layout.hosts == 1:  # every byte moves through memory: no codec encodes it for less
@@ -347,7 +391,9 @@ def _reason(b: BucketMeasure, name: str, m: Measurements, compressors: Mapping, 
             exact_cost: float, switched: bool, previous: str, gain: float, current_cost: float) -> str:
     exact_t = transfer_s(EXACT, None, b, m)
     busy = f" ({b.link_busy_s * 1e3:.3g} ms of it the link's other traffic)" if b.link_busy_s > 0 else ""
-    head = (f"exact transfer {exact_t * 1e3:.3g} ms, window {b.window_s * 1e3:.3g} ms{busy}; "
+    exact_cpu = host_cpu_s(EXACT, None, b, m)
+    cpu = f" and {exact_cpu * 1e3:.3g} ms of the backward's CPU" if exact_cpu > 0 else ""
+    head = (f"exact transfer {exact_t * 1e3:.3g} ms{cpu}, window {b.window_s * 1e3:.3g} ms{busy}; "
             f"step overhead {cost * 1e3:.3g} ms")
     if name == EXACT:
         if exact_t <= b.free_s:
@@ -355,9 +401,10 @@ def _reason(b: BucketMeasure, name: str, m: Measurements, compressors: Mapping, 
         else:
             text = f"exact: no candidate predicted faster ({head})"
     else:
+        q = compressors[name]
+        cpu = f" + {host_cpu_s(name, q, b, m) * 1e3:.3g} ms of CPU" if exact_cpu > 0 else ""
         text = (f"{name}: {head} against {exact_cost * 1e3:.3g} ms with this bucket exact (transfer "
-                f"{transfer_s(name, compressors[name], b, m) * 1e3:.3g} ms + codec "
-                f"{codec_s(name, b, m) * 1e3:.3g} ms)")
+                f"{transfer_s(name, q, b, m) * 1e3:.3g} ms + codec {codec_s(name, b, m) * 1e3:.3g} ms{cpu})")
     if not switched and previous == name and gain > 0:
         text += (f"; kept: a new plan would gain {gain * 1e3:.3g} ms of {current_cost * 1e3:.3g} ms, "
                  "under the hysteresis")
@@ -424,6 +471,44 @@ def fit_link(samples: Sequence[tuple]) -> tuple:
             latency = min(floor, max(0.0, (rt * xx - xt * rx) / det))
     wire = [(x, y, max(0.0, t - r * latency)) for x, y, r, t in samples]
     return latency, fit_levels(wire)
+
+
+def contention(kernels: Sequence[float], machine_cores: Sequence[float], usable_cores: Sequence[float],
+               threads: Sequence[float]) -> float:
+    """The share of a transfer's host CPU that comes out of the backward's cores
+    (:attr:`Measurements.cpu_contention`), from each rank's kernel identity, its machine's cores,
+    the cores it may run on and torch's compute threads: ranks on one kernel share its cores, so a
+    rank has min(its cores, the machine's cores / the ranks on its kernel) of them; what is left
+    after its compute threads is spare for the communication (a whole core: nothing taken from
+    the backward). The worst rank's share, which every rank's step waits for."""
+    sharing: dict = {}
+    for k in kernels:
+        sharing[k] = sharing.get(k, 0) + 1
+    shares = [min(1.0, max(0.0, 1.0 - (min(usable, machine / sharing[k]) - t)))
+              for k, machine, usable, t in zip(kernels, machine_cores, usable_cores, threads)]
+    return max(shares, default=0.0)
+
+
+def _other_threads_cpu() -> float:
+    """CPU seconds (user and system) this process's threads other than the calling one have used.
+    With torch computing on the calling thread alone, they are the communication's: braid's
+    progress thread, a group's issuing thread, gloo's, and the kernel's work in their system
+    calls (which, without IRQ time accounting, includes the network stack's softirq work)."""
+    return time.process_time() - time.thread_time()
+
+
+def _cpu_layout() -> list:
+    """This rank's [kernel identity, machine's cores, cores it may run on, torch's compute
+    threads], for :func:`contention`. Processes on one kernel (simulated hosts in network
+    namespaces too) share its cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            kernel = f.read().strip()
+    except OSError:
+        kernel = socket.gethostname()
+    machine = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else machine
+    return [float(zlib.crc32(kernel.encode())), float(machine), float(usable), float(torch.get_num_threads())]
 
 
 def _probe(name: str, q: Compressor, x: torch.Tensor, scratch: dict) -> tuple:
@@ -613,6 +698,12 @@ class Adaptive(Compressor):
         self._probe_scratch: dict[str, list] = {}
         self._correction: dict[str, float] = {}  # real codec time / the probe's, per candidate
         self._link_fit: Optional[tuple] = None  # (latency, bandwidth per level) of the last exact calls
+        # Host CPU of the transfers: the step in progress (thread, the other threads' CPU at its
+        # first call, that call's issue), the steps since the last round (calls, from, to, CPU
+        # seconds), and the last fit (CPU seconds per byte sent, per level).
+        self._cpu_open: Optional[list] = None
+        self._cpu_steps: list = []
+        self._cpu_fit: dict = {}
         self._one_host = False  # known from the first round: nothing to probe
         self._probed: set = set()
         self._hosts: Optional[tuple] = None  # (hosts, ranks per host) of a process group, once known
@@ -667,6 +758,10 @@ class Adaptive(Compressor):
         :meth:`stalled` reported in it and the codec probes run in it), and the step counts toward
         the next decision round."""
         now = time.perf_counter()
+        opened, self._cpu_open = self._cpu_open, None
+        if opened is not None and opened[0] == threading.get_ident():
+            self._cpu_steps.append((self._step_calls + self._other_calls, opened[2], now,
+                                    _other_threads_cpu() - opened[1]))
         for call in self._step_calls:
             after = [(n, host) for t, n, host in self._shared if t >= call.issued]
             call.shared = (sum(n for n, host in after if not host), sum(n for n, host in after if host))
@@ -875,11 +970,17 @@ class Adaptive(Compressor):
     def _begin(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any, layout: Any,
                collective: str = ALL_REDUCE) -> tuple:
         """What every call does first: a round or a probe when due (_before_call), then the choice in
-        force for ``key`` and the call's timing record: (choice, _Call)."""
+        force for ``key`` and the call's timing record: (choice, _Call). The first call of a step,
+        timed on the host with torch computing on one thread, opens the step's host CPU sample
+        (after the round, whose gather is no step's), which :meth:`end_step` closes."""
+        first = not self._step_calls
         self._before_call(key, tensor, step, world, gather, layout, collective)
         name = self._active(key, step, world)
-        return name, _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), collective,
-                           _marks_for(tensor.device))
+        call = _Call(key, tensor.numel(), tensor.element_size(), name, time.perf_counter(), collective,
+                     _marks_for(tensor.device))
+        if first and call.marks is None and torch.get_num_threads() == 1:
+            self._cpu_open = (threading.get_ident(), _other_threads_cpu(), call.issued)
+        return name, call
 
     def _before_call(self, key: Hashable, tensor: torch.Tensor, step: int, world: int, gather: Any,
                      layout: Any, collective: str = ALL_REDUCE) -> None:
@@ -977,14 +1078,9 @@ class Adaptive(Compressor):
         window the last fit holds."""
         calls = [c for c in self._calls_since if c.finished() is not None]
         fastest: dict = {}
-        prev_done = -math.inf
-        for c in sorted(calls, key=lambda c: c.issued):
-            # The link serves the calls in issue order: a call's own time starts when it was issued
-            # or when the one before it finished, whichever is later.
-            service = c.done - max(c.issued, prev_done)
-            prev_done = max(prev_done, c.done)
+        for c, start in _services(calls):
             group = (c.key, c.numel, c.elem_size, c.choice, c.collective)
-            fastest[group] = min(fastest.get(group, math.inf), service)
+            fastest[group] = min(fastest.get(group, math.inf), c.done - start)
         exact = []
         for (_, numel, elem, choice, collective), t in fastest.items():
             by_level = level_bytes(choice, None, numel, elem, layout, collective)
@@ -993,6 +1089,7 @@ class Adaptive(Compressor):
                 exact.append((*by_level, rounds, t))
         if exact:
             self._link_fit = fit_link(exact)
+        self._fit_host_cpu(layout)
         if self._link_fit is None:
             return self._vector(keys, calls, math.nan, {IN_HOST: math.nan, ACROSS_HOSTS: math.nan}, layout)
         latency, bw = self._link_fit
@@ -1000,6 +1097,43 @@ class Adaptive(Compressor):
         if exact:
             self._correct_codecs(fastest, layout, latency, bw)
         return self._vector(keys, calls, latency, bw, layout)
+
+    def _fit_host_cpu(self, layout: Layout) -> None:
+        """The host CPU per byte sent, per level, from the steps since the last round (least
+        squares of CPU seconds against bytes per level, as the link's bandwidth); without such
+        steps, or before the link's latency is known, the last fit holds.
+
+        A step's sample runs from its first call to the end of its backward: the CPU the other
+        threads used in it against the bytes of its calls' service that fell in it (a call's
+        bytes spread evenly over its service), which leaves out what runs after the backward
+        (the caller's optimizer, a benchmark's other models). Only steps whose calls were all
+        exact all-reduces, finished, with no other traffic reported, count: a codec's kernels or
+        bytes this Adaptive does not count would be taken for the bytes' cost. A call also costs
+        CPU whatever its size (waking a thread, system calls, a callback), which equal steps
+        cannot tell from its bytes': each message round may account for up to its fitted latency
+        (its wall time without bytes) and CALL_CPU_S, and only the rest is taken for the bytes
+        (small buckets would otherwise read as costly bytes, which compression seems to save)."""
+        if self._link_fit is None:
+            return
+        per_round = min(self._link_fit[0], CALL_CPU_S)
+        samples = []
+        for calls, began, ended, seconds in self._cpu_steps:
+            if not calls or any(c.choice != EXACT or c.collective != ALL_REDUCE or c.shared != (0.0, 0.0)
+                                or c.finished() is None for c in calls):
+                continue
+            sent, rounds = [0.0, 0.0], 0.0
+            for c, start in _services(calls):
+                span = c.done - start
+                inside = min(c.done, ended) - max(start, began)
+                part = min(1.0, max(0.0, inside / span)) if span > 0 else float(began <= start < ended)
+                by_level = level_bytes(EXACT, None, c.numel, c.elem_size, layout)
+                sent = [n + part * x for n, x in zip(sent, by_level)]
+                rounds += part * ROUNDS[ALL_REDUCE][EXACT] * sum(1 for x in by_level if x > 0)
+            if sum(sent) > 0:
+                samples.append((*sent, max(0.0, seconds - rounds * per_round)))
+        if samples:
+            rates = fit_levels(samples)  # bytes per CPU second
+            self._cpu_fit = {level: 1 / rate for level, rate in rates.items() if not math.isnan(rate)}
 
     def _correct_codecs(self, fastest: dict, layout: Layout, latency: float, bw: dict) -> None:
         """Per compressed candidate run since the last round: its calls' time beyond the predicted
@@ -1037,7 +1171,8 @@ class Adaptive(Compressor):
             flat_in, flat_across = level_bytes(EXACT, None, flat, 1, layout, OTHER)
             vec += [numel, elem, window, flat_in + host, flat_across]
             vec += [errors.get(n, math.nan) for n in self.candidates if n != EXACT]
-        return vec
+        vec += [self._cpu_fit.get(level, math.nan) for level in LEVELS]
+        return vec + _cpu_layout()
 
     def _round(self, gather: Any, layout: Layout) -> None:
         """One decision round: every rank's measurement vector all-gathered (one small collective),
@@ -1055,7 +1190,7 @@ class Adaptive(Compressor):
         rows = everyone.view(layout.world, -1).tolist()
         collectives = {c.key: c.collective for c in self._calls_since}
         m = _combine(rows, keys, layout, self.candidates, collectives)
-        self._calls_since = []
+        self._calls_since, self._cpu_steps = [], []
         if m is None:
             return
         current = {k: d.choice for k, d in self._decisions.items()}
@@ -1074,6 +1209,18 @@ class Adaptive(Compressor):
         r = src.take_residual(key)
         if r is not None:
             dst.put_residual(key, r)
+
+
+def _services(calls: Sequence[_Call]) -> list:
+    """(call, when the link began serving it) for finished ``calls``, in issue order: the link
+    serves the calls in issue order, so a call's own time starts when it was issued or when the
+    one before it finished, whichever is later."""
+    out = []
+    prev_done = -math.inf
+    for c in sorted(calls, key=lambda c: c.issued):
+        out.append((c, max(c.issued, prev_done)))
+        prev_done = max(prev_done, c.done)
+    return out
 
 
 def _read_marks(calls: Sequence[_Call]) -> None:
@@ -1125,7 +1272,9 @@ def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str], 
     every rank, which make the same calls), the same on every rank: bandwidth the most
     any rank measured (a rank that waited for a later one counted the wait as transfer; the last
     to arrive timed the link alone), codec costs and errors the worst rank's, windows the least,
-    the other traffic in them the most."""
+    the other traffic in them the most; the host CPU per byte the most, and its share taken from
+    the backward's cores the worst rank's (:func:`contention`), where the vectors carry them
+    (CPU_FIELDS after the buckets)."""
     names = [n for n in candidates if n != EXACT]
     per_bucket = 5  # numel, element size, window, other bytes in the host, across hosts
     cols = list(zip(*rows))
@@ -1164,4 +1313,14 @@ def _combine(rows: list, keys: list, layout: Layout, candidates: Sequence[str], 
         buckets.append(BucketMeasure(k, int(max(numel)), int(max(elem)), least, errors, collectives[k], busy))
     if not buckets:
         return None
-    return Measurements(layout, levels, codec, buckets)
+    tail = base + len(keys) * width
+    if len(cols) < tail + CPU_FIELDS:
+        return Measurements(layout, levels, codec, buckets)
+    cpu = {}
+    for level, got in zip(LEVELS, (_known(list(cols[tail])), _known(list(cols[tail + 1])))):
+        if got:
+            cpu[level] = max(got)
+    if cpu:  # a level without samples: the other's figure, as the link's
+        cpu = {level: cpu.get(level, next(iter(cpu.values()))) for level in LEVELS}
+    share = contention(*(cols[tail + i] for i in range(2, CPU_FIELDS)))
+    return Measurements(layout, levels, codec, buckets, cpu, share)

@@ -782,3 +782,171 @@ def test_sharded_bad_arguments_name_themselves():
     # FSDP2's custom reduce-scatter names no bucket and sees no end of the backward.
     with pytest.raises(TypeError, match="grad_compression: braid.comm.Adaptive cannot run under FSDP2"):
         fsdp.fsdp2_comms(None, grad_compression=comm.Adaptive(error_feedback=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# The host CPU of the transfers, on a rank without a spare core.
+
+CHEAP_CODEC = {"bf16": 0.25e-9, "int8": 0.25e-9, "int4": 0.25e-9, "topk": 4e-9}
+COSTLY_CODEC = {"bf16": 1.5e-9, "int8": 1.5e-9, "int4": 1.5e-9, "topk": 4e-9}
+
+
+def _with_cpu(m, codec, per_byte, contention):
+    return Measurements(m.layout, m.levels, dict(codec), m.buckets,
+                        {"in_host": per_byte, "across_hosts": per_byte}, contention)
+
+
+def test_a_fast_links_bytes_cost_the_backward_the_cpu_compression_saves():
+    """A 16 MiB bucket on a 1 GB/s link, 200 ms before the end of the backward: its exact transfer
+    (17 ms) hides in the window, but at 1 ns of host CPU per byte sent (a TCP transfer between
+    namespaces measured 0.85 ns on a 2-vCPU EPYC) on a rank with no core to spare its bytes take
+    16.8 ms from the backward. Codecs of 0.25 ns per element cost int4 4.2 ms of kernels for 2.3 MB
+    on the wire, 6.5 ms against 16.8: int4 wins. At 1.5 ns per element every codec costs more than
+    the CPU its bytes save (int4 25 ms against 14.6 ms saved), and with a spare core the bytes cost
+    the backward nothing: exact either way."""
+    m = _measure(1000 * MB, [0.2])
+    numel, int4 = 4 << 20, COMPRESSORS["int4"]
+    exact_cpu = 1e-9 * adaptive.level_bytes("exact", None, numel, 4, TWO_HOSTS)[1]
+    int4_cpu = 1e-9 * adaptive.level_bytes("int4", int4, numel, 4, TWO_HOSTS)[1]
+    int4_codec = adaptive.CODEC_PASSES["all_reduce"]["int4"] * 0.25e-9 * numel
+    assert exact_cpu == pytest.approx(numel * 4 * 1e-9)
+
+    cheap, why = _choices(_with_cpu(m, CHEAP_CODEC, 1e-9, 1.0))
+    assert cheap == {0: "int4"}, why
+    # The backward computes through the whole transfer (it ends 200 ms later), so the whole CPU
+    # time pushes it, after the codec's.
+    assert why[0].exact_s == pytest.approx(exact_cpu)
+    assert why[0].predicted_s == pytest.approx(int4_codec + int4_cpu)
+    assert "16.8 ms of the backward's CPU" in why[0].reason
+
+    costly, why = _choices(_with_cpu(m, COSTLY_CODEC, 1e-9, 1.0))
+    assert costly == {0: "exact"} and why[0].exact_s == pytest.approx(exact_cpu), why
+    spare, why = _choices(_with_cpu(m, CHEAP_CODEC, 1e-9, 0.0))
+    assert spare == {0: "exact"} and why[0].exact_s == 0.0, why
+    assert "hides in the window" in why[0].reason
+
+
+def test_only_the_part_of_a_transfer_during_the_backward_costs_it_cpu():
+    """The CPU is spread over the transfer: a bucket whose exact transfer (t = 16.9 ms at 1 GB/s
+    with 100 us of latency) starts t / 2 before the end of the backward pushes it by half its
+    CPU (2 ns per byte: 33.6 ms, so 16.8 ms, past the transfer's own end at t / 2); the last
+    bucket (window 0) sends after the backward and costs its transfer alone."""
+    numel = 4 << 20
+    exact_cpu = 2e-9 * numel * 4
+    t = 100e-6 + numel * 4 / (1000 * MB)
+    for window, expected in ((t / 2, exact_cpu / 2), (0.0, t)):
+        m = _with_cpu(_measure(1000 * MB, [window]), CODEC, 2e-9, 1.0)
+        assert adaptive.plan_cost(m, {0: "exact"}, COMPRESSORS) == pytest.approx(expected)
+
+
+def test_contention_is_the_share_of_a_core_the_backward_gives_up():
+    """Ranks on one kernel share its cores: two ranks on 2 cores with one compute thread each have
+    none to spare (1.0), on two machines one each (0.0); three cores for two ranks leave half a
+    core (0.5); ranks pinned to one core each have none, however large the machine."""
+    assert adaptive.contention([7, 7], [2, 2], [2, 2], [1, 1]) == 1.0
+    assert adaptive.contention([7, 8], [2, 2], [2, 2], [1, 1]) == 0.0
+    assert adaptive.contention([7, 7], [3, 3], [3, 3], [1, 1]) == 0.5
+    assert adaptive.contention([7, 7], [16, 16], [1, 1], [1, 1]) == 1.0
+    assert adaptive.contention([7, 7], [16, 16], [16, 16], [8, 8]) == 1.0
+    assert adaptive.contention([7, 7], [16, 16], [16, 16], [4, 4]) == 0.0
+
+
+def test_the_host_cpu_per_byte_is_fitted_from_the_exact_steps(monkeypatch):
+    """On scripted clocks: calls that each take 1 ms of latency + bytes at 1 GB/s, run by threads
+    that use 1 ms of CPU per call plus 0.5 ns per byte sent. Two exact steps, each measured from
+    its first call to the end of its backward: 16 MiB in 2 calls done within it, and 8 MiB in one
+    call of which the backward saw half (the rest, and the optimizer after it, are no part of
+    the sample). They give 0.5 ns per byte across hosts (in the host: nothing sent, unknown); a
+    step with a compressed call, and one with the caller's other traffic, are left out (they
+    use 1 s of CPU each here). The round combines the figure with the ranks' cores."""
+    clock, cpu = [0.0], [0.0]
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(adaptive, "_other_threads_cpu", lambda: cpu[0])
+    monkeypatch.setattr(adaptive.torch, "get_num_threads", lambda: 1)
+    latency, per_byte = 1e-3, 0.5e-9
+    q = comm.Adaptive()
+    q._steps, q._next_round = 1, 100  # past the warm-up, no round or probe due in these steps
+
+    def step(sizes, step_cpu=None, other=False):
+        for key, numel in enumerate(sizes):
+            _, call = q._begin(key, torch.zeros(numel), 5, 2, None, None)
+            clock[0] += latency + numel * 4 / 1e9
+            q._record(call, None)
+            if other:
+                q.share_link(1e6)
+        cpu[0] += step_cpu if step_cpu is not None else len(sizes) * latency + per_byte * 4 * sum(sizes)
+        q.end_step()
+        cpu[0] += 1.0  # the optimizer, other models: after the backward
+        clock[0] += 1.0
+
+    step([1 << 20, 3 << 20])
+    _, call = q._begin(0, torch.zeros(2 << 20), 5, 2, None, None)
+    service = latency + (8 << 20) / 1e9
+    call.work = _Done(clock[0] + service)  # done after the end of the backward, at service / 2
+    q._record(call, object())
+    clock[0] += service / 2
+    cpu[0] += (latency + per_byte * (8 << 20)) / 2
+    q.end_step()
+    clock[0] += 1.0
+    q._decisions = {0: adaptive.Decision("int8", "given")}
+    step([1 << 20], step_cpu=1.0)
+    q._decisions = {}
+    step([1 << 20], step_cpu=1.0, other=True)
+    vec = q._local_vector([0, 1], TWO_HOSTS)
+    assert q._link_fit[0] == pytest.approx(latency)
+    assert math.isnan(vec[-6]) and vec[-5] == pytest.approx(per_byte)
+    head = vec[:-4]
+    m = adaptive._combine([head + [7.0, 2.0, 2.0, 1.0]] * 2, [0, 1], TWO_HOSTS, CANDIDATES,
+                          {0: "all_reduce", 1: "all_reduce"})
+    assert m.host_cpu_s_per_byte == pytest.approx({"in_host": per_byte, "across_hosts": per_byte})
+    assert m.cpu_contention == 1.0
+    apart = adaptive._combine([head + [7.0, 2.0, 2.0, 1.0], head + [8.0, 2.0, 2.0, 1.0]], [0, 1], TWO_HOSTS,
+                              CANDIDATES, {0: "all_reduce", 1: "all_reduce"})
+    assert apart.cpu_contention == 0.0
+
+
+class _LinkProbeModel(torch.nn.Module):
+    """Two buckets big enough for a shaped link to slow (512 KiB and 128 KiB of float32 weights),
+    made ready at the start of the backward, then ~10-40 ms of parameter-free backward (a tanh
+    chain) as their window, then a small first layer (16 KiB, under the hook's 64 KiB minimum:
+    reduced exactly, outside the Adaptive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 512, bias=False)
+        self.mid = torch.nn.Linear(512, 64, bias=False)
+        self.out = torch.nn.Linear(64, 2048, bias=False)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(30):
+            h = torch.tanh(h)
+        return self.out(self.mid(h))
+
+
+def auto_hook_on_measured_link(rank, n, store_path, steps):
+    """test_multihost_netns: DDP with the "auto" hook over a braid communicator, between simulated
+    hosts whose link is what it is (no link figure given); after ``steps`` steps, the decisions
+    (choice, reason) per bucket, this rank's fitted bandwidth across hosts (bytes/s), and the
+    last step's bytes sent and dense."""
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with process_group(rank, n, store_path), make_comm(rank, n, store_path) as c:
+        torch.manual_seed(0)
+        # A bucket cap of 128 KiB: the two large layers in buckets of their own.
+        m = DDP(_LinkProbeModel(), bucket_cap_mb=0.125)
+        state, hook = ddp.comm_hook(c, "auto")
+        m.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        x = torch.randn(256, 8, generator=torch.Generator().manual_seed(rank))
+        for _ in range(steps):
+            opt.zero_grad()
+            before = state.compression.wire_total
+            m(x).square().mean().backward()
+            opt.step()
+        last = state.compression.wire_total
+        return {"hosts": c.num_hosts,
+                "decisions": {str(k): [d.choice, d.reason] for k, d in state.decisions().items()},
+                "across_hosts_bytes_per_s": state.compression._link_fit[1][adaptive.ACROSS_HOSTS],
+                "last_step": {"sent": last.sent - before.sent, "dense": last.dense - before.dense}}

@@ -192,6 +192,8 @@ def _library_files() -> list[str]:
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("comm/adaptive.py", "_probe", "float(tensor)"):
         "the codec probe: timed around explicit device synchronizations, its error read once per probe",
+    ("comm/adaptive.py", "_cpu_layout", "float(tensor)"):
+        "float of torch.get_num_threads(), a Python int (no tensor is read)",
     ("comm/adaptive.py", "Adaptive._layout_of", "torch.tensor without device="):
         "host identities (Python data), gathered once through the group's device by gather",
     ("comm/adaptive.py", "Adaptive._layout_of", "torch.empty without device="):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from braid import comm
 from braid.bench.models import LanguageModel
 from braid.comm import fsdp
-from helpers import MatmulRecorder, digest
+from helpers import MatmulRecorder, compression_reference, digest
 from helpers.ranks import (CARRIERS, COMM_TIMEOUT_S, STORE_TIMEOUT, environment, make_comm, process_group,
                            run_ranks)
 from torch import nn
@@ -562,6 +562,102 @@ def test_quantized_weight_gathers_train_like_exact_with_exact_masters(kind, bits
         assert r["gather_ratio"] > ratio and r["reduce_ratio"] == 1.0, r
         torch.testing.assert_close(r["losses"], r["ref"], rtol=rtol, atol=0)
         assert r["losses"][-1] < r["losses"][0], r["losses"]
+
+
+class _WeightsInBackward(torch.autograd.Function):
+    """``x @ weight.T + bias`` whose backward records the weight it computes with: the saved view
+    into the unit's full buffer, which stage 3 frees after the forward and gathers again before
+    the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seen):
+        ctx.save_for_backward(x, weight)
+        ctx.seen = seen
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.seen.append(("backward", weight.detach().clone()))
+        return grad @ weight, grad.t() @ x, grad.sum(0), None
+
+
+class _SeenLinear(nn.Linear):
+    """A linear layer that records the weights its forward and its backward compute with."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(("forward", self.weight.detach().clone(), self.bias.detach().clone()))
+        return _WeightsInBackward.apply(x, self.weight, self.bias, self.seen)
+
+
+# Two units of one float32 bucket each (the default cap holds them whole): weight then bias, 1107
+# and 280 elements, padded to the world size's shards of whole blocks. Int8 (block 64) at 3 ranks:
+# shards of 384 and 128, the last rank's holding 339 and 24 elements; int4 (block 32) and fp8
+# (block 64) at 2 ranks: 576 and 160 or 192, the last rank's holding 531 and 120 or 88.
+QWZ_LAYERS = ((40, 27), (27, 10))
+QWZ = {8: lambda: comm.Int8Quantizer(block=64), 4: lambda: comm.Int4Quantizer(block=32),
+       "fp8": lambda: comm.FP8Quantizer(block=64)}
+
+
+def _qwz_model():
+    torch.manual_seed(5)
+    return nn.Sequential(_SeenLinear(*QWZ_LAYERS[0]), nn.Tanh(), _SeenLinear(*QWZ_LAYERS[1]))
+
+
+def _run_qwz_seen(rank, world_size, store_path, kind, bits):
+    """One forward and backward of ZeRO-3 with quantized gathers: the weights each layer computed
+    with, in order."""
+    with process_group(rank, world_size, store_path):
+        c = _carrier_in(kind, rank, world_size, store_path)
+        sharded = fsdp.shard(_qwz_model(), c, stage=3, param_compression=QWZ[bits]())
+        x = torch.randn(3, QWZ_LAYERS[0][0], generator=torch.Generator().manual_seed(rank))
+        sharded(x).square().sum().backward()
+        return [sharded.module[0].seen, sharded.module[2].seen]
+
+
+def _quantized_round_trip(shard, bits, block):
+    """The shard as a rank's gather carries it: block-quantized from its first element, rounded to
+    nearest, decoded. int8 and int4 by the pure-torch reference of the format; fp8 by its
+    compressor's own CPU kernel (a torch expression, which has no second implementation)."""
+    n = shard.numel()
+    if bits == "fp8":
+        q = comm.FP8Quantizer(block=block)
+        out = torch.empty(n)
+        q.decode(q.encode(shard, None, 0, 0, n, 1, stochastic=False), out, n)
+        return out
+    payload, _ = compression_reference.quantize(shard, None, bits, block, False, 0)
+    return compression_reference.dequantize(payload, n, bits, block, torch.float32)
+
+
+@pytest.mark.parametrize("kind,bits,world_size",
+                         (("communicator", 8, 3), ("gloo", 4, 2), ("braid", "fp8", 2)))
+def test_quantized_weight_gathers_are_every_shard_quantized_locally(kind, bits, world_size):
+    """Flat qwZ bit for bit: each unit's bucket (weight then bias, padded with zeros to shards of
+    whole blocks) cut into the ranks' shards, every shard quantized and decoded locally, is exactly
+    what the forward and then the backward (after the unit's second gather) compute with on every
+    rank. A shard out of place, a gather left exact or rounded stochastically, or a backward
+    gather that differs from the forward's all fail it."""
+    results = run_ranks(_run_qwz_seen, world_size, kind, bits)
+    block = QWZ[bits]().block
+    for index, (layer, (n_in, n_out)) in enumerate(zip(_qwz_model()[::2], QWZ_LAYERS)):
+        flat = torch.cat([layer.weight.detach().reshape(-1), layer.bias.detach()])
+        per = -(-flat.numel() // (world_size * block)) * block
+        padded = torch.cat([flat, torch.zeros(per * world_size - flat.numel())])
+        decoded = torch.cat([_quantized_round_trip(padded[r * per:(r + 1) * per], bits, block)
+                             for r in range(world_size)])
+        weight, bias = decoded[:n_out * n_in].view(n_out, n_in), decoded[n_out * n_in:flat.numel()]
+        assert not torch.equal(weight, layer.weight.detach()), "the reference quantized nothing"
+        for rank, seen in enumerate(results):
+            ((fwd, fwd_weight, fwd_bias), (bwd, bwd_weight)) = seen[index]
+            assert (fwd, bwd) == ("forward", "backward")
+            for what, got, want in (("forward weight", fwd_weight, weight), ("forward bias", fwd_bias, bias),
+                                    ("backward weight", bwd_weight, weight)):
+                assert torch.equal(got, want), (f"rank {rank}, layer {n_in}x{n_out}, {what}: "
+                                                f"{int((got != want).sum())} elements differ")
 
 
 def _run_quantized_reduce_scatters(rank, world_size, store_path, kind, bits, stage, weights_too):

@@ -21,30 +21,32 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts una
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 RANK_TIMEOUT_S = 150
 
-# A rank: runs test_multihost's functions (fn, store path, args) in turn, each as
+# A rank: runs a test module's functions (fn, store path, args) in turn, each as
 # fn(rank, n, store_path, *args), and prints each result as JSON (one process start for several).
 _RANK_MAIN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
-import test_multihost
+import {module} as functions
 for fn, store, args in {calls!r}:
-    print("RESULT " + json.dumps(getattr(test_multihost, fn)({rank}, {n}, store, *args)), flush=True)
+    print("RESULT " + json.dumps(getattr(functions, fn)({rank}, {n}, store, *args)), flush=True)
 """
 
 
-def start_ranks(hosts, layout, fn, store_path, *args, env=None):
-    """One process per rank, on the host ``layout`` names, running ``fn``; returns the Popen objects."""
-    return start_rank_calls(hosts, layout, [(fn, store_path, list(args))], env=env)
+def start_ranks(hosts, layout, fn, store_path, *args, env=None, module="test_multihost"):
+    """One process per rank, on the host ``layout`` names, running ``module``'s ``fn``; returns
+    the Popen objects."""
+    return start_rank_calls(hosts, layout, [(fn, store_path, list(args))], env=env, module=module)
 
 
-def start_rank_calls(hosts, layout, calls, env=None):
+def start_rank_calls(hosts, layout, calls, env=None, module="test_multihost"):
     """One process per rank, on the host ``layout`` names, running ``calls`` ((fn, store path, args)
-    each, a store per call) in turn; returns the Popen objects."""
+    each, a store per call; fn one of ``module``'s functions) in turn; returns the Popen objects."""
     procs = []
     for rank, h in enumerate(layout):
-        code = _RANK_MAIN.format(tests=TESTS_DIR, rank=rank, n=len(layout), calls=[list(c) for c in calls])
+        code = _RANK_MAIN.format(tests=TESTS_DIR, module=module, rank=rank, n=len(layout),
+                                 calls=[list(c) for c in calls])
         procs.append(
             hosts.popen(
                 h,
@@ -151,3 +153,35 @@ def test_link_down_times_out_naming_the_ranks_behind_it():
         assert "rank 2" in seen["message"] or "rank 3" in seen["message"], (r, seen)
     for r in (2, 3):
         assert results[r]["type"] in ("CommTimeout", "PeerError"), (r, results[r])
+
+
+# 20 Mbit/s: 2.5 MB/s of frames, so an exact 512 KiB bucket takes over 200 ms against a window of
+# ~10-40 ms (Adaptive predicted 257 ms). Unshaped, between two namespaces of the 2-core machine at
+# load 10, it measured 18-22 ms (19-33 MB/s) in two runs.
+SLOW_LINK_MBIT = 20
+# tbf's bucket (16 KiB here: simhosts' floor, over its 4 ms of rate) lets that much through at
+# once, so a 128 KiB transfer may end up to 128 / 112 sooner than the rate allows.
+BURST_ALLOWANCE = 128 / 112
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(unavailable_reason(rate=True) is not None,
+                    reason=f"no rate-limited hosts: {unavailable_reason(rate=True)}")
+def test_auto_hook_compresses_across_a_measured_slow_link():
+    """DDP's "auto" hook over a braid communicator between two hosts whose link a tbf qdisc holds
+    to 20 Mbit/s, with no link figure given: the bandwidth Adaptive fits from its own exact
+    warm-up calls is the shaped link's (at most its rate; unshaped it is several times more), and
+    from it every bucket it decides is compressed, the same choice and reason on both ranks; the
+    last step's buckets travel compressed."""
+    with SimulatedHosts(2, rate_mbit=SLOW_LINK_MBIT) as hosts:
+        procs = start_ranks(hosts, [0, 1], "auto_hook_on_measured_link", new_store_path(), 4,
+                            module="test_adaptive")
+        results = results_of(procs, timeout_s=60)
+    rate = SLOW_LINK_MBIT * 1e6 / 8
+    for r in results:
+        assert r["hosts"] == 2, r
+        assert 0 < r["across_hosts_bytes_per_s"] <= rate * BURST_ALLOWANCE, r
+        # The two large buckets; the small one stays under the hook's minimum, outside the choice.
+        assert len(r["decisions"]) == 2 and all(c != "exact" for c, _ in r["decisions"].values()), r
+        assert r["last_step"]["sent"] * 4 < r["last_step"]["dense"], r
+    assert results[0]["decisions"] == results[1]["decisions"], "ranks decided differently"
