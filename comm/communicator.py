@@ -277,11 +277,12 @@ class Communicator(CompressionHost, Group):
         device: ``"cpu"`` or None, or a CUDA device (``"cuda"``, ``"cuda:1"``): its staging
             buffers and copy streams are set up now rather than at the first call on one of its
             tensors. Either way every call takes CPU tensors, and CUDA tensors where braid was built
-            with CUDA: those travel through pinned host memory in chunks, stream-ordered (the
-            call is ordered after the caller's current stream; ``wait()`` and blocking calls
-            make that stream wait for the result). all_to_all with split sizes and
-            point-to-point take CUDA tensors by a fallback path: whole pinned copies, the host
-            waiting for the copies down before the call (see :meth:`all_to_all`).
+            with CUDA, stream-ordered (the call is ordered after the caller's current stream;
+            ``wait()`` and blocking calls make that stream wait for the result): device to device
+            between the ranks of one host (CUDA IPC, set up by every rank at a device's first
+            call), else through pinned host memory in chunks. Point-to-point (and all_to_all with
+            split sizes where IPC is off) take CUDA tensors by a fallback path: whole pinned
+            copies, the host waiting for the copies down before the call (see :meth:`all_to_all`).
         prefix: store key prefix; by default communicators are numbered in creation order, so
             every rank must create its communicators in the same order.
         algo, oneshot_max_bytes, slot_bytes, nslots, stream_min_bytes, spin_us, yield_us,
