@@ -1,4 +1,5 @@
-"""Staging benchmark: braid's all_reduce on CUDA tensors (chunks through pinned host memory) against
+"""Staging benchmark: braid's all_reduce on CUDA tensors (chunks through pinned host memory, the
+path across hosts and where CUDA IPC is off: set here with BRAID_CUDA_IPC=0 in every rank) against
 pinned copies between the GPU and the host. Needs a GPU and a braid build with CUDA.
 
     python -m braid.bench staging                            # 2 ranks on the visible GPU(s)
@@ -29,6 +30,7 @@ sweep records have only the cuda time, vs_copy and exact.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -108,6 +110,9 @@ def _measure(c, size_mib: int, device: torch.device, rank: int, world_size: int,
 
 
 def _run_rank(rank: int, world_size: int, store_port: int | None, config: Config) -> int:
+    # The staging pipeline itself: ranks on one host would otherwise go device to device (CUDA
+    # IPC, measured by ``python -m braid.bench cuda``).
+    os.environ["BRAID_CUDA_IPC"] = "0"
     launch.start_rank(rank, world_size, store_port, bind="none", threads=1, timeout_s=config.timeout)
     records = []
     try:
