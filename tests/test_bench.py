@@ -509,6 +509,10 @@ def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_
     (["multihost", "--from-json", "/proc/braid-missing/x.json"], "--from-json: cannot read"),
     (["multihost", "--from-json", "/proc/self/status"], "--from-json: cannot read"),
     (["staging", "--sizes", "0"], "--sizes takes positive integers"),
+    (["cuda", "--nprocs", "1"], "--nprocs takes rank counts of at least 2"),
+    (["cuda", "--sizes", "4Q"], "a size is a positive integer with K, M or G"),
+    (["cuda", "--ops", "gather"], "invalid choice: 'gather'"),
+    (["cuda", "--rounds", "0"], "--rounds must be at least 1"),
     (["staging", "--nproc", "1"], "--nproc must be at least 2"),
 ])
 @pytest.mark.timeout(60)
@@ -535,10 +539,22 @@ def test_the_command_line_reports_usage_errors():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-def test_staging_benchmark_without_a_gpu_says_so():
-    proc = subprocess.run([sys.executable, "-m", "braid.bench", "staging"], capture_output=True, text=True,
+@pytest.mark.parametrize("name", ["staging", "cuda"])
+def test_gpu_benchmark_without_a_gpu_says_so(name):
+    proc = subprocess.run([sys.executable, "-m", "braid.bench", name], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_cuda_benchmark_floor_is_the_bytes_an_in_place_algorithm_moves():
+    """The floor's device-memory bytes per rank at nccl-tests size S among N ranks."""
+    from braid.bench.cuda import floor_bytes
+
+    assert floor_bytes("all_reduce", 1000, 4) == 3 * 1000 - 250
+    assert floor_bytes("reduce_scatter", 1000, 4) == 1000 + 250
+    assert floor_bytes("all_gather", 1000, 4) == floor_bytes("all_to_all", 1000, 4) == 2000
+    with pytest.raises(ValueError, match="op must be one of"):
+        floor_bytes("gather", 1000, 4)
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path):
