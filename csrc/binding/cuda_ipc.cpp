@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
 #include <stdexcept>
 #include <utility>
 
@@ -26,6 +27,19 @@ constexpr uint32_t kSetupLayoutTag = 0x1bc0da01u;
 constexpr uint32_t kSetupHandlesTag = 0x1bc0da02u;
 constexpr uint32_t kSetupOpenedTag = 0x1bc0da03u;
 constexpr uint32_t kReleaseTag = 0x1bc0da04u;
+
+// How the flight recorder labels a device-to-device call (static strings, as TaskTrace wants).
+const char* ipc_label(CollKind kind) {
+  switch (kind) {
+    case CollKind::kAllReduce: return "ipc all_reduce";
+    case CollKind::kReduceScatter: return "ipc reduce_scatter";
+    case CollKind::kAllGather: return "ipc all_gather";
+    case CollKind::kBroadcast: return "ipc broadcast";
+    case CollKind::kAllToAll: return "ipc all_to_all";
+    case CollKind::kBarrier: return "ipc barrier";
+    default: return "ipc";
+  }
+}
 
 // An all_gather of int64 words over the host's ranks, from inside a task body: `words` holds this
 // rank's on entry and every rank's (rank-major) on return.
@@ -53,7 +67,7 @@ void host_gather_bytes(Communicator& c, uint32_t tag, const std::vector<uint8_t>
 // step, fail at once; a failure inside a step already poisoned it.
 std::shared_ptr<Work> submit_ipc_task(Communicator& comm, const CudaIpcChannel& ch,
                                       std::function<void(const IpcHostStep&)> run, std::vector<at::Tensor> used,
-                                      std::function<void()> finish, bool async) {
+                                      std::function<void()> finish, bool async, const TaskTrace& trace) {
   const c10::cuda::CUDAStream stream = ch.stream();
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream.device_index());
   auto start = std::make_shared<cuda::CudaEvent>(stream.device_index());
@@ -80,7 +94,7 @@ std::shared_ptr<Work> submit_ipc_task(Communicator& comm, const CudaIpcChannel& 
       throw;
     }
   };
-  return comm.submit_task(std::move(body), std::move(keep), async);
+  return comm.submit_task(std::move(body), std::move(keep), async, trace);
 }
 
 }  // namespace
@@ -236,10 +250,18 @@ std::shared_ptr<Work> submit_ipc_call(Communicator& comm, CudaIpcChannel& ch, st
                                       std::vector<at::Tensor> used, std::function<void()> finish, bool async) {
   const int rank = comm.scope_rank(Scope::kHost), world = comm.scope_size(Scope::kHost);
   CudaIpcChannel* channel = &ch;
+  // The flight recorder names the call by its first request (its host steps are recorded too,
+  // as all_gathers of the host's ranks).
+  TaskTrace trace;
+  if (!requests.empty()) {
+    trace.label = ipc_label(requests.front().kind);
+    trace.dtype = requests.front().dtype;
+    trace.count = requests.front().count;
+  }
   auto run = [channel, rank, world, requests = std::move(requests)](const IpcHostStep& step) {
     for (const Request& r : requests) run_ipc(channel->engine(), channel->sequence(), r, rank, world, step);
   };
-  return submit_ipc_task(comm, ch, std::move(run), std::move(used), std::move(finish), async);
+  return submit_ipc_task(comm, ch, std::move(run), std::move(used), std::move(finish), async, trace);
 }
 
 std::shared_ptr<Work> submit_ipc_all_to_all_v(Communicator& comm, CudaIpcChannel& ch, DType dtype, const void* in,
@@ -249,11 +271,15 @@ std::shared_ptr<Work> submit_ipc_all_to_all_v(Communicator& comm, CudaIpcChannel
                                               std::function<void()> finish, bool async) {
   const int rank = comm.scope_rank(Scope::kHost), world = comm.scope_size(Scope::kHost);
   CudaIpcChannel* channel = &ch;
+  TaskTrace trace;
+  trace.label = "ipc all_to_all_v";
+  trace.dtype = dtype;
+  trace.count = static_cast<uint64_t>(std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0}));
   auto run = [=, sc = std::move(send_counts), so = std::move(send_offsets), rc = std::move(recv_counts),
               ro = std::move(recv_offsets)](const IpcHostStep& step) {
     run_ipc_all_to_all_v(channel->engine(), channel->sequence(), dtype, in, out, sc, so, rc, ro, rank, world, step);
   };
-  return submit_ipc_task(comm, ch, std::move(run), std::move(used), std::move(finish), async);
+  return submit_ipc_task(comm, ch, std::move(run), std::move(used), std::move(finish), async, trace);
 }
 
 }  // namespace braid
