@@ -240,8 +240,16 @@ def cuda_dist_collectives(rank, n, store_path, backend):
         t = torch.arange(5.0) * (rank + 1)
         dist.all_reduce(t)  # a CPU tensor in the same group
         check("cpu all_reduce", t, torch.arange(5.0) * sum(range(1, n + 1)))
-        with pytest.raises(ValueError, match="braid send: tensor is on cuda:.*runs send on CPU tensors only"):
-            dist.send(torch.ones(2, device=device), dst=(rank + 1) % n)
+        # Point-to-point on CUDA tensors (through host memory): a ring of isend/irecv, the received
+        # tensor non-contiguous, and a write queued on the stream before the irecv (which the copy
+        # into it must follow, not precede).
+        mine = torch.arange(6.0, device=device) + 10 * rank
+        got = torch.full((3, 2), -1.0, device=device).t()
+        got.fill_(-2.0)
+        works = [dist.isend(mine, dst=(rank + 1) % n), dist.irecv(got, src=(rank - 1) % n)]
+        for w in works:
+            w.wait()
+        check("isend/irecv", got, (torch.arange(6.0) + 10 * ((rank - 1) % n)).reshape(2, 3))
         with pytest.raises(ValueError, match="the tensors of one call must be on one device"):
             dist.all_gather_into_tensor(torch.empty(2 * n, device=device), torch.ones(2))
         t = torch.ones(3, device=device)

@@ -18,6 +18,10 @@
 #include "binding_util.h"
 #include "cuda_stager.h"
 
+#ifdef BRAID_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace braid {
 namespace {
 
@@ -474,25 +478,39 @@ class BraidBackend final : public c10d::Backend {
   // Point-to-point through per-pair mailboxes in shared memory, matched in issue order per
   // (sender, receiver) pair; tags are not compared. Always asynchronous: a send completes once
   // its data is in the mailbox (eager up to 4 MiB in flight per pair), a recv once it arrived.
+  // Point-to-point has no device-to-device path: a CUDA tensor goes through host memory (the
+  // pipeline schedules' activations between stages on one GPU each). send copies it to the host
+  // first, a copy that waits for the caller's current stream and for which the host waits; the
+  // message then leaves from that copy, and the caller may reuse its tensor at once.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int /*tag*/) override {
     check_count(tensors, 1, "send", "tensors");
-    check_host(tensors[0], "send", "tensor");
+    check_tensor(tensors[0], "send", "tensor");
     check_peer(dst, "send", "dst");
-    at::Tensor t = tensors[0].contiguous();
+    at::Tensor t = tensors[0].is_cuda() ? tensors[0].to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous()
+                                        : tensors[0].contiguous();
     Batch b;
     Request r = make_moving(CollKind::kSend, t, t.numel(), t.data_ptr(), nullptr);
     r.peer = dst;
     b.add(std::move(r));
     b.keep.push_back(t);
-    b.outputs = tensors;
+    b.outputs = tensors[0].is_cuda() ? std::vector<at::Tensor>{t} : tensors;
     return run(std::move(b), true);
   }
 
+  // recv into a CUDA tensor: the message arrives in pinned host memory; when it is complete the
+  // progress thread copies it into the tensor on a stream of braid's that first waits for the
+  // caller's current stream as it was at the call (nothing queued before the recv still reads or
+  // writes the tensor), and the host waits for that copy before the work completes: whoever
+  // waits on the work (or its future, whose value is the host copy) finds the data in place.
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int /*tag*/) override {
     check_count(tensors, 1, "recv", "tensors");
     check_output(tensors[0], "recv", "tensor");
-    check_host(tensors[0], "recv", "tensor");
+    check_tensor(tensors[0], "recv", "tensor");
     check_peer(src, "recv", "src");
+#ifdef BRAID_WITH_CUDA
+    if (tensors[0].is_cuda()) return recv_on_device(tensors[0], src);
+#endif
+    check_host(tensors[0], "recv", "tensor");
     Contiguous t = as_contiguous(tensors[0]);
     Batch b;
     Request r = make_moving(CollKind::kRecv, t.buffer, t.buffer.numel(), nullptr, t.buffer.data_ptr());
@@ -790,6 +808,26 @@ class BraidBackend final : public c10d::Backend {
     std::shared_ptr<Work> last = submit_device_call(*comm_, *stager, std::move(call), async);
     auto fut = lane_future(last, stager->lane(Lane::kToDevice), b.outputs);
     return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(b.outputs));
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv_on_device(const at::Tensor& user, int src) {
+    const c10::Device device = user.device();
+    at::Tensor host = at::empty(user.sizes(), user.options().device(at::kCPU).pinned_memory(true));
+    auto issued = std::make_shared<cuda::CudaEvent>(device.index());
+    issued->record(c10::cuda::getCurrentCUDAStream(device.index()).stream());
+    const c10::cuda::CUDAStream lane = stagers_of(*comm_).get(device.index())->lane(Lane::kToDevice);
+    Batch b;
+    Request r = make_moving(CollKind::kRecv, host, host.numel(), nullptr, host.data_ptr());
+    r.peer = src;
+    b.add(std::move(r));
+    b.keep.push_back(host);
+    b.finish.push_back([user, host, issued, lane] {
+      c10::cuda::CUDAStreamGuard guard(lane);
+      issued->block(lane.stream());
+      user.copy_(host, /*non_blocking=*/false);
+    });
+    b.outputs = {host};
+    return run(std::move(b), true);
   }
 
   // The communicator's device-to-device channel of `device` (set up at its first call, with every
