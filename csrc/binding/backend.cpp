@@ -861,17 +861,12 @@ class BraidBackend final : public c10d::Backend {
                                                         bool async) {
     auto ch = ipc_channel(in.device());
     if (ch == nullptr) return {};
-    std::vector<int64_t> send_off(static_cast<size_t>(size_), 0), recv_off(static_cast<size_t>(size_), 0);
-    for (int j = 1; j < size_; ++j) {
-      send_off[j] = send_off[j - 1] + counts.send[j - 1];
-      recv_off[j] = recv_off[j - 1] + counts.recv[j - 1];
-    }
     auto finish = [out] {
       if (out.copy_back()) out.user.copy_(out.buffer);
     };
     std::shared_ptr<Work> last = submit_ipc_all_to_all_v(
         *comm_, *ch, to_dtype(in.scalar_type(), "input", "alltoall_base"), in.data_ptr(), out.buffer.data_ptr(),
-        counts.send, send_off, counts.recv, recv_off, {in, out.buffer, out.user}, std::move(finish), async);
+        counts, {in, out.buffer, out.user}, std::move(finish), async);
     auto fut = lane_future(last, ch->stream(), outputs);
     return c10::make_intrusive<C10dWork>(std::move(fut), std::move(last), std::move(outputs));
   }

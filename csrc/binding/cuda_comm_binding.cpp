@@ -51,25 +51,22 @@ class CudaWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// A call on the device-to-device path (cuda_ipc.h): queued on the channel's stream after the
-// caller's, the copy into a non-contiguous output and the completion event queued there last.
-py::object dispatch_ipc(Communicator& c, CudaIpcChannel& ch, Request r, const Contiguous& out, const at::Tensor& in,
-                        bool async) {
+// A call on the device-to-device path (cuda_ipc.h): `submit(finish)` queues it on the channel's
+// stream after the caller's (the GIL released), with `finish` last: the copy into a
+// non-contiguous output, then the completion event. Blocking: the caller's stream waits for that
+// event; async: a CudaWork.
+py::object on_channel(CudaIpcChannel& ch, const Contiguous& out,
+                      const std::function<std::shared_ptr<Work>(std::function<void()>)>& submit, bool async) {
   const c10::cuda::CUDAStream stream = ch.stream();
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream.device_index());
   auto done = std::make_shared<cuda::CudaEvent>(stream.device_index());
-  std::vector<at::Tensor> used = {out.buffer, out.user};
-  if (in.defined()) used.push_back(in);
-  auto finish = [done, stream, out] {
-    if (out.copy_back()) out.user.copy_(out.buffer);
-    done->record(stream.stream());
-  };
-  std::vector<Request> requests;
-  requests.push_back(std::move(r));
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
-    w = submit_ipc_call(c, ch, std::move(requests), std::move(used), std::move(finish), async);
+    w = submit([done, stream, out] {
+      if (out.copy_back()) out.user.copy_(out.buffer);
+      done->record(stream.stream());
+    });
   }
   if (!async) {
     done->block(caller.stream());
@@ -77,6 +74,17 @@ py::object dispatch_ipc(Communicator& c, CudaIpcChannel& ch, Request r, const Co
   }
   return py::cast(std::make_shared<CudaWork>(std::move(w), std::move(done), stream.device(), stream,
                                              std::vector<at::Tensor>{out.user}));
+}
+
+py::object dispatch_ipc(Communicator& c, CudaIpcChannel& ch, Request r, const Contiguous& out, const at::Tensor& in,
+                        bool async) {
+  std::vector<at::Tensor> used = {out.buffer, out.user};
+  if (in.defined()) used.push_back(in);
+  std::vector<Request> requests;
+  requests.push_back(std::move(r));
+  return on_channel(ch, out, [&](std::function<void()> finish) {
+    return submit_ipc_call(c, ch, std::move(requests), std::move(used), std::move(finish), async);
+  }, async);
 }
 
 }  // namespace
@@ -96,32 +104,11 @@ py::object all_to_all_v_cuda(Communicator& c, c10::Device device, const Contiguo
   TORCH_CHECK_VALUE(ch != nullptr, "all_to_all with split sizes on CUDA tensors runs device to device between the "
                     "ranks of one host (CUDA IPC), which is off for this communicator (",
                     ipc_channels_of(c).path(device.index()), ")");
-  const int world = c.world_size();
-  std::vector<int64_t> send_off(static_cast<size_t>(world), 0), recv_off(static_cast<size_t>(world), 0);
-  for (int j = 1; j < world; ++j) {
-    send_off[j] = send_off[j - 1] + counts.send[j - 1];
-    recv_off[j] = recv_off[j - 1] + counts.recv[j - 1];
-  }
-  const c10::cuda::CUDAStream stream = ch->stream();
-  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(stream.device_index());
-  auto done = std::make_shared<cuda::CudaEvent>(stream.device_index());
-  auto finish = [done, stream, out] {
-    if (out.copy_back()) out.user.copy_(out.buffer);
-    done->record(stream.stream());
-  };
   const DType dtype = to_dtype(in.scalar_type(), "input");
-  std::shared_ptr<Work> w;
-  {
-    py::gil_scoped_release nogil;
-    w = submit_ipc_all_to_all_v(c, *ch, dtype, in.data_ptr(), out.buffer.data_ptr(), counts.send, send_off,
-                                counts.recv, recv_off, {in, out.buffer, out.user}, std::move(finish), async);
-  }
-  if (!async) {
-    done->block(caller.stream());
-    return py::none();
-  }
-  return py::cast(std::make_shared<CudaWork>(std::move(w), std::move(done), stream.device(), stream,
-                                             std::vector<at::Tensor>{out.user}));
+  return on_channel(*ch, out, [&](std::function<void()> finish) {
+    return submit_ipc_all_to_all_v(c, *ch, dtype, in.data_ptr(), out.buffer.data_ptr(), counts,
+                                   {in, out.buffer, out.user}, std::move(finish), async);
+  }, async);
 }
 
 py::object dispatch_cuda(Communicator& c, c10::Device device, Request r, const Contiguous& out, const at::Tensor& in,

@@ -265,18 +265,21 @@ std::shared_ptr<Work> submit_ipc_call(Communicator& comm, CudaIpcChannel& ch, st
 }
 
 std::shared_ptr<Work> submit_ipc_all_to_all_v(Communicator& comm, CudaIpcChannel& ch, DType dtype, const void* in,
-                                              void* out, std::vector<int64_t> send_counts,
-                                              std::vector<int64_t> send_offsets, std::vector<int64_t> recv_counts,
-                                              std::vector<int64_t> recv_offsets, std::vector<at::Tensor> used,
+                                              void* out, const SplitCounts& counts, std::vector<at::Tensor> used,
                                               std::function<void()> finish, bool async) {
   const int rank = comm.scope_rank(Scope::kHost), world = comm.scope_size(Scope::kHost);
+  std::vector<int64_t> send_off(static_cast<size_t>(world), 0), recv_off(static_cast<size_t>(world), 0);
+  for (size_t j = 1; j < send_off.size(); ++j) {
+    send_off[j] = send_off[j - 1] + counts.send[j - 1];
+    recv_off[j] = recv_off[j - 1] + counts.recv[j - 1];
+  }
   CudaIpcChannel* channel = &ch;
   TaskTrace trace;
   trace.label = "ipc all_to_all_v";
   trace.dtype = dtype;
-  trace.count = static_cast<uint64_t>(std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0}));
-  auto run = [=, sc = std::move(send_counts), so = std::move(send_offsets), rc = std::move(recv_counts),
-              ro = std::move(recv_offsets)](const IpcHostStep& step) {
+  trace.count = static_cast<uint64_t>(std::accumulate(counts.send.begin(), counts.send.end(), int64_t{0}));
+  auto run = [=, sc = counts.send, rc = counts.recv, so = std::move(send_off),
+              ro = std::move(recv_off)](const IpcHostStep& step) {
     run_ipc_all_to_all_v(channel->engine(), channel->sequence(), dtype, in, out, sc, so, rc, ro, rank, world, step);
   };
   return submit_ipc_task(comm, ch, std::move(run), std::move(used), std::move(finish), async, trace);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../core/communicator.h"
+#include "binding_util.h"
 #include "../core/ipc/ipc_collectives.h"
 #include "../cuda/ipc/cuda_ipc_engine.h"
 
@@ -106,11 +107,10 @@ CudaIpcChannels& ipc_channels_of(Communicator& c);
 std::shared_ptr<Work> submit_ipc_call(Communicator& comm, CudaIpcChannel& ch, std::vector<Request> requests,
                                       std::vector<at::Tensor> used, std::function<void()> finish, bool async);
 
-// The same for an all-to-all with split sizes (elements of `dtype`; counts and offsets per rank).
+// The same for an all-to-all with split sizes: `counts.send[j]` elements of `dtype` to rank j,
+// `counts.recv[j]` from rank j, each side's pieces consecutive in rank order in `in` / `out`.
 std::shared_ptr<Work> submit_ipc_all_to_all_v(Communicator& comm, CudaIpcChannel& ch, DType dtype, const void* in,
-                                              void* out, std::vector<int64_t> send_counts,
-                                              std::vector<int64_t> send_offsets, std::vector<int64_t> recv_counts,
-                                              std::vector<int64_t> recv_offsets, std::vector<at::Tensor> used,
+                                              void* out, const SplitCounts& counts, std::vector<at::Tensor> used,
                                               std::function<void()> finish, bool async);
 
 // Whether the IPC path runs `kind` (the rest: point-to-point, exchanges, go through staging).
