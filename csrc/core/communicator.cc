@@ -261,6 +261,14 @@ void Communicator::record_poison(ErrorKind kind, const std::string& msg) {
   }
 }
 
+std::optional<CommError> Communicator::cause_of(const CommError& met) const {
+  // A peer found gone (its listener closed, its socket reset) is often the echo of a failure a
+  // rank on this host already published, say a mismatch it was told of by the peer that found it;
+  // the peer that left told this rank nothing itself, as it was told. Raise the cause.
+  if (met.kind() != ErrorKind::kPeer || !group_ || group_->peer_failure().empty()) return std::nullopt;
+  return group_->peer_error();
+}
+
 void Communicator::poison(const CommError& e, bool in_p2p) {
   record_poison(e.kind(), e.what());
   if (group_) group_->publish_failure(e.kind(), e.what(), in_p2p);
@@ -367,12 +375,15 @@ void Communicator::execute(Request& r) {
       run_on_host(r, d);
     }
     if (r.epilogue) r.epilogue();
-  } catch (const CommError& e) {
+  } catch (const CommError& met) {
+    const std::optional<CommError> cause = cause_of(met);
+    const CommError& e = cause ? *cause : met;
     trace_.set_algo(r.trace_id, algo());
     trace_.fail(r.trace_id, e.what());
     poison(e, p2p);
     if (e.kind() == ErrorKind::kTimeout || e.kind() == ErrorKind::kPeer || e.kind() == ErrorKind::kMismatch)
       dump_failure(std::string(error_class_name(e.kind())) + ": " + e.what());
+    if (cause) throw *cause;
     throw;
   } catch (const std::exception& e) {
     trace_.fail(r.trace_id, e.what());

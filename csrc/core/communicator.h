@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -254,6 +255,9 @@ class Communicator {
   // Records the first communication error and tells the peers. `in_p2p`: it came from a
   // point-to-point transfer, which runs after every collective issued before it had finished.
   void poison(const CommError& e, bool in_p2p = false);
+  // The failure a rank on this host published, to raise instead of `met` when `met` only says a
+  // peer is gone; nullopt when `met` stands.
+  std::optional<CommError> cause_of(const CommError& met) const;
   // Records the first error without telling the peers (the thread running collectives does,
   // once it fails on it).
   void record_poison(ErrorKind kind, const std::string& msg);

@@ -119,6 +119,8 @@ class ShmGroup : public Transport {
   // A peer's published failure as "message [reported by rank r]", or empty; never raises (for a
   // watcher that is not waiting: the flight recorder's).
   std::string peer_failure() const;
+  // The error the first rank of this host that failed published (a PeerError when none did).
+  CommError peer_error() const;
   // From any thread: the thread running this rank's collectives fails its current or next wait
   // with CommError(`kind`, `msg`) (and, through the communicator, publishes it to the peers). Sticky.
   void request_abort(const std::string& msg, ErrorKind kind = ErrorKind::kGeneric);

@@ -112,19 +112,21 @@ std::string ShmGroup::peer_failure() const {
   return {};
 }
 
-void ShmGroup::raise_abort() {
+CommError ShmGroup::peer_error() const {
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    SegmentHeader* h = headers_[r];
+    const SegmentHeader* h = headers_[r];
     if (h->state.load(std::memory_order_acquire) != kStateFailed) continue;
     auto kind = static_cast<ErrorKind>(h->error_kind);
     std::string msg(h->error_msg, strnlen(h->error_msg, sizeof(h->error_msg)));
     if (kind != ErrorKind::kTimeout && kind != ErrorKind::kMismatch && kind != ErrorKind::kPeer)
       kind = ErrorKind::kPeer;
-    throw CommError(kind, msg + " [reported by " + rank_name(r) + "]");
+    return CommError(kind, msg + " [reported by " + rank_name(r) + "]");
   }
-  throw CommError(ErrorKind::kPeer, "a peer aborted the communicator");
+  return CommError(ErrorKind::kPeer, "a peer aborted the communicator");
 }
+
+void ShmGroup::raise_abort() { throw peer_error(); }
 
 std::string ShmGroup::what_doing(const char* word, const std::string* doing) const {
   if (doing) return word + *doing;
