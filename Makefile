@@ -146,6 +146,7 @@ bench: install
 	$(PY) -m braid.bench cp --seqs 1024 2048 --json results/cp.json
 	$(PY) -m braid.bench moe --json results/moe.json
 	$(PY) -m braid.bench recorder --sizes 4K,64M --json results/recorder.json
+	$(PY) -m braid.bench optim --json results/optim.json
 
 # On a machine with a CUDA GPU whose Python already has torch with CUDA, triton and pytest (no
 # venv, no network needed): build braid with its CUDA sources, run the GPU tests and the GPU

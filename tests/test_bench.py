@@ -642,3 +642,20 @@ def test_every_benchmark_prints_its_help(name, capsys):
         main([name, "--help"])
     assert e.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_optim_benchmark_reports_every_implementation(tmp_path, capsys):
+    """`python -m braid.bench optim` at a small size: a row per thread count and copy mode, each
+    with braid's ratio to the floor and to both torch implementations, and the JSON records."""
+    import json
+
+    from braid.bench.__main__ import main
+
+    out = tmp_path / "optim.json"
+    assert main(["optim", "--sizes", "100K", "--threads", "1", "--repeats", "1", "--iters", "1",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("braid/torch-fused") == 2 and text.count("braid/floor") == 2, text
+    records = json.loads(out.read_text())["records"]
+    assert [r["bf16_copy"] for r in records] == [False, True]
+    assert all(r[i]["gbps"] > 0 for r in records for i in ("braid", "torch-fused", "torch-foreach"))

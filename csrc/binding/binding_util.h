@@ -439,6 +439,8 @@ inline ExchangePlan plan_uneven_all_to_all(int rank, int world, DType dtype, con
 
 // Python bindings of the compression kernels and the quantized all-reduce (compression_binding.cpp).
 void bind_compression(py::module_& m, py::class_<Communicator, std::shared_ptr<Communicator>>& communicator);
+// Python bindings of the host-memory optimizer steps (optim_binding.cpp).
+void bind_optim(py::module_& m);
 #ifdef BRAID_WITH_CUDA
 // Python bindings of the CUDA compression kernels (cuda_compression_binding.cpp, CUDA builds only).
 void bind_cuda_compression(py::module_& m);

@@ -140,7 +140,7 @@ py::object all_to_all_v(Communicator& c, py::handle output, py::handle input,
   RECORD_USER_SCOPE("braid::all_to_all_v");  // a named range in torch.profiler traces
   at::Tensor out = dense_tensor(output, "output");
   at::Tensor in = dense_tensor(input, "input");
-  const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
+  [[maybe_unused]] const c10::Device device = collective_device({{&out, "output"}, {&in, "input"}});
   const SplitCounts counts = checked_split_counts(out, in, output_splits ? &*output_splits : nullptr,
                                                   input_splits ? &*input_splits : nullptr, c.rank(), c.world_size(), "");
   TORCH_CHECK_VALUE(!overlaps(out, in), "output must not overlap input (all_to_all is never in place)");
@@ -429,6 +429,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_backend(m);
 
   bind_compression(m, communicator);
+  bind_optim(m);
 #ifdef BRAID_WITH_CUDA
   bind_cuda_compression(m);
   bind_cuda_comm(m, communicator);
