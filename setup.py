@@ -51,7 +51,10 @@ def want_cuda():
 def extension():
     flags, settings = build_settings()
     march = os.environ.get("BRAID_MARCH", settings["march"])
-    cxx = ["-O3", *flags]
+    # -fopenmp: at::parallel_for (the optimizer steps' threads, optim_binding.cpp) is inline in
+    # torch's headers and runs on one thread in code compiled without OpenMP; the link resolves to
+    # the libgomp torch has already loaded (same soname).
+    cxx = ["-O3", *flags, "-fopenmp"]
     if os.environ.get("BRAID_DEBUG_INFO", "0") in ("", "0"):
         cxx.append("-g0")  # after Python's -g, which it overrides
     if march:
@@ -76,10 +79,11 @@ def extension():
             define_macros=[("BRAID_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *(f for f in flags if f.startswith("-std="))]},
             extra_objects=linked,
+            extra_link_args=["-fopenmp"],
             depends=linked,
         )
     return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx},
-                        extra_objects=linked, depends=linked)
+                        extra_objects=linked, extra_link_args=["-fopenmp"], depends=linked)
 
 
 setup(
