@@ -7,6 +7,8 @@ backward keeps running.
     state, hook = braid.comm.ddp.comm_hook(c, compression="auto")     # chosen per bucket (adaptive.py)
     model.register_comm_hook(state, hook)
     state.decisions()                                                  # "auto": choice and reason per bucket
+    state, hook = braid.comm.ddp.comm_hook(c, optimizer=braid.optim.AdamW(model.parameters()))
+                                        # each bucket stepped as soon as it is reduced: no opt.step()
 
 Over a braid communicator the hook issues an async braid all-reduce per bucket and returns the
 torch future that braid's progress thread completes. Over a torch process group (NCCL, gloo,
@@ -61,8 +63,9 @@ class CommHookState:
     """
 
     def __init__(self, process_group: Carrier, compression: Optional[Compressor], min_compress_bytes: int,
-                 hierarchical: bool = False):
+                 hierarchical: bool = False, optimizer: Any = None):
         self.hierarchical = hierarchical  # a group to split by host at first use
+        self.optimizer = optimizer  # a braid.optim optimizer stepped bucket by bucket, or None
         self.process_group = process_group
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
@@ -118,6 +121,8 @@ class CommHookState:
             self.compression.load_state_dict(state["compression"])
 
     def __getstate__(self) -> dict:
+        # The optimizer is not part of it (its state_dict is the optimizer's own): set
+        # state.optimizer again after loading, as the process group.
         return {
             "compression": self.compression,
             "min_compress_bytes": self.min_compress_bytes,
@@ -134,6 +139,7 @@ class CommHookState:
         self.min_compress_bytes = state["min_compress_bytes"]
         self.step = state["step"]
         self.steps_here = 0
+        self.optimizer = None
 
 
 def _bucket_tensor(fut: torch.futures.Future) -> torch.Tensor:
@@ -164,7 +170,19 @@ def braid_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.F
     if bucket.is_last() and isinstance(comp, Adaptive):
         # The last bucket is ready: the backward is over, which closes the buckets' windows.
         comp.end_step()
+    if state.optimizer is not None:
+        optimizer = state.optimizer
+        return fut.then(lambda done: _step_bucket(optimizer, bucket, done))
     return fut.then(_bucket_tensor)
+
+
+def _step_bucket(optimizer: Any, bucket: dist.GradBucket, done: torch.futures.Future) -> torch.Tensor:
+    """Steps the parameters of a reduced bucket, each with its averaged gradient (a view of the
+    bucket); runs as the bucket's all-reduce completes, while the backward goes on."""
+    reduced = _bucket_tensor(done)
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        optimizer.step_param(param, grad)
+    return reduced
 
 
 def comm_hook(
@@ -173,6 +191,7 @@ def comm_hook(
     *,
     min_compress_bytes: Optional[int] = None,
     hierarchical: bool = False,
+    optimizer: Any = None,
 ) -> Tuple[CommHookState, Callable[..., Any]]:
     """Returns ``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
@@ -197,6 +216,13 @@ def comm_hook(
             every rank of the job calls (as ``new_group``; for None, at the first bucket); for a
             subgroup, build the HostGroups with it on every rank and pass that instead. A braid
             communicator does this by itself.
+        optimizer: a ``braid.optim`` optimizer (``Adam``, ``AdamW``, ``SGD``) over the model's
+            parameters, stepped by the hook bucket by bucket as each bucket's average completes,
+            while the backward still computes the buckets after it (the step overlaps the
+            backward and the other buckets' communication). Call ``opt.zero_grad()`` as usual but
+            not ``opt.step()`` (it raises: the parameters were stepped already); learning-rate
+            schedulers work on it as on any optimizer. Steps happen only in backward passes that
+            synchronize (not under ``no_sync()``). CPU float32 parameters.
     """
     if not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be a bool, got {hierarchical!r}")
@@ -231,5 +257,11 @@ def comm_hook(
         or min_compress_bytes < 0
     ):
         raise ValueError(f"min_compress_bytes must be an int >= 0, got {min_compress_bytes!r}")
+    if optimizer is not None:
+        steps_params = callable(getattr(optimizer, "step_param", None))
+        if not steps_params or not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("optimizer must be a braid.optim optimizer (Adam, AdamW, SGD: they step one "
+                            f"parameter at a time), got {type(optimizer).__name__}")
+        optimizer._stepped_by_hook = True
     lazy_split = hierarchical and process_group is None
-    return CommHookState(process_group, compression, min_compress_bytes, lazy_split), braid_hook
+    return CommHookState(process_group, compression, min_compress_bytes, lazy_split, optimizer), braid_hook

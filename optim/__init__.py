@@ -110,6 +110,29 @@ def _run_closure(closure: Optional[Callable[[], Any]]) -> Any:
         return closure()
 
 
+def _group_of(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    """The param group holding ``param`` (checked as step() checks it); ValueError if none does.
+    An index by identity, rebuilt when a parameter is not in it (add_param_group)."""
+    index = getattr(opt, "_braid_groups", None)
+    if index is None or id(param) not in index or index[id(param)][0] is not param:
+        index = {}
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                index[id(p)] = (p, group, f"param_groups[{gi}]['params'][{pi}]")
+        opt._braid_groups = index
+    entry = index.get(id(param))
+    if entry is None or entry[0] is not param:
+        raise ValueError("step_param: the parameter is not one of this optimizer's")
+    _check_param(param, entry[2])
+    return entry[1]
+
+
+def _check_not_hooked(opt: torch.optim.Optimizer) -> None:
+    if getattr(opt, "_stepped_by_hook", False):
+        raise RuntimeError("this optimizer is stepped by braid's DDP comm hook as each gradient bucket is "
+                           "reduced (comm_hook(..., optimizer=)): calling step() would step twice")
+
+
 def _stepped(opt: torch.optim.Optimizer):
     """(group, parameter) for every parameter of `opt` that has a gradient, each checked."""
     for gi, group in enumerate(opt.param_groups):
@@ -147,23 +170,31 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One step of every parameter that has a gradient; returns the closure's loss, if any."""
+        _check_not_hooked(self)
         loss = _run_closure(closure)
         for group, p in _stepped(self):
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["step"] += 1
-            adam_step(p.view(-1), _flat(p.grad), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                      state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None,
-                      step=int(state["step"].item()), lr=group["lr"], betas=group["betas"],
-                      eps=group["eps"],
-                      weight_decay=group["weight_decay"], decoupled=self._decoupled,
-                      maximize=group["maximize"])
+            self._step_one(group, p, p.grad)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One step of ``param`` alone, with ``grad`` for its gradient (which may be a view of a
+        gradient bucket): what the DDP hook's ``optimizer=`` runs as each bucket is reduced."""
+        self._step_one(_group_of(self, param), param, grad)
+
+    def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        state["step"] += 1
+        adam_step(p.view(-1), _flat(grad), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                  state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None,
+                  step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                  weight_decay=group["weight_decay"], decoupled=self._decoupled, maximize=group["maximize"])
 
 
 class AdamW(Adam):
@@ -201,19 +232,28 @@ class SGD(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One step of every parameter that has a gradient; returns the closure's loss, if any."""
+        _check_not_hooked(self)
         loss = _run_closure(closure)
         for group, p in _stepped(self):
-            buf = None
-            first = False
-            if group["momentum"] != 0:
-                state = self.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    buf = torch.empty_like(p, memory_format=torch.contiguous_format)
-                    state["momentum_buffer"] = buf
-                    first = True
-                buf = buf.view(-1)
-            sgd_step(p.view(-1), _flat(p.grad), buf, lr=group["lr"], momentum=group["momentum"],
-                     dampening=group["dampening"], weight_decay=group["weight_decay"],
-                     nesterov=group["nesterov"], maximize=group["maximize"], first=first)
+            self._step_one(group, p, p.grad)
         return loss
+
+    @torch.no_grad()
+    def step_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One step of ``param`` alone with ``grad`` (see :meth:`Adam.step_param`)."""
+        self._step_one(_group_of(self, param), param, grad)
+
+    def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        buf = None
+        first = False
+        if group["momentum"] != 0:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = buf
+                first = True
+            buf = buf.view(-1)
+        sgd_step(p.view(-1), _flat(grad), buf, lr=group["lr"], momentum=group["momentum"],
+                 dampening=group["dampening"], weight_decay=group["weight_decay"],
+                 nesterov=group["nesterov"], maximize=group["maximize"], first=first)

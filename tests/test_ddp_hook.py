@@ -291,3 +291,81 @@ def test_comm_hook_arguments_validated():
         ddp.braid_hook(restored, None)
     # On the default group (None) a restored state finds the group again: nothing to set.
     assert pickle.loads(pickle.dumps(ddp.CommHookState(None, Int8Quantizer(), 0)))._detached is False
+
+
+def _train_optimizer(rank, c, name, overlapped, accumulate, steps=8):
+    """The MLP under DDP with the exact braid hook over ``c`` and a braid.optim optimizer: stepped
+    after the backward (``opt.step()``), or by the hook as each bucket is reduced
+    (``optimizer=``). Returns the parameters and whether step() refused to run in hook mode."""
+    from braid import optim
+    from braid.comm import ddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _model()
+    m = DDP(model, bucket_cap_mb=0.004)
+    opt = {"sgd": lambda ps: optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+           "adamw": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1)}[name](m.parameters())
+    state, hook = ddp.comm_hook(c, optimizer=opt if overlapped else None)
+    m.register_comm_hook(state, hook)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # groups read at each step
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = _batch(rank, step, micro)
+            if micro < accumulate - 1:
+                with m.no_sync():
+                    ((m(x) - y) ** 2).mean().backward()
+            else:
+                ((m(x) - y) ** 2).mean().backward()
+        if not overlapped:
+            opt.step()
+        sched.step()
+    refused = None
+    if overlapped:
+        try:
+            opt.step()
+            refused = False
+        except RuntimeError as e:
+            refused = "stepped by braid's DDP comm hook" in str(e)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), refused
+
+
+def overlapped_optimizer(rank, n, store_path):
+    out = {}
+    with process_group(rank, n, store_path):
+        with make_comm(rank, n, store_path) as c:
+            for carrier, group in (("communicator", c), ("gloo", None)):
+                for name in ("sgd", "adamw"):
+                    for accumulate in (1, 2):
+                        key = (carrier, name, accumulate)
+                        after, _ = _train_optimizer(rank, group, name, False, accumulate)
+                        during, refused = _train_optimizer(rank, group, name, True, accumulate)
+                        moved = (during - _model_params()).abs().max().item()
+                        out[key] = (torch.equal(after, during), refused, moved)
+    return out
+
+
+def _model_params() -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_optimizer_stepped_by_the_hook_equals_stepping_after_backward(n):
+    """comm_hook(..., optimizer=) steps each bucket's parameters as its average completes: the
+    parameters equal those of the same optimizer stepped after the backward, bit for bit, over a
+    braid communicator and over gloo, with and without no_sync accumulation and under an LR
+    schedule; step() itself refuses to run."""
+    results = run_ranks(overlapped_optimizer, n)
+    for rank, out in enumerate(results):
+        assert len(out) == 8
+        for key, (same, refused, moved) in out.items():
+            assert same, (rank, key)
+            assert refused is True, (rank, key)
+            assert moved > 1e-3, (rank, key, "the parameters did not move")
+
+
+def test_hook_optimizer_must_step_parameters_one_at_a_time():
+    from braid.comm import ddp
+
+    with pytest.raises(TypeError, match="braid.optim optimizer"):
+        ddp.comm_hook(None, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
