@@ -60,8 +60,11 @@ HOOKS = {  # braid hook kinds: the compressor and its description
     "auto": (lambda: comm.Adaptive(), "Adaptive(): per bucket, chosen from the measured link"),
 }
 CARRIERS = {"gloo": "over the gloo group", "braidpg": "over a braid c10d group"}
+# The optimizer in the hook (not in the default run): braid.optim's AdamW stepped after the backward
+# ("adamw") or by the exact hook as each bucket is reduced ("adamw-hooked"), over the communicator.
+OPTIMIZER_MODES = ("adamw", "adamw-hooked")
 MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk", "auto",
-         *(f"{kind}@{carrier}" for carrier in CARRIERS for kind in HOOKS))
+         *(f"{kind}@{carrier}" for carrier in CARRIERS for kind in HOOKS), *OPTIMIZER_MODES)
 # What runs without --modes: every kind over braid; exact, int8 and top-k over gloo (the carrier's
 # targets compare int8@gloo with exact and with fp16); int8 over braid's c10d group.
 DEFAULT_MODES = ("compute", "gloo", "fp16", "braid", "bf16", "int8", "int4", "topk", "auto",
@@ -72,6 +75,8 @@ DESCRIPTIONS = {
     "gloo": "torch DDP, gloo all-reduce",
     "fp16": "torch DDP + torch's fp16_compress_hook (gloo)",
     "braid": "DDP + braid exact hook over a braid communicator",
+    "adamw": "DDP + braid exact hook, braid.optim.AdamW stepped after the backward",
+    "adamw-hooked": "DDP + braid exact hook stepping braid.optim.AdamW bucket by bucket (optimizer=)",
     **{kind: f"DDP + braid hook over a braid communicator, {what}" for kind, (_, what) in HOOKS.items()
        if kind != "exact"},
     **{f"{kind}@{carrier}": f"DDP + braid hook {where}, {what}" for kind, (_, what) in HOOKS.items()
@@ -141,9 +146,16 @@ def _run_shape(
         model = TinyLM(args.vocab, args.dim, args.layers, args.heads, max_seq)
         net = model
         compressor = None
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         if mode != "compute":
             net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
-            if mode == "fp16":
+            if mode in OPTIMIZER_MODES:
+                from braid import optim
+
+                opt = optim.AdamW(model.parameters(), lr=1e-3)
+                state, hook = ddp.comm_hook(carriers[""], optimizer=opt if mode == "adamw-hooked" else None)
+                net.register_comm_hook(state, hook)
+            elif mode == "fp16":
                 net.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif mode != "gloo":
                 kind, carrier = _hook_of(mode)
@@ -157,7 +169,8 @@ def _run_shape(
             "compressor": compressor,
             "times": [],
             "losses": [],
-            "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
+            "opt": opt,
+            "hooked": mode == "adamw-hooked",  # stepped by the hook: no step() after the backward
             "wire0": None,
         }
     floor = LinkFloor(runs["compute"]["model"]) if args.link_mbit and "compute" in runs else None
@@ -183,7 +196,8 @@ def _run_shape(
             run["opt"].zero_grad(set_to_none=False)
             loss.backward()
             t_backward = time.perf_counter()
-            run["opt"].step()
+            if not run["hooked"]:
+                run["opt"].step()
             if step >= args.warmup:
                 run["times"].append(time.perf_counter() - t0)
                 run["losses"].append(loss.item())
@@ -302,6 +316,10 @@ def _table(gathered: list[dict], modes: Sequence[str]) -> tuple[str, list[dict]]
     if over_exact:
         lines.append("each mode over braid (exact) in the same steps (median of per-step ratios): "
                      + ", ".join(f"{m} {v:.3f}x" for m, v in over_exact.items()))
+    if all(m in times for m in OPTIMIZER_MODES):
+        paired = report.paired_ratios({m: times[m] for m in OPTIMIZER_MODES}, "adamw-hooked")
+        lines.append(f"adamw-hooked step over adamw's in the same steps (median of per-step ratios): "
+                     f"{paired['adamw']:.3f}x (below 1: the step hides under the backward)")
     for r in rows:
         if "decisions" in r:
             ordered = sorted(r["decisions"].items(), key=lambda i: int(i[0]))
