@@ -291,7 +291,7 @@ class Communicator(CompressionHost, Group):
             staging_chunk_bytes, staging_slots: of the pipeline for CUDA tensors (bytes per chunk
             part, chunks in flight; every rank must use the same); trace_buffer: calls the flight
             recorder keeps (0: none; see :meth:`dump_trace`). ``None`` takes the ``BRAID_*``
-            environment variable or the built-in default (README).
+            environment variable or the built-in default (docs/usage/knobs.md).
 
     Ranks on one host talk through POSIX shared memory; ranks on different hosts (told apart by
     published host identity, or ``BRAID_HOST_ID``) over authenticated TCP, on the interface

@@ -235,9 +235,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("comm/moe.py", "_metadata_device", 'torch.device("cpu")'):
         "layout metadata goes through host memory where the group takes CPU tensors (no device round trip)",
     ("comm/moe.py", "_RankLayout.__init__", ".tolist()"):
-        "the rank layout, read on the host once per layout and cached (README: MoE)",
+        "the rank layout, read on the host once per layout and cached (docs/usage/moe.md)",
     ("comm/moe.py", "_flat_dispatch", ".tolist()"):
-        "dropless/capacity: the counts that size the uneven exchange, one read per hop (README: MoE)",
+        "dropless/capacity: the counts that size the uneven exchange, one read per hop (docs/usage/moe.md)",
     ("comm/moe.py", "_dispatch", ".tolist()"):
         "the same counts across hosts, one read per hop (padded mode never reaches it)",
     ("comm/moe.py", "_check_dispatch", ".tolist()"):

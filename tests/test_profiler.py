@@ -1,5 +1,6 @@
-"""The named ranges braid's communicator calls leave in torch.profiler traces (README: "Calls also
-appear as named ranges (`braid::all_reduce`) in `torch.profiler` traces").
+"""The named ranges braid's communicator calls leave in torch.profiler traces (docs/usage/errors.md:
+collective and point-to-point calls "appear as named ranges (`braid::all_reduce`, `braid::send`,
+...)" in `torch.profiler` traces).
 
 Each rank issues one call of every kind the binding names a range for (csrc/binding/
 torch_binding.cpp), each inside a user range of its own, under torch.profiler on the CPU. Every

@@ -1,4 +1,4 @@
-"""The README's "With your trainer" recipes, run as their programs run under torchrun.
+"""The "With your trainer" recipes (docs/usage/communicator.md), run as their programs run under torchrun.
 
 Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)
 and meets the others through the env:// rendezvous, as a launched script does. Every recipe trains
