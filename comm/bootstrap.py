@@ -123,3 +123,35 @@ class Bootstrap:
         secret = bytes.fromhex(self.store.get(self.key("secret")).decode())
         endpoint = core.listen_tcp(bind_address(self.store), secret)
         return self.gather("tcp", endpoint, "publish their TCP endpoints")
+
+
+def agree_membership(store: "dist.Store", prefix: str, rank: int, world_size: int, exclude: Sequence[int],
+                     wait_s: float, timeout_s: float) -> list:
+    """The ranks that go on, agreed through the store (keys under ``prefix``): every caller
+    registers; the first to claim the decision waits until every rank neither excluded nor yet
+    registered has registered, or ``wait_s`` seconds, and publishes the registered ranks in order;
+    every caller reads that list (at most ``timeout_s`` seconds). A rank registering after the list
+    was published is not in it: it raises CommError, as does any caller when the decider vanishes
+    before publishing (CommTimeout)."""
+    store.set(f"{prefix}alive/{rank}", "1")
+    expected = [r for r in range(world_size) if r not in set(exclude)]
+    members_key = f"{prefix}members"
+    if store.compare_set(f"{prefix}decider", "", str(rank)).decode() == str(rank):
+        deadline = time.monotonic() + wait_s
+        while True:
+            arrived = [r for r in expected if store.check([f"{prefix}alive/{r}"])]
+            if len(arrived) == len(expected) or time.monotonic() >= deadline:
+                break
+            time.sleep(min(POLL_S / 5, max(0.0, deadline - time.monotonic())))
+        store.set(members_key, ",".join(map(str, arrived)))
+    deadline = time.monotonic() + timeout_s
+    while not store.check([members_key]):
+        if time.monotonic() >= deadline:
+            raise CommTimeout(f"rank {rank}: the ranks that go on were not agreed within {timeout_s:g} s "
+                              "(the rank deciding them left before publishing them)")
+        time.sleep(POLL_S / 5)
+    members = [int(r) for r in store.get(members_key).decode().split(",") if r]
+    if rank not in members:
+        raise CommError(f"rank {rank} arrived after the ranks that go on were agreed ({members}): it is "
+                        "left out")
+    return members

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .bootstrap import Bootstrap
+from .bootstrap import Bootstrap, agree_membership
 from .build_info import is_cuda_build
 from .compression import CompressedWork, Compressor
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
@@ -327,6 +327,9 @@ class Communicator(CompressionHost, Group):
                  staging_chunk_bytes: Optional[int] = None,
                  staging_slots: Optional[int] = None,
                  trace_buffer: Optional[int] = None):
+        # The tunables as given, for the communicators shrink() builds.
+        self._options = {k: v for k, v in locals().items()
+                         if k not in ("self", "store", "rank", "world_size", "timeout", "device", "prefix")}
         if not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
         world_size, rank = _index(world_size, "world_size"), _index(rank, "rank")
@@ -372,6 +375,7 @@ class Communicator(CompressionHost, Group):
         self._rank = rank
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
+        self._shrinks = 0  # shrink() calls so far: each agrees under keys of its own
         self._store = store
         self.last_wire_bytes: Optional[WireStats] = None
         tun.validate()  # before waiting for the peers: bad settings fail at once
@@ -483,6 +487,39 @@ class Communicator(CompressionHost, Group):
         intra = Communicator(self._store, local, sizes[0], prefix=f"{self._prefix}host{host}/", **common)
         inter = Communicator(self._store, host, len(sizes), prefix=f"{self._prefix}local{local}/", **common)
         return HostGroups(self, intra, inter)
+
+    def shrink(self, exclude: Sequence[int] = (), wait: float = 5.0) -> "Communicator":
+        """A new communicator over the ranks of this one that go on, after a peer died
+        (``PeerError``) or to leave ranks out on purpose. Every rank that goes on calls it; the
+        ranks agree through the store which of them did: a rank in ``exclude`` is not waited
+        for, the others are waited for up to ``wait`` seconds and left out if they have not
+        called by then (a dead rank never does; a rank that calls later raises CommError). This
+        communicator is aborted; the new one numbers the ranks that go on 0..k-1 in the order of
+        their ranks here, with this one's timeout, device and tunables. The store must outlive
+        the ranks that die (torchrun's rendezvous store, a FileStore, a TCPStore on a separate
+        host: not one a dying rank hosts). Collective over the ranks that go on, in the same order
+        as their other communicator constructions.
+
+        >>> try:
+        ...     c.all_reduce(grad)
+        ... except comm.PeerError:
+        ...     c = c.shrink()            # the survivors go on without the dead rank
+        """
+        exclude = [_index(r, "exclude") for r in exclude]
+        if any(not 0 <= r < self._world_size for r in exclude):
+            raise ValueError(f"exclude must hold ranks in [0, {self._world_size}), got {exclude}")
+        if self._rank in exclude:
+            raise ValueError(f"exclude holds this rank ({self._rank}): an excluded rank does not call "
+                             "shrink()")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"wait must be a number of seconds >= 0, got {wait!r}")
+        prefix = f"{self._prefix}shrink{self._shrinks}/"
+        self._shrinks += 1
+        self.abort()  # the peers still inside a collective with this rank fail at once
+        members = agree_membership(self._store, prefix, self._rank, self._world_size, exclude, float(wait),
+                                   float(wait) + self._timeout_s)
+        return Communicator(self._store, members.index(self._rank), len(members), timeout=self._timeout_s,
+                            device=self._device, prefix=f"{prefix}comm/", **self._options)
 
     @property
     def timeout(self) -> timedelta:
