@@ -92,23 +92,30 @@ void adam_step(const AdamConstants& c, float* param, const void* grad, DType gra
   alignas(64) float g[kBlock];
   const float decay = c.decay, wd = c.wd, w1 = c.w1, b2 = c.b2, w2 = c.w2, inv_bc2 = c.inv_bc2, ns = c.neg_step,
               eps = c.eps;
+  const bool direct = grad_type == DType::kFloat32 && !c.maximize && !(c.has_wd && !c.decoupled);
   for (size_t off = 0; off < n; off += kBlock) {
     const size_t len = std::min(kBlock, n - off);
     float* __restrict p = param + off;
     float* __restrict m = exp_avg + off;
     float* __restrict v = exp_avg_sq + off;
-    load_grad(grad, grad_type, off, len, g);
-    if (c.maximize)
-      for (size_t i = 0; i < len; ++i) g[i] = -g[i];
-    if (c.has_wd && !c.decoupled)
-      for (size_t i = 0; i < len; ++i) g[i] = g[i] + wd * p[i];
+    // A float32 gradient used as it is is read in place; any other goes through the block buffer.
+    const float* __restrict gr = g;
+    if (direct) {
+      gr = static_cast<const float*>(grad) + off;
+    } else {
+      load_grad(grad, grad_type, off, len, g);
+      if (c.maximize)
+        for (size_t i = 0; i < len; ++i) g[i] = -g[i];
+      if (c.has_wd && !c.decoupled)
+        for (size_t i = 0; i < len; ++i) g[i] = g[i] + wd * p[i];
+    }
     // The common case in one loop (each array loaded and stored once per element); AMSGrad
     // through the running maximum first.
     const float scale = c.has_wd && c.decoupled ? decay : 1.0f;  // p * 1.0f is p, exactly
     if (!c.amsgrad) {
       for (size_t i = 0; i < len; ++i) {
-        const float mi = m[i] + w1 * (g[i] - m[i]);
-        const float vi = v[i] * b2 + (w2 * g[i]) * g[i];
+        const float mi = m[i] + w1 * (gr[i] - m[i]);
+        const float vi = v[i] * b2 + (w2 * gr[i]) * gr[i];
         m[i] = mi;
         v[i] = vi;
         p[i] = p[i] * scale + ns * (mi / (std::sqrt(vi) * inv_bc2 + eps));
@@ -116,8 +123,8 @@ void adam_step(const AdamConstants& c, float* param, const void* grad, DType gra
     } else {
       float* __restrict vmax = max_exp_avg_sq + off;
       for (size_t i = 0; i < len; ++i) {
-        const float mi = m[i] + w1 * (g[i] - m[i]);
-        const float vi = v[i] * b2 + (w2 * g[i]) * g[i];
+        const float mi = m[i] + w1 * (gr[i] - m[i]);
+        const float vi = v[i] * b2 + (w2 * gr[i]) * gr[i];
         const float ui = vi > vmax[i] ? vi : vmax[i];
         m[i] = mi;
         v[i] = vi;
