@@ -131,6 +131,7 @@ class Schedule:
         self.units = units
         self.root = root
         self.sync = True
+        self.optimizer: Any = None        # stepped per bucket as its reduce-scatter lands (step_in_backward)
         self.finish_queued = False
         self.in_flight: list[Unit] = []   # units with all-gathers launched, oldest first
         self.pending: list = []           # (bucket, work, finish, gradient) per reduce-scatter
@@ -536,5 +537,9 @@ class Schedule:
                     b.shard.grad = reduced
                 else:
                     b.shard.grad += reduced
+                if self.optimizer is not None:
+                    # The bucket's gradient is final for this step: its shard steps now, while the
+                    # later buckets' reduce-scatters are in flight.
+                    self.optimizer.step_param(b.shard, b.shard.grad)
                 if self.stage == 1:
                     grad.zero_()  # the persistent buffer accumulates the next step's gradient

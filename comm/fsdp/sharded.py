@@ -277,6 +277,36 @@ class ShardedModule(nn.Module):
         finally:
             self._schedule.sync = previous
 
+    def step_in_backward(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Steps ``optimizer`` (a ``braid.optim`` optimizer over this module's shards) bucket by
+        bucket as each bucket's averaged gradient lands in its shard, during the backward that
+        synchronizes, while the later buckets' reduce-scatters are in flight: ZeRO-Offload's
+        overlap of the optimizer with the backward. The shards end as ``optimizer.step()`` after
+        the backward leaves them, bit for bit; call ``zero_grad()`` as usual and not
+        ``optimizer.step()`` (it raises). The whole gradient's norm is not known before a shard
+        steps, so ``clip_grad_norm_`` cannot be used with it. ``None`` detaches the optimizer
+        (``step()`` works again)."""
+        previous = self._schedule.optimizer
+        if optimizer is None:
+            if previous is not None:
+                previous._stepped_by_hook = False
+            self._schedule.optimizer = None
+            return
+        steps_params = callable(getattr(optimizer, "step_param", None))
+        if not steps_params or not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("optimizer must be a braid.optim optimizer (Adam, AdamW, SGD: they step one "
+                            f"parameter at a time), got {type(optimizer).__name__}")
+        shards = {id(b.shard) for b in self._schedule.buckets() if b.trainable}
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not shards <= owned:
+            raise ValueError("step_in_backward: the optimizer must hold every trainable shard of this module "
+                             "(build it from module.parameters())")
+        self._schedule.check_idle("step_in_backward")
+        if previous is not None and previous is not optimizer:
+            previous._stepped_by_hook = False
+        optimizer._stepped_by_hook = True
+        self._schedule.optimizer = optimizer
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the shard gradients and any local gradient accumulated under ``no_sync``."""
         super().zero_grad(set_to_none)
@@ -295,6 +325,9 @@ class ShardedModule(nn.Module):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._schedule.check_idle("clip_grad_norm_")
+        if self._schedule.optimizer is not None:
+            raise RuntimeError("clip_grad_norm_ with step_in_backward: the shards were stepped during the "
+                               "backward, before the whole gradient's norm was known")
         grads = [b.shard.grad for b in self._schedule.buckets() if b.shard.grad is not None]
         # Padding elements have zero gradients (no parameter uses them): they add nothing.
         if norm_type == math.inf:
