@@ -146,7 +146,7 @@ def _run_shape(
         model = TinyLM(args.vocab, args.dim, args.layers, args.heads, max_seq)
         net = model
         compressor = None
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        opt = None  # SGD unless the mode times braid.optim's AdamW
         if mode != "compute":
             net = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_mb)
             if mode in OPTIMIZER_MODES:
@@ -169,7 +169,7 @@ def _run_shape(
             "compressor": compressor,
             "times": [],
             "losses": [],
-            "opt": opt,
+            "opt": opt if opt is not None else torch.optim.SGD(model.parameters(), lr=1e-3),
             "hooked": mode == "adamw-hooked",  # stepped by the hook: no step() after the backward
             "wire0": None,
         }

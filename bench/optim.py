@@ -100,11 +100,11 @@ def run(sizes: Sequence[int], threads: Sequence[int], impls: Sequence[str], repe
                 row[impl] = {"ms": t * 1e3, "gbps": bytes_per_elem * n / t / 1e9}
             records.append(row)
             del steps
-            yield_row(row, impls)
+            print_row(row, impls)
     return records
 
 
-def yield_row(row: dict, impls: Sequence[str]) -> None:
+def print_row(row: dict, impls: Sequence[str]) -> None:
     cells = "  ".join(f"{impl} {row[impl]['ms']:8.2f} ms {row[impl]['gbps']:6.2f} GB/s" for impl in impls)
     ratios = ""
     if "braid" in impls:

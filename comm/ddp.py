@@ -262,6 +262,6 @@ def comm_hook(
         if not steps_params or not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a braid.optim optimizer (Adam, AdamW, SGD: they step one "
                             f"parameter at a time), got {type(optimizer).__name__}")
-        optimizer._stepped_by_hook = True
+        optimizer.stepped_by = "braid's DDP comm hook"
     lazy_split = hierarchical and process_group is None
     return CommHookState(process_group, compression, min_compress_bytes, lazy_split, optimizer), braid_hook

@@ -28,7 +28,7 @@ import torch
 
 from braid.comm import _C
 
-__all__ = ["Adam", "AdamW", "SGD", "adam_step", "sgd_step"]
+__all__ = ["Adam", "AdamW", "ParamStepper", "SGD", "adam_step", "sgd_step"]
 
 _STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,14 +102,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1)
 
 
-def _run_closure(closure: Optional[Callable[[], Any]]) -> Any:
-    """The loss of `closure` run with gradients on (torch's optimizers' contract), or None."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
 def _group_of(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     """The param group holding ``param`` (checked as step() checks it); ValueError if none does.
     An index by identity, rebuilt when a parameter is not in it (add_param_group)."""
@@ -127,22 +119,42 @@ def _group_of(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     return entry[1]
 
 
-def _check_not_hooked(opt: torch.optim.Optimizer) -> None:
-    if getattr(opt, "_stepped_by_hook", False):
-        raise RuntimeError("this optimizer is stepped by braid's DDP comm hook as each gradient bucket is "
-                           "reduced (comm_hook(..., optimizer=)): calling step() would step twice")
+class ParamStepper(torch.optim.Optimizer):
+    """What braid's optimizers share: ``step()`` over every parameter with a gradient, and
+    ``step_param(param, grad)`` for one parameter, which the DDP hook's ``optimizer=`` and the
+    ZeRO wrapper's ``step_in_backward`` call as each bucket is reduced. While one of them steps
+    this optimizer, ``stepped_by`` names it and ``step()`` raises (it would step twice)."""
+
+    stepped_by: Optional[str] = None
+
+    def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step of every parameter that has a gradient; returns the closure's loss, if any."""
+        if self.stepped_by is not None:
+            raise RuntimeError(f"this optimizer is stepped by {self.stepped_by} as each gradient bucket is "
+                               "reduced: calling step() would step twice")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
+                    self._step_one(group, p, p.grad)
+        return loss
+
+    @torch.no_grad()
+    def step_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """One step of ``param`` alone, with ``grad`` for its gradient (which may be a view of a
+        gradient bucket)."""
+        self._step_one(_group_of(self, param), param, grad)
 
 
-def _stepped(opt: torch.optim.Optimizer):
-    """(group, parameter) for every parameter of `opt` that has a gradient, each checked."""
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if p.grad is not None:
-                _check_param(p, f"param_groups[{gi}]['params'][{pi}]")
-                yield group, p
-
-
-class Adam(torch.optim.Optimizer):
+class Adam(ParamStepper):
     """torch.optim.Adam's algorithm on CPU float32 parameters, each step one pass in C++.
 
     Arguments as torch's (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
@@ -166,21 +178,6 @@ class Adam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=(beta1, beta2), eps=float(eps), weight_decay=float(weight_decay),
                         amsgrad=bool(amsgrad), maximize=bool(maximize))
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One step of every parameter that has a gradient; returns the closure's loss, if any."""
-        _check_not_hooked(self)
-        loss = _run_closure(closure)
-        for group, p in _stepped(self):
-            self._step_one(group, p, p.grad)
-        return loss
-
-    @torch.no_grad()
-    def step_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """One step of ``param`` alone, with ``grad`` for its gradient (which may be a view of a
-        gradient bucket): what the DDP hook's ``optimizer=`` runs as each bucket is reduced."""
-        self._step_one(_group_of(self, param), param, grad)
 
     def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
         state = self.state[p]
@@ -209,7 +206,7 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
 
 
-class SGD(torch.optim.Optimizer):
+class SGD(ParamStepper):
     """torch.optim.SGD's algorithm (momentum, dampening, Nesterov, weight decay, maximize) on
     CPU float32 parameters, each step one pass in C++; ``state_dict`` as torch's
     (``momentum_buffer``)."""
@@ -228,20 +225,6 @@ class SGD(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=bool(nesterov), maximize=bool(maximize))
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """One step of every parameter that has a gradient; returns the closure's loss, if any."""
-        _check_not_hooked(self)
-        loss = _run_closure(closure)
-        for group, p in _stepped(self):
-            self._step_one(group, p, p.grad)
-        return loss
-
-    @torch.no_grad()
-    def step_param(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """One step of ``param`` alone with ``grad`` (see :meth:`Adam.step_param`)."""
-        self._step_one(_group_of(self, param), param, grad)
 
     def _step_one(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
         buf = None

@@ -289,7 +289,7 @@ class ShardedModule(nn.Module):
         previous = self._schedule.optimizer
         if optimizer is None:
             if previous is not None:
-                previous._stepped_by_hook = False
+                previous.stepped_by = None
             self._schedule.optimizer = None
             return
         steps_params = callable(getattr(optimizer, "step_param", None))
@@ -303,8 +303,8 @@ class ShardedModule(nn.Module):
                              "(build it from module.parameters())")
         self._schedule.check_idle("step_in_backward")
         if previous is not None and previous is not optimizer:
-            previous._stepped_by_hook = False
-        optimizer._stepped_by_hook = True
+            previous.stepped_by = None
+        optimizer.stepped_by = "braid's ZeRO wrapper (step_in_backward)"
         self._schedule.optimizer = optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
