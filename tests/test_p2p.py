@@ -249,8 +249,16 @@ def test_a_transfer_wakes_only_its_receiver():
     for its liveness checks (every 50 ms) and its own message, not once per message. The liveness
     wakes grow with the time the exchange takes (a few seconds here, 25 s on a slow, busy machine),
     so they are counted out: at most two switches per check (the waiting thread and the progress
-    thread). Every post waking every sleeper cost about two switches per message (4326 for 2000)."""
+    thread). Every post waking every sleeper cost about two switches per message (4326 for 2000),
+    in every run. A process can also block for reasons of its own (a page fault served by the
+    host, once 700 switches in 0.17 s on a busy machine), so the best of three runs is judged:
+    a doorbell rung by every post fails all three."""
     messages = 2000
-    switches, asleep_s = run_ranks(_run_bystander, 3, messages)[2]
-    liveness = 2 * asleep_s / 0.05
-    assert switches - liveness < messages // 4, (switches, asleep_s)
+    seen = []
+    for _ in range(3):
+        switches, asleep_s = run_ranks(_run_bystander, 3, messages)[2]
+        liveness = 2 * asleep_s / 0.05
+        seen.append((switches, round(asleep_s, 3)))
+        if switches - liveness < messages // 4:
+            return
+    raise AssertionError(f"woken about once per message in every run: (switches, seconds asleep) = {seen}")
