@@ -659,3 +659,24 @@ def test_optim_benchmark_reports_every_implementation(tmp_path, capsys):
     records = json.loads(out.read_text())["records"]
     assert [r["bf16_copy"] for r in records] == [False, True]
     assert all(r[i]["gbps"] > 0 for r in records for i in ("braid", "torch-fused", "torch-foreach"))
+
+
+def test_ft_benchmark_measures_both_recoveries_and_the_overhead(tmp_path, capsys):
+    """`python -m braid.bench ft` at its smallest: one kill under braid.ft and one under torchrun,
+    each measured from the logs (kill time, next step, steps lost), and the overhead in turns."""
+    import json
+
+    from braid.bench.__main__ import main
+
+    out = tmp_path / "ft.json"
+    assert main(["ft", "--trials", "1", "--steps", "24", "--die-at", "12", "--checkpoint-every", "5",
+                 "--step-sleep", "0.01", "--hidden", "64", "--overhead-steps", "3", "--rounds", "2",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "kill -> next committed step" in text and "per-step quorum" in text, text
+    results = json.loads(out.read_text())
+    ft, peer = results["recovery"][0], results["torchrun"][0]
+    assert ft["steps_lost"] == 1 and ft["committed_steps_thrown_away"] == 0, ft
+    assert peer["committed_steps_thrown_away"] == 2 and peer["steps_lost"] == 3, peer  # from step 10
+    assert ft["kill_to_next_step_s"] > 0 and peer["kill_to_next_step_s"] > 0
+    assert set(results["overhead"]["step_s"]) == {"ddp+braid-hook", "braid.ft"}

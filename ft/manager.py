@@ -1,0 +1,353 @@
+"""The Manager: per-step quorum, commit and live recovery of a data-parallel job over replicas.
+
+Each replica (one process) trains a full copy of the model. A step runs in the epoch in force at
+its start; its gradients are averaged over that epoch's members by braid (``ft.ddp``). At the
+optimizer step the members vote (one small all-reduce: did everyone's gradients arrive, does
+anyone wait to join) and the vote is settled in the store (compare-and-set of the step's key), so
+every member commits or discards the step alike even when a member died half-way through the
+vote. A discarded step, or a pending join, makes the next ``start_step`` form a new epoch: the
+survivors and joiners register, the dead are found by their stopped heartbeats, and a new
+communicator is built over the members. A member that is behind (a restarted or new process)
+receives the state of the most advanced member, streamed over braid, before the first step of the
+new epoch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import secrets
+import time
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from braid.comm import Communicator
+from braid.comm.errors import CommError
+
+from . import quorum
+from .quorum import Epoch, FTError, Registration
+from .transfer import recv_state, send_state
+
+log = logging.getLogger("braid.ft")
+
+DEFAULT_PREFIX = "braid-ft/"
+
+
+def _env_int(name: str) -> Optional[int]:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _store_from_env(timeout_s: float) -> dist.Store:
+    address = os.environ.get("BRAID_FT_STORE")
+    if not address:
+        raise ValueError(
+            "no store: pass store= (a torch Store that outlives every replica) or set "
+            "BRAID_FT_STORE=host:port of a TCPStore (python -m braid.ft store --port PORT serves one)"
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"BRAID_FT_STORE must be host:port, got {address!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class Manager:
+    """Coordinates fault-tolerant data parallelism over replicas (see the module docstring).
+
+    Args:
+        state_dict: returns everything a joining replica needs (model, optimizer, data position)
+            as nested dicts / lists of tensors and plain values.
+        load_state_dict: loads what ``state_dict`` returned on a healthy replica (tensors arrive
+            on the CPU).
+        min_replicas: the fewest replicas an epoch may have; fewer, and the quorum waits for
+            joins until ``quorum_timeout`` and then raises FTError.
+        replica_id: this replica's id in [0, num_replicas) (default ``BRAID_FT_REPLICA``). A
+            restarted process keeps its replica's id.
+        num_replicas: the replicas the job starts with (default ``BRAID_FT_REPLICAS``); the first
+            epoch waits for all of them (or until ``quorum_timeout``). Replicas with ids past it
+            may join later.
+        store: a torch Store every replica reaches and that outlives them (a TCPStore served apart
+            from the replicas, a FileStore on a shared file system); default ``BRAID_FT_STORE``.
+        prefix: the job's keys in the store.
+        secret: a process whose secret differs from the job's (the first process's) is refused
+            (default ``BRAID_FT_SECRET``, else none).
+        timeout: deadline of every collective wait (seconds).
+        quorum_timeout: how long forming an epoch may wait for replicas that still run.
+        dead_after_s: a replica whose heartbeat (every ``heartbeat_s``) has not moved for this
+            long is taken as dead and not waited for.
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+        *,
+        min_replicas: int = 1,
+        replica_id: Optional[int] = None,
+        num_replicas: Optional[int] = None,
+        store: Optional[dist.Store] = None,
+        prefix: str = DEFAULT_PREFIX,
+        secret: Optional[str] = None,
+        timeout: float = 60.0,
+        quorum_timeout: float = 120.0,
+        heartbeat_s: float = 0.1,
+        dead_after_s: float = 2.0,
+    ):
+        if not callable(state_dict) or not callable(load_state_dict):
+            raise TypeError(
+                "state_dict and load_state_dict must be callables (the replica's state out and in)"
+            )
+        replica_id = _env_int("BRAID_FT_REPLICA") if replica_id is None else replica_id
+        num_replicas = _env_int("BRAID_FT_REPLICAS") if num_replicas is None else num_replicas
+        if not isinstance(replica_id, int) or isinstance(replica_id, bool) or replica_id < 0:
+            raise ValueError(f"replica_id must be an int >= 0 (or BRAID_FT_REPLICA set), got {replica_id!r}")
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(
+                f"num_replicas must be an int >= 1 (or BRAID_FT_REPLICAS set), got {num_replicas!r}"
+            )
+        if not isinstance(min_replicas, int) or isinstance(min_replicas, bool) or not 1 <= min_replicas:
+            raise ValueError(f"min_replicas must be an int >= 1, got {min_replicas!r}")
+        for name, value in (
+            ("timeout", timeout),
+            ("quorum_timeout", quorum_timeout),
+            ("heartbeat_s", heartbeat_s),
+            ("dead_after_s", dead_after_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if dead_after_s <= 3 * heartbeat_s:
+            raise ValueError(
+                f"dead_after_s ({dead_after_s}) must exceed three heartbeats ({heartbeat_s} s each)"
+            )
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.replica_id, self.num_replicas, self.min_replicas = replica_id, num_replicas, min_replicas
+        self._timeout_s, self._quorum_timeout_s = float(timeout), float(quorum_timeout)
+        base = _store_from_env(timeout) if store is None else store
+        self._store = dist.PrefixStore(prefix, base)
+        secret = os.environ.get("BRAID_FT_SECRET", "") if secret is None else secret
+        quorum.check_secret(self._store, secret)
+        self._incarnation = secrets.token_hex(6)
+        # Its own connection: a blocking store call of the main thread must not stop the heartbeat.
+        self._heartbeat = quorum.Heartbeat(self._store.clone(), replica_id, float(heartbeat_s))
+        liveness = quorum.Liveness(self._store, float(dead_after_s))
+        self._rules = quorum.Rules(num_replicas, min_replicas, liveness, self._quorum_timeout_s, log.warning)
+        self._epoch: Optional[Epoch] = None
+        self._comm: Optional[Communicator] = None
+        self._step = 0
+        self._error: Optional[BaseException] = None
+        self._needs_quorum = True
+        self._synced = False  # holds the job's agreed state (a member since, a source, or received it)
+        self._hook_state = None  # set by ft.DistributedDataParallel: its carrier follows the epochs
+        self.events: List[dict] = []  # reconfigurations, failures and recoveries, in order
+        atexit.register(self.shutdown)  # the heartbeat thread stops before the interpreter does
+
+    # -- what the training loop reads ------------------------------------------------------
+    def current_step(self) -> int:
+        """Steps committed so far (the same on every member; a joiner takes its source's)."""
+        return self._step
+
+    def num_participants(self) -> int:
+        """Replicas in the current epoch (0 before the first ``start_step``)."""
+        return 0 if self._epoch is None else len(self._epoch.members)
+
+    def participants(self) -> List[int]:
+        """The replica ids of the current epoch's members, in rank order."""
+        return [] if self._epoch is None else [m.replica for m in self._epoch.members]
+
+    def participant_rank(self) -> int:
+        """This replica's index among the current epoch's members (for sharding data by member)."""
+        if self._epoch is None:
+            raise RuntimeError("no epoch yet: call start_step() (optimizer.zero_grad()) first")
+        return self._epoch.rank_of(self.replica_id)
+
+    @property
+    def epoch(self) -> Optional[int]:
+        return None if self._epoch is None else self._epoch.number
+
+    @property
+    def communicator(self) -> Optional[Communicator]:
+        """The communicator over the current epoch's members (replaced at every reconfiguration)."""
+        return self._comm
+
+    @property
+    def errored(self) -> Optional[BaseException]:
+        """The failure seen in the current step (its gradients are not to be trusted), or None."""
+        return self._error
+
+    # -- the step --------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Begins a step: forms a new epoch first when the last step failed or a replica waits to
+        join (receiving state when this replica is behind)."""
+        if self._heartbeat.error is not None:
+            raise FTError(
+                f"replica {self.replica_id}: the store stopped answering the heartbeat: "
+                f"{self._heartbeat.error}"
+            )
+        if self._needs_quorum:
+            self._form_epoch()
+        self._error = None
+
+    def note_error(self, error: BaseException) -> None:
+        """Marks this step failed (its gradient exchange raised); the step will be discarded."""
+        if self._error is None:
+            self._error = error
+            self._event("failure", error=f"{type(error).__name__}: {error}")
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
+        """``tensor`` reduced in place over the epoch's members; on a failure the step is marked
+        failed and ``tensor`` is left as it is (the step will be discarded)."""
+        if self._error is None:
+            try:
+                self._require_comm().all_reduce(tensor, op=op)
+            except CommError as e:
+                self.note_error(e)
+        return tensor
+
+    def should_commit(self) -> bool:
+        """Ends the step: True when every member's gradients arrived (commit: apply the optimizer
+        step), False when the step is discarded. Every member gets the same answer."""
+        comm = self._require_comm()
+        epoch = self._epoch
+        joins_pending = self._heartbeat.joins > epoch.joins_upto
+        vote = torch.tensor([0.0 if self._error is not None else 1.0, 0.0 if joins_pending else 1.0])
+        voted = True
+        try:
+            comm.all_reduce(vote, op="min")
+        except CommError as e:
+            self.note_error(e)
+            voted = False
+        healthy = voted and vote[0].item() == 1.0
+        key = f"e{epoch.number}/s{self._step}"
+        decision = self._store.compare_set(key, "", "commit" if healthy else "discard").decode()
+        if comm.rank == 0 and self._step >= 2:  # every member has read the decision two steps back
+            self._heartbeat.delete_later(f"e{epoch.number}/s{self._step - 2}")
+        if decision == "commit":
+            self._step += 1
+            self._heartbeat.committed = self._step
+        else:
+            self._event("discard")
+        if decision != "commit" or not voted or vote[0].item() != 1.0 or vote[1].item() != 1.0:
+            self._needs_quorum = True
+        return decision == "commit"
+
+    def shutdown(self) -> None:
+        """Stops the heartbeat and closes the communicator (the others then see this replica leave).
+        Idempotent; runs at interpreter exit too."""
+        atexit.unregister(self.shutdown)
+        self._heartbeat.stop()
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            comm.close()
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- epochs ----------------------------------------------------------------------------
+    def _require_comm(self) -> Communicator:
+        if self._comm is None:
+            raise RuntimeError("no epoch yet: call start_step() (optimizer.zero_grad()) first")
+        return self._comm
+
+    def _event(self, kind: str, **detail: Any) -> None:
+        entry = dict(
+            kind=kind, replica=self.replica_id, step=self._step, epoch=self.epoch, time=time.time(), **detail
+        )
+        self.events.append(entry)
+        log.info("braid.ft %s", entry)
+        trace_dir = os.environ.get("BRAID_TRACE_DIR")
+        if trace_dir:  # beside the flight recorder's dumps, which name the failure itself
+            try:
+                with open(os.path.join(trace_dir, f"braid-ft-replica{self.replica_id}.jsonl"), "a") as f:
+                    f.write(json.dumps(entry, default=str) + "\n")
+            except OSError as e:
+                log.warning("braid.ft: could not write its events to BRAID_TRACE_DIR: %s", e)
+
+    def _next_number(self, joining: bool) -> int:
+        """The epoch to register for: the one after ours; a process without one (new, restarted,
+        left out) files a join request and takes the one after the latest (0 at a cold start)."""
+        if not joining and self._epoch is not None:
+            return self._epoch.number + 1
+        latest = quorum.latest_epoch(self._store)
+        if latest is None:
+            return 0
+        quorum.request_join(self._store, self.replica_id, self._incarnation)
+        return latest + 1
+
+    def _form_epoch(self) -> None:
+        began = time.monotonic()
+        if self._comm is not None:
+            self._comm.abort()  # peers still inside a collective with this replica fail at once
+            self._comm = None
+        joining = self._epoch is None
+        while True:
+            number = self._next_number(joining)
+            continuing = self._synced and self._epoch is not None and self._epoch.number == number - 1
+            me = Registration(self.replica_id, self._incarnation, self._step, continuing)
+            epoch = quorum.agree(self._store, number, me, self._rules)
+            if epoch.lost:
+                raise FTError(
+                    f"replica {self.replica_id}: no replica holding the job's state is alive (epoch "
+                    f"{number} found only {epoch.participants_text()}): restart the job from a checkpoint"
+                )
+            rank = epoch.rank_of(self.replica_id)
+            if rank is None or epoch.members[rank].incarnation != self._incarnation:
+                self._event("left-out", wanted=number)
+                joining = True
+                continue
+            self._epoch = epoch
+            comm = None
+            try:
+                comm = Communicator(
+                    self._store, rank, len(epoch.members), timeout=self._timeout_s, prefix=f"e{number}/comm/"
+                )
+                received = self._recover(epoch, comm)
+            except CommError as e:  # a member died meanwhile: the next epoch goes on without it
+                self._event("recovery-failed", error=f"{type(e).__name__}: {e}")
+                if comm is not None:
+                    comm.abort()
+                joining = False
+                continue
+            self._comm = comm
+            break
+        if self._hook_state is not None:
+            self._hook_state.process_group = comm
+        self._needs_quorum = False
+        self._event(
+            "epoch",
+            members=[m.replica for m in epoch.members],
+            source=epoch.source.replica,
+            received=received,
+            seconds=round(time.monotonic() - began, 4),
+        )
+
+    def _recover(self, epoch: Epoch, comm: Communicator) -> bool:
+        """Streams the source's state to the members that are behind; True on a receiver."""
+        source, receivers = epoch.source, epoch.receivers()
+        if source.replica == self.replica_id:
+            state = self._state_dict()
+            for m in receivers:
+                send_state(comm, epoch.rank_of(m.replica), state, self._step)
+            self._synced = True
+            return False
+        if any(m.replica == self.replica_id for m in receivers):
+            self._synced = False
+            state, step = recv_state(comm, epoch.rank_of(source.replica))
+            self._load_state_dict(state)
+            self._step = step
+            self._heartbeat.committed = step
+            self._synced = True
+            return True
+        return False

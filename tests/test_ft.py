@@ -1,0 +1,294 @@
+"""braid.ft: replicas that survive the loss of one of them. Each replica is its own process
+(braid.bench.ft_replica), restarted after a SIGKILL as torchrun --max-restarts would. The
+checks: at every committed step the live replicas hold bitwise the same parameters and agree on
+the members; the killed replica comes back, receives the state and ends equal to the others; the
+final model is bitwise the one a single process computes by applying, step by step, the average
+of the members' gradients (in member order, as braid's all-reduce sums) with the same optimizer."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from braid.bench import ft_replica
+
+DEADLINE_S = 150.0
+
+
+class Job:
+    """Replica processes on one FileStore, restarted when killed (up to ``restarts`` times each)."""
+
+    def __init__(self, tmp_path, replicas: int, steps: int, restarts: int = 3, env: dict = None, **options):
+        self.env = dict(os.environ, **(env or {}))
+        self.dir = str(tmp_path)
+        self.store = os.path.join(self.dir, "store")
+        self.replicas, self.steps, self.restarts = replicas, steps, restarts
+        self.options = options
+        self.procs = {}
+        self.starts = {r: 0 for r in range(replicas)}
+        self.killed = []  # (replica, time) of every kill seen
+        self.stopped = set()  # killed after the job was over: not restarted
+
+    def args(self, replica: int, die: str = "", secret: str = "job-a") -> list:
+        args = [
+            sys.executable,
+            "-m",
+            "braid.bench.ft_replica",
+            "--replica",
+            str(replica),
+            "--replicas",
+            str(self.replicas),
+            "--store",
+            self.store,
+            "--out",
+            self.dir,
+            "--steps",
+            str(self.steps),
+            "--secret",
+            secret,
+        ]
+        if die:
+            args += ["--die", die]
+        args += ["--die-file", self.die_file(replica), "--hold-file", os.path.join(self.dir, "hold")]
+        for k, v in self.options.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        return args
+
+    def die_file(self, replica: int) -> str:
+        return os.path.join(self.dir, f"die{replica}")
+
+    def last_record(self) -> dict:
+        last = {"step": 0, "members": []}
+        for r in range(self.replicas):
+            for rec in self.records(r):
+                if rec["step"] > last["step"]:
+                    last = rec
+        return last
+
+    def launch(self, replica: int, die: str = "") -> None:
+        self.starts[replica] += 1
+        err = open(os.path.join(self.dir, f"stderr{replica}.txt"), "a")
+        self.procs[replica] = subprocess.Popen(self.args(replica, die), stdout=err, stderr=err, env=self.env)
+
+    def stderr(self, replica: int) -> str:
+        with open(os.path.join(self.dir, f"stderr{replica}.txt")) as f:
+            return f.read()[-3000:]
+
+    def run(
+        self,
+        dies: dict = None,
+        restart_dies: dict = None,
+        soak_kills: int = 0,
+        deadline_s: float = DEADLINE_S,
+        orders: list = (),
+    ) -> None:
+        """Starts every replica (``dies``: replica -> "STEP:PHASE" for its first process,
+        ``restart_dies`` for its second) and supervises until all finish. ``orders``: (replica,
+        phase) pairs, each given (through the replica's die file) once every replica has
+        committed a step together since the last one was carried out. ``soak_kills``: the
+        supervisor also SIGKILLs that many random replicas at random moments."""
+        dies, restart_dies = dies or {}, restart_dies or {}
+        orders, ordered, order_step = list(orders), None, -1
+        hold = os.path.join(self.dir, "hold")
+        if orders:  # the replicas train on until the last order was carried out and all are back
+            open(hold, "w").close()
+        for r in range(self.replicas):
+            self.launch(r, dies.get(r, ""))
+        deadline = time.monotonic() + deadline_s
+        rng = random.Random(7)
+        next_kill = time.monotonic() + 3.0
+        try:
+            while True:
+                states = {r: p.poll() for r, p in self.procs.items()}
+                if all(code is not None and (code == 0 or r in self.stopped) for r, code in states.items()):
+                    return
+                for r, code in states.items():
+                    if code is None or code == 0 or r in self.stopped:
+                        continue
+                    assert code == -signal.SIGKILL, f"replica {r} exited with {code}:\n{self.stderr(r)}"
+                    assert self.starts[r] <= self.restarts, f"replica {r} died {self.starts[r]} times"
+                    self.killed.append((r, time.time()))
+                    if ordered == r:
+                        ordered = None
+                    if 0 in states.values():  # the job is over: nothing to rejoin
+                        self.stopped.add(r)
+                        continue
+                    self.launch(r, restart_dies.get(r, "") if self.starts[r] == 1 else "")
+                if os.path.exists(hold) and ordered is None and all(code is None for code in states.values()):
+                    last = self.last_record()
+                    if len(last["members"]) == self.replicas and last["step"] > order_step and not orders:
+                        os.unlink(hold)
+                    elif len(last["members"]) == self.replicas and last["step"] > order_step:
+                        ordered, phase = orders.pop(0)
+                        order_step = last["step"]
+                        with open(self.die_file(ordered) + ".tmp", "w") as f:
+                            f.write(phase)
+                        os.replace(self.die_file(ordered) + ".tmp", self.die_file(ordered))
+                if soak_kills and time.monotonic() >= next_kill and self._progress() < self.steps - 150:
+                    victim = rng.randrange(self.replicas)
+                    if self.procs[victim].poll() is None:
+                        self.procs[victim].kill()
+                        soak_kills -= 1
+                    next_kill = time.monotonic() + rng.uniform(0.3, 1.2)
+                assert time.monotonic() < deadline, "the job did not finish in time:\n" + "\n".join(
+                    f"replica {r}: {self.stderr(r)}" for r in range(self.replicas)
+                )
+                time.sleep(0.02)
+        finally:
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    def _progress(self) -> int:
+        steps = [rec["step"] for r in range(self.replicas) for rec in self.records(r)]
+        return max(steps, default=0)
+
+    def records(self, replica: int) -> list:
+        path = os.path.join(self.dir, f"replica{replica}.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip() and '"step"' in line[:10]]
+
+    def events(self, replica: int) -> list:
+        with open(os.path.join(self.dir, f"replica{replica}.jsonl")) as f:
+            return [e for line in f if line.startswith('{"events"') for e in json.loads(line)["events"]]
+
+    def final(self, replica: int) -> dict:
+        return torch.load(os.path.join(self.dir, f"final{replica}.pt"))
+
+
+def reference(members_at: dict, steps: int, first_source: int) -> dict:
+    """The model a single process gets by applying, at each step, the average of the members'
+    gradients summed in member order and divided by their number."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the replicas: the same kernels, the same bits
+    try:
+        model = ft_replica.make_model(first_source)
+        opt = ft_replica.make_optimizer(model)
+        for step in range(steps):
+            grads = []
+            for r in members_at[step]:
+                model.zero_grad()
+                x, y = ft_replica.batch(step, r)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                total = grads[0][i].clone()
+                for g in grads[1:]:
+                    total += g[i]
+                p.grad = total / len(grads)
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_job(job: Job) -> dict:
+    """Every committed step: one digest and one member list on every replica that logged it, each
+    step committed once per replica incarnation; finals equal each other and the reference."""
+    by_step = {}
+    for r in range(job.replicas):
+        for rec in job.records(r):
+            by_step.setdefault(rec["step"], []).append((r, rec))
+    last = max(by_step)
+    assert last >= job.steps and sorted(by_step) == list(range(1, last + 1)), sorted(by_step)
+    members_at = {}
+    for step, recs in by_step.items():
+        assert len({rec["digest"] for _, rec in recs}) == 1, (step, recs)
+        assert len({tuple(rec["members"]) for _, rec in recs}) == 1, (step, recs)
+        members_at[step - 1] = recs[0][1]["members"]
+        assert sorted(r for r, _ in recs) == sorted(recs[0][1]["members"]), (step, recs)
+    want = reference(members_at, last, first_source=min(members_at[0]))
+    finished = [r for r in range(job.replicas) if r not in job.stopped]
+    assert finished, "no replica finished"
+    for r in finished:
+        got = job.final(r)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (r, name)
+    return members_at
+
+
+def test_killed_replicas_are_dropped_and_rejoin_bitwise_equal(tmp_path):
+    """Kills in every phase of a step, one after the other (each once every replica is back):
+    replica 1 inside its gradient all-reduce, then again while loading the state it was sent on
+    rejoining; replica 2 after its backward, before the vote; replica 0, the source of every
+    recovery so far, inside its all-reduce. Each time the survivors discard the step in flight
+    alike, go on without the victim, take it back at a later step boundary, and it ends bitwise
+    equal to the others and to the reference. With BRAID_TRACE_DIR the flight recorder's dumps
+    name the failure, and braid.ft's event log beside them the reconfigurations."""
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    job = Job(tmp_path, replicas=3, steps=12, step_sleep=0.02, env={"BRAID_TRACE_DIR": str(trace_dir)})
+    job.run(orders=[(1, "backward"), (2, "step"), (0, "backward")], restart_dies={1: "0:join"})
+    members_at = check_job(job)
+    assert [r for r, _ in job.killed] == [1, 1, 2, 0], job.killed
+    assert members_at[0] == [0, 1, 2]
+    for victim in range(3):  # trained without each victim a while
+        assert any(victim not in m for m in members_at.values()), (victim, members_at)
+    assert members_at[max(members_at)] == [0, 1, 2], members_at  # and with all again at the end
+    epochs = [e for e in job.events(2) if e["kind"] == "epoch"]
+    assert epochs[0]["received"], epochs  # replica 2's last process received the state
+    # Each failure cost its step in flight only: one discard seen by the survivors per kill.
+    discards = [e for e in json_lines(trace_dir / "braid-ft-replica0.jsonl") if e["kind"] == "discard"]
+    assert 1 <= len(discards) <= 3, discards
+    dumps = [p.read_text() for p in trace_dir.glob("braid-trace-*.json")]
+    assert any("PeerError" in d for d in dumps), sorted(p.name for p in trace_dir.iterdir())
+    logged = json_lines(trace_dir / "braid-ft-replica0.jsonl")
+    assert any(e["kind"] == "epoch" and e["members"] == [0, 2] for e in logged), logged
+
+
+def json_lines(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_soak_twenty_kills(tmp_path):
+    """Twenty SIGKILLs at random moments of a 3-replica job (any phase: backward, vote, quorum,
+    state transfer, start-up): no hang, every committed step equal everywhere, the final model
+    the reference's."""
+    job = Job(tmp_path, replicas=3, steps=1000, restarts=40, step_sleep=0.01)
+    job.run(soak_kills=20, deadline_s=240.0)
+    check_job(job)
+    assert len(job.killed) >= 20
+
+
+def test_a_process_of_another_job_is_refused(tmp_path):
+    """A process with another secret on the job's store and prefix is refused at once with an
+    error naming the secret; the job is not disturbed."""
+    job = Job(tmp_path, replicas=2, steps=30, step_sleep=0.05)
+    job.launch(0)
+    job.launch(1)
+    time.sleep(1.0)
+    stranger = subprocess.run(job.args(1, secret="job-b"), capture_output=True, text=True, timeout=60)
+    assert stranger.returncode != 0 and "refused to join" in stranger.stderr, stranger.stderr[-2000:]
+    for p in job.procs.values():
+        assert p.wait(timeout=DEADLINE_S) == 0
+    check_job(job)
+
+
+def test_bad_arguments_are_named(tmp_path):
+    from braid import ft
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    ok = dict(replica_id=0, num_replicas=1, store=store)
+    with pytest.raises(TypeError, match="state_dict and load_state_dict must be callables"):
+        ft.Manager({}, lambda s: None, **ok)
+    with pytest.raises(ValueError, match="replica_id must be an int"):
+        ft.Manager(dict, lambda s: None, **dict(ok, replica_id=-1))
+    with pytest.raises(ValueError, match="num_replicas must be an int"):
+        ft.Manager(dict, lambda s: None, **dict(ok, num_replicas=0))
+    with pytest.raises(ValueError, match="min_replicas must be an int"):
+        ft.Manager(dict, lambda s: None, min_replicas=0, **ok)
+    with pytest.raises(ValueError, match="dead_after_s"):
+        ft.Manager(dict, lambda s: None, dead_after_s=0.2, heartbeat_s=0.1, **ok)
+    with pytest.raises(ValueError, match="BRAID_FT_STORE"):
+        ft.Manager(dict, lambda s: None, replica_id=0, num_replicas=1)
