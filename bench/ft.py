@@ -151,7 +151,10 @@ def _overhead_rank(rank: int, world: int, store_port: int, args: argparse.Namesp
     from braid.ft.ddp import _process_alone
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    if store_port is None:  # started as torchrun would (the simulated hosts): rank 0 hosts it
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=rank == 0)
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
 
     def mlp():
         torch.manual_seed(0)
@@ -210,6 +213,10 @@ def _overhead_rank(rank: int, world: int, store_port: int, args: argparse.Namesp
             json.dump({"step_s": dict(zip(steps, t.tolist())), "rounds": times}, f)
     manager.shutdown()
     c.close()
+    if rank != 0:
+        store.set(f"overhead-done/{rank}", "1")
+    elif store_port is None:  # this rank hosts the store: the others finish with it first
+        store.wait([f"overhead-done/{r}" for r in range(1, world)])
     return 0
 
 
@@ -224,6 +231,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--overhead-steps", type=int, default=20, help="steps per turn")
     p.add_argument("--rounds", type=int, default=6, help="turns of each implementation")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="overhead ranks on this host, or one on each of 2 simulated hosts (root)",
+    )
+    p.add_argument("--link-mbit", type=float, default=0, help="simulated link shaping (0: none)")
+    p.add_argument("--overhead-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--skip", default="", help="comma list of parts to skip: recovery, torchrun, overhead")
     p.add_argument("--deadline", type=float, default=300.0, help="seconds any part may take")
     p.add_argument("--json", default=None, help="write the results here")
@@ -247,19 +263,56 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                 flush=True,
             )
         results[part] = runs
+    if launch.launcher() == "torchrun":  # a rank of the overhead part, on a simulated host
+        return _overhead_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
     if "overhead" not in skip:
         with tempfile.TemporaryDirectory(prefix="braid-ft-overhead-") as d:
             args.overhead_out = os.path.join(d, "overhead.json")
-            status = launch.spawn(_overhead_rank, 2, 60.0, time.time() + args.deadline, args)
-            if status != 0:
-                return status
+            if args.hosts == 1:
+                status = launch.spawn(_overhead_rank, 2, 60.0, time.time() + args.deadline, args)
+                if status != 0:
+                    return status
+            else:
+                status = _overhead_on_simulated_hosts(args)
+                if status is not None:
+                    return status
             with open(args.overhead_out) as f:
                 results["overhead"] = json.load(f)
+            results["overhead"].update(hosts=args.hosts, link_mbit=args.link_mbit)
     _print(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _overhead_on_simulated_hosts(args: argparse.Namespace):
+    """The overhead part with one rank on each of 2 simulated hosts; None when it ran."""
+    from .multihost import STORE_PORT, run_bench_ranks
+    from .simhosts import SimulatedHosts, unavailable_reason
+
+    why = unavailable_reason(rate=bool(args.link_mbit))
+    if why is not None:
+        print(f"braid.bench ft: no simulated hosts here ({why})", file=sys.stderr)
+        return launch.EXIT_FAILED
+    argv = [
+        "ft",
+        "--skip",
+        "recovery,torchrun",
+        "--overhead-out",
+        args.overhead_out,
+        "--hidden",
+        str(args.hidden),
+        "--batch",
+        str(args.batch),
+        "--overhead-steps",
+        str(args.overhead_steps),
+        "--rounds",
+        str(args.rounds),
+    ]
+    with SimulatedHosts(2, rate_mbit=args.link_mbit or None) as hosts:
+        run_bench_ranks(hosts, 1, argv, STORE_PORT + 7, args.deadline, "ft overhead")
+    return None
 
 
 def _median(runs: list, key: str) -> float:
@@ -282,7 +335,11 @@ def _print(results: dict) -> None:
     if "overhead" in results:
         s = results["overhead"]["step_s"]
         ratio = s["braid.ft"] / s["ddp+braid-hook"]
+        o = results["overhead"]
+        where = "one host"
+        if o["hosts"] == 2:
+            where = "2 simulated hosts, " + (f"{o['link_mbit']:g} Mbit/s" if o["link_mbit"] else "unshaped")
         print(
             f"\nper-step quorum: braid.ft step {s['braid.ft'] * 1e3:.2f} ms vs DDP with braid's hook "
-            f"{s['ddp+braid-hook'] * 1e3:.2f} ms: {100 * (ratio - 1):+.1f}% (2 ranks, one host)"
+            f"{s['ddp+braid-hook'] * 1e3:.2f} ms: {100 * (ratio - 1):+.1f}% (2 ranks, {where})"
         )

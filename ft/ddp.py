@@ -87,16 +87,25 @@ class DistributedDataParallel(_TorchDDP):
         if "process_group" in ddp_kwargs:
             raise ValueError("process_group is the Manager's: braid.ft.DistributedDataParallel takes none")
         super().__init__(module, process_group=_process_alone(), **ddp_kwargs)
-        # Every replica's buckets must hold the same parameters in the same order, also in a
-        # restarted replica's first step, while the others run on buckets torch rebuilt in the
-        # order their gradients became ready. So the one rebuild, at the first forward, lays the
-        # buckets out in parameter order everywhere (as torch does for a rank that joins late).
-        self.reducer._push_all_rebuilt_params()
         state, _ = braid_ddp.comm_hook(None, compression, min_compress_bytes=min_compress_bytes)
         state.process_group = manager.communicator
         manager._hook_state = state
+        manager._on_new_members.append(self._lay_out_buckets_anew)
         self.manager = manager
         self.register_comm_hook(manager, _hook)
+
+    def _lay_out_buckets_anew(self) -> None:
+        """Every replica's buckets must hold the same parameters in the same order. torch lays them
+        out in reverse parameter order, then, after the first step, once more in the order the
+        gradients became ready; a replica in its first step would disagree with the others. So
+        when a replica joins, every member builds its reducer anew (as torch does when it
+        unpickles a DDP module): all start from the first layout and rebuild alike after the
+        epoch's first step."""
+        self.reducer._remove_autograd_hooks()
+        parameters, expect_sparse_gradient = self._build_params_for_reducer()
+        names = self._build_debug_param_to_name_mapping(parameters)
+        self._ddp_init_helper(parameters, expect_sparse_gradient, names, self.static_graph)
+        dist._register_comm_hook(self.reducer, self.manager, _hook)
 
 
 class Optimizer(torch.optim.Optimizer):

@@ -148,6 +148,7 @@ class Manager:
         self._needs_quorum = True
         self._synced = False  # holds the job's agreed state (a member since, a source, or received it)
         self._hook_state = None  # set by ft.DistributedDataParallel: its carrier follows the epochs
+        self._on_new_members: List[Callable[[], None]] = []  # run when an epoch takes in a replica
         self.events: List[dict] = []  # reconfigurations, failures and recoveries, in order
         atexit.register(self.shutdown)  # the heartbeat thread stops before the interpreter does
 
@@ -324,6 +325,9 @@ class Manager:
             break
         if self._hook_state is not None:
             self._hook_state.process_group = comm
+        if epoch.receivers():
+            for fn in self._on_new_members:
+                fn()
         self._needs_quorum = False
         self._event(
             "epoch",
