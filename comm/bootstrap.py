@@ -155,3 +155,58 @@ def agree_membership(store: "dist.Store", prefix: str, rank: int, world_size: in
         raise CommError(f"rank {rank} arrived after the ranks that go on were agreed ({members}): it is "
                         "left out")
     return members
+
+
+def request_admission(store: "dist.Store", root: str) -> int:
+    """Files a process's request to join the communicators under ``root``; returns its number."""
+    return int(store.add(f"{root}joiners/count", 1))
+
+
+def admit(store: "dist.Store", root: str, point: str, rank: int, world_size: int, new_prefix: str,
+          expect: int, wait_s: float, timeout_s: float) -> tuple:
+    """The members' side of a grow: the first member to claim ``point`` takes in the requests
+    filed since the last grow (waiting up to ``wait_s`` seconds for ``expect`` of them), numbers
+    them world_size, world_size + 1, ... in the order they were filed, and publishes that to
+    them (``root``joined/<i>) and to the other members (``point``admitted). Returns
+    (new world size, the requests taken in)."""
+    admitted_key = f"{point}admitted"
+    if store.compare_set(f"{point}decider", "", str(rank)).decode() == str(rank):
+        taken_key = f"{root}joiners/taken"
+        taken = int(store.get(taken_key).decode()) if store.check([taken_key]) else 0
+        deadline = time.monotonic() + wait_s
+        while True:
+            count = int(store.add(f"{root}joiners/count", 0))
+            if count - taken >= expect or time.monotonic() >= deadline:
+                break
+            time.sleep(min(POLL_S / 5, max(0.0, deadline - time.monotonic())))
+        joiners = list(range(taken + 1, count + 1))
+        new_world = world_size + len(joiners)
+        for i, request in enumerate(joiners):
+            store.set(f"{root}joined/{request}", f"{new_prefix}|{world_size + i}|{new_world}")
+        store.set(taken_key, str(count))
+        store.set(admitted_key, f"{new_world}|" + ",".join(map(str, joiners)))
+    deadline = time.monotonic() + wait_s + timeout_s
+    while not store.check([admitted_key]):
+        if time.monotonic() >= deadline:
+            raise CommTimeout(f"rank {rank}: the ranks to take in were not agreed within "
+                              f"{wait_s + timeout_s:g} s (the member deciding them left before "
+                              "publishing them)")
+        time.sleep(POLL_S / 5)
+    world, joiners = store.get(admitted_key).decode().split("|")
+    return int(world), [int(j) for j in joiners.split(",") if j]
+
+
+def await_admission(store: "dist.Store", root: str, request: int, timeout_s: float) -> tuple:
+    """The joiner's side: waits until a grow took request ``request`` in; returns (prefix, rank,
+    world size) of the communicator to build."""
+    key = f"{root}joined/{request}"
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise CommTimeout(f"no communicator under {root!r} took this process in within {timeout_s:g} s "
+                              "(its members call grow() to take joiners in)")
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S / 5)
+    prefix, rank, world = store.get(key).decode().split("|")
+    return prefix, int(rank), int(world)

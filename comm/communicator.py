@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .bootstrap import Bootstrap, agree_membership
+from .bootstrap import Bootstrap, admit, agree_membership, await_admission, request_admission
 from .build_info import is_cuda_build
 from .compression import CompressedWork, Compressor
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
@@ -32,6 +32,7 @@ from .wire import CompressionHost, WireStats
 from .work import Work, seconds
 
 _instances = itertools.count()
+DEFAULT_TIMEOUT = timedelta(seconds=300)  # of every wait, unless a communicator is given its own
 
 
 def _index(value: object, name: str) -> int:
@@ -309,7 +310,7 @@ class Communicator(CompressionHost, Group):
     capabilities = frozenset({COMPRESSED_ALL_REDUCE, HIERARCHICAL})
 
     def __init__(self, store: "dist.Store", rank: int, world_size: int, *,
-                 timeout: Union[timedelta, float] = timedelta(seconds=300),
+                 timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
                  device: Optional[Union[str, torch.device]] = None,
                  prefix: Optional[str] = None,
                  algo: Optional[str] = None,
@@ -376,6 +377,8 @@ class Communicator(CompressionHost, Group):
         self._world_size = world_size
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._shrinks = 0  # shrink() calls so far: each agrees under keys of its own
+        self._grows = 0  # grow() calls so far, likewise
+        self._root = self._prefix  # where processes ask to join (the first of a line of shrinks and grows)
         self._store = store
         self.last_wire_bytes: Optional[WireStats] = None
         tun.validate()  # before waiting for the peers: bad settings fail at once
@@ -518,8 +521,60 @@ class Communicator(CompressionHost, Group):
         self.abort()  # the peers still inside a collective with this rank fail at once
         members = agree_membership(self._store, prefix, self._rank, self._world_size, exclude, float(wait),
                                    float(wait) + self._timeout_s)
-        return Communicator(self._store, members.index(self._rank), len(members), timeout=self._timeout_s,
-                            device=self._device, prefix=f"{prefix}comm/", **self._options)
+        shrunk = Communicator(self._store, members.index(self._rank), len(members), timeout=self._timeout_s,
+                              device=self._device, prefix=f"{prefix}comm/", **self._options)
+        shrunk._root = self._root
+        return shrunk
+
+    def grow(self, expect: Optional[int] = None, wait: float = 5.0) -> "Communicator":
+        """A new communicator over the ranks of this one and the processes that asked to join
+        (:meth:`join`): the members keep their ranks, the joiners follow in the order they asked.
+        Every rank calls it, at a point they agree on (a step boundary); the first to arrive takes
+        in the requests filed since the last grow, waiting up to ``wait`` seconds for ``expect``
+        of them when given (a request filed after that waits for the next grow). This
+        communicator is closed; the new one has its timeout, device and tunables. Collective over
+        the members, in the same order as their other communicator constructions.
+
+        >>> c = c.grow(expect=1, wait=60)          # on every member
+        >>> c = comm.Communicator.join(store, c_prefix)  # in the new process
+        """
+        if expect is not None and (isinstance(expect, bool) or not isinstance(expect, int) or expect < 0):
+            raise ValueError(f"expect must be None or an int >= 0, got {expect!r}")
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"wait must be a number of seconds >= 0, got {wait!r}")
+        point = f"{self._prefix}grow{self._grows}/"
+        self._grows += 1
+        world, _ = admit(self._store, self._root, point, self._rank, self._world_size, f"{point}comm/",
+                         expect or 0, float(wait) if expect else 0.0, self._timeout_s)
+        self.close()
+        grown = Communicator(self._store, self._rank, world, timeout=self._timeout_s, device=self._device,
+                             prefix=f"{point}comm/", **self._options)
+        grown._root = self._root
+        return grown
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix processes pass to :meth:`join` to be taken in by a later
+        :meth:`grow` (the first communicator's, through shrinks and grows)."""
+        return self._root
+
+    @classmethod
+    def join(cls, store: "dist.Store", prefix: str, *,
+             timeout: Union[timedelta, float] = DEFAULT_TIMEOUT, device=None, **tunables) -> "Communicator":
+        """Asks to join the communicator whose :attr:`prefix` is ``prefix`` and waits (up to
+        ``timeout``) until its members call :meth:`grow`; returns this process's rank in the grown
+        communicator (after the members, in the order the joiners asked). ``tunables`` as the
+        constructor's."""
+        if not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be the members' Communicator.prefix, got {prefix!r}")
+        timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        request = request_admission(store, prefix)
+        new_prefix, rank, world = await_admission(store, prefix, request, timeout_s)
+        grown = cls(store, rank, world, timeout=timeout, device=device, prefix=new_prefix, **tunables)
+        grown._root = prefix
+        return grown
 
     @property
     def timeout(self) -> timedelta:

@@ -1,4 +1,4 @@
-"""Communicator.shrink: the ranks that go on after a peer died (or that leave ranks out on
+"""Communicator.shrink and grow: the ranks that go on after a peer died (or that leave ranks out on
 purpose) agree through the store and get a new communicator over themselves, exact, on one host
 and across simulated hosts; a rank that arrives after the agreement is left out with an error."""
 import os
@@ -114,4 +114,92 @@ def test_bad_arguments_are_named_and_leave_the_communicator_open():
     seen = run_ranks(bad_shrink_arguments, 2)[0]
     assert seen["self"]["type"] == "ValueError" and "exclude holds this rank" in seen["self"]["message"]
     assert seen["range"]["type"] == "ValueError" and "exclude must hold ranks" in seen["range"]["message"]
+    assert seen["wait"]["type"] == "ValueError" and "wait must be" in seen["wait"]["message"]
+
+
+# -- grow: processes that ask to join are taken in at a point the members agree on ------------
+
+
+def grow_and_join(rank, n, store_path, members):
+    """Ranks below ``members`` form a communicator and grow it twice (to take in one joiner, then
+    another); the others join, one by one: rank ``members`` at the first grow, the next at the
+    second. Every communicator's all_reduce is checked exactly."""
+    if rank < members:
+        c = make_comm(rank, members, store_path, prefix="grow-root/")
+        open_store(store_path).set(f"ready/{rank}", "1")
+        out = {"first": _check_new(c, rank, list(range(members)))}
+        c = c.grow(expect=1, wait=60.0)
+        out["second"] = _check_new(c, rank, list(range(members + 1)))
+        c = c.grow(expect=1, wait=60.0)
+        out["third"] = _check_new(c, rank, list(range(members + 2)))
+        out["prefix"] = c.prefix
+        c.close()
+        return out
+    from braid import comm
+
+    store = open_store(store_path)
+    store.wait([f"ready/{r}" for r in range(members)])
+    if rank == members + 1:  # the second joiner asks once the first was taken in
+        store.wait(["grow-root/joined/1"])
+    c = comm.Communicator.join(store, "grow-root/", timeout=60.0)
+    out = {"joined_as": c.rank}
+    if rank == members:
+        out["second"] = _check_new(c, rank, list(range(members + 1)))
+    c2 = c.grow(expect=1, wait=60.0) if rank == members else c
+    out["third"] = _check_new(c2, rank, list(range(members + 2)))
+    c2.close()
+    return out
+
+
+def test_members_take_in_joiners_in_the_order_they_asked():
+    """2 members grow to 3 (a joiner that asked before), then to 4 (a joiner that asked once the
+    first was in); members keep their ranks, joiners follow in the order they asked; every new
+    communicator's all_reduce is exact over its ranks; the prefix joiners use stays the first's."""
+    members = 2
+    results = run_ranks(grow_and_join, members + 2, members)
+    for r in range(members):
+        stages = [results[r][k] for k in ("first", "second", "third")]
+        assert [s["world"] for s in stages] == [2, 3, 4], stages
+        assert all(s["exact"] and s["rank"] == r for s in stages), stages
+        assert results[r]["prefix"] == "grow-root/"
+    assert results[2]["joined_as"] == 2 and results[2]["second"]["exact"] and results[2]["third"]["rank"] == 2
+    assert results[3]["joined_as"] == 3 and results[3]["third"]["exact"] and results[3]["third"]["world"] == 4
+
+
+def grow_without_joiners(rank, n, store_path):
+    c = make_comm(rank, n, store_path, prefix="lonely/")
+    c2 = c.grow()  # nobody asked: the same ranks, a new communicator
+    out = dict(_check_new(c2, rank, list(range(n))), old_closed=c.closed)
+    c2.close()
+    return out
+
+
+def test_a_grow_that_nobody_asked_to_join_keeps_the_ranks():
+    results = run_ranks(grow_without_joiners, 2)
+    assert all(r["world"] == 2 and r["exact"] and r["old_closed"] for r in results), results
+
+
+def join_nobody_grows(rank, n, store_path):
+    from braid import comm
+
+    return {"join": outcome(comm.Communicator.join, open_store(store_path), "nobody/", timeout=1.0),
+            "args": outcome(comm.Communicator.join, open_store(store_path), "", timeout=1.0)}
+
+
+def test_a_join_no_grow_answers_times_out_and_names_the_prefix():
+    seen = run_ranks(join_nobody_grows, 1)[0]
+    assert seen["join"]["type"] == "CommTimeout" and "'nobody/'" in seen["join"]["message"], seen
+    assert seen["args"]["type"] == "ValueError" and "prefix must be" in seen["args"]["message"], seen
+
+
+def bad_grow_arguments(rank, n, store_path):
+    c = make_comm(rank, n, store_path)
+    seen = {"expect": outcome(c.grow, expect=-1), "wait": outcome(c.grow, wait="5")}
+    c.close()
+    return seen
+
+
+def test_bad_grow_arguments_are_named():
+    seen = run_ranks(bad_grow_arguments, 1)[0]
+    assert seen["expect"]["type"] == "ValueError" and "expect must be" in seen["expect"]["message"]
     assert seen["wait"]["type"] == "ValueError" and "wait must be" in seen["wait"]["message"]
