@@ -388,7 +388,10 @@ void TcpTransport::publish_failure(ErrorKind kind, const std::string& msg) noexc
     failed_text_ = text;
   }
   const bool tell = kind != ErrorKind::kClosed && (notify_everyone_ || kind != ErrorKind::kTimeout);
-  if (tell && !peer_reported_.load()) notify_failure(failed_kind_, text, notify_everyone_);
+  // Every remote peer gets a notice, the connected ones too: a connected peer reads this rank's
+  // abort frame only when it next waits on this rank, and it may be blocked elsewhere meanwhile
+  // (connecting to a peer that was told and has left), which its acceptor's notice interrupts.
+  if (tell && !peer_reported_.load()) notify_failure(failed_kind_, text, /*everyone=*/true);
   for (size_t r = 0; r < peers_.size(); ++r) {
     Peer& p = peers_[r];
     // The acceptor may be connecting to this peer (a request): its sockets are written then.

@@ -75,10 +75,11 @@ class TcpTransport : public Transport {
   void set_current(const CollectiveDesc* d) { current_ = d; }
   // Tells every peer about this rank's failure (an abort frame where a socket is between frames),
   // then shuts the sockets down: a peer waiting on this rank fails with the same error at once.
-  // Peers not connected (on demand) get a notice on a connection of its own, within about a
-  // second in all, unless the failure is a timeout, a close, or one a peer reported (so that a
-  // failure does not cascade into every rank telling every other). A peer that connects
-  // later is answered with the failure.
+  // Every remote peer, connected or not, also gets a notice on a connection of its own (its
+  // acceptor takes it even while the peer is busy elsewhere), within about a second in all,
+  // unless the failure is a timeout, a close, or one a peer reported (so that a failure does not
+  // cascade into every rank telling every other). A peer that connects later is answered with
+  // the failure.
   void publish_failure(ErrorKind kind, const std::string& msg) noexcept;
   // With the flight recorder's dumps on: failures (timeouts included) go as notices to every
   // rank on another host, connected or not, so that a rank busy elsewhere learns of them (its
