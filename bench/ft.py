@@ -148,7 +148,7 @@ def _torchrun_trial(args: argparse.Namespace, workdir: str) -> dict:
 def _overhead_rank(rank: int, world: int, store_port: int, args: argparse.Namespace) -> int:
     from braid import comm, ft
     from braid.comm import ddp as braid_ddp
-    from braid.ft.ddp import _process_alone
+    from braid.ft.ddp import local_group
 
     torch.set_num_threads(1)
     if store_port is None:  # started as torchrun would (the simulated hosts): rank 0 hosts it
@@ -165,7 +165,7 @@ def _overhead_rank(rank: int, world: int, store_port: int, args: argparse.Namesp
 
     c = comm.Communicator(dist.PrefixStore("plain/", store), rank, world)
     plain_model = mlp()
-    plain = torch.nn.parallel.DistributedDataParallel(plain_model, process_group=_process_alone())
+    plain = torch.nn.parallel.DistributedDataParallel(plain_model, process_group=local_group())
     state, hook = braid_ddp.comm_hook(c)
     plain.register_comm_hook(state, hook)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=1e-3)

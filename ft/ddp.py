@@ -29,8 +29,9 @@ from braid.comm.compression import Compressor
 from .manager import Manager
 
 
-def _process_alone() -> dist.ProcessGroup:
-    """A gloo process group of this process only, on a private in-memory store."""
+def local_group() -> dist.ProcessGroup:
+    """A gloo process group of this process only, on a private in-memory store (what torch's DDP
+    needs as its own group when another carrier moves the gradients)."""
     store = dist.HashStore()
     group = dist.ProcessGroup(store, 0, 1)
     backend = dist.ProcessGroupGloo(store, 0, 1)
@@ -52,7 +53,7 @@ def _hook(manager: Manager, bucket: dist.GradBucket) -> torch.futures.Future[tor
     if manager.errored is not None or manager.communicator is None:
         return _done(buf)
     try:
-        fut = braid_ddp.braid_hook(manager._hook_state, bucket)
+        fut = braid_ddp.braid_hook(manager.hook_state, bucket)
     except Exception as e:  # a poisoned communicator raises at issue
         manager.note_error(e)
         return _done(buf)
@@ -86,11 +87,9 @@ class DistributedDataParallel(_TorchDDP):
             raise TypeError(f"manager must be a braid.ft.Manager, got {type(manager).__name__}")
         if "process_group" in ddp_kwargs:
             raise ValueError("process_group is the Manager's: braid.ft.DistributedDataParallel takes none")
-        super().__init__(module, process_group=_process_alone(), **ddp_kwargs)
+        super().__init__(module, process_group=local_group(), **ddp_kwargs)
         state, _ = braid_ddp.comm_hook(None, compression, min_compress_bytes=min_compress_bytes)
-        state.process_group = manager.communicator
-        manager._hook_state = state
-        manager._on_new_members.append(self._lay_out_buckets_anew)
+        manager.attach_ddp(state, self._lay_out_buckets_anew)
         self.manager = manager
         self.register_comm_hook(manager, _hook)
 

@@ -147,7 +147,7 @@ class Manager:
         self._error: Optional[BaseException] = None
         self._needs_quorum = True
         self._synced = False  # holds the job's agreed state (a member since, a source, or received it)
-        self._hook_state = None  # set by ft.DistributedDataParallel: its carrier follows the epochs
+        self.hook_state = None  # braid's DDP hook state (ft.DistributedDataParallel): follows the epochs
         self._on_new_members: List[Callable[[], None]] = []  # run when an epoch takes in a replica
         self.events: List[dict] = []  # reconfigurations, failures and recoveries, in order
         atexit.register(self.shutdown)  # the heartbeat thread stops before the interpreter does
@@ -241,6 +241,14 @@ class Manager:
             self._needs_quorum = True
         return decision == "commit"
 
+    def attach_ddp(self, hook_state: Any, on_new_members: Callable[[], None]) -> None:
+        """Used by ``ft.DistributedDataParallel``: the hook state whose carrier is set to each
+        epoch's communicator, and a call made when an epoch takes in a replica (before its first
+        step)."""
+        hook_state.process_group = self._comm
+        self.hook_state = hook_state
+        self._on_new_members.append(on_new_members)
+
     def shutdown(self) -> None:
         """Stops the heartbeat and closes the communicator (the others then see this replica leave).
         Idempotent; runs at interpreter exit too."""
@@ -323,8 +331,8 @@ class Manager:
                 continue
             self._comm = comm
             break
-        if self._hook_state is not None:
-            self._hook_state.process_group = comm
+        if self.hook_state is not None:
+            self.hook_state.process_group = comm
         if epoch.receivers():
             for fn in self._on_new_members:
                 fn()

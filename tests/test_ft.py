@@ -260,6 +260,46 @@ def test_soak_twenty_kills(tmp_path):
     assert len(job.killed) >= 20
 
 
+def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
+    """Each replica its own `torchrun --max-restarts 2` (one process): replica 1 is killed in its
+    gradient all-reduce, torchrun restarts it with the same arguments, and it rejoins; the job
+    ends with every replica bitwise equal to the reference."""
+    job = Job(tmp_path, replicas=2, steps=12, step_sleep=0.02)
+    hold = os.path.join(job.dir, "hold")
+    open(hold, "w").close()
+    procs = []
+    for r in range(2):
+        worker = job.args(r)[1:]  # "-m braid.bench.ft_replica ..." under torchrun
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
+        err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
+        procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
+    deadline = time.monotonic() + DEADLINE_S
+    ordered = alone = False
+    try:
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, [job.stderr(r) for r in range(2)]
+            last = job.last_record()
+            alone = alone or last["members"] == [0]
+            if not ordered and last["members"] == [0, 1]:
+                with open(job.die_file(1), "w") as f:
+                    f.write("backward")
+                ordered = True
+            elif alone and os.path.exists(hold) and last["members"] == [0, 1]:
+                os.unlink(hold)  # replica 1 is back: let the job end
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [job.stderr(r) for r in range(2)]
+    members_at = check_job(job)
+    assert any(m == [0] for m in members_at.values()), members_at  # trained alone while 1 restarted
+    starts = [rec for rec in (json.loads(line) for line in open(os.path.join(job.dir, "replica1.jsonl")))
+              if "start" in rec]
+    assert len(starts) == 2, starts  # torchrun started replica 1 twice
+
+
 def test_a_process_of_another_job_is_refused(tmp_path):
     """A process with another secret on the job's store and prefix is refused at once with an
     error naming the secret; the job is not disturbed."""

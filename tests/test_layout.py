@@ -13,11 +13,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench",
-            "braid.trace": ROOT / "trace"}
-# What the benchmarks and the tests share: the small models (and how they are split across ranks)
-# and the simulated hosts. They hold no benchmark logic and import no benchmark module; the tests
-# take nothing else from braid.bench, except test_bench.py, which tests the benchmarks themselves.
-SHARED_WITH_TESTS = ("braid.bench.models", "braid.bench.simhosts")
+            "braid.trace": ROOT / "trace", "braid.optim": ROOT / "optim", "braid.ft": ROOT / "ft",
+            "braid.plan": ROOT / "plan"}
+# What the benchmarks and the tests share: the small models (and how they are split across ranks),
+# the simulated hosts and braid.ft's replica process. They hold no benchmark logic and import no
+# benchmark module; the tests take nothing else from braid.bench, except test_bench.py, which
+# tests the benchmarks themselves.
+SHARED_WITH_TESTS = ("braid.bench.models", "braid.bench.simhosts", "braid.bench.ft_replica")
 
 
 def _modules() -> dict:
