@@ -92,9 +92,10 @@ setup(
     description="Collective communication and kernels for PyTorch training",
     python_requires=">=3.9",
     package_dir={"braid.comm": "comm", "braid.kernels": "kernels", "braid.bench": "bench",
-                 "braid.trace": "trace", "braid.optim": "optim", "braid.ft": "ft"},
+                 "braid.trace": "trace", "braid.optim": "optim", "braid.ft": "ft",
+                 "braid.plan": "plan"},
     packages=["braid.comm", "braid.comm.tp", "braid.comm.fsdp", "braid.kernels", "braid.bench",
-              "braid.trace", "braid.optim", "braid.ft"],
+              "braid.trace", "braid.optim", "braid.ft", "braid.plan"],
     # BRAID_NO_EXTENSION=1: the package alone (the Makefile installs it editable once, then builds
     # the extension in place with a persistent build tree, so rebuilds are incremental).
     ext_modules=[] if os.environ.get("BRAID_NO_EXTENSION", "0") not in ("", "0") else [extension()],
