@@ -304,10 +304,20 @@ def test_a_process_of_another_job_is_refused(tmp_path):
     """A process with another secret on the job's store and prefix is refused at once with an
     error naming the secret; the job is not disturbed."""
     job = Job(tmp_path, replicas=2, steps=30, step_sleep=0.05)
+    hold = os.path.join(job.dir, "hold")
+    open(hold, "w").close()  # the job trains on until the stranger was turned away
     job.launch(0)
     job.launch(1)
-    time.sleep(1.0)
-    stranger = subprocess.run(job.args(1, secret="job-b"), capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + DEADLINE_S
+    while job.last_record()["step"] == 0:  # the job's secret is in the store once it trains
+        assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs.values()), [
+            job.stderr(r) for r in range(2)
+        ]
+        time.sleep(0.05)
+    try:
+        stranger = subprocess.run(job.args(1, secret="job-b"), capture_output=True, text=True, timeout=60)
+    finally:
+        os.unlink(hold)
     assert stranger.returncode != 0 and "refused to join" in stranger.stderr, stranger.stderr[-2000:]
     for p in job.procs.values():
         assert p.wait(timeout=DEADLINE_S) == 0
