@@ -172,15 +172,6 @@ CLUSTER_PRESETS: Dict[str, Dict[str, Any]] = {
         intra_latency=3e-6,
         inter_latency=10e-6,
     ),
-    "h200x8": dict(
-        devices_per_host=8,
-        device_memory=141 * 10**9,
-        peak_flops=989e12,
-        intra_bandwidth=450e9,
-        inter_bandwidth=50e9,
-        intra_latency=3e-6,
-        inter_latency=10e-6,
-    ),
     "a100x8": dict(
         devices_per_host=8,
         device_memory=80 * GiB,
@@ -191,6 +182,8 @@ CLUSTER_PRESETS: Dict[str, Dict[str, Any]] = {
         inter_latency=10e-6,
     ),
 }
+# The H200: the H100's compute and links with 141 GB of memory.
+CLUSTER_PRESETS["h200x8"] = dict(CLUSTER_PRESETS["h100x8"], device_memory=141 * 10**9)
 
 
 @lru_cache(maxsize=4096)
