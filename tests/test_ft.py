@@ -102,6 +102,7 @@ class Job:
             self.launch(r, dies.get(r, ""))
         deadline = time.monotonic() + deadline_s
         rng = random.Random(7)
+        soaked = set()  # the processes the soak killed
         next_kill = time.monotonic() + 3.0
         try:
             while True:
@@ -131,9 +132,11 @@ class Job:
                             f.write(phase)
                         os.replace(self.die_file(ordered) + ".tmp", self.die_file(ordered))
                 if soak_kills and time.monotonic() >= next_kill and self._progress() < self.steps - 150:
-                    victim = rng.randrange(self.replicas)
-                    if self.procs[victim].poll() is None:
-                        self.procs[victim].kill()
+                    victim = self.procs[rng.randrange(self.replicas)]
+                    # A process already killed may not be reaped yet: it is not killed twice.
+                    if victim.poll() is None and victim not in soaked:
+                        victim.kill()
+                        soaked.add(victim)
                         soak_kills -= 1
                     next_kill = time.monotonic() + rng.uniform(0.3, 1.2)
                 assert time.monotonic() < deadline, "the job did not finish in time:\n" + "\n".join(
