@@ -345,3 +345,25 @@ def test_bad_arguments_are_named(tmp_path):
         ft.Manager(dict, lambda s: None, dead_after_s=0.2, heartbeat_s=0.1, **ok)
     with pytest.raises(ValueError, match="BRAID_FT_STORE"):
         ft.Manager(dict, lambda s: None, replica_id=0, num_replicas=1)
+
+
+@pytest.mark.timeout(60)  # the readline below waits for the server's first line
+def test_the_store_server_serves_until_terminated():
+    """`python -m braid.ft store --port 0` prints the port it listens on, serves a TCPStore there
+    and exits 0 on SIGTERM."""
+    import torch.distributed as dist
+
+    argv = [sys.executable, "-m", "braid.ft", "store", "--port", "0", "--host", "127.0.0.1"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("braid.ft store listening on 127.0.0.1:"), line
+        client = dist.TCPStore("127.0.0.1", int(line.rsplit(":", 1)[1]), is_master=False)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
