@@ -48,6 +48,22 @@ def want_cuda():
     return torch.version.cuda is not None and bool(nvcc) and os.path.exists(nvcc)
 
 
+def cxx_runtime():
+    """Link arguments that make the extension use the shared C++ runtime this process runs with
+    (the libstdc++ torch loaded), named by its path, where the compiler driver would otherwise
+    link a static copy into the extension (a toolchain wrapper adding -static-libstdc++, as one
+    GPU machine's did). A private copy's stream code met the process's locale there and crashed
+    formatting a number into an error message. Named by path, not -lstdc++: that driver turned
+    -lstdc++ into its static archive too. Empty where no libstdc++ is mapped (another C++ runtime)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:
+        return []
+    found = sorted(p for p in paths if os.path.isfile(p))
+    return [f"-Wl,-Bdynamic,{found[0]}"] if found else []
+
+
 def extension():
     flags, settings = build_settings()
     march = os.environ.get("BRAID_MARCH", settings["march"])
@@ -55,6 +71,7 @@ def extension():
     # torch's headers and runs on one thread in code compiled without OpenMP; the link resolves to
     # the libgomp torch has already loaded (same soname).
     cxx = ["-O3", *flags, "-fopenmp"]
+    link = ["-fopenmp", *cxx_runtime()]
     if os.environ.get("BRAID_DEBUG_INFO", "0") in ("", "0"):
         cxx.append("-g0")  # after Python's -g, which it overrides
     if march:
@@ -79,11 +96,11 @@ def extension():
             define_macros=[("BRAID_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *(f for f in flags if f.startswith("-std="))]},
             extra_objects=linked,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
             depends=linked,
         )
     return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx},
-                        extra_objects=linked, extra_link_args=["-fopenmp"], depends=linked)
+                        extra_objects=linked, extra_link_args=link, depends=linked)
 
 
 setup(

@@ -7,9 +7,12 @@ own modules (braid.comm, braid.kernels, braid.bench and their subpackages), read
 with ``ast``. A package's ``__init__`` making its parts attributes on first use (``comm.ddp``) is
 the package reaching down, not a cycle: attribute-driven imports are not import statements."""
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"braid.comm": ROOT / "comm", "braid.kernels": ROOT / "kernels", "braid.bench": ROOT / "bench",
@@ -175,12 +178,10 @@ def test_python_tables_match_the_core():
 
 
 def test_the_extension_uses_no_iostreams():
-    """The extension's own code builds text with std::string and C stdio, never iostreams: an
-    extension compiled by one GCC may run against another's libstdc++ (torch's or the system's),
-    whose locale facets the inline stream code of the newer headers does not match. On one such
-    GPU machine the first std::ifstream read (the cache size, in Tunables::resolve) crashed
-    every process at its first communicator. The C++ tests (csrc/tests) are built and run by one
-    toolchain and may use streams."""
+    """The extension's own code builds text with std::string and C stdio, never iostreams: less
+    to go wrong where the C++ runtime it was built with differs from the one it runs with (see
+    the next test). The C++ tests (csrc/tests) are built and run by one toolchain and may use
+    streams."""
     offenders = [f"{path.relative_to(ROOT)}: {line.strip()}"
                  for folder in ("core", "binding", "cuda")
                  for path in sorted((ROOT / "csrc" / folder).rglob("*"))
@@ -189,3 +190,25 @@ def test_the_extension_uses_no_iostreams():
                  if line.strip().startswith("#include") and any(
                      f"<{h}>" in line for h in ("iostream", "sstream", "fstream", "istream", "ostream"))]
     assert offenders == []
+
+
+def test_the_extension_links_the_shared_cxx_runtime():
+    """The extension takes libstdc++ from the process (NEEDED libstdc++.so.6), the copy torch
+    uses, never a static copy of its own: on a GPU machine whose compiler wrapper linked it
+    statically, the private copy's stream code met the process's locale and crashed formatting a
+    number into an error message (and, before, reading a number from sysfs). setup.py names
+    -lstdc++ for that."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    from braid.comm import _C
+
+    dynamic = subprocess.run([readelf, "-d", _C.__file__], capture_output=True, text=True, check=True).stdout
+    needed = [line.split("[", 1)[1].rstrip("]") for line in dynamic.splitlines() if "(NEEDED)" in line]
+    assert any(n.startswith("libstdc++.so") for n in needed), needed
+    nm = shutil.which("nm")
+    if nm is not None:  # and holds no stream code of its own (what the static copy brought)
+        symbols = subprocess.run([nm, "-C", _C.__file__], capture_output=True, text=True, check=True).stdout
+        own = [line for line in symbols.splitlines()
+               if "::_M_insert<" in line and line.split()[0] != "U"]
+        assert own == [], own[:3]

@@ -121,12 +121,13 @@ def _compare(layer, router, experts, x, xs, cfg, group, label, quantize=None, gu
     gen = torch.Generator().manual_seed(7)
     out_grads = [torch.randn(xi.shape, generator=gen, dtype=torch.float64) for xi in xs]
     x = x.to(device, copy=True).requires_grad_()
+    dy = out_grads[rank].to(device)  # before the guard: a copy from pageable host memory waits
     if guard is not None:
         with torch.no_grad():  # the first forward: where the ranks sit, read on the host once
             layer(x)
     with guard() if guard is not None else contextlib.nullcontext():
         y, aux = layer(x)
-        ((y * out_grads[rank].to(device)).sum() + aux).backward()
+        ((y * dy).sum() + aux).backward()
     dense_x = [xi.clone().requires_grad_() for xi in xs]
     total = 0
     refs = []
