@@ -13,7 +13,7 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install deps test test-py test-cpp bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install deps test test-py test-cpp docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
@@ -56,7 +56,16 @@ $(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
 
 install: $(VENV)/.built
 
-test: install cuda-check test-cpp test-py
+test: install cuda-check test-cpp docs test-py
+
+# The documentation site from docs/ into site/, the API reference from the docstrings
+# (mkdocstrings reads the sources: the package is linked under build/docs-src as it is imported,
+# braid.comm for comm/, ...); strict: a broken link, anchor or docstring reference fails it.
+DOC_PACKAGES := comm kernels optim ft plan bench trace
+docs: $(VENV)/.deps
+	@mkdir -p build/docs-src/braid
+	@for p in $(DOC_PACKAGES); do ln -sfn ../../../$$p build/docs-src/braid/$$p; done
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # The CUDA sources are torch-free: compiling them for sm_90 needs only nvcc, no GPU. Where cmake
 # is present, test-cpp's build compiles them (CMakeLists.txt, target braid_cuda) and this does not

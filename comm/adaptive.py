@@ -15,7 +15,7 @@ estimated error and collective) and the current choices; :class:`Adaptive` is a
 compressor that measures, every ``interval`` steps all-gathers one small vector of measurements
 (so every rank decides from the same numbers), calls :func:`decide` and runs each bucket through
 the compressor chosen for it: all-reduces (the DDP hook, compressed all-reduces) and the sharded
-wrapper's reduce-scatters (:meth:`Adaptive.reduce_scatter`). docs/design.md ("Adaptive
+wrapper's reduce-scatters (:meth:`Adaptive.reduce_scatter`). docs/design/compression.md ("Adaptive
 compression") gives the model and its reasons.
 """
 

@@ -63,7 +63,7 @@ Every dispatch and combine is a collective of the group (of ``hosts.inter`` and 
 across hosts): every rank calls them in the same order, and every rank runs the backward through
 the layer, tokens or not (a rank with no tokens sends and receives empty pieces).
 
-Expert and data parallelism together: :func:`reduce_gradients` (docs/design.md, "Expert parallelism").
+Expert and data parallelism together: :func:`reduce_gradients` (docs/design/layers.md, "Expert parallelism").
 """
 from __future__ import annotations
 
