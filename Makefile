@@ -13,22 +13,23 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install deps test test-py test-cpp docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install deps test test-py test-slow test-all test-cpp docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
 # torch once per TORCH_SPEC (the stamp is named by a checksum of the spec, so another spec
 # installs again and everything after it follows), the tools of requirements-dev.txt when that
-# file changes.
+# file changes. --no-compile: Python compiles a module's bytecode when it is first imported,
+# instead of pip compiling all of torch's at install (about 40 s of a fresh setup).
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 $(TORCH_STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip setuptools wheel
-	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install --no-compile "$(TORCH_SPEC)"
 	rm -f $(VENV)/.torch-*
 	touch $@
 $(VENV)/.deps: $(TORCH_STAMP) requirements-dev.txt
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install --no-compile -r requirements-dev.txt
 	touch $@
 
 deps: $(VENV)/.deps
@@ -99,16 +100,24 @@ cuda-binding-check:
 	    for f in $$group; do echo "#include \"binding/$$f\"" >> $$unit; done; \
 	    echo "c++ -fsyntax-only -DBRAID_WITH_CUDA $$group"; \
 	    $(CXX) $(CXX_FLAGS) -fsyntax-only -DBRAID_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
-	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc $$unit & pids="$$pids $$!"; \
+	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc -Icsrc/binding/pch $$unit & pids="$$pids $$!"; \
 	  done; \
 	  for p in $$pids; do wait $$p || exit 1; done; \
 	else echo "nvcc or $(PY) not found: the CUDA binding not type-checked"; fi
 
+# test-py leaves out the tests marked slow (multi-second, multi-process: the fault-tolerance,
+# simulated-host, soak, benchmark-smoke and conformance tests), which test-slow runs: CI runs
+# make test, and make test-all is both (tests/README.md).
 test-py:
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest tests -q -m slow
+
+test-all: test test-slow
 
 # PyTorch's distributed test suite (collective, point-to-point, DDP and object tests) on braid and
-# gloo side by side at 2 and 3 ranks; CI runs a share of it (tests/test_conformance.py).
+# gloo side by side at 2 and 3 ranks; make test-slow runs a share of it (tests/test_conformance.py).
 conformance: install
 	$(PY) tests/conformance/run.py --world-sizes 2 3
 

@@ -88,6 +88,7 @@ def short_collectives_run(tmp_path, impls: tuple, ops: tuple) -> tuple:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_collectives_benchmark_runs(tmp_path):
     """Two spawned ranks, braid and gloo, tiny sizes: JSON with every record checked and right."""
     short_collectives_run(tmp_path, ("braid", "gloo"), ("all_reduce", "all_gather"))
@@ -96,6 +97,7 @@ def test_collectives_benchmark_runs(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
                     reason="needs Open MPI and mpi4py (make bench-peers)")
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_open_mpi_is_measured_in_the_same_ranks(tmp_path):
     """With Open MPI present the ranks start under mpirun and run braid, gloo and MPI side by side:
     records of all three, checked and right, the launcher and the MPI library in the JSON."""
@@ -104,6 +106,7 @@ def test_open_mpi_is_measured_in_the_same_ranks(tmp_path):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_multihost_benchmark_runs(tmp_path):
     """Two simulated hosts on an unshaped link, the smallest run: braid's and gloo's records,
     checked and right, the TCP floor, a PNG; where hosts cannot be simulated it says why and
@@ -205,6 +208,7 @@ def test_link_floor_of_rounds_by_hand(monkeypatch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_link_shape_read_from_the_interfaces_tbf():
     """LinkShape.of reads rate and bucket from the interface's tbf qdisc (in a network namespace
     of its own, as a simulated host's uplink), and takes the given rate with no bucket from an
@@ -270,6 +274,7 @@ def test_moe_output_checks_bitwise_and_sum_order(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_moe_benchmark_runs_and_checks(tmp_path):
     """A short MoE run at top-3 on 2 ranks, then on 2 simulated hosts where they can be made: every
     implementation's record, each exact one held to its check and passing, and across hosts a
@@ -463,6 +468,7 @@ def test_pipeline_schedule_floor_against_hand_computations():
     assert schedule_floor(chain, 4, cores=2) == 8.5
 
 
+@pytest.mark.slow
 def test_collectives_benchmark_reports_what_it_measured_before_its_deadline(tmp_path):
     """A run too long for its --deadline stops measuring shortly before it on every rank, prints
     and writes what it has, and exits with a failure (it once lost everything when stopped)."""
@@ -557,6 +563,7 @@ def test_cuda_benchmark_floor_is_the_bytes_an_in_place_algorithm_moves():
         floor_bytes("gather", 1000, 4)
 
 
+@pytest.mark.slow
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     """SIGKILL of the process that spawned the ranks stops them too (they would otherwise run the
     whole benchmark with nobody to enforce its deadline)."""
@@ -661,6 +668,7 @@ def test_optim_benchmark_reports_every_implementation(tmp_path, capsys):
     assert all(r[i]["gbps"] > 0 for r in records for i in ("braid", "torch-fused", "torch-foreach"))
 
 
+@pytest.mark.slow
 def test_ft_benchmark_measures_both_recoveries_and_the_overhead(tmp_path, capsys):
     """`python -m braid.bench ft` at its smallest: one kill under braid.ft and one under torchrun,
     each measured from the logs (kill time, next step, steps lost), and the overhead in turns."""

@@ -1,15 +1,19 @@
-"""PyTorch's own distributed test suite on braid: CI's share of it (tests/conformance/run.py
+"""PyTorch's own distributed test suite on braid: a share of it (tests/conformance/run.py
 --quick: a few tests of each area at 2 ranks, on braid and on gloo, the tests the suite gates on
-gloo's name run on braid under gloo's gates). Every test that passes on gloo must pass on braid.
-``make conformance`` runs the whole selection at 2 and 3 ranks."""
+gloo's name run on braid under gloo's gates), in the slow tier (``make test-slow``). Every test
+that passes on gloo must pass on braid. ``make conformance`` runs the whole selection at 2 and 3
+ranks."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 RUN = Path(__file__).resolve().parent / "conformance" / "run.py"
 
 
+@pytest.mark.slow
 def test_what_passes_on_gloo_passes_on_braid(tmp_path):
     out = tmp_path / "conformance.json"
     proc = subprocess.run([sys.executable, str(RUN), "--quick", "--world-sizes", "2", "--timeout", "120",

@@ -312,6 +312,7 @@ def test_kernel_blocks(monkeypatch):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("tcp", (False, True))
+@pytest.mark.slow
 def test_benchmark_runs(tmp_path, tcp):
     """``python -m braid.bench cp`` on tiny lengths, over shared memory and over TCP: a record per
     length with every implementation timed and the ring's result checked against one rank's."""

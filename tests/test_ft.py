@@ -219,6 +219,7 @@ def check_job(job: Job) -> dict:
     return members_at
 
 
+@pytest.mark.slow
 def test_killed_replicas_are_dropped_and_rejoin_bitwise_equal(tmp_path):
     """Kills in every phase of a step, one after the other (each once every replica is back):
     replica 1 inside its gradient all-reduce, then again while loading the state it was sent on
@@ -253,6 +254,7 @@ def json_lines(path) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.slow
 def test_soak_twenty_kills(tmp_path):
     """Twenty SIGKILLs at random moments of a 3-replica job (any phase: backward, vote, quorum,
     state transfer, start-up): no hang, every committed step equal everywhere, the final model
@@ -263,6 +265,7 @@ def test_soak_twenty_kills(tmp_path):
     assert len(job.killed) >= 20
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
     """Each replica its own `torchrun --max-restarts 2` (one process): replica 1 is killed in its
     gradient all-reduce, torchrun restarts it with the same arguments, and it rejoins; the job
@@ -303,6 +306,7 @@ def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
     assert len(starts) == 2, starts  # torchrun started replica 1 twice
 
 
+@pytest.mark.slow
 def test_a_process_of_another_job_is_refused(tmp_path):
     """A process with another secret on the job's store and prefix is refused at once with an
     error naming the secret; the job is not disturbed."""
@@ -348,6 +352,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 @pytest.mark.timeout(60)  # the readline below waits for the server's first line
+@pytest.mark.slow
 def test_the_store_server_serves_until_terminated():
     """`python -m braid.ft store --port 0` prints the port it listens on, serves a TCPStore there
     and exits 0 on SIGTERM."""

@@ -355,6 +355,7 @@ def silent_host(rank, n, store_path, layout):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_all_reduce_across_hosts(name):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(all_reduce_across_hosts, len(layout), layout, 11), min_cases=100)
@@ -372,6 +373,7 @@ def test_ring_between_hosts(name, algo):
     assert_ranks_agree(run_ranks(ring_across_hosts, len(layout), layout, algo, 17), min_cases=100)
 
 
+@pytest.mark.slow
 def test_ranks_forcing_different_algorithms_raise_a_mismatch():
     """Ranks that disagree on BRAID_ALGO across hosts raise CollectiveMismatch (the algorithm is
     part of the descriptor) rather than mixing structures, every rank and every time. With
@@ -494,6 +496,7 @@ def compressed_between_hosts(rank, n, store_path, layout, seed, names):
     ids=["quantized", "topk", "cast"],
 )
 @pytest.mark.parametrize("name", ["2x2", "2x3"])
+@pytest.mark.slow
 def test_compression_is_exact_on_hosts_and_compressed_between(name, names):
     layout = LAYOUTS[name]
     assert_ranks_agree(run_ranks(compressed_between_hosts, len(layout), layout, 31, names), min_cases=60)
@@ -614,6 +617,7 @@ def killed_across_hosts(rank, n, store_path, layout, victims):
 
 
 @pytest.mark.parametrize("victims", [(3,), (2, 3)], ids=["one-rank", "whole-host"])
+@pytest.mark.slow
 def test_rank_killed_on_other_host_raises_peer_error_everywhere(victims):
     """SIGKILL of a rank (or of every rank of a host) while the others wait in an all_reduce: every
     survivor, on either host, raises PeerError within 2 s, and the communicator stays poisoned."""
@@ -928,6 +932,7 @@ def doubling_across_hosts(rank, n, store_path, layout, algo, seed):
 
 @pytest.mark.parametrize("layout,algo", [([0, 1, 2, 3, 4], "auto"), ([0, 0, 1, 2, 3], "auto"),
                                          ([0, 1, 2], "doubling"), (list(range(8)), "auto")])
+@pytest.mark.slow
 def test_recursive_doubling_between_hosts(layout, algo):
     """Small all_reduces among 4, 5 and 8 hosts (and 3, forced) go by recursive doubling between the host
     leaders: exact against its reduction tree (extras folded in, pairs 2^k apart, lower first),

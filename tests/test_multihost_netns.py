@@ -93,6 +93,7 @@ def assert_agree(summaries, min_cases):
 # Hosts of one rank between namespaces are in 2+1+1 (two of its hosts), and 2x1 runs over
 # loopback in test_multihost.py.
 @pytest.mark.parametrize("layout", [[0, 0, 1, 1], [0, 0, 1, 2]], ids=["2x2", "2+1+1"])
+@pytest.mark.slow
 def test_collectives_between_namespaces(layout):
     """Exact all_reduce (every dtype and op, every path), data movement and compressed
     all-reduces between hosts that share nothing but a network."""
@@ -108,6 +109,7 @@ def test_collectives_between_namespaces(layout):
 @pytest.mark.skipif(
     unavailable_reason(ipv6=True) is not None, reason=f"no IPv6 hosts: {unavailable_reason(ipv6=True)}"
 )
+@pytest.mark.slow
 def test_collectives_between_namespaces_over_ipv6():
     """BRAID_SOCKET_IFNAME and BRAID_SOCKET_FAMILY=AF_INET6: the ranks listen on their interface's
     IPv6 address and the same collectives are exact."""
@@ -122,6 +124,7 @@ def test_collectives_between_namespaces_over_ipv6():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_ddp_fsdp2_dtensor_between_namespaces():
     """torch.distributed on braid between namespaces (and gloo in the same processes, as the
     reference) trains DDP, FSDP2 and DTensor models to the same parameters."""
@@ -135,6 +138,7 @@ def test_ddp_fsdp2_dtensor_between_namespaces():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_link_down_times_out_naming_the_ranks_behind_it():
     """Host 1's link goes down between two collectives: the ranks of host 0 raise CommTimeout at
     their deadline, naming a rank of host 1 (none hangs, none raises anything else)."""
@@ -167,6 +171,7 @@ BURST_ALLOWANCE = 128 / 112
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(unavailable_reason(rate=True) is not None,
                     reason=f"no rate-limited hosts: {unavailable_reason(rate=True)}")
+@pytest.mark.slow
 def test_auto_hook_compresses_across_a_measured_slow_link():
     """DDP's "auto" hook over a braid communicator between two hosts whose link a tbf qdisc holds
     to 20 Mbit/s, with no link figure given: the bandwidth Adaptive fits from its own exact

@@ -181,6 +181,7 @@ def ddp_over_group(rank, n, store_path, modes):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.slow
 def test_ddp_hook_over_gloo_trains_like_gloo(n):
     from test_ddp_hook import STEPS
 

@@ -210,6 +210,7 @@ def test_script_with_backend_braid():
     assert run_ranks(_script, 2, _free_ports(2)) == [True, True]
 
 
+@pytest.mark.slow
 def test_lightning_ddp_strategy_on_braid():
     """Lightning: DDPStrategy(process_group_backend="braid") after importing braid.comm, and a
     comm hook registered in on_fit_start; bitwise the same run on gloo, the hook compressing."""
@@ -221,6 +222,7 @@ def test_lightning_ddp_strategy_on_braid():
         assert braid["sent"] == gloo["sent"] > 0
 
 
+@pytest.mark.slow
 def test_accelerate_adopts_a_braid_group():
     """accelerate: init_process_group("braid") before Accelerator; bitwise the same run on gloo."""
     pytest.importorskip("accelerate")

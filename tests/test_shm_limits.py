@@ -36,6 +36,7 @@ def _steps(result: dict, rank: int) -> dict:
     return {s["step"]: s for s in rank_result["steps"]}
 
 
+@pytest.mark.slow
 def test_too_small_for_the_collectives_fails_at_init_on_every_rank(tmp_path):
     # 2 ranks need about 4.1 MiB each for header, one-shot buffers and slots.
     result = _run_with_shm("6m", tmp_path)
@@ -49,6 +50,7 @@ def test_too_small_for_the_collectives_fails_at_init_on_every_rank(tmp_path):
     assert all(s["seconds"] < 10 for s in seen), seen
 
 
+@pytest.mark.slow
 def test_too_small_for_the_mailboxes_fails_at_the_first_send(tmp_path):
     # Room for both collective parts and part of one 4 MiB mailbox.
     result = _run_with_shm("12m", tmp_path)

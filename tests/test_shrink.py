@@ -43,6 +43,7 @@ def survivors_go_on(rank, n, store_path, victim, host_of):
 
 
 @pytest.mark.parametrize("host_of", [None, [0, 0, 1, 1]], ids=["one-host", "2x2-hosts"])
+@pytest.mark.slow
 def test_survivors_of_a_killed_rank_go_on_in_a_smaller_communicator(host_of):
     """A rank SIGKILLed inside an all_reduce: the others raise PeerError, shrink() (waiting up to
     2 s for the dead rank, which never comes) gives them a communicator of n - 1 ranks, numbered in

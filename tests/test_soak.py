@@ -240,6 +240,7 @@ def schedule_with_death(rank, n, store_path, seed, victim, die_at):
 
 
 @pytest.mark.parametrize("n,seed", [(2, 11), (3, 12), (4, 13)])
+@pytest.mark.slow
 def test_peer_dies_anywhere_in_a_schedule(n, seed):
     """Each case kills a different rank at a different point of a schedule (in a pipelined round,
     among queued async work, in a compressed all-reduce, ...)."""

@@ -295,6 +295,7 @@ def test_transformer_block_matches_dense(kind, world_size, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("tp", "tp+sp"))
+@pytest.mark.slow
 def test_transformer_block_under_torch_compile_matches_dense(sequence_parallel):
     """The same block compiled (torch.compile around braid's autograd functions): outputs and
     every gradient still equal the dense block's."""
