@@ -204,6 +204,8 @@ gpu-test:
 gpu-bench:
 	mkdir -p $(GPU_OUT)
 	status=0; \
+	$(GPU_PY) -m braid.bench gpufloor --json $(GPU_OUT)/gpufloor.json 2>&1 | tee $(GPU_OUT)/gpufloor.log; \
+	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m braid.bench cuda --json $(GPU_OUT)/cuda.json 2>&1 | tee $(GPU_OUT)/cuda.log; \
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m braid.bench staging --json $(GPU_OUT)/staging.json 2>&1 | tee $(GPU_OUT)/staging.log; \

@@ -545,11 +545,21 @@ def test_the_command_line_reports_usage_errors():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-@pytest.mark.parametrize("name", ["staging", "cuda"])
+@pytest.mark.parametrize("name", ["staging", "cuda", "gpufloor"])
 def test_gpu_benchmark_without_a_gpu_says_so(name):
     proc = subprocess.run([sys.executable, "-m", "braid.bench", name], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_gpufloor_argument_checks(capsys):
+    from braid.bench import gpufloor
+
+    for argv, message in ((["--nprocs", "1"], "--nprocs must be at least 2, got 1"),
+                          (["--round-trips", "0"], "--round-trips must be at least 1, got 0")):
+        with pytest.raises(SystemExit):
+            gpufloor.main(argv, prog="gpufloor")
+        assert message in capsys.readouterr().err
 
 
 def test_cuda_benchmark_floor_is_the_bytes_an_in_place_algorithm_moves():
