@@ -39,7 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .communicator import Communicator
-from .group import Group, as_group
+from .group import Group, as_group, renamed_args
 
 CommunicatorLike = Union[Communicator, "dist.ProcessGroup", None]  # None: the default group
 
@@ -53,8 +53,8 @@ class _Ring:
     """This rank's neighbours on the ring of a group (comm/group.py: a braid Communicator, a
     torch.distributed ProcessGroup, or None for the default group) and the transfers to them."""
 
-    def __init__(self, communicator: CommunicatorLike, what: str):
-        self.group = as_group(communicator, "communicator", what)
+    def __init__(self, group: CommunicatorLike, what: str):
+        self.group = as_group(group, "group", what)
         self.rank, self.world_size = self.group.rank, self.group.world_size
         self.next = (self.rank + 1) % self.world_size
         self.prev = (self.rank - 1) % self.world_size
@@ -96,7 +96,8 @@ def _check_balanced(balanced: Any) -> bool:
     return balanced
 
 
-def shard_indices(seq_len: int, communicator: CommunicatorLike, *, balanced: bool,
+@renamed_args(communicator="group")
+def shard_indices(seq_len: int, group: CommunicatorLike, *, balanced: bool,
                   device: Optional[Union[str, torch.device]] = None) -> torch.Tensor:
     """The sequence positions this rank holds, in local order (an int64 tensor of seq_len / N, on
     ``device``: default the CPU).
@@ -105,7 +106,7 @@ def shard_indices(seq_len: int, communicator: CommunicatorLike, *, balanced: boo
     of 2N (the layout :func:`ring_attention` uses for causal attention by default). ``seq_len``
     must divide into the chunks. Useful for position ids (RoPE) of a sharded sequence.
     """
-    ring = _Ring(communicator, "shard_indices")
+    ring = _Ring(group, "shard_indices")
     return _positions(seq_len, ring.rank, ring.world_size, _check_balanced(balanced), device)
 
 
@@ -117,23 +118,25 @@ def _seq_dim(tensor: torch.Tensor, dim: int, what: str) -> int:
     return dim % tensor.dim()
 
 
-def shard(tensor: torch.Tensor, communicator: CommunicatorLike, *, balanced: bool,
+@renamed_args(communicator="group")
+def shard(tensor: torch.Tensor, group: CommunicatorLike, *, balanced: bool,
           dim: int = 2) -> torch.Tensor:
     """This rank's part of ``tensor`` (the whole sequence along ``dim``; 2 for (B, H, S, D)),
     in the layout of :func:`shard_indices`. Differentiable."""
-    ring = _Ring(communicator, "shard")
+    ring = _Ring(group, "shard")
     dim = _seq_dim(tensor, dim, "shard")
     balanced = _check_balanced(balanced)
     index = _positions(tensor.shape[dim], ring.rank, ring.world_size, balanced, tensor.device)
     return tensor.index_select(dim, index)
 
 
-def unshard(tensor: torch.Tensor, communicator: CommunicatorLike, *, balanced: bool,
+@renamed_args(communicator="group")
+def unshard(tensor: torch.Tensor, group: CommunicatorLike, *, balanced: bool,
             dim: int = 2) -> torch.Tensor:
     """The whole sequence from every rank's part (``tensor``, laid out as :func:`shard` makes it),
     on every rank: an all-gather, then the positions put in order. Not differentiable (the result
     is a new tensor without history)."""
-    ring = _Ring(communicator, "unshard")
+    ring = _Ring(group, "unshard")
     dim = _seq_dim(tensor, dim, "unshard")
     balanced = _check_balanced(balanced)
     parts = ring.all_gather(tensor.detach())
@@ -379,15 +382,16 @@ def _check_inputs(q: Any, k: Any, v: Any, balanced: bool) -> None:
                          f"length must be even, got {q.shape[2]}")
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, communicator: CommunicatorLike, *,
+@renamed_args(communicator="group")
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: CommunicatorLike, *,
                    causal: bool = False, scale: Optional[float] = None,
                    balanced: Optional[bool] = None) -> torch.Tensor:
-    """Attention over a sequence sharded across the ranks of ``communicator``; differentiable.
+    """Attention over a sequence sharded across the ranks of ``group``; differentiable.
 
     Args:
         q: (B, Hq, S_local, D) this rank's queries.
         k, v: (B, Hkv, S_local, D) this rank's keys and values; Hkv must divide Hq (GQA/MQA).
-        communicator: a braid ``Communicator`` or a torch.distributed ProcessGroup; every rank of
+        group: a braid ``Communicator`` or a torch.distributed ProcessGroup; every rank of
             it calls ring_attention with the same shapes and options.
         causal: query position i sees key positions 0..i of the whole sequence.
         scale: softmax scale, default 1/sqrt(D).
@@ -399,7 +403,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, communicat
         kernels on GPUs that take them, by torch's fused CPU attention on the CPU, by torch
         matmuls otherwise; partial results are merged in float32 at least.
     """
-    ring = _Ring(communicator, "ring_attention")
+    ring = _Ring(group, "ring_attention")
     if not isinstance(causal, bool):
         raise TypeError(f"ring_attention: causal must be a bool, got {causal!r}")
     balanced = causal if balanced is None else _check_balanced(balanced)
@@ -421,10 +425,11 @@ class RingAttention(nn.Module):
     unmasked attention.
     """
 
-    def __init__(self, communicator: CommunicatorLike, *, balanced: Optional[bool] = None):
+    @renamed_args(communicator="group")
+    def __init__(self, group: CommunicatorLike, *, balanced: Optional[bool] = None):
         super().__init__()
-        _Ring(communicator, "RingAttention")
-        self.communicator = communicator
+        _Ring(group, "RingAttention")
+        self.communicator = group
         self.balanced = None if balanced is None else _check_balanced(balanced)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -460,29 +465,31 @@ class _RouteAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def context_parallel(communicator: CommunicatorLike, *,
+@renamed_args(communicator="group")
+def context_parallel(group: CommunicatorLike, *,
                      balanced: Optional[bool] = None) -> Iterator[RingAttention]:
     """Inside this context, ``torch.nn.functional.scaled_dot_product_attention`` runs as ring
-    attention over ``communicator``: a model whose inputs were sharded with :func:`shard`
+    attention over ``group``: a model whose inputs were sharded with :func:`shard`
     computes its attention over the whole sequence without a change to its code. Yields the
     :class:`RingAttention` used."""
-    attention = RingAttention(communicator, balanced=balanced)
+    attention = RingAttention(group, balanced=balanced)
     with _RouteAttention(attention):
         yield attention
 
 
-def parallelize(module: nn.Module, communicator: CommunicatorLike, plan: Sequence[str], *,
+@renamed_args(communicator="group")
+def parallelize(module: nn.Module, group: CommunicatorLike, plan: Sequence[str], *,
                 balanced: Optional[bool] = None) -> nn.Module:
     """Makes the attention of the submodules named in ``plan`` (``fnmatch`` patterns such as
     ``"blocks.*.attn"``) context-parallel: their ``F.scaled_dot_product_attention`` calls run as
-    ring attention over ``communicator`` (forward hooks enter and leave :func:`context_parallel`
+    ring attention over ``group`` (forward hooks enter and leave :func:`context_parallel`
     around each call). In place; returns ``module``. The model's inputs must be sharded along
     the sequence (:func:`shard`) in the layout ``balanced`` names (default: causal attention's)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize: module must be an nn.Module, got {type(module).__name__}")
     if isinstance(plan, str) or not isinstance(plan, Sequence):
         raise TypeError(f"parallelize: plan must be a sequence of submodule name patterns, got {plan!r}")
-    attention = RingAttention(communicator, balanced=balanced)
+    attention = RingAttention(group, balanced=balanced)
     names = [name for name, _ in module.named_modules() if name]
     for pattern in plan:
         matches = [name for name in names if fnmatch.fnmatchcase(name, pattern)]

@@ -28,6 +28,7 @@ from . import _C, group_carrier
 from .adaptive import Adaptive
 from .communicator import Communicator
 from .compression import COMPRESSOR_NAMES, FLOAT_DTYPES, Compressor, compressor
+from .group import renamed_args
 from .group_carrier import HostGroups
 
 # Buckets smaller than this go uncompressed: their all-reduce costs its latency, not its bytes,
@@ -50,9 +51,9 @@ class CommHookState:
     number of synchronized steps seen.
 
     Pickling and ``state_dict()`` keep the compressor state and the step but not the communicator
-    or group (live connections): after loading, set ``state.process_group`` (or its older name
-    ``state.communicator``) before the next backward. A state on the default group (None) needs
-    nothing: it finds the default group again.
+    or group (live connections): after loading, set ``state.group`` (``state.process_group``,
+    torch's hook states' name, and ``state.communicator`` are the same attribute) before the next
+    backward. A state on the default group (None) needs nothing: it finds the default group again.
 
     The compressor's warm-up counts the steps this state has run since it was built or loaded
     (``steps_here``), not the restored ``step``: a DDP built to resume from a checkpoint lays out
@@ -62,40 +63,42 @@ class CommHookState:
     were saved.
     """
 
-    def __init__(self, process_group: Carrier, compression: Optional[Compressor], min_compress_bytes: int,
+    @renamed_args(process_group="group")
+    def __init__(self, group: Carrier, compression: Optional[Compressor], min_compress_bytes: int,
                  hierarchical: bool = False, optimizer: Any = None):
         self.hierarchical = hierarchical  # a group to split by host at first use
         self.optimizer = optimizer  # a braid.optim optimizer stepped bucket by bucket, or None
-        self.process_group = process_group
+        self.group = group
         self.compression = compression
         self.min_compress_bytes = min_compress_bytes
         self.step = 0
         self.steps_here = 0
 
     @property
-    def process_group(self) -> Carrier:
-        return self._process_group
+    def group(self) -> Carrier:
+        return self._group
 
-    @process_group.setter
-    def process_group(self, value: Carrier) -> None:
-        self._process_group = value
+    @group.setter
+    def group(self, value: Carrier) -> None:
+        self._group = value
         self._detached = False
         self._carrier = value if isinstance(value, Communicator) else None  # group carriers: at first use
 
-    communicator = process_group  # the name of braid-only releases
+    process_group = group  # the name torch's hook states use (PowerSGDState.process_group)
+    communicator = group  # the name of braid-only releases
 
     def carrier(self) -> Any:
         """The braid communicator, or the group carrier, that moves the buckets."""
         if self._detached:
             raise RuntimeError("the braid comm hook state has no communicator or process group (set "
-                               "state.process_group, or state.communicator, after loading a checkpoint)")
+                               "state.group after loading a checkpoint)")
         if self._carrier is None:
-            group = self._process_group
+            group = self._group
             if self.hierarchical and not isinstance(group, HostGroups):
                 # At the first bucket of the first step: every rank of the job gets here in the
                 # same order, as host_groups (a new_group) needs.
-                group = group_carrier.host_groups(group_carrier.checked_group(group, "process_group"))
-            self._carrier = group_carrier.carrier_of(group, "process_group")
+                group = group_carrier.host_groups(group_carrier.checked_group(group, "group"))
+            self._carrier = group_carrier.carrier_of(group, "group")
         return self._carrier
 
     def decisions(self) -> dict:
@@ -127,13 +130,13 @@ class CommHookState:
             "compression": self.compression,
             "min_compress_bytes": self.min_compress_bytes,
             "step": self.step,
-            "default_group": self._process_group is None,
+            "default_group": self._group is None,
             "hierarchical": self.hierarchical,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.hierarchical = state.get("hierarchical", False)
-        self.process_group = None
+        self.group = None
         self._detached = not state.get("default_group", False)
         self.compression = state["compression"]
         self.min_compress_bytes = state["min_compress_bytes"]
@@ -185,8 +188,9 @@ def _step_bucket(optimizer: Any, bucket: dist.GradBucket, done: torch.futures.Fu
     return reduced
 
 
+@renamed_args(process_group="group")
 def comm_hook(
-    process_group: Carrier = None,
+    group: Carrier = None,
     compression: Union[Compressor, str, None] = None,
     *,
     min_compress_bytes: Optional[int] = None,
@@ -196,7 +200,7 @@ def comm_hook(
     """Returns ``(state, hook)`` for ``model.register_comm_hook(state, hook)``.
 
     Args:
-        process_group: what carries the buckets, over the DDP ranks (same ranks, same order): a
+        group: what carries the buckets, over the DDP ranks (same ranks, same order): a
             braid ``Communicator`` (CPU), a torch ``ProcessGroup`` (NCCL for CUDA models, gloo or
             braid's c10d backend on CPU; braid compresses on the bucket's device and the group
             moves the bytes), ``None`` for the default group, or a ``HostGroups``. ``None`` is
@@ -226,17 +230,17 @@ def comm_hook(
     """
     if not isinstance(hierarchical, bool):
         raise TypeError(f"hierarchical must be a bool, got {hierarchical!r}")
-    if not isinstance(process_group, (Communicator, dist.ProcessGroup, HostGroups, int, type(None))):
-        raise TypeError("process_group must be a braid.comm.Communicator, a torch.distributed.ProcessGroup, "
-                        f"a HostGroups or None (the default group), got {type(process_group).__name__}")
-    if isinstance(process_group, Communicator):
+    if not isinstance(group, (Communicator, dist.ProcessGroup, HostGroups, int, type(None))):
+        raise TypeError("group must be a braid.comm.Communicator, a torch.distributed.ProcessGroup, "
+                        f"a HostGroups or None (the default group), got {type(group).__name__}")
+    if isinstance(group, Communicator):
         if hierarchical:
             raise ValueError("hierarchical=True applies to torch process groups: a braid Communicator whose "
                              "ranks span hosts is already exact on each host and compressed between hosts")
-    elif process_group is not None and not isinstance(process_group, HostGroups):
-        group_carrier.checked_group(process_group, "process_group")  # a member of it
+    elif group is not None and not isinstance(group, HostGroups):
+        group_carrier.checked_group(group, "group")  # a member of it
         if hierarchical:
-            process_group = group_carrier.host_groups(process_group)
+            group = group_carrier.host_groups(group)
     if compression == "auto":
         compression = Adaptive()
     elif isinstance(compression, str) and compression not in COMPRESSOR_NAMES:
@@ -263,5 +267,5 @@ def comm_hook(
             raise TypeError("optimizer must be a braid.optim optimizer (Adam, AdamW, SGD: they step one "
                             f"parameter at a time), got {type(optimizer).__name__}")
         optimizer.stepped_by = "braid's DDP comm hook"
-    lazy_split = hierarchical and process_group is None
-    return CommHookState(process_group, compression, min_compress_bytes, lazy_split, optimizer), braid_hook
+    lazy_split = hierarchical and group is None
+    return CommHookState(group, compression, min_compress_bytes, lazy_split, optimizer), braid_hook

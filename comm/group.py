@@ -21,7 +21,9 @@ Collectives of one group must be issued in the same order on every rank, as torc
 from __future__ import annotations
 
 import abc
+import functools
 import threading
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
@@ -562,6 +564,29 @@ def adapter(group: dist.ProcessGroup) -> ProcessGroupAdapter:
     if found is None:
         found = _ADAPTERS[group] = ProcessGroupAdapter(group)
     return found
+
+
+def renamed_args(**renames: str) -> Callable:
+    """Keeps keyword arguments that were renamed working: each old name (a keyword of
+    ``renames``) reaches the function as its new name (the value), with a DeprecationWarning;
+    both names at once is a TypeError. The layers' group argument is ``group=`` everywhere; it
+    was ``communicator=`` (tp, cp, fsdp) and ``process_group=`` (the DDP hook)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__qualname__}() got both {old}= and {new}=: pass {new}= only")
+                    warnings.warn(f"{fn.__qualname__}(): {old}= is now {new}=", DeprecationWarning,
+                                  stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def as_group(group: Any, arg: str = "group", where: Optional[str] = None) -> Group:

@@ -245,7 +245,7 @@ class Manager:
         """Used by ``ft.DistributedDataParallel``: the hook state whose carrier is set to each
         epoch's communicator, and a call made when an epoch takes in a replica (before its first
         step)."""
-        hook_state.process_group = self._comm
+        hook_state.group = self._comm
         self.hook_state = hook_state
         self._on_new_members.append(on_new_members)
 
@@ -332,7 +332,7 @@ class Manager:
             self._comm = comm
             break
         if self.hook_state is not None:
-            self.hook_state.process_group = comm
+            self.hook_state.group = comm
         if epoch.receivers():
             for fn in self._on_new_members:
                 fn()

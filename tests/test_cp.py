@@ -234,7 +234,7 @@ def test_one_rank_and_bad_arguments():
         assert torch.equal(cp.shard_indices(6, c, balanced=True), torch.arange(6))
         x = torch.ones(1, 2, 4, 8)
         bad = [
-            (lambda: cp.ring_attention(x, x, x, object()), TypeError, "communicator must be a braid"),
+            (lambda: cp.ring_attention(x, x, x, object()), TypeError, "group must be a braid"),
             (lambda: cp.ring_attention(x[0], x, x, c), ValueError, "q must be 4-D"),
             (lambda: cp.ring_attention(x, x.double(), x, c), ValueError, "share dtype and device"),
             (lambda: cp.ring_attention(x.long(), x.long(), x.long(), c), TypeError, "floating point"),

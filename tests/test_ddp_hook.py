@@ -281,13 +281,13 @@ def test_comm_hook_arguments_validated():
     from braid.comm import Communicator, Int8Quantizer, ddp
     from torch.distributed import HashStore
 
-    with pytest.raises(TypeError, match="process_group must be a braid.comm.Communicator"):
+    with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
         ddp.comm_hook(object())
     with Communicator(HashStore(), 0, 1) as c:
         state = ddp.CommHookState(c, Int8Quantizer(), 0)
         restored = pickle.loads(pickle.dumps(state))
     assert restored.communicator is None and restored.compression is not None
-    with pytest.raises(RuntimeError, match="set state.process_group, or state.communicator"):
+    with pytest.raises(RuntimeError, match="set state.group after loading"):
         ddp.braid_hook(restored, None)
     # On the default group (None) a restored state finds the group again: nothing to set.
     assert pickle.loads(pickle.dumps(ddp.CommHookState(None, Int8Quantizer(), 0)))._detached is False

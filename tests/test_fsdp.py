@@ -1017,7 +1017,7 @@ def test_bad_arguments_name_themselves():
         fsdp.shard(model, c, reshard_after_forward=1)
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         fsdp.shard("model", c)
-    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
+    with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
         fsdp.shard(model, object())
     with pytest.raises(ValueError, match=r"units\[1\] \(Linear\) is not a submodule"):
         fsdp.shard(model, c, units=[model.embed, nn.Linear(2, 2)])
@@ -1051,7 +1051,7 @@ def test_bad_arguments_name_themselves():
         fsdp.shard(model, c, hierarchical="host")
     # Nothing above touched the model: it still has its parameters.
     assert len(list(model.parameters())) == len(list(_model().parameters()))
-    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
+    with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
         fsdp.fsdp2_comms(object())
     with pytest.raises(ValueError, match="no fully_shard module"):
         fsdp.use_braid_comms(model, c)

@@ -20,7 +20,7 @@ from braid.bench.models import BLOCK_PLAN, Block, LanguageModel
 from braid.comm import fsdp, tp
 from braid.comm.build_info import is_cuda_build
 from braid.comm.group import DefaultGroup, Group, ProcessGroupAdapter, as_group, check_device
-from helpers.ranks import carrier, make_comm, process_group, run_ranks
+from helpers.ranks import carrier, make_comm, new_store_path, process_group, run_ranks
 from torch import nn
 
 
@@ -149,7 +149,7 @@ def _device_refusals(rank, world_size, store_path):
         g._backends = {"cuda": "nccl"}  # what an NCCL group reports
         messages = []
         for build in (lambda: fsdp.shard(nn.Linear(4, 4), g),
-                      lambda: tp.ColumnParallelLinear(4, 4, communicator=g)):
+                      lambda: tp.ColumnParallelLinear(4, 4, group=g)):
             try:
                 build()
                 messages.append("no error")
@@ -278,3 +278,30 @@ def test_zero_on_cuda_parameters(kind, stage, mixed):
 def test_tp_and_zero_over_nccl():
     assert run_ranks(_tp_on_gpu, 2, "nccl", False) == ["cuda", "cuda"]
     run_ranks(_zero_on_gpu, 2, "nccl", 3, False)
+
+
+def test_old_names_of_the_group_argument_still_work_with_a_warning():
+    """The layers take their group as ``group=``; ``communicator=`` (tp, cp, fsdp) and
+    ``process_group=`` (the DDP hook) still work, with a DeprecationWarning; both at once is a
+    TypeError. Positional calls are unchanged."""
+    from braid.comm import cp, ddp
+
+    c = make_comm(0, 1, new_store_path())
+    try:
+        warning = r"ColumnParallelLinear.__init__\(\): communicator= is now group="
+        with pytest.warns(DeprecationWarning, match=warning):
+            old = tp.ColumnParallelLinear(4, 6, communicator=c)
+        new = tp.ColumnParallelLinear(4, 6, group=c)
+        assert old.weight.shape == new.weight.shape == (6, 4)
+        with pytest.raises(TypeError, match="got both communicator= and group="):
+            tp.ColumnParallelLinear(4, 6, communicator=c, group=c)
+        with pytest.warns(DeprecationWarning, match="communicator= is now group="):
+            idx = cp.shard_indices(8, communicator=c, balanced=False)
+        assert torch.equal(idx, cp.shard_indices(8, c, balanced=False))
+        with pytest.warns(DeprecationWarning, match="communicator= is now group="):
+            fsdp.shard(nn.Linear(3, 3), communicator=c)
+        with pytest.warns(DeprecationWarning, match=r"comm_hook\(\): process_group= is now group="):
+            state, _ = ddp.comm_hook(process_group=c)
+        assert state.group is c and state.process_group is c and state.communicator is c
+    finally:
+        c.close()

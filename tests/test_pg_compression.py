@@ -249,7 +249,7 @@ def bad_group_arguments(rank, n, store_path):
                                                                            hierarchical=True))
         seen["compression name"] = outcome(ddp.comm_hook, None, "int9")
         seen["compression name's case"] = outcome(ddp.comm_hook, None, "Auto")
-        seen["process_group type"] = outcome(ddp.comm_hook, "gloo")
+        seen["group type"] = outcome(ddp.comm_hook, "gloo")
         seen["op"] = outcome(q.all_reduce, None, torch.ones(4), "max")
         dist.barrier()
     return seen
@@ -258,7 +258,7 @@ def bad_group_arguments(rank, n, store_path):
 def test_bad_arguments_over_groups_are_named():
     results = run_ranks(bad_group_arguments, 3)
     expect = {
-        "hook, not a member": ("ValueError", "process_group: this rank"),
+        "hook, not a member": ("ValueError", "group: this rank"),
         "all_reduce, not a member": ("ValueError", "comm: this rank"),
         "wrong size": ("ValueError", "intra.size() * inter.size() must equal group.size() (3)"),
         "uneven hosts": ("ValueError", "same number of ranks on every host, got hosts of [2, 1] ranks"),
@@ -266,7 +266,7 @@ def test_bad_arguments_over_groups_are_named():
         "hierarchical communicator": ("ValueError", "hierarchical=True applies to torch process groups"),
         "compression name": ("ValueError", "compression must be one of 'auto', 'int8'"),
         "compression name's case": ("ValueError", "compression must be one of 'auto', 'int8'"),
-        "process_group type": ("TypeError", "process_group must be a braid.comm.Communicator"),
+        "group type": ("TypeError", "group must be a braid.comm.Communicator"),
         "op": ("ValueError", "op 'sum' or 'avg'"),
     }
     for rank, seen in enumerate(results):
@@ -282,7 +282,7 @@ def test_default_group_is_looked_up_at_the_first_bucket():
     """A hook state on the default group can be built before init_process_group (Lightning builds
     its ddp_comm_state first); the first bucket without torch.distributed names the problem."""
     state, hook = ddp.comm_hook(None, comm.Int8Quantizer())
-    with pytest.raises(ValueError, match="process_group is None .* not initialized"):
+    with pytest.raises(ValueError, match="group is None .* not initialized"):
         state.carrier()
 
 

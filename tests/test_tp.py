@@ -262,7 +262,7 @@ def _run_overlap(c, rank, world_size, sequence_parallel):
     input-gradient product)."""
     log: list = []
     c = _RecordingComm(as_group(c), log)
-    layer = tp.ColumnParallelLinear(8, 8, communicator=c, sequence_parallel=sequence_parallel)
+    layer = tp.ColumnParallelLinear(8, 8, group=c, sequence_parallel=sequence_parallel)
     x = torch.randn(2, 4, 8, requires_grad=True)
     y = layer(x)
     del log[:]
@@ -350,21 +350,21 @@ def _fake_comm(world_size: int, rank: int = 0):
 def test_indivisible_dimensions_raise_value_error_naming_them():
     c = _fake_comm(3)
     with pytest.raises(ValueError, match="out_features=8 does not divide evenly by the world size 3"):
-        tp.ColumnParallelLinear(6, 8, communicator=c)
+        tp.ColumnParallelLinear(6, 8, group=c)
     with pytest.raises(ValueError, match="in_features=10 does not divide"):
-        tp.RowParallelLinear(10, 6, communicator=c)
+        tp.RowParallelLinear(10, 6, group=c)
     with pytest.raises(ValueError, match="num_embeddings=10 does not divide"):
-        tp.VocabParallelEmbedding(10, 6, communicator=c)
+        tp.VocabParallelEmbedding(10, 6, group=c)
     with pytest.raises(ValueError, match="out_features must be a positive int"):
-        tp.ColumnParallelLinear(6, 0, communicator=c)
+        tp.ColumnParallelLinear(6, 0, group=c)
     with pytest.raises(ValueError, match="sequence_parallel requires input_is_parallel"):
-        tp.RowParallelLinear(6, 6, communicator=c, input_is_parallel=False, sequence_parallel=True)
-    with pytest.raises(TypeError, match="communicator must be a braid.comm.Communicator"):
-        tp.ColumnParallelLinear(6, 6, communicator=object())
+        tp.RowParallelLinear(6, 6, group=c, input_is_parallel=False, sequence_parallel=True)
+    with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
+        tp.ColumnParallelLinear(6, 6, group=object())
     with pytest.raises(TypeError, match="sequence_dim must be an int, got 'x'"):
-        tp.ColumnParallelLinear(6, 6, communicator=c, sequence_parallel=True, sequence_dim="x")
+        tp.ColumnParallelLinear(6, 6, group=c, sequence_parallel=True, sequence_dim="x")
     with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
-        tp.RowParallelLinear(6, 6, communicator=c, sequence_parallel="yes")
+        tp.RowParallelLinear(6, 6, group=c, sequence_parallel="yes")
     with pytest.raises(TypeError, match="dim must be an int, got 1.5"):
         tp.gather_from_region(torch.ones(2, 2), c, dim=1.5)
 
@@ -386,13 +386,13 @@ def test_plan_errors_name_the_entry():
 
 def test_sequence_length_must_divide():
     c = _fake_comm(2)
-    layer = tp.RowParallelLinear(4, 4, communicator=c, sequence_parallel=True, sequence_dim=1)
+    layer = tp.RowParallelLinear(4, 4, group=c, sequence_parallel=True, sequence_dim=1)
     with pytest.raises(ValueError, match=r"dimension 1 of size 3 \(shape \(2, 3, 4\)\) does not divide"):
         layer(torch.randn(2, 3, 2))
 
 
 def test_embedding_rejects_out_of_range_ids():
-    emb = tp.VocabParallelEmbedding(8, 2, communicator=_fake_comm(1))
+    emb = tp.VocabParallelEmbedding(8, 2, group=_fake_comm(1))
     with pytest.raises(IndexError, match=r"ids must be in \[0, 8\)"):
         emb(torch.tensor([0, 8]))
 
@@ -404,8 +404,8 @@ def test_init_matches_dense_layers_from_the_same_seed(world_size):
     for rank in range(world_size):
         c = _fake_comm(world_size, rank)
         torch.manual_seed(5)
-        col, row = tp.ColumnParallelLinear(8, 12, communicator=c), tp.RowParallelLinear(12, 8, communicator=c)
-        emb = tp.VocabParallelEmbedding(16, 4, communicator=c, padding_idx=3)
+        col, row = tp.ColumnParallelLinear(8, 12, group=c), tp.RowParallelLinear(12, 8, group=c)
+        emb = tp.VocabParallelEmbedding(16, 4, group=c, padding_idx=3)
         torch.manual_seed(5)
         dcol, drow, demb = nn.Linear(8, 12), nn.Linear(12, 8), nn.Embedding(16, 4, padding_idx=3)
         assert torch.equal(col.weight, _shard_of(dcol.weight, 0, c))

@@ -44,7 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from ..adaptive import Adaptive
 from ..compression import BlockQuantizer
-from ..group import adapter, as_group, check_device
+from ..group import adapter, as_group, check_device, renamed_args
 from ..vocabulary import AVG, WIRE_DTYPES, op_code
 from .schedule import QUANTIZABLE
 
@@ -141,9 +141,10 @@ class _BraidComm:
     """What both collectives share: the group (None: FSDP2's own, per call), the compression (a
     block quantizer or None) and plain buffers."""
 
-    def __init__(self, communicator: Any = None, compression: Any = None):
+    @renamed_args(communicator="group")
+    def __init__(self, group: Any = None, compression: Any = None):
         what = type(self).__name__
-        self.communicator = None if communicator is None else as_group(communicator, "communicator", what)
+        self.communicator = None if group is None else as_group(group, "group", what)
         if compression is not None and not isinstance(compression, BlockQuantizer):
             raise TypeError(f"{what}: compression must be None or a block quantizer (braid.comm."
                             f"Int8Quantizer, Int4Quantizer or FP8Quantizer), got "
@@ -259,9 +260,10 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
         return None
 
 
-def fsdp2_comms(communicator: Any = None, *, param_compression: Any = None,
+@renamed_args(communicator="group")
+def fsdp2_comms(group: Any = None, *, param_compression: Any = None,
                 grad_compression: Any = None) -> tuple[BraidAllGather, BraidReduceScatter]:
-    """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``communicator``:
+    """The (all_gather, reduce_scatter) pair that makes FSDP2 move its bytes through ``group``:
     a braid Communicator, any torch ProcessGroup, or None (each call runs on the group FSDP2 hands
     it, through braid's group interface).
 
@@ -294,11 +296,12 @@ def fsdp2_comms(communicator: Any = None, *, param_compression: Any = None,
         raise ValueError("grad_compression: FSDP2's reduce-scatters carry no identity of their module, so "
                          "braid keeps no error-feedback residual for them: pass a quantizer with "
                          "error_feedback=False (braid's own fsdp.shard keeps residuals per bucket)")
-    return (BraidAllGather(communicator, param_compression),
-            BraidReduceScatter(communicator, grad_compression))
+    return (BraidAllGather(group, param_compression),
+            BraidReduceScatter(group, grad_compression))
 
 
-def use_braid_comms(module: torch.nn.Module, communicator: Any = None, *, param_compression: Any = None,
+@renamed_args(communicator="group")
+def use_braid_comms(module: torch.nn.Module, group: Any = None, *, param_compression: Any = None,
                     grad_compression: Any = None) -> int:
     """Installs braid's collectives on every ``fully_shard`` module inside ``module`` (itself
     included); returns how many were set. Call after ``fully_shard``, before the first forward.
@@ -307,7 +310,7 @@ def use_braid_comms(module: torch.nn.Module, communicator: Any = None, *, param_
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    all_gather, reduce_scatter = fsdp2_comms(communicator, param_compression=param_compression,
+    all_gather, reduce_scatter = fsdp2_comms(group, param_compression=param_compression,
                                              grad_compression=grad_compression)
     count = 0
     for m in module.modules():

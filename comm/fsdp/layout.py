@@ -192,7 +192,7 @@ def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int, align: 
     return Bucket(slots, dtype, trainable, padded, padded // n)
 
 
-def fill(b: Bucket, communicator: Any, keep_full: bool, device: torch.device) -> None:
+def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device) -> None:
     """Copies the parameters into the bucket (rank 0's values, as DDP), cuts this rank's shard and
     takes the parameters off their modules. With ``keep_full`` (stages 1 and 2) the shard is a
     slice of the full tensor, so an optimizer updates the full parameters' slice in place and the
@@ -203,8 +203,8 @@ def fill(b: Bucket, communicator: Any, keep_full: bool, device: torch.device) ->
         for s in b.slots:
             full[s.offset:s.offset + s.numel].copy_(s.param.reshape(-1))
             s.param = None
-    communicator.broadcast(wire(full), 0)
-    lo = communicator.rank * b.shard_numel
+    group.broadcast(wire(full), 0)
+    lo = group.rank * b.shard_numel
     same = b.compute_dtype == b.dtype
     shard = full[lo:lo + b.shard_numel] if keep_full and same else full[lo:lo + b.shard_numel].clone()
     b.shard = nn.Parameter(shard, requires_grad=b.trainable)

@@ -108,15 +108,15 @@ class Schedule:
     ``no_sync()``; ``pending`` holds (bucket, work, reduced, gradient) per reduce-scatter not yet
     added to its shard's gradient."""
 
-    def __init__(self, communicator: Any, stage: int, prefetch: int, reshard_after_forward: bool,
+    def __init__(self, group: Any, stage: int, prefetch: int, reshard_after_forward: bool,
                  units: list, root: Optional[Unit], device: torch.device, param_compression: Any = None,
                  grad_compression: Any = None, hosts: Any = None):
-        self.communicator = communicator
+        self.communicator = group
         # hpZ: the group of this rank's host, which the backward's gathers use.
         hpz = hosts is not None and stage == 3 and reshard_after_forward
         self.intra = as_group(hosts.intra.group, "hierarchical") if hpz else None
         # Hierarchical qgZ: gradients summed exactly inside the host, quantized across hosts.
-        self.layout = (HostLayout(hosts, communicator, device)
+        self.layout = (HostLayout(hosts, group, device)
                        if hosts is not None and grad_compression is not None else None)
         self.hosts = hosts if self.layout is not None else None
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..adaptive import COLLECTIVE_CANDIDATES, EXACT, REDUCE_SCATTER, Adaptive
 from ..compression import BlockQuantizer
-from ..group import as_group, check_device
+from ..group import as_group, check_device, renamed_args
 from ..group_carrier import HostGroups, resolve_hosts
 from ..wire import WireStats
 from ..vocabulary import WIRE_DTYPES
@@ -184,28 +184,29 @@ class ShardedModule(nn.Module):
     gradients in place. The wrapped module stays reachable as ``wrapper.module``.
     """
 
-    def __init__(self, module: nn.Module, communicator: Any = None, *, stage: int = 3,
+    @renamed_args(communicator="group")
+    def __init__(self, module: nn.Module, group: Any = None, *, stage: int = 3,
                  bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
                  units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
                  param_compression: Any = None, grad_compression: Any = None,
                  hierarchical: Union[bool, HostGroups] = False):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
         _check_compression(param_compression, grad_compression, stage)
-        communicator = as_group(communicator, "communicator", "shard")
-        hosts = _hosts_of(hierarchical, communicator, stage, reshard_after_forward, grad_compression)
+        group = as_group(group, "group", "shard")
+        hosts = _hosts_of(hierarchical, group, stage, reshard_after_forward, grad_compression)
         policy = MixedPrecision.of(mp_policy)
         super().__init__()
         self.mp_policy = policy
         self.param_compression = param_compression
         self.grad_compression = grad_compression
         self.module = module
-        self.communicator = communicator
+        self.communicator = group
         self.stage = stage
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
-        self._schedule = Schedule(communicator, stage, prefetch, reshard_after_forward, units, root,
+        self._schedule = Schedule(group, stage, prefetch, reshard_after_forward, units, root,
                                   self.device, param_compression, grad_compression, hosts)
         self._schedule.install()
 
@@ -435,12 +436,13 @@ class ShardedModule(nn.Module):
         return [u.name for u in self._schedule.units]
 
 
-def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
+@renamed_args(communicator="group")
+def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb: float = 25,
           reshard_after_forward: bool = True, prefetch: int = 1,
           units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
           param_compression: Any = None, grad_compression: Any = None,
           hierarchical: Union[bool, HostGroups] = False) -> ShardedModule:
-    """Wraps ``module`` for sharded data-parallel training on ``communicator`` (ZeRO ``stage`` 1,
+    """Wraps ``module`` for sharded data-parallel training on ``group`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
 
     Args:
@@ -448,7 +450,7 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
             built with CUDA, gloo through host memory), the same architecture on every rank;
             rank 0's parameters and buffers are broadcast to the others (as DDP). Flat buffers,
             shards and gradients live on that device.
-        communicator: the data-parallel group: a ``braid.comm.Communicator``, any
+        group: the data-parallel group: a ``braid.comm.Communicator``, any
             ``torch.distributed.ProcessGroup``, or None (the default process group).
         stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
         bucket_cap_mb: largest flat bucket (MiB); one collective per bucket.
@@ -501,7 +503,7 @@ def shard(module: nn.Module, communicator: Any = None, *, stage: int = 3, bucket
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     """
-    return ShardedModule(module, communicator, stage=stage, bucket_cap_mb=bucket_cap_mb,
+    return ShardedModule(module, group, stage=stage, bucket_cap_mb=bucket_cap_mb,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
                          mp_policy=mp_policy, param_compression=param_compression,
                          grad_compression=grad_compression, hierarchical=hierarchical)

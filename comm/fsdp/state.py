@@ -16,7 +16,7 @@ def slots_by_key(buckets: Iterable) -> dict:
     return {key: (b, s) for b in buckets for s in b.slots for key in s.keys}
 
 
-def full_state_dict(buckets: list, communicator: Any, module: nn.Module, keys: list, keep: bool) -> dict:
+def full_state_dict(buckets: list, group: Any, module: nn.Module, keys: list, keep: bool) -> dict:
     """The unwrapped module's ``state_dict()`` with full tensors (copies), every bucket
     all-gathered from the shards (a collective); an empty dict unless ``keep``."""
     by_bucket: dict[int, dict] = {}
@@ -27,7 +27,7 @@ def full_state_dict(buckets: list, communicator: Any, module: nn.Module, keys: l
         # From the shards, whatever the stage: they are the state (the full buffers of
         # stages 1 and 2 may not have seen the latest step yet).
         flat = torch.empty(b.padded, dtype=b.dtype, device=b.shard.device)
-        communicator.all_gather(wire(flat), wire(b.shard.detach()))
+        group.all_gather(wire(flat), wire(b.shard.detach()))
         if keep:
             for key, s in by_bucket.get(id(b), {}).items():
                 values[key] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()

@@ -1,8 +1,8 @@
 """braid.comm.tp: tensor-parallel layers and regions on braid collectives (Megatron style).
 
     from braid.comm import tp
-    up = tp.ColumnParallelLinear(d, 4 * d, communicator=c)      # weight split by output features
-    down = tp.RowParallelLinear(4 * d, d, communicator=c)       # split by input features, all-reduced
+    up = tp.ColumnParallelLinear(d, 4 * d, group=c)      # weight split by output features
+    down = tp.RowParallelLinear(4 * d, d, group=c)       # split by input features, all-reduced
     model = tp.parallelize(model, c, {"mlp.up": "colwise", "mlp.down": "rowwise"})
 
 The group may be a braid Communicator ``c``, any torch.distributed ProcessGroup (an NCCL group on

@@ -8,7 +8,7 @@ parallelism the activations outside the pair are split along the sequence: the c
 all-gathers its input and the row layer reduce-scatters its output instead.
 
 Every layer is a collective: all ranks of the group run the same layers in the same order. The group
-(``communicator``) is a braid Communicator, any torch.distributed ProcessGroup (NCCL, gloo, braid's
+(``group``) is a braid Communicator, any torch.distributed ProcessGroup (NCCL, gloo, braid's
 backend, a DeviceMesh dimension's group) or None, the default group (comm/group.py); weights and
 activations may be on any device the group serves (CUDA tensors over NCCL, say).
 """
@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..group import as_group, check_device
+from ..group import as_group, check_device, renamed_args
 from .regions import (all_gather, all_reduce, gather_from_region, reduce_from_region, reduce_scatter,
                       reduce_scatter_to_sequence_region, scatter_to_region, split)
 
@@ -36,13 +36,13 @@ def _shard_size(size: int, world_size: int, name: str, layer: str) -> int:
     return size // world_size
 
 
-def _dense_source(tensor: torch.Tensor, communicator: Any, src: Optional[int]) -> torch.Tensor:
+def _dense_source(tensor: torch.Tensor, group: Any, src: Optional[int]) -> torch.Tensor:
     """The dense tensor every rank slices: rank ``src``'s copy (broadcast), or each rank's own."""
     t = tensor.detach()
-    if src is None or communicator.world_size == 1:
+    if src is None or group.world_size == 1:
         return t
     t = t.clone(memory_format=torch.contiguous_format)
-    communicator.broadcast(t, src)
+    group.broadcast(t, src)
     return t
 
 
@@ -55,11 +55,11 @@ class _ColumnParallelLinearFn(Function):
     along the sequence) runs on braid's progress thread while the weight gradient is computed."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, communicator, sequence_parallel, sequence_dim):
-        ctx.communicator = communicator
+    def forward(ctx, x, weight, bias, group, sequence_parallel, sequence_dim):
+        ctx.communicator = group
         ctx.sequence_parallel, ctx.sequence_dim = sequence_parallel, sequence_dim
         ctx.has_bias = bias is not None
-        total = all_gather(x, sequence_dim, communicator, what="ColumnParallelLinear input") \
+        total = all_gather(x, sequence_dim, group, what="ColumnParallelLinear input") \
             if sequence_parallel else x
         # With sequence parallelism only the local slice is kept for the backward, which gathers
         # it again: memory for activations stays 1/N, and that gather overlaps a matmul there.
@@ -95,16 +95,16 @@ class _RowParallelLinearFn(Function):
     first and the bias gradient (each rank saw only its slice of the sequence) summed over ranks."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, communicator, sequence_parallel, sequence_dim):
-        ctx.communicator = communicator
+    def forward(ctx, x, weight, bias, group, sequence_parallel, sequence_dim):
+        ctx.communicator = group
         ctx.sequence_parallel, ctx.sequence_dim = sequence_parallel, sequence_dim
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         partial = F.linear(x, weight)  # a fresh tensor: reduced in place
         if sequence_parallel:
-            out = reduce_scatter(partial, sequence_dim, communicator, what="RowParallelLinear output")
+            out = reduce_scatter(partial, sequence_dim, group, what="RowParallelLinear output")
         else:
-            out = all_reduce(partial, communicator)
+            out = all_reduce(partial, group)
         return out.add_(bias) if bias is not None else out
 
     @staticmethod
@@ -133,13 +133,13 @@ class _ParallelLinear(nn.Module):
     # The weight dimension that is split over ranks: 0 (output features) or 1 (input features).
     split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool,
+    def __init__(self, in_features: int, out_features: int, *, group: Any = None, bias: bool,
                  sequence_parallel: bool, sequence_dim: int,
                  device: Optional[torch.device], dtype: Optional[torch.dtype]):
         super().__init__()
         name = type(self).__name__
-        communicator = as_group(communicator, "communicator", name)
-        world = communicator.world_size
+        group = as_group(group, "group", name)
+        world = group.world_size
         self.in_features = in_features
         self.out_features = out_features
         out_local, in_local = out_features, in_features
@@ -149,7 +149,7 @@ class _ParallelLinear(nn.Module):
         else:
             in_local = _shard_size(in_features, world, "in_features", name)
             _shard_size(out_features, 1, "out_features", name)
-        self.communicator = communicator
+        self.communicator = group
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"{name}: sequence_parallel must be a bool, got {sequence_parallel!r}")
         if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
@@ -179,8 +179,9 @@ class _ParallelLinear(nn.Module):
                 self.bias.copy_(split(bias, 0, self.communicator) if self.split_dim == 0 else bias)
 
     @classmethod
-    def from_dense(cls, layer: nn.Linear, communicator: Any = None, *, src: Optional[int] = 0, **options):
-        """Shards an existing ``nn.Linear`` (e.g. of a pretrained model) over ``communicator``.
+    @renamed_args(communicator="group")
+    def from_dense(cls, layer: nn.Linear, group: Any = None, *, src: Optional[int] = 0, **options):
+        """Shards an existing ``nn.Linear`` (e.g. of a pretrained model) over ``group``.
 
         Every rank calls it. With ``src`` (default 0) rank ``src``'s weights are broadcast first,
         so every rank slices the same matrix; ``src=None`` slices each rank's own copy, which must
@@ -190,7 +191,7 @@ class _ParallelLinear(nn.Module):
             raise TypeError(f"{cls.__name__}.from_dense: layer must be an nn.Linear, "
                             f"got {type(layer).__name__}")
         sharded = torch.nn.utils.skip_init(
-            cls, layer.in_features, layer.out_features, communicator=communicator,
+            cls, layer.in_features, layer.out_features, group=group,
             bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype, **options)
         sharded._load_dense(layer, src)
         sharded.weight.requires_grad_(layer.weight.requires_grad)
@@ -220,7 +221,7 @@ class ColumnParallelLinear(_ParallelLinear):
     Args:
         in_features, out_features: the whole layer's sizes; ``out_features`` must divide by the
             world size.
-        communicator: the tensor-parallel group: a ``braid.comm.Communicator``, a
+        group: the tensor-parallel group: a ``braid.comm.Communicator``, a
             ``torch.distributed.ProcessGroup`` or None (the default group).
         bias: whether to learn a bias (split like the output features).
         gather_output: all-gather the output so every rank holds all ``out_features`` (otherwise
@@ -238,11 +239,12 @@ class ColumnParallelLinear(_ParallelLinear):
 
     split_dim = 0
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool = True,
+    @renamed_args(communicator="group")
+    def __init__(self, in_features: int, out_features: int, *, group: Any = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         self.gather_output = bool(gather_output)
-        super().__init__(in_features, out_features, communicator=communicator, bias=bias,
+        super().__init__(in_features, out_features, group=group, bias=bias,
                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                          device=device, dtype=dtype)
 
@@ -263,7 +265,7 @@ class RowParallelLinear(_ParallelLinear):
     Args:
         in_features, out_features: the whole layer's sizes; ``in_features`` must divide by the
             world size.
-        communicator: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
+        group: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
         bias: whether to learn a bias (whole on every rank, added once after the reduction).
         input_is_parallel: the input is already this rank's slice of the last dimension (the
             output of a column-parallel layer); otherwise the whole input is given and sliced here.
@@ -276,13 +278,14 @@ class RowParallelLinear(_ParallelLinear):
 
     split_dim = 1
 
-    def __init__(self, in_features: int, out_features: int, *, communicator: Any = None, bias: bool = True,
+    @renamed_args(communicator="group")
+    def __init__(self, in_features: int, out_features: int, *, group: Any = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
         self.input_is_parallel = bool(input_is_parallel)
-        super().__init__(in_features, out_features, communicator=communicator, bias=bias,
+        super().__init__(in_features, out_features, group=group, bias=bias,
                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                          device=device, dtype=dtype)
 
@@ -308,7 +311,7 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings, embedding_dim: the whole table's sizes; ``num_embeddings`` must divide by
             the world size.
-        communicator: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
+        group: the tensor-parallel group (as for :class:`ColumnParallelLinear`).
         padding_idx: as for ``nn.Embedding`` (that row gets no gradient).
         sequence_parallel, sequence_dim: reduce-scatter the output along ``sequence_dim``.
         device, dtype: as for ``nn.Embedding``.
@@ -316,14 +319,15 @@ class VocabParallelEmbedding(nn.Module):
     ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` of ``nn.Embedding`` are not supported.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, communicator: Any = None,
+    @renamed_args(communicator="group")
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Any = None,
                  padding_idx: Optional[int] = None, sequence_parallel: bool = False,
                  sequence_dim: int = 1, device: Optional[torch.device] = None,
                  dtype: Optional[torch.dtype] = None):
         super().__init__()
         name = type(self).__name__
-        communicator = as_group(communicator, "communicator", name)
-        per_rank = _shard_size(num_embeddings, communicator.world_size, "num_embeddings", name)
+        group = as_group(group, "group", name)
+        per_rank = _shard_size(num_embeddings, group.world_size, "num_embeddings", name)
         _shard_size(embedding_dim, 1, "embedding_dim", name)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -332,10 +336,10 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.communicator = communicator
+        self.communicator = group
         self.sequence_parallel = bool(sequence_parallel)
         self.sequence_dim = sequence_dim
-        self.vocab_start = communicator.rank * per_rank
+        self.vocab_start = group.rank * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
@@ -387,9 +391,10 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_region(out, self.communicator)
 
     @classmethod
-    def from_dense(cls, layer: nn.Embedding, communicator: Any = None, *, src: Optional[int] = 0,
+    @renamed_args(communicator="group")
+    def from_dense(cls, layer: nn.Embedding, group: Any = None, *, src: Optional[int] = 0,
                    **options) -> "VocabParallelEmbedding":
-        """Shards an existing ``nn.Embedding`` over ``communicator`` (every rank calls it); ``src``
+        """Shards an existing ``nn.Embedding`` over ``group`` (every rank calls it); ``src``
         as in :meth:`ColumnParallelLinear.from_dense`."""
         if not isinstance(layer, nn.Embedding):
             raise TypeError(f"{cls.__name__}.from_dense: layer must be an nn.Embedding, "
@@ -399,7 +404,7 @@ class VocabParallelEmbedding(nn.Module):
                 raise ValueError(f"{cls.__name__}.from_dense: {attr}={getattr(layer, attr)!r} is not "
                                  "supported")
         sharded = torch.nn.utils.skip_init(
-            cls, layer.num_embeddings, layer.embedding_dim, communicator=communicator,
+            cls, layer.num_embeddings, layer.embedding_dim, group=group,
             padding_idx=layer.padding_idx, device=layer.weight.device, dtype=layer.weight.dtype, **options)
         sharded._load_dense(layer, src)
         sharded.weight.requires_grad_(layer.weight.requires_grad)

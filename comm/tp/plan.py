@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..group import as_group
+from ..group import as_group, renamed_args
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .regions import all_reduce
 
@@ -27,29 +27,31 @@ def _parse_style(pattern: str, style: Style) -> tuple[str, dict]:
     return style, dict(options)
 
 
-def mark_sequence_parallel(module: nn.Module, communicator: Any, *, src: Optional[int] = 0) -> nn.Module:
+@renamed_args(communicator="group")
+def mark_sequence_parallel(module: nn.Module, group: Any, *, src: Optional[int] = 0) -> nn.Module:
     """Marks ``module`` (typically a LayerNorm/RMSNorm) as running on sequence slices: each rank
     sees its part of the sequence, so the gradient of every parameter is summed over the ranks
     (through a hook on each parameter). With ``src`` the parameters are first broadcast from that
     rank. Returns ``module``; marking it twice is a no-op."""
-    communicator = as_group(communicator, "communicator", "mark_sequence_parallel")
+    group = as_group(group, "group", "mark_sequence_parallel")
     if getattr(module, "_braid_sequence_parallel", None) is not None:
         return module
     params = [p for p in module.parameters() if p.requires_grad]
-    if src is not None and communicator.world_size > 1:
+    if src is not None and group.world_size > 1:
         with torch.no_grad():
             for p in module.parameters():
                 buf = p.detach().clone(memory_format=torch.contiguous_format)
-                communicator.broadcast(buf, src)
+                group.broadcast(buf, src)
                 p.copy_(buf)
     # The hook gets a gradient autograd may share with other consumers: sum a copy.
     handles = [p.register_hook(lambda g: all_reduce(g.clone(memory_format=torch.contiguous_format),
-                                                    communicator)) for p in params]
+                                                    group)) for p in params]
     module._braid_sequence_parallel = handles
     return module
 
 
-def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style], *,
+@renamed_args(communicator="group")
+def parallelize(module: nn.Module, group: Any, plan: Mapping[str, Style], *,
                 sequence_parallel: bool = False, src: Optional[int] = 0) -> nn.Module:
     """Shards the submodules of ``module`` named in ``plan`` with braid's tensor-parallel layers,
     in place, and returns ``module``. Every rank calls it with the same plan.
@@ -73,7 +75,7 @@ def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style],
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of submodule names to styles, "
                         f"got {type(plan).__name__}")
-    communicator = as_group(communicator, "communicator", "parallelize")
+    group = as_group(group, "group", "parallelize")
     names = [name for name, _ in module.named_modules() if name]
     for pattern, style in plan.items():
         kind, options = _parse_style(pattern, style)
@@ -87,7 +89,7 @@ def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style],
                 if not sequence_parallel:
                     raise ValueError(f"parallelize: plan[{pattern!r}] is 'sequence' but "
                                      "sequence_parallel=False")
-                mark_sequence_parallel(sub, communicator, src=src)
+                mark_sequence_parallel(sub, group, src=src)
                 continue
             layer = _LAYERS[kind]
             dense = nn.Embedding if kind == "vocab" else nn.Linear
@@ -97,5 +99,5 @@ def parallelize(module: nn.Module, communicator: Any, plan: Mapping[str, Style],
             kwargs = {"sequence_parallel": sequence_parallel, **options}
             parent_name, _, child = name.rpartition(".")
             setattr(module.get_submodule(parent_name), child,
-                    layer.from_dense(sub, communicator, src=src, **kwargs))
+                    layer.from_dense(sub, group, src=src, **kwargs))
     return module

@@ -24,7 +24,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..group import as_group
+from ..group import as_group, renamed_args
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
@@ -58,27 +58,27 @@ class Pending:
         return self._finish()
 
 
-def split(x: torch.Tensor, dim: int, communicator: Any, what: str = "split") -> torch.Tensor:
+def split(x: torch.Tensor, dim: int, group: Any, what: str = "split") -> torch.Tensor:
     """This rank's slice of ``x`` along ``dim`` (``x.size(dim)`` must divide by the world size),
     as a new contiguous tensor."""
     dim = _dim(x, dim, what)
-    n = _divisible(x, dim, communicator.world_size, what)
-    return x.narrow(dim, communicator.rank * n, n).clone(memory_format=torch.contiguous_format)
+    n = _divisible(x, dim, group.world_size, what)
+    return x.narrow(dim, group.rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
-def all_gather(x: torch.Tensor, dim: int, communicator: Any, *, async_op: bool = False,
+def all_gather(x: torch.Tensor, dim: int, group: Any, *, async_op: bool = False,
                what: str = "all_gather") -> Any:
     """Concatenates every rank's ``x`` along ``dim``; returns the tensor, or a :class:`Pending`
     with ``async_op=True``."""
     dim = _dim(x, dim, what)
-    world = communicator.world_size
+    world = group.world_size
     x = x.contiguous()
     # Ranks' pieces land one after the other in a (world, *shape) buffer; moving that leading
     # axis next to `dim` and merging the two gives the concatenation (a view when dim == 0).
     buf = x.new_empty((world,) + tuple(x.shape))
     work = None
     if world > 1:
-        work = communicator.all_gather(buf, x, async_op=async_op)
+        work = group.all_gather(buf, x, async_op=async_op)
     else:
         buf[0].copy_(x)
 
@@ -88,12 +88,12 @@ def all_gather(x: torch.Tensor, dim: int, communicator: Any, *, async_op: bool =
     return Pending(work, finish) if async_op else finish()
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, communicator: Any, *, async_op: bool = False,
+def reduce_scatter(x: torch.Tensor, dim: int, group: Any, *, async_op: bool = False,
                    what: str = "reduce_scatter") -> Any:
     """Sums ``x`` over ranks and keeps this rank's slice along ``dim``; returns the tensor, or a
     :class:`Pending` with ``async_op=True``."""
     dim = _dim(x, dim, what)
-    world = communicator.world_size
+    world = group.world_size
     n = _divisible(x, dim, world, what)
     if world == 1:
         out = x.clone(memory_format=torch.contiguous_format)
@@ -101,22 +101,22 @@ def reduce_scatter(x: torch.Tensor, dim: int, communicator: Any, *, async_op: bo
     # Rank r's slice must be the r-th contiguous block of the input: bring the rank axis first.
     parts = x.unflatten(dim, (world, n)).movedim(dim, 0).contiguous()
     out = x.new_empty(parts.shape[1:])
-    work = communicator.reduce_scatter(out, parts, "sum", async_op=async_op)
+    work = group.reduce_scatter(out, parts, "sum", async_op=async_op)
     return Pending(work, lambda: out) if async_op else out
 
 
-def all_reduce(x: torch.Tensor, communicator: Any, *, async_op: bool = False) -> Any:
+def all_reduce(x: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
     """Sums ``x`` over ranks in place; returns ``x``, or a :class:`Pending` with ``async_op=True``."""
-    work = communicator.all_reduce(x, "sum", async_op=async_op) if communicator.world_size > 1 else None
+    work = group.all_reduce(x, "sum", async_op=async_op) if group.world_size > 1 else None
     return Pending(work, lambda: x) if async_op else x
 
 
-def _sum(x: torch.Tensor, dim: int, communicator: Any) -> torch.Tensor:
+def _sum(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     # On a copy: `x` may be an input of the graph, or a gradient shared with another branch.
-    return all_reduce(x.clone(memory_format=torch.contiguous_format), communicator)
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
 
-def _identity(x: torch.Tensor, dim: int, communicator: Any) -> torch.Tensor:
+def _identity(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return x.view_as(x)
 
 
@@ -125,11 +125,11 @@ class _Region(Function):
     ``(tensor, dim, communicator) -> tensor``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, communicator: Any, dim: int, forward_op: Callable,
+    def forward(ctx, x: torch.Tensor, group: Any, dim: int, forward_op: Callable,
                 backward_op: Callable) -> torch.Tensor:
-        communicator = as_group(communicator, "communicator")
-        ctx.communicator, ctx.dim, ctx.backward_op = communicator, dim, backward_op
-        return forward_op(x, dim, communicator)
+        group = as_group(group, "group")
+        ctx.communicator, ctx.dim, ctx.backward_op = group, dim, backward_op
+        return forward_op(x, dim, group)
 
     @staticmethod
     @once_differentiable
@@ -137,36 +137,42 @@ class _Region(Function):
         return ctx.backward_op(grad, ctx.dim, ctx.communicator), None, None, None, None
 
 
-def copy_to_region(x: torch.Tensor, communicator: Any) -> torch.Tensor:
+@renamed_args(communicator="group")
+def copy_to_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Enters a tensor-parallel region with a replicated input: identity forward, gradient summed
     over ranks in the backward."""
-    return _Region.apply(x, communicator, 0, _identity, _sum)
+    return _Region.apply(x, group, 0, _identity, _sum)
 
 
-def reduce_from_region(x: torch.Tensor, communicator: Any) -> torch.Tensor:
+@renamed_args(communicator="group")
+def reduce_from_region(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Leaves a region whose ranks hold partial sums: all-reduce forward, identity backward."""
-    return _Region.apply(x, communicator, 0, _sum, _identity)
+    return _Region.apply(x, group, 0, _sum, _identity)
 
 
-def scatter_to_region(x: torch.Tensor, communicator: Any, dim: int = -1) -> torch.Tensor:
+@renamed_args(communicator="group")
+def scatter_to_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
     """Keeps this rank's slice of ``x`` along ``dim`` (default: the last); the backward
     all-gathers the gradient."""
-    return _Region.apply(x, communicator, dim, partial(split, what="scatter_to_region"), all_gather)
+    return _Region.apply(x, group, dim, partial(split, what="scatter_to_region"), all_gather)
 
 
-def gather_from_region(x: torch.Tensor, communicator: Any, dim: int = -1) -> torch.Tensor:
+@renamed_args(communicator="group")
+def gather_from_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
     """Concatenates the ranks' slices along ``dim`` (default: the last); the backward keeps this
     rank's slice of the gradient."""
-    return _Region.apply(x, communicator, dim, partial(all_gather, what="gather_from_region"), split)
+    return _Region.apply(x, group, dim, partial(all_gather, what="gather_from_region"), split)
 
 
-def scatter_to_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1) -> torch.Tensor:
+@renamed_args(communicator="group")
+def scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """Enters sequence parallelism: keeps this rank's slice of the sequence dimension ``dim``; the
     backward all-gathers the gradient along it."""
-    return _Region.apply(x, communicator, dim, partial(split, what="scatter_to_sequence_region"), all_gather)
+    return _Region.apply(x, group, dim, partial(split, what="scatter_to_sequence_region"), all_gather)
 
 
-def gather_from_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1, *,
+@renamed_args(communicator="group")
+def gather_from_sequence_region(x: torch.Tensor, group: Any, dim: int = 1, *,
                                 tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """All-gathers sequence slices along ``dim`` into the whole sequence.
 
@@ -174,13 +180,14 @@ def gather_from_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1
     each rank's gradient of it is partial and the backward reduce-scatters it (the default). Pass
     False when what follows is replicated (every rank computes the same thing, e.g. a loss on the
     gathered output): the gradients are then equal and the backward keeps this rank's slice."""
-    return _Region.apply(x, communicator, dim, partial(all_gather, what="gather_from_sequence_region"),
+    return _Region.apply(x, group, dim, partial(all_gather, what="gather_from_sequence_region"),
                          reduce_scatter if tensor_parallel_output_grad else split)
 
 
-def reduce_scatter_to_sequence_region(x: torch.Tensor, communicator: Any, dim: int = 1) -> torch.Tensor:
+@renamed_args(communicator="group")
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """Sums partial results over ranks and keeps this rank's sequence slice along ``dim``; the
     backward all-gathers the gradient."""
     forward_op = partial(reduce_scatter, what="reduce_scatter_to_sequence_region")
-    return _Region.apply(x, communicator, dim, forward_op, all_gather)
+    return _Region.apply(x, group, dim, forward_op, all_gather)
 
