@@ -100,7 +100,7 @@ cuda-binding-check:
 	    for f in $$group; do echo "#include \"binding/$$f\"" >> $$unit; done; \
 	    echo "c++ -fsyntax-only -DBRAID_WITH_CUDA $$group"; \
 	    $(CXX) $(CXX_FLAGS) -fsyntax-only -DBRAID_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
-	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc -Icsrc/binding/pch $$unit & pids="$$pids $$!"; \
+	      $$torch_inc -isystem $(CUDA_CHECK_DIR)/include $$cuda_inc -Icsrc $$unit & pids="$$pids $$!"; \
 	  done; \
 	  for p in $$pids; do wait $$p || exit 1; done; \
 	else echo "nvcc or $(PY) not found: the CUDA binding not type-checked"; fi

@@ -64,65 +64,6 @@ def cxx_runtime():
     return [f"-Wl,-Bdynamic,{found[0]}"] if found else []
 
 
-# The torch headers of the binding, precompiled (csrc/binding/pch/braid_binding_pch.h): compiled
-# once per build into PCH_DIR with the exact flags the binding's files get, found there by their
-# first #include before the header itself (include_dirs order).
-PCH_HEADER = os.path.join(ROOT, "csrc", "binding", "pch", "braid_binding_pch.h")
-PCH_DIR = os.path.join(ROOT, "build", "pch")
-
-
-def precompile_header(cflags, post_cflags):
-    """Compiles PCH_HEADER into PCH_DIR with ``cflags`` and ``post_cflags`` (the compile flags of
-    the binding's files, as torch's build writes them for ninja), unless a copy made with the same
-    command, torch and header is there. A failure is reported and leaves no copy: the files then
-    parse the header themselves."""
-    import shlex
-    import subprocess
-
-    from torch.utils.cpp_extension import get_cxx_compiler
-
-    os.makedirs(PCH_DIR, exist_ok=True)
-    out = os.path.join(PCH_DIR, os.path.basename(PCH_HEADER) + ".gch")
-    flags = shlex.split(" ".join(cflags)) + shlex.split(" ".join(post_cflags))
-    cmd = [get_cxx_compiler(), *flags, "-x", "c++-header", PCH_HEADER, "-o", out]
-    key = f"{shlex.join(cmd)}\ntorch {torch.__version__}\nheader {os.path.getmtime(PCH_HEADER)}\n"
-    stamp = out + ".key"
-    if os.path.isfile(out) and os.path.isfile(stamp) and open(stamp).read() == key:
-        return
-    print(f"precompiling {os.path.relpath(PCH_HEADER, ROOT)}", flush=True)
-    for stale in (out, stamp):
-        if os.path.exists(stale):
-            os.remove(stale)
-    done = subprocess.run(cmd)
-    if done.returncode != 0:
-        print(f"braid setup: precompiling the binding's header failed (exit {done.returncode}); "
-              "compiling without it", flush=True)
-        if os.path.exists(out):
-            os.remove(out)
-        return
-    with open(stamp, "w") as f:
-        f.write(key)
-
-
-def use_precompiled_header():
-    """Has torch's ninja build precompile PCH_HEADER before it compiles the extension's sources
-    (through the function that writes and runs the ninja file; where a torch lacks it, nothing is
-    precompiled)."""
-    import torch.utils.cpp_extension as cpp
-
-    original = getattr(cpp, "_write_ninja_file_and_compile_objects", None)
-    if original is None or getattr(original, "_braid_pch", False):
-        return
-
-    def compile_objects(*args, **kwargs):
-        if "cflags" in kwargs and "post_cflags" in kwargs:
-            precompile_header(kwargs["cflags"], kwargs["post_cflags"])
-        return original(*args, **kwargs)
-
-    compile_objects._braid_pch = True
-    cpp._write_ninja_file_and_compile_objects = compile_objects
-
-
 def extension():
     flags, settings = build_settings()
     march = os.environ.get("BRAID_MARCH", settings["march"])
@@ -144,8 +85,6 @@ def extension():
                              "(build CMakeLists.txt's braid_core first)")
         core, linked = [], [os.path.abspath(core_lib)]
     binding = sources("csrc/binding/*.cpp")
-    use_precompiled_header()
-    include_dirs = [PCH_DIR, os.path.dirname(PCH_HEADER)]  # the precompiled copy first
     cuda = sources("csrc/cuda/**/*.cu")
     if want_cuda() and cuda:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -154,16 +93,14 @@ def extension():
         return CUDAExtension(
             "braid.comm._C",
             core + binding + cuda,
-            include_dirs=include_dirs,
             define_macros=[("BRAID_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *(f for f in flags if f.startswith("-std="))]},
             extra_objects=linked,
             extra_link_args=link,
             depends=linked,
         )
-    return CppExtension("braid.comm._C", core + binding, include_dirs=include_dirs,
-                        extra_compile_args={"cxx": cxx}, extra_objects=linked, extra_link_args=link,
-                        depends=linked)
+    return CppExtension("braid.comm._C", core + binding, extra_compile_args={"cxx": cxx},
+                        extra_objects=linked, extra_link_args=link, depends=linked)
 
 
 setup(

@@ -423,6 +423,7 @@ def hook_scenarios(rank, n, store_path, hosts, carrier, scenarios):
 
 
 @pytest.mark.parametrize("carrier", ["braid", "gloo"])
+@pytest.mark.slow
 def test_hook_exact_on_one_host_compressed_across_a_slow_link(carrier):
     """One host (found from the ranks' host identity, over a process group too): exact, even with a
     slow link stated for the level it does not have. Two simulated hosts with a 0.25 MB/s link,
@@ -440,6 +441,7 @@ def test_hook_exact_on_one_host_compressed_across_a_slow_link(carrier):
     assert all(c != "topk" for c, _ in two[0][0].values()), "top-k is over the default error budget"
 
 
+@pytest.mark.slow
 def test_hierarchical_hook_compresses_across_hosts_only():
     """2 hosts x 2 ranks over gloo, split by host (HostGroups): exact inside each host, the slow
     link across compressed; the four ranks agree. 4 ranks on 2 cores take milliseconds per call

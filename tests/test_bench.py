@@ -536,6 +536,7 @@ def test_bad_benchmark_arguments_stop_before_running(argv, message, capsys):
     assert message in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_the_command_line_reports_usage_errors():
     """``python -m braid.bench`` itself: a bad option is exit status 2 with the message."""
     proc = subprocess.run([sys.executable, "-m", "braid.bench", "sharding", "--warmup", "1"],
@@ -546,6 +547,7 @@ def test_the_command_line_reports_usage_errors():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
 @pytest.mark.parametrize("name", ["staging", "cuda", "gpufloor"])
+@pytest.mark.slow
 def test_gpu_benchmark_without_a_gpu_says_so(name):
     proc = subprocess.run([sys.executable, "-m", "braid.bench", name], capture_output=True, text=True,
                           timeout=60)

@@ -45,9 +45,9 @@ class Bucket:
     shard_numel: int
     compute_dtype: torch.dtype = None  # of the full buffer: mixed precision's param_dtype, else dtype
     reduce_dtype: torch.dtype = None   # gradients are reduced in it (mixed precision), else compute_dtype
-    full: torch.Tensor = None     # flat, ``padded`` elements; storage freed when resharded (stage 3)
+    full: torch.Tensor = None     # flat, ``padded`` elements; storage freed when resharded (ZeRO stage 3)
     shard: nn.Parameter = None
-    synced_version: int = -1      # shard._version at the last all-gather (stages 1, 2); -1: stale
+    synced_version: int = -1      # shard._version at the last all-gather (ZeRO stages 1, 2); -1: stale
     local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
     work: Any = None              # in-flight all-gather: (work, version keeper, decode or None)
     unit: Any = None              # the Unit holding it
@@ -194,9 +194,9 @@ def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int, align: 
 
 def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device) -> None:
     """Copies the parameters into the bucket (rank 0's values, as DDP), cuts this rank's shard and
-    takes the parameters off their modules. With ``keep_full`` (stages 1 and 2) the shard is a
+    takes the parameters off their modules. With ``keep_full`` (ZeRO stages 1 and 2) the shard is a
     slice of the full tensor, so an optimizer updates the full parameters' slice in place and the
-    all-gather runs in place; otherwise (stage 3, or a full buffer of another dtype under mixed
+    all-gather runs in place; otherwise (ZeRO stage 3, or a full buffer of another dtype under mixed
     precision) it is a copy."""
     full = torch.zeros(b.padded, dtype=b.dtype, device=device)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """When the sharded wrapper's collectives run: all-gathers around each unit's forward and backward,
 reduce-scatters of gradients as the backward produces them, and the end of the backward.
 
-Gathers (stage 3). A unit's buckets are all-gathered before its forward (forward pre-hook) and
+Gathers (ZeRO stage 3). A unit's buckets are all-gathered before its forward (forward pre-hook) and
 again before its backward (a hook on the gradient of the unit's output), the next unit in
 execution order prefetched, at most two all-gathers in flight; the full buffers are freed after
 the unit's forward (``reshard_after_forward``) and after its gradients are ready. The root unit
@@ -19,7 +19,7 @@ pieces (qgZ); an Adaptive chooses per bucket (comm/adaptive.py: exact, 16-bit or
 pieces), this schedule issuing what it chose and telling it where each synchronized backward
 ends.
 
-Parameter refresh (stages 1, 2). An optimizer updates the shards in place after a synchronized
+Parameter refresh (ZeRO stages 1, 2). An optimizer updates the shards in place after a synchronized
 backward; the next forward (each unit's pre-hook, with the prefetch) all-gathers the buckets
 whose gradient that backward reduced, and any other whose shard's version counter moved since its
 last gather (fused optimizers do not bump the counters, so these are not relied upon alone).
@@ -49,10 +49,10 @@ from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 # exactly).
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
-# each holds a unit's full buffers, so this bounds stage 3's memory above the shards.
+# each holds a unit's full buffers, so this bounds ZeRO stage 3's memory above the shards.
 MAX_GATHERS_IN_FLIGHT = 2
 # How many bucket reduce-scatters may be pending during the backward: each holds a full-size
-# gradient until done, so without a bound the backward of stages 2 and 3 would peak at the whole
+# gradient until done, so without a bound the backward of ZeRO stages 2 and 3 would peak at the whole
 # unsharded gradient. Past it the oldest is waited for (it is usually done by then).
 MAX_REDUCES_IN_FLIGHT = 2
 
@@ -140,7 +140,7 @@ class Schedule:
 
     def install(self) -> None:
         """Hooks every unit's forward and every trainable bucket's gradient, and leaves the
-        parameters as the stage keeps them between steps (stage 3 resharded, else as views)."""
+        parameters as the stage keeps them between steps (ZeRO stage 3 resharded, else as views)."""
         for b in self.buckets():
             if b.trainable:
                 b.full.register_hook(functools.partial(self._before_accumulate, b))
@@ -170,7 +170,7 @@ class Schedule:
         return any(b.shard._version != b.synced_version for b in unit.buckets)
 
     def _launch_gather(self, unit: Unit, force: bool = False) -> None:
-        """Starts the all-gathers of ``unit``'s buckets: at stage 3 all of them, at stages 1 and 2
+        """Starts the all-gathers of ``unit``'s buckets: at ZeRO stage 3 all of them, at ZeRO stages 1 and 2
         those whose shard changed since their last gather (every one with ``force``)."""
         if unit.in_flight or not (force or self._stale(unit)):
             return
@@ -183,9 +183,9 @@ class Schedule:
             alloc(b.full)
             b.synced_version = b.shard._version
             # A process group's all-gather bumps the full buffer's version counter (which the
-            # shard, a view of it at stages 1 and 2, and the forward's saved views share) when it
+            # shard, a view of it at ZeRO stages 1 and 2, and the forward's saved views share) when it
             # writes the output, on the group's own thread, at a time no rank controls. Autograd
-            # would then refuse the backward of stage 3, and the stale test above would differ
+            # would then refuse the backward of ZeRO stage 3, and the stale test above would differ
             # between ranks. The buffer is refilled with the values it is meant to hold (as FSDP2
             # refills its unsharded parameters), so its counter is put back once the gather is
             # done (_wait_gather).
@@ -381,7 +381,7 @@ class Schedule:
         return order[i + 1:]
 
     def gather_all(self) -> None:
-        """All-gathers every bucket now and points the module at the full buffers (stages 1, 2)."""
+        """All-gathers every bucket now and points the module at the full buffers (ZeRO stages 1, 2)."""
         for unit in self.units:
             self._launch_gather(unit, force=True)
         for unit in list(self.in_flight):
@@ -467,7 +467,7 @@ class Schedule:
             grad = full.grad
             if self.stage != 1:
                 full.grad = None
-            # Mixed precision: the gradient travels in reduce_dtype (a copy; stage 1's persistent
+            # Mixed precision: the gradient travels in reduce_dtype (a copy; ZeRO stage 1's persistent
             # buffer keeps accumulating in the compute dtype).
             sent = grad if grad.dtype == b.reduce_dtype else grad.to(b.reduce_dtype)
             q, key = self.grad_compression, grad_key(b)
@@ -497,7 +497,7 @@ class Schedule:
 
     def _finish_backward(self) -> None:
         """End of the backward: wait for the reduce-scatters in issue order, set the shard
-        gradients, release what stage 3 still holds."""
+        gradients, release what ZeRO stage 3 still holds."""
         self.finish_queued = False
         if self.sync and isinstance(self.grad_compression, Adaptive):
             # Every gradient is computed: the backward is over, which closes the buckets' windows.

@@ -104,9 +104,9 @@ def _check_compression(param_compression: Any, grad_compression: Any, stage: Any
                         "are gathered whole, so top-k cannot carry them (use mp_policy's param_dtype for "
                         "16-bit gathers)")
     if stage != 3:
-        raise ValueError(f"param_compression needs stage=3, got stage={stage}: at stages 1 and 2 the full "
-                         "parameters persist and the optimizer updates them in place, so quantized gathers "
-                         "would overwrite the master weights")
+        raise ValueError(f"param_compression needs stage=3, got stage={stage}: at ZeRO stages 1 and 2 the "
+                         "full parameters persist and the optimizer updates them in place, so quantized "
+                         "gathers would overwrite the master weights")
 
 
 def _blocks(q: Any) -> list:
@@ -253,9 +253,9 @@ class ShardedModule(nn.Module):
         return [u for u in units if u.buckets], root if root_members else None
 
     def gather_params(self) -> None:
-        """All-gathers every bucket now (stages 1, 2), so the module's parameters hold the shards'
+        """All-gathers every bucket now (ZeRO stages 1, 2), so the module's parameters hold the shards'
         values, including changes made through ``.data``, which the version counters that the
-        next forward checks do not see. A collective: every rank calls it. Stage 3 keeps no
+        next forward checks do not see. A collective: every rank calls it. ZeRO stage 3 keeps no
         full parameters: nothing to do."""
         if self.stage != 3:
             self._schedule.gather_all()
@@ -454,7 +454,7 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
             ``torch.distributed.ProcessGroup``, or None (the default process group).
         stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters.
         bucket_cap_mb: largest flat bucket (MiB); one collective per bucket.
-        reshard_after_forward: stage 3: free a unit's full parameters after its forward (and
+        reshard_after_forward: ZeRO stage 3: free a unit's full parameters after its forward (and
             gather them again for its backward), or keep them until its backward is done.
         prefetch: how many units ahead to all-gather while the current one computes (at most
             two all-gathers are in flight whatever the value).
@@ -464,7 +464,7 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
             ``MixedPrecisionPolicy``): e.g. ``param_dtype=torch.bfloat16`` gathers and computes in
             bfloat16 while the optimizer's shards stay float32, and ``reduce_dtype=torch.float32``
             reduces gradients in float32.
-        param_compression: stage 3: gather the weights block-quantized (ZeRO++'s qwZ):
+        param_compression: ZeRO stage 3: gather the weights block-quantized (ZeRO++'s qwZ):
             ``comm.Int8Quantizer(block=...)`` (3.9x fewer bytes than float32) or
             ``comm.Int4Quantizer(...)``. Each rank quantizes its shard once per gather, rounding
             to nearest (the quantizer's ``stochastic``, ``error_feedback`` and ``seed`` do not
@@ -485,7 +485,7 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
             every rank (``grad_compression.decisions()``, keyed ``("braid.fsdp.grad", bucket
             index)``): exact on one host; its warm-up steps are exact; its state dict holds the
             decisions and residuals. Shards are padded to whole blocks of its quantizers.
-        hierarchical: the group split by host. At stage 3 with ``reshard_after_forward``
+        hierarchical: the group split by host. At ZeRO stage 3 with ``reshard_after_forward``
             (ZeRO++'s hpZ): after a unit's forward each rank keeps its piece of the unit's
             weights for its host (1 / ranks-per-host of them, reported by ``memory_stats``),
             and the backward gathers them inside the host: that gather never crosses hosts.

@@ -25,7 +25,7 @@ def full_state_dict(buckets: list, group: Any, module: nn.Module, keys: list, ke
     values: dict[str, torch.Tensor] = {}
     for b in buckets:
         # From the shards, whatever the stage: they are the state (the full buffers of
-        # stages 1 and 2 may not have seen the latest step yet).
+        # ZeRO stages 1 and 2 may not have seen the latest step yet).
         flat = torch.empty(b.padded, dtype=b.dtype, device=b.shard.device)
         group.all_gather(wire(flat), wire(b.shard.detach()))
         if keep:

@@ -2,8 +2,8 @@
 // Communicator. c10d calls these from any thread without the GIL; argument errors are c10 errors
 // (ValueError/TypeError in Python), transport errors braid's own CommError classes. In builds with
 // CUDA, a call on CUDA tensors runs through the device's staging pipeline (cuda_stager.h).
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>

@@ -4,7 +4,8 @@
 // and the Python handle of async work.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>

@@ -1,6 +1,5 @@
 // Torch binding of the CPU compression kernels and the quantized all-reduce: every argument is
 // checked here, by name, so the core kernels can trust their callers.
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 #include <memory>
 #include <string>
 #include <vector>

@@ -5,7 +5,6 @@
 // through pinned host memory, and the work's wait() and future make the caller's stream wait for
 // the copies back.
 #ifdef BRAID_WITH_CUDA
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 
 #include <memory>
 #include <string>

@@ -1,7 +1,6 @@
 // Torch binding of the CUDA compression kernels (CUDA builds only): checks device, dtype and
 // sizes by argument name, then launches on torch's current stream of the tensor's device.
 #ifdef BRAID_WITH_CUDA
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

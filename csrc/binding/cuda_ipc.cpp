@@ -1,7 +1,6 @@
 // The device-to-device path for CUDA tensors between the ranks of one host (CUDA builds only): the
 // channel's setup by all ranks together and the submission of calls to it.
 #ifdef BRAID_WITH_CUDA
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 
 #include "cuda_ipc.h"
 

@@ -1,6 +1,5 @@
 // Submission of calls on CUDA tensors to a device's staging pipeline (CUDA builds only).
 #ifdef BRAID_WITH_CUDA
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 
 #include "cuda_stager.h"
 

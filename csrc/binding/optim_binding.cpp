@@ -1,7 +1,6 @@
 // Torch binding of the host-memory optimizer steps (core/optim/step.h): every tensor is checked
 // here, by name, and the elements are split over torch's intra-op threads in blocks of whole
 // cache lines, each thread running the kernel on its own range.
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
 #include <ATen/Parallel.h>
 
 #include <optional>

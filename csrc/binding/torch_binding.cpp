@@ -3,8 +3,8 @@
 // Python exception classes. The other binding files (csrc/binding/) include torch as well: the
 // torch.distributed backend (backend.cpp), compression, CUDA builds' parts, and the helpers they
 // share (binding_util.h).
-#include <braid_binding_pch.h>  // first: the torch headers, precompiled (pch/)
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <pthread.h>
 
 #include <algorithm>
