@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 from .build_info import is_cuda_build
 from .communicator import Communicator
 

@@ -1,7 +1,7 @@
 """What this build of braid's extension (``braid.comm._C``) carries: whether it has the CUDA path."""
 from __future__ import annotations
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 
 
 def is_cuda_build() -> bool:

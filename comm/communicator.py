@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 from .bootstrap import Bootstrap, admit, agree_membership, await_admission, request_admission
 from .build_info import is_cuda_build
 from .compression import CompressedWork, Compressor

@@ -23,7 +23,9 @@ from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
-from . import _C, group_carrier
+import braid.comm._C as _C  # the extension module itself (not the package)
+
+from . import group_carrier
 from .device_kernels import CpuKernels, kernels_for
 from .group import GroupWork
 from .group_carrier import GroupCarrier, HostGroups

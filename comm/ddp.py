@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, group_carrier
+import braid.comm._C as _C  # the extension module itself (not the package)
+
+from . import group_carrier
 from .adaptive import Adaptive
 from .communicator import Communicator
 from .compression import COMPRESSOR_NAMES, FLOAT_DTYPES, Compressor, compressor

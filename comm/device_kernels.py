@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 from .build_info import is_cuda_build
 
 

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 from .work import seconds
 
 # One TCPStore per (address, port) in a process: rank 0 hosts it, and a second init() must not try

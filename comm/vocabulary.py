@@ -12,7 +12,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 
 # Codes of csrc/core/dtype.h (ReduceOp) by braid's names, in code order; the bitwise ones (band, bor,
 # bxor) take integer tensors only.

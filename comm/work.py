@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _C
+import braid.comm._C as _C  # the extension module itself (not the package)
 
 # Longer timeouts (inf included) mean "wait for ever" and are cut to this, as the core does
 # (csrc/core/errors.h's kMaxTimeoutSeconds).

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple, Union
 
 import torch
 
-from braid.comm import _C
+import braid.comm._C as _C  # the extension module
 
 __all__ = ["Adam", "AdamW", "ParamStepper", "SGD", "adam_step", "sgd_step"]
 
