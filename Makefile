@@ -108,8 +108,14 @@ cuda-binding-check:
 # test-py leaves out the tests marked slow (multi-second, multi-process: the fault-tolerance,
 # simulated-host, soak, benchmark-smoke and conformance tests), which test-slow runs: CI runs
 # make test, and make test-all is both (tests/README.md).
+# The files whose tests run in one process (no ranks, no subprocesses) go two at a time
+# (pytest-xdist); the others one at a time: the ranks of two multi-process tests side by side on
+# two cores would miss their deadlines.
+ONE_PROCESS_TESTS := tests/test_attention.py tests/test_device_discipline.py tests/test_optim.py \
+  tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py
 test-py:
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -n 2
+	$(PY) -m pytest tests -q -m "not slow" $(addprefix --ignore=,$(ONE_PROCESS_TESTS))
 
 test-slow: install
 	$(PY) -m pytest tests -q -m slow
