@@ -20,7 +20,7 @@ BENCHMARKS = {
     "cp": "ring (context-parallel) attention at 2 ranks vs one rank, communication hidden behind compute",
     "staging": "CUDA tensors through braid's all_reduce: GB/s against pinned copies, chunk x slots (GPU)",
     "cuda": "CUDA-tensor collectives on one host: device to device (CUDA IPC) vs staged vs the floor (GPU)",
-    "gpufloor": "processes sharing one GPU, no braid: concurrent copy rate, event and device-flag round trips (GPU)",
+    "gpufloor": "processes sharing a GPU, no braid: concurrent copy, event and device-flag round trips (GPU)",
     "recorder": "the flight recorder's cost on a 4 KiB all_reduce: recording on vs off, same processes",
     "moe": "MoE layer forward+backward tokens/s, one host and across hosts: braid vs all_to_all on gloo",
     "optim": "CPU AdamW step GB/s: braid.optim's C++ step vs torch's fused and foreach AdamW, copy rate",
