@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import sys
 import time
 from collections.abc import Sequence
@@ -192,10 +191,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"{p.prog}: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
-    ctx = mp.get_context("spawn")
     import torch.multiprocessing as tmp
 
-    manager = tmp.get_context("spawn").Manager()
+    ctx = tmp.get_context("spawn")  # torch's: CUDA tensors among the arguments travel by IPC handle
+    manager = ctx.Manager()
     handles, results = manager.dict(), manager.dict()
     barrier = ctx.Barrier(args.nprocs, timeout=args.deadline)
     shared = ctx.Value("q", 0, lock=False)
@@ -205,8 +204,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         flag = torch.zeros(1, dtype=torch.int32, device="cuda:0")
     except ImportError:
         flag = None
-    procs = [tmp.get_context("spawn").Process(target=_rank, args=(r, args.nprocs, vars(args), barrier, shared,
-                                                                  handles, results, flag))
+    procs = [ctx.Process(target=_rank,
+                         args=(r, args.nprocs, vars(args), barrier, shared, handles, results, flag))
              for r in range(args.nprocs)]
     for proc in procs:
         proc.start()

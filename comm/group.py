@@ -575,7 +575,7 @@ def renamed_args(**renames: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renames.items():
+            for old, new in renames.items() if kwargs else ():  # positional calls: nothing to do
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{fn.__qualname__}() got both {old}= and {new}=: pass {new}= only")
