@@ -2,8 +2,6 @@
 // Communicator. c10d calls these from any thread without the GIL; argument errors are c10 errors
 // (ValueError/TypeError in Python), transport errors braid's own CommError classes. In builds with
 // CUDA, a call on CUDA tensors runs through the device's staging pipeline (cuda_stager.h).
-#include <ATen/ATen.h>
-#include <torch/python.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -895,6 +893,11 @@ class BraidProcessGroup final : public c10d::ProcessGroup {
 };
 
 }  // namespace
+
+py::object python_future(c10::intrusive_ptr<c10::ivalue::Future> fut) {
+  c10::intrusive_ptr<c10d::Work> work = c10::make_intrusive<C10dWork>(std::move(fut), nullptr, std::vector<at::Tensor>{});
+  return py::cast(work).attr("get_future")();
+}
 
 void register_backend(py::module_& m) {
   // c10d's Python classes (the Backend base) exist once torch.distributed is imported.

@@ -4,11 +4,17 @@
 // and the Python handle of async work.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <torch/python.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
+// Only the headers used: torch's umbrella headers (ATen/ATen.h, torch/python.h) cost each binding
+// file about 16 s of compile time more than these.
+#include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
 #include <cstring>
@@ -119,11 +125,21 @@ inline ReduceOp to_op(int op, DType dtype, const char* arg) {
 
 // A dense tensor argument on any device (a collective's: collective_device() checks where its
 // tensors are); `arg` names it in errors.
+// The tensor `obj` holds, into `out`; false when it is no torch.Tensor. Through the pybind caster
+// torch defines in libtorch_python (python_variable.h's inline checks would cost each binding file
+// about 10 s of compile time).
+inline bool unpack_tensor(const py::handle& obj, at::Tensor& out) {
+  py::detail::make_caster<at::Tensor> caster;
+  if (!caster.load(obj, /*convert=*/false)) return false;
+  out = py::detail::cast_op<at::Tensor>(std::move(caster));
+  return true;
+}
+
 inline at::Tensor dense_tensor(const py::handle& obj, const char* arg) {
-  TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()),
+  at::Tensor t;
+  TORCH_CHECK_TYPE(unpack_tensor(obj, t),
                    std::string(arg) + " must be a torch.Tensor, got " +
                    std::string(py::str(py::type::of(obj).attr("__name__"))));
-  at::Tensor t = THPVariable_Unpack(obj.ptr());
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, std::string(arg) + " must be a dense (strided) tensor");
   return t;
 }

@@ -6,10 +6,12 @@
 // the copies back.
 #ifdef BRAID_WITH_CUDA
 
+
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "backend.h"
 #include "binding_util.h"
 #include "cuda_stager.h"
 
@@ -147,7 +149,7 @@ void bind_cuda_comm(py::module_& m, py::class_<Communicator, std::shared_ptr<Com
       .def("is_completed", &CudaWork::is_completed)
       .def("is_success", &CudaWork::is_success)
       .def("exception_message", &CudaWork::exception_message)
-      .def("get_future", [](CudaWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
+      .def("get_future", [](CudaWork& w) { return python_future(w.future()); });
   communicator
       .def(
           "set_staging_options",

@@ -16,8 +16,8 @@ namespace {
 // A contiguous CUDA tensor of one of `allowed` dtypes, on `device` when given.
 at::Tensor cuda_tensor(const py::handle& obj, const char* arg, std::initializer_list<at::ScalarType> allowed,
                        const c10::Device* device = nullptr) {
-  TORCH_CHECK_TYPE(THPVariable_Check(obj.ptr()), std::string(arg) + " must be a torch.Tensor");
-  at::Tensor t = THPVariable_Unpack(obj.ptr());
+  at::Tensor t;
+  TORCH_CHECK_TYPE(unpack_tensor(obj, t), std::string(arg) + " must be a torch.Tensor");
   TORCH_CHECK_VALUE(t.is_cuda(), std::string(arg) + " must be a CUDA tensor, got one on " + t.device().str());
   TORCH_CHECK_VALUE(!(device != nullptr && t.device() != *device),
                     std::string(arg) + " must be on " + device->str() + ", got " + t.device().str());

@@ -3,8 +3,7 @@
 // Python exception classes. The other binding files (csrc/binding/) include torch as well: the
 // torch.distributed backend (backend.cpp), compression, CUDA builds' parts, and the helpers they
 // share (binding_util.h).
-#include <ATen/ATen.h>
-#include <torch/python.h>
+#include <ATen/ops/sparse_coo_tensor.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -349,7 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("exception_message", &HostWork::exception_message)
       .def("completed_at", &HostWork::completed_at,
            "When it completed, in time.perf_counter()'s seconds (the steady clock); None before.")
-      .def("get_future", [](HostWork& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.future()); });
+      .def("get_future", [](HostWork& w) { return python_future(w.future()); });
 
   py::class_<Communicator, std::shared_ptr<Communicator>> communicator(m, "Communicator");
   communicator
