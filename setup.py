@@ -70,7 +70,9 @@ def extension():
     # -fopenmp: at::parallel_for (the optimizer steps' threads, optim_binding.cpp) is inline in
     # torch's headers and runs on one thread in code compiled without OpenMP; the link resolves to
     # the libgomp torch has already loaded (same soname).
-    cxx = ["-O3", *flags, "-fopenmp"]
+    # -Wno-c++20-extensions: torch's headers (c10/core/AutogradState.h) use C++20 bit-field
+    # initializers, which GCC reports in every binding file under -std=c++17.
+    cxx = ["-O3", *flags, "-fopenmp", "-Wno-c++20-extensions"]
     link = ["-fopenmp", *cxx_runtime()]
     if os.environ.get("BRAID_DEBUG_INFO", "0") in ("", "0"):
         cxx.append("-g0")  # after Python's -g, which it overrides
@@ -111,7 +113,8 @@ setup(
     package_dir={"braid.comm": "comm", "braid.kernels": "kernels", "braid.bench": "bench",
                  "braid.trace": "trace", "braid.optim": "optim", "braid.ft": "ft",
                  "braid.plan": "plan"},
-    packages=["braid.comm", "braid.comm.tp", "braid.comm.fsdp", "braid.kernels", "braid.bench",
+    packages=["braid.comm", "braid.comm.core", "braid.comm.compression", "braid.comm.compression.adaptive",
+              "braid.comm.zero", "braid.comm.tp", "braid.comm.moe", "braid.kernels", "braid.bench",
               "braid.trace", "braid.optim", "braid.ft", "braid.plan"],
     # BRAID_NO_EXTENSION=1: the package alone (the Makefile installs it editable once, then builds
     # the extension in place with a persistent build tree, so rebuilds are incremental).

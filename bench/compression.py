@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     rows = cpu_rows(args.numel, args.repeats)
     print(table(rows, "copy"))
     doc = {"machine": machine, "numel": args.numel, "cpu": rows}
-    from braid.comm.build_info import is_cuda_build
+    from braid.comm.core.build_info import is_cuda_build
 
     if torch.cuda.is_available() and is_cuda_build():
         gpu = cuda_rows(args.numel, args.repeats)

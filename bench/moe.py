@@ -68,7 +68,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from braid import comm
 from braid.comm import moe
-from braid.comm.hosts import host_identity, host_numbers
+from braid.comm.core.hosts import host_identity, host_numbers
 from torch import nn
 
 from . import launch, report, turns

@@ -10,12 +10,12 @@ unit / ``fully_shard`` module) and the same batches:
 
 - ``fsdp2-gloo``: ``fully_shard`` on a gloo DeviceMesh;
 - ``fsdp2-braid-comms``: the same, with braid's all-gather and reduce-scatter installed through
-  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (braid.comm.fsdp.use_braid_comms);
+  ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (braid.comm.fsdp2.use_braid_comms);
 - ``fsdp2-braid-backend``: ``fully_shard`` on a DeviceMesh over a process group of braid's
   torch.distributed backend (``dist.new_group(backend="braid")``): every FSDP2 collective on braid;
 - ``fsdp2-gloo-overlap``, ``fsdp2-braid-comms-overlap``: both again with async unshards and
   explicit forward prefetch, which on CPU is what lets FSDP2's all-gathers overlap compute;
-- ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.fsdp.shard) at stages 2 and 3;
+- ``braid-zero2``, ``braid-zero3``: braid's own wrapper (braid.comm.zero.shard) at stages 2 and 3;
 - ``braid-zero2-on-gloo``, ``braid-zero3-on-gloo``: the same wrapper over the gloo group FSDP2
   uses (braid's group interface over a ProcessGroup): the carrier held equal, the schedules compared;
 - ``fsdp2-nccl``, ``fsdp2-braid-comms-on-nccl``, ``braid-zero3-on-nccl``: FSDP2, FSDP2 with braid's
@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid import comm
-from braid.comm import fsdp
+from braid.comm import fsdp2, zero
 
 from . import launch, report, turns
 from .models import LanguageModel
@@ -115,7 +115,7 @@ def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if braid_comms:
-        fsdp.use_braid_comms(model, c)
+        fsdp2.use_braid_comms(model, c)
     if overlap:
         blocks = list(model.blocks)
         for block, following in zip(blocks, blocks[1:]):
@@ -155,7 +155,7 @@ def _braid_wrapper(model: LanguageModel, c, stage: int, weights: str | None = No
     quantizers = {None: lambda: None, "int8": comm.Int8Quantizer, "int4": comm.Int4Quantizer,
                   "auto": comm.Adaptive}
     q = quantizers[grads]()
-    wrapped = fsdp.shard(model, c, stage=stage, param_compression=quantizers[weights](), grad_compression=q,
+    wrapped = zero.shard(model, c, stage=stage, param_compression=quantizers[weights](), grad_compression=q,
                          hierarchical=_split(c) if hosts else False)
     if isinstance(q, comm.Adaptive):
         _adaptive[id(wrapped)] = q  # its decisions go in the row
@@ -181,7 +181,7 @@ IMPLS: dict[str, Callable] = {
     "fsdp2-braid-comms-overlap": lambda model, c: _fsdp2(model, c, braid_comms=True, overlap=True),
     "braid-zero2": lambda model, c: _braid_wrapper(model, c, stage=2),
     "braid-zero3": lambda model, c: _braid_wrapper(model, c, stage=3),
-    # braid's wrapper over the very gloo group FSDP2 runs on (comm/group.py's ProcessGroupAdapter):
+    # braid's wrapper over the very gloo group FSDP2 runs on (comm/core/group.py's ProcessGroupAdapter):
     # what the wrapper's own scheduling costs or saves, the carrier held equal.
     "braid-zero2-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=2),
     "braid-zero3-on-gloo": lambda model, c: _braid_wrapper(model, dist.group.WORLD, stage=3),
@@ -247,7 +247,7 @@ class Config:
 
 def _memory_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Parameters (local shards, and full buffers a wrapper keeps), gradients, optimizer state."""
-    if isinstance(model, fsdp.ShardedModule):
+    if isinstance(model, zero.ShardedModule):
         return sum(model.memory_stats(opt).values())
     seen: set = set()
     total = 0
@@ -293,11 +293,11 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
     steps = {impl: uplink.wrap(impl, turns.synchronized(
         functools.partial(_step, models[impl], opts[impl], ids, shape.vocab), device)) for impl in models}
     for m in models.values():
-        if isinstance(m, fsdp.ShardedModule):
+        if isinstance(m, zero.ShardedModule):
             m.wire_stats()  # counts the timed steps from here
     step = turns.time_in_turns(steps, run, progress, 4 * nparams)
     timed = run.rounds * run.steps
-    sent = {impl: (sum(w.sent for w in m.wire_stats().values()) / timed if isinstance(m, fsdp.ShardedModule)
+    sent = {impl: (sum(w.sent for w in m.wire_stats().values()) / timed if isinstance(m, zero.ShardedModule)
                    else None) for impl, m in models.items()}
     held = [float(_memory_bytes(models[i], opts[i])) for i in models]
     memory = dict(zip(models, turns.max_over_ranks(held)))

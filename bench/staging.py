@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 from braid import comm
-from braid.comm.build_info import is_cuda_build
+from braid.comm.core.build_info import is_cuda_build
 
 from . import launch, report, turns
 

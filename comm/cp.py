@@ -18,7 +18,7 @@ Layouts: with ``balanced=False`` rank r holds the r-th of N contiguous chunks; w
 that under a causal mask every rank computes the same number of query-key pairs. The default
 is balanced for causal attention.
 
-Groups (comm/group.py): a braid :class:`~braid.comm.Communicator` (point-to-point on its progress
+Groups (comm/core/group.py): a braid :class:`~braid.comm.Communicator` (point-to-point on its progress
 thread; CUDA tensors are staged through host memory), any ``torch.distributed`` ProcessGroup
 (gloo, NCCL, braid's backend), or None for the default group; each ring step is the group's
 ``send_recv``.
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .communicator import Communicator
-from .group import Group, as_group, renamed_args
+from .core.communicator import Communicator
+from .core.group import Group, as_group, renamed_args
 
 CommunicatorLike = Union[Communicator, "dist.ProcessGroup", None]  # None: the default group
 
@@ -50,7 +50,7 @@ _ALL = slice(None)
 
 # -- the ring ----------------------------------------------------------------------------------
 class _Ring:
-    """This rank's neighbours on the ring of a group (comm/group.py: a braid Communicator, a
+    """This rank's neighbours on the ring of a group (comm/core/group.py: a braid Communicator, a
     torch.distributed ProcessGroup, or None for the default group) and the transfers to them."""
 
     def __init__(self, group: CommunicatorLike, what: str):

@@ -14,7 +14,7 @@ Over a braid communicator the hook issues an async braid all-reduce per bucket a
 torch future that braid's progress thread completes. Over a torch process group (NCCL, gloo,
 braid's c10d backend) braid compresses on the bucket's device and the group carries the bytes:
 CPU buckets on braid's issue thread (in bucket order), CUDA buckets on the current stream, with a
-``Future(devices=[bucket device])`` completed on it (comm/group_carrier.py). Either way the
+``Future(devices=[bucket device])`` completed on it (comm/core/group_carrier.py). Either way the
 averaged (decompressed) gradients land in place in ``bucket.buffer()``, so
 ``gradient_as_bucket_view=True`` works as is.
 """
@@ -26,12 +26,11 @@ import torch.distributed as dist
 
 import braid.comm._C as _C  # the extension module itself (not the package)
 
-from . import group_carrier
-from .adaptive import Adaptive
-from .communicator import Communicator
-from .compression import COMPRESSOR_NAMES, FLOAT_DTYPES, Compressor, compressor
-from .group import renamed_args
-from .group_carrier import HostGroups
+from .compression import COMPRESSOR_NAMES, FLOAT_DTYPES, Adaptive, Compressor, compressor
+from .core import group_carrier
+from .core.communicator import Communicator
+from .core.group import renamed_args
+from .core.group_carrier import HostGroups
 
 # Buckets smaller than this go uncompressed: their all-reduce costs its latency, not its bytes,
 # and compression would add two kernel passes and a second collective for nothing.

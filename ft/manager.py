@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from braid.comm import Communicator
-from braid.comm.errors import CommError
+from braid.comm.core.errors import CommError
 
 from . import quorum
 from .quorum import Epoch, FTError, Registration

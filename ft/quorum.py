@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from braid.comm.errors import CommTimeout
+from braid.comm.core.errors import CommTimeout
 
 POLL_S = 0.01  # between looks at the store while waiting (every wait is a loop of short calls)
 

@@ -721,7 +721,7 @@ def snippet(layout: Layout, model: TransformerShape, cluster: Cluster) -> str:
         for name, used in (
             ("cp", c.cp > 1),
             ("ddp", c.zero == 0 and c.compression != "none"),
-            ("fsdp", c.zero > 0),
+            ("zero", c.zero > 0),
             ("moe", c.ep > 1 or model.moe),
             ("tp", c.tp > 1),
         )
@@ -854,7 +854,7 @@ def snippet(layout: Layout, model: TransformerShape, cluster: Cluster) -> str:
             quant = {"int8": "comm.Int8Quantizer()", "int4": "comm.Int4Quantizer()"}.get(comp)
             extra = f", grad_compression={quant}, hierarchical=True" if quant else ""
             add(f"# ZeRO-{c.zero} over the data-parallel ranks")
-            each(f"fsdp.shard(MOD, dp_group, stage={c.zero}{extra})")
+            each(f"zero.shard(MOD, dp_group, stage={c.zero}{extra})")
     elif max(dp_sizes(c)) > 1:
         add("# the experts differ from rank to rank: keep them out of the data-parallel wrapper")
         if loop:
@@ -874,7 +874,7 @@ def snippet(layout: Layout, model: TransformerShape, cluster: Cluster) -> str:
             quant = {"int8": "comm.Int8Quantizer()", "int4": "comm.Int4Quantizer()"}.get(comp)
             extra = f", grad_compression={quant}, hierarchical=True" if quant else ""
             add(f"{ind}for block in {target}.layers:   # ZeRO-{c.zero} for the dense weights")
-            add(f"{ind}    block.attention = fsdp.shard(block.attention, dp_group, stage={c.zero}{extra})")
+            add(f"{ind}    block.attention = zero.shard(block.attention, dp_group, stage={c.zero}{extra})")
             add("# (likewise the embedding, the norms and the output projection)")
         add("# after each backward, the experts' gradients over their replicas:")
         add(

@@ -1,9 +1,9 @@
-"""Adaptive compression (comm/adaptive.py): the decision as a pure function of synthetic
+"""Adaptive compression (comm/compression/adaptive/): the decision as a pure function of synthetic
 measurements, then the DDP hook with compression="auto" on 2 ranks: exact on one host, compressed
 where the link across hosts is slow (a link figure given to the compressor, different on each
 rank: the ranks still decide alike), over a braid communicator and over a gloo group; training to
 the exact run's loss; a checkpoint resuming with the same decisions. Then the same for the
-sharded wrapper's gradient reduce-scatters (fsdp.shard(..., grad_compression=comm.Adaptive())),
+sharded wrapper's gradient reduce-scatters (zero.shard(..., grad_compression=comm.Adaptive())),
 flat and split by host, with the residual carried across a switch to exact.
 
 The hook tests reuse test_ddp_hook's regression MLP (several ~4 KB buckets). The slow link is
@@ -21,8 +21,10 @@ from helpers.ranks import environment, make_comm, process_group, run_ranks
 from test_ddp_hook import _batch, _model, _teacher
 
 from braid import comm
-from braid.comm import adaptive
-from braid.comm.adaptive import BucketMeasure, Layout, Level, Measurements, decide, fit_levels, fit_link
+from braid.comm.compression import adaptive
+from braid.comm.compression.adaptive import controller
+from braid.comm.compression.adaptive import (BucketMeasure, Layout, Level, Measurements, decide, fit_levels,
+                                             fit_link)
 
 MB = 1e6
 CANDIDATES = ("exact", "bf16", "int8", "int4", "topk")
@@ -76,7 +78,7 @@ def test_the_links_other_traffic_in_a_window_is_not_the_buckets():
     is compressed too, and the reason says why. The traffic comes from share_link's bytes: 90 MB
     sent flat over 2 hosts x 2 ranks is 30 MB in the host and 60 MB across; at 500 MB/s, 180 ms."""
     m = _measure(500 * MB, [0.2, 0.0])
-    busy = adaptive._combine([[500 * MB, 500 * MB, 1e-4, *CODEC.values()]
+    busy = controller._combine([[500 * MB, 500 * MB, 1e-4, *CODEC.values()]
                               + [4 << 20, 4, 0.2, 30e6, 60e6, *ERRORS.values()]] * 2,
                              [0], Layout(world=4, hosts=2, local=2), CANDIDATES, {0: "all_reduce"})
     assert busy.buckets[0].link_busy_s == pytest.approx(0.18)
@@ -153,7 +155,7 @@ def test_the_callers_waits_leave_the_windows_and_its_traffic_times_the_link(monk
     fit 100 us of latency and 125 MB/s, the bucket's own call (compressed here) giving no link
     sample."""
     clock = [0.0]
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(controller.time, "perf_counter", lambda: clock[0])
     q = comm.Adaptive()
     q._steps = 1
     q._decisions = {0: adaptive.Decision("int4", "given")}
@@ -182,13 +184,13 @@ def test_the_codec_probe_is_no_part_of_the_windows(monkeypatch):
     """The step before a round that measures the codecs probes each bucket in its hook: 50 ms of
     kernels run after the first bucket's call are left out of its window (0.1 s - 0.05 s)."""
     clock = [0.0]
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(controller.time, "perf_counter", lambda: clock[0])
 
     def probe(name, q, x, scratch):
         clock[0] += 0.05 / 4  # four candidates
         return 1e-9, 0.01
 
-    monkeypatch.setattr(adaptive, "_probe", probe)
+    monkeypatch.setattr(controller, "_probe", probe)
     q = comm.Adaptive()
     q._steps = 1
     _, call = q._begin(0, torch.zeros(8), 5, 1, None, None)
@@ -276,7 +278,7 @@ def test_link_fit_separates_latency_from_bandwidth():
     assert latency == 6e-4 and bw["in_host"] == pytest.approx(2 * 4096 / 1e-4)
 
 
-class _DeviceClock(adaptive.DeviceMarks):
+class _DeviceClock(controller.DeviceMarks):
     """DeviceMarks on a scripted device timeline: a mark takes the device time ``now[0]``."""
 
     class Event:
@@ -305,7 +307,7 @@ def test_device_calls_are_timed_by_the_device(monkeypatch):
     0.30 s and from 0.20 s (queued behind the first) to 0.50 s, the backward ending at the second's
     issue. Their vector (link fit, windows) is the one host-timed calls with those times give."""
     clock = _DeviceClock()
-    monkeypatch.setattr(adaptive, "_marks_for", lambda device: clock)
+    monkeypatch.setattr(controller, "_marks_for", lambda device: clock)
     q = comm.Adaptive()
     q._steps = 1  # past DDP's first layout: windows count
     script = [(0, 1 << 20, 0.10, 0.30), (1, 3 << 20, 0.20, 0.50)]
@@ -320,14 +322,14 @@ def test_device_calls_are_timed_by_the_device(monkeypatch):
         q._record(call, None)  # the host sees it done now; the device at ``done``
     q.end_step()
     layout = Layout(world=2, hosts=2, local=1)
-    adaptive._read_marks(q._calls_since)
+    controller._read_marks(q._calls_since)
     got = q._local_vector([0, 1], layout)
     times = [x for c in calls for x in (c.issued, c.done, c.window)]
     assert times == pytest.approx([0, 0.2, 0.1, 0.1, 0.4, 0.0])
 
     host = comm.Adaptive()
     for key, numel, issued, done in script:
-        c = adaptive._Call(key, numel, 4, "exact", issued - 0.1)
+        c = controller._Call(key, numel, 4, "exact", issued - 0.1)
         c.done, c.window = done - 0.1, 0.2 - issued
         host._calls_since.append(c)
     assert got == pytest.approx(host._local_vector([0, 1], layout), nan_ok=True)
@@ -341,7 +343,7 @@ def test_device_marks_time_the_device_not_the_host():
     ~50 ms between its marks."""
     import time
 
-    marks = adaptive._marks_for(torch.device("cuda", torch.cuda.current_device()))
+    marks = controller._marks_for(torch.device("cuda", torch.cuda.current_device()))
     torch.cuda.synchronize()
     start = marks.mark()
     t0 = time.perf_counter()
@@ -562,7 +564,7 @@ def test_checkpoint_resumes_with_the_same_decisions():
 
 
 # ----------------------------------------------------------------------------------------------
-# The sharding's gradient reduce-scatters (fsdp.shard(..., grad_compression=comm.Adaptive())).
+# The sharding's gradient reduce-scatters (zero.shard(..., grad_compression=comm.Adaptive())).
 
 SHARD_BUCKET_MB = 0.004  # the MLP in 4 buckets, as the hook tests' DDP buckets
 RS = adaptive.REDUCE_SCATTER
@@ -598,9 +600,9 @@ def _train_sharded(rank, c, q, steps, stage=3, snapshot_at=2):
     """The hook tests' MLP sharded over ``c`` (ZeRO ``stage``) with ``grad_compression=q``, trained
     as _train trains it; returns (held-out loss, reduce-scatter bytes per step, the full state
     after ``snapshot_at`` steps and at the end)."""
-    from braid.comm import fsdp
+    from braid.comm import zero
 
-    model = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=SHARD_BUCKET_MB, grad_compression=q)
+    model = zero.shard(_model(), c, stage=stage, bucket_cap_mb=SHARD_BUCKET_MB, grad_compression=q)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sent, snapshot = _sharded_steps(rank, model, opt, range(steps), snapshot_at)
     xe = torch.randn(512, 16, generator=torch.Generator().manual_seed(99))
@@ -696,14 +698,14 @@ def sharded_switch_keeps_error_feedback(rank, n, store_path, hosts, hierarchical
     to milliseconds). Error feedback conserves the sum: what quantization dropped is added
     back at the first exact reduce-scatter, so the shards of all steps add up to the inputs'
     average (float32 rounding apart)."""
-    from braid.comm import fsdp
+    from braid.comm import zero
 
     numel, steps = 1 << 19, 6
     inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(n)]
               for s in range(steps)]
     with environment({"BRAID_HOST_ID": f"host{hosts[rank]}"}), process_group(rank, n, store_path):
         q = comm.Adaptive(candidates, interval=2, hysteresis=0.0, link={"across_hosts": SLOW})
-        sharded = fsdp.shard(_Probe(numel), None, stage=2, grad_compression=q, hierarchical=hierarchical)
+        sharded = zero.shard(_Probe(numel), None, stage=2, grad_compression=q, hierarchical=hierarchical)
         per = sharded.shards[0].numel()
         total_in = torch.zeros(per, dtype=torch.float64)
         total_out = torch.zeros(per, dtype=torch.float64)
@@ -742,11 +744,11 @@ def sharded_resume_keeps_decisions(rank, n, store_path):
     """As resume_keeps_decisions, sharded (ZeRO-2): 8 steps, a checkpoint (sharded state,
     optimizer, the Adaptive's state), then steps 8-11 straight on and in a new wrapper loaded
     from the checkpoint."""
-    from braid.comm import fsdp
+    from braid.comm import zero
 
     def build(c):
         q = comm.Adaptive(interval=4, link={"across_hosts": SLOW}, seed=rank)
-        model = fsdp.shard(_model(), c, stage=2, bucket_cap_mb=SHARD_BUCKET_MB, grad_compression=q)
+        model = zero.shard(_model(), c, stage=2, bucket_cap_mb=SHARD_BUCKET_MB, grad_compression=q)
         return model, q, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def choices(q):
@@ -779,15 +781,15 @@ def test_sharded_checkpoint_resumes_with_the_same_decisions():
 
 
 def test_sharded_bad_arguments_name_themselves():
-    from braid.comm import fsdp
+    from braid.comm import fsdp2, zero
 
     with pytest.raises(ValueError, match="grad_compression: an Adaptive with candidates"):
-        fsdp.shard(_model(), None, grad_compression=comm.Adaptive(("topk",)))
+        zero.shard(_model(), None, grad_compression=comm.Adaptive(("topk",)))
     with pytest.raises(TypeError, match="grad_compression must be None or a block quantizer .* Adaptive"):
-        fsdp.shard(_model(), None, grad_compression="auto")
+        zero.shard(_model(), None, grad_compression="auto")
     # FSDP2's custom reduce-scatter names no bucket and sees no end of the backward.
     with pytest.raises(TypeError, match="grad_compression: braid.comm.Adaptive cannot run under FSDP2"):
-        fsdp.fsdp2_comms(None, grad_compression=comm.Adaptive(error_feedback=False))
+        fsdp2.fsdp2_comms(None, grad_compression=comm.Adaptive(error_feedback=False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -866,9 +868,9 @@ def test_the_host_cpu_per_byte_is_fitted_from_the_exact_steps(monkeypatch):
     step with a compressed call, and one with the caller's other traffic, are left out (they
     use 1 s of CPU each here). The round combines the figure with the ranks' cores."""
     clock, cpu = [0.0], [0.0]
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(adaptive, "_other_threads_cpu", lambda: cpu[0])
-    monkeypatch.setattr(adaptive.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(controller.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(controller, "_other_threads_cpu", lambda: cpu[0])
+    monkeypatch.setattr(controller.torch, "get_num_threads", lambda: 1)
     latency, per_byte = 1e-3, 0.5e-9
     q = comm.Adaptive()
     q._steps, q._next_round = 1, 100  # past the warm-up, no round or probe due in these steps
@@ -902,11 +904,11 @@ def test_the_host_cpu_per_byte_is_fitted_from_the_exact_steps(monkeypatch):
     assert q._link_fit[0] == pytest.approx(latency)
     assert math.isnan(vec[-6]) and vec[-5] == pytest.approx(per_byte)
     head = vec[:-4]
-    m = adaptive._combine([head + [7.0, 2.0, 2.0, 1.0]] * 2, [0, 1], TWO_HOSTS, CANDIDATES,
+    m = controller._combine([head + [7.0, 2.0, 2.0, 1.0]] * 2, [0, 1], TWO_HOSTS, CANDIDATES,
                           {0: "all_reduce", 1: "all_reduce"})
     assert m.host_cpu_s_per_byte == pytest.approx({"in_host": per_byte, "across_hosts": per_byte})
     assert m.cpu_contention == 1.0
-    apart = adaptive._combine([head + [7.0, 2.0, 2.0, 1.0], head + [8.0, 2.0, 2.0, 1.0]], [0, 1], TWO_HOSTS,
+    apart = controller._combine([head + [7.0, 2.0, 2.0, 1.0], head + [8.0, 2.0, 2.0, 1.0]], [0, 1], TWO_HOSTS,
                               CANDIDATES, {0: "all_reduce", 1: "all_reduce"})
     assert apart.cpu_contention == 0.0
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from braid.bench import protocol
+from helpers import braid_segments
 
 
 class LocalBackend:
@@ -596,12 +597,22 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
             ranks = [int(p) for p in out]
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks did not start"
-        time.sleep(3)  # inside the run (imports done, measuring)
+        # Inside the run: both ranks have built their communicator (their shared-memory segments
+        # exist), so they are measuring.
+        while time.time() < deadline and len(braid_segments(ranks)) < 2:
+            time.sleep(0.05)
+        assert len(braid_segments(ranks)) >= 2, "the ranks did not start measuring"
         launcher.kill()
         launcher.wait()
-        time.sleep(2)
-        alive = [p for p in ranks if os.path.exists(f"/proc/{p}") and
-                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+
+        def alive():
+            return [p for p in ranks if os.path.exists(f"/proc/{p}") and
+                    open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+
+        gone_by = time.time() + 30  # the ranks notice the launcher's death and exit
+        while alive() and time.time() < gone_by:
+            time.sleep(0.05)
+        alive = alive()
         for p in alive:
             os.kill(p, signal.SIGKILL)
         assert alive == [], "ranks outlived the launcher"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from braid.comm import Cast, Int4Quantizer, Int8Quantizer, TopK, WireStats, _C
-from braid.comm.compression import _key_hash, _mix64, dense_wire_bytes
+from braid.comm.compression.compressors import _key_hash, _mix64
+from braid.comm.core.wire import dense_wire_bytes
 from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
 from helpers import compression_reference as ref
 from helpers.ranks import make_comm, run_ranks
@@ -493,7 +494,7 @@ def fused_equals_generic(rank, n, store_path, seed):
     """The communicator's fused compressed all-reduce (its compressed_all_reduce capability) and
     the compressor's one algorithm over the group interface (GroupCarrier over the same
     Communicator) give the same bits, residuals included, warm-up and compressed calls alike."""
-    from braid.comm.group_carrier import GroupCarrier
+    from braid.comm.core.group_carrier import GroupCarrier
 
     log = CaseLog()
     with make_comm(rank, n, store_path) as c:

@@ -7,7 +7,7 @@ payload, a residual or a top-k selection must come out identical on either devic
 import pytest
 import torch
 from braid.comm import _C
-from braid.comm.build_info import is_cuda_build
+from braid.comm.core.build_info import is_cuda_build
 
 pytestmark = [
     pytest.mark.gpu,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid.comm import cp
-from braid.comm.group import as_group
+from braid.comm.core.group import as_group
 from helpers.ranks import make_comm, new_store_path, process_group, run_ranks
 
 # Against the float64 reference; the reasons and the measured worst cases are in the module docstring.

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid.comm import _C
-from braid.comm import backend as braid_backend
-from braid.comm.build_info import is_cuda_build
+from braid.comm.core import backend as braid_backend
+from braid.comm.core.build_info import is_cuda_build
 from helpers.ranks import (COMM_TIMEOUT_S, environment, make_comm, new_store_path, open_store, process_group,
                            run_ranks)
 

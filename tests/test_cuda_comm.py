@@ -12,8 +12,8 @@ what it copies, when, and what the core is handed; on a GPU against exact result
 import pytest
 import torch
 from braid import comm
-from braid.comm.build_info import is_cuda_build
-from braid.comm.communicator import Communicator
+from braid.comm.core.build_info import is_cuda_build
+from braid.comm.core.communicator import Communicator
 from helpers.ranks import environment, make_comm, new_store_path, run_ranks
 
 CUDA_BUILD = is_cuda_build()

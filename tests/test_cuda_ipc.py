@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from braid.comm.build_info import is_cuda_build
+from braid.comm.core.build_info import is_cuda_build
 from helpers.ranks import FreshRanks, environment, make_comm, open_store, process_group, run_ranks
 
 pytestmark = [

@@ -190,59 +190,58 @@ def _library_files() -> list[str]:
 
 # (file, function, call) -> why the host tensor or host read is right there.
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("comm/adaptive.py", "_probe", "float(tensor)"):
+    ("comm/compression/adaptive/controller.py", "_probe", "float(tensor)"):
         "the codec probe: timed around explicit device synchronizations, its error read once per probe",
-    ("comm/adaptive.py", "_cpu_layout", "float(tensor)"):
+    ("comm/compression/adaptive/controller.py", "_cpu_layout", "float(tensor)"):
         "float of torch.get_num_threads(), a Python int (no tensor is read)",
-    ("comm/adaptive.py", "Adaptive._layout_of", "torch.tensor without device="):
+    ("comm/compression/adaptive/controller.py", "Adaptive._layout_of", "torch.tensor without device="):
         "host identities (Python data), gathered once through the group's device by gather",
-    ("comm/adaptive.py", "Adaptive._layout_of", "torch.empty without device="):
+    ("comm/compression/adaptive/controller.py", "Adaptive._layout_of", "torch.empty without device="):
         "the host copy of that gather's result, read once per Adaptive",
-    ("comm/adaptive.py", "Adaptive._layout_of", ".tolist()"):
+    ("comm/compression/adaptive/controller.py", "Adaptive._layout_of", ".tolist()"):
         "reads the host copy (no device read): which ranks share a host, once per Adaptive",
-    ("comm/adaptive.py", "Adaptive._round", "torch.tensor without device="):
+    ("comm/compression/adaptive/controller.py", "Adaptive._round", "torch.tensor without device="):
         "the measurement vector is host data (timings, sizes), made once per decision round",
-    ("comm/adaptive.py", "Adaptive._round", "torch.empty without device="):
+    ("comm/compression/adaptive/controller.py", "Adaptive._round", "torch.empty without device="):
         "the host copy of the round's gathered measurements",
-    ("comm/adaptive.py", "Adaptive._round", ".tolist()"):
+    ("comm/compression/adaptive/controller.py", "Adaptive._round", ".tolist()"):
         "reads the host copy (no device read): every rank's measurements, once per decision round",
-    ("comm/adaptive.py", "Adaptive._gather_on_group", ".cpu()"):
+    ("comm/compression/adaptive/controller.py", "Adaptive._gather_on_group", ".cpu()"):
         "brings the round's small gathered vector back to the host that decides, once per round",
-    ("comm/adaptive.py", "_gather_on", ".cpu()"):
+    ("comm/compression/adaptive/controller.py", "_gather_on", ".cpu()"):
         "brings the round's small gathered vector back to the host that decides, once per round",
-    ("comm/compression.py", "<module>", 'torch.device("cpu")'):
+    ("comm/compression/compressors.py", "<module>", 'torch.device("cpu")'):
         "residual_for's default: the fused Communicator paths are CPU-only; callers on a device pass it",
-    ("comm/compression.py", "TopK._select", "bool(tensor)"):
+    ("comm/compression/compressors.py", "TopK._select", "bool(tensor)"):
         "CPU tensors only (the branch above it): the flag is already in host memory; devices mask instead",
     ("comm/cp.py", "_Ring.all_gather", ".cpu()"):
         "staged through host memory only where the group cannot carry the tensor's device (device_problem)",
-    ("comm/fsdp/schedule.py", "HostLayout.__init__", ".tolist()"):
-        "the hosts' rank order, checked once when the sharded module is built (and in its error message)",
-    ("comm/group.py", "_row_splits", ".tolist()"):
+    ("comm/core/group.py", "_row_splits", ".tolist()"):
         "split sizes handed as a tensor: torch's all_to_all_single takes them as host ints",
-    ("comm/group.py", "ProcessGroupAdapter._issue", ".cpu()"):
+    ("comm/core/group.py", "ProcessGroupAdapter._issue", ".cpu()"):
         "the one place a device tensor is staged through host memory: the group's backend for it is gloo",
-    ("comm/group.py", "ProcessGroupAdapter._issue", "torch.empty without device="):
+    ("comm/core/group.py", "ProcessGroupAdapter._issue", "torch.empty without device="):
         "the host buffer of that staging, copied back to the caller's device when the call is done",
     ("comm/tp/layers.py", "VocabParallelEmbedding._check_ids", "int(tensor)"):
         "CPU ids only (the branch above it); on a device the check is an assertion the device raises",
-    ("comm/communicator.py", "_splits", ".tolist()"):
+    ("comm/core/communicator.py", "_splits", ".tolist()"):
         "split sizes are Python ints the caller chose; a tensor of them is read once per call by contract",
-    ("comm/communicator.py", "_device", 'torch.device("cpu")'):
+    ("comm/core/communicator.py", "_device", 'torch.device("cpu")'):
         "the constructor's default device: the CPU when none is named",
-    ("comm/communicator.py", "_HostStaging.host", 'device="cpu"'):
+    ("comm/core/communicator.py", "_HostStaging.host", 'device="cpu"'):
         "the fallback path's pinned host buffers for CUDA tensors (no device-to-device path there)",
-    ("comm/moe.py", "_metadata_device", 'torch.device("cpu")'):
+    ("comm/core/placement.py", "metadata_device", 'torch.device("cpu")'):
         "layout metadata goes through host memory where the group takes CPU tensors (no device round trip)",
-    ("comm/moe.py", "_RankLayout.__init__", ".tolist()"):
-        "the rank layout, read on the host once per layout and cached (docs/usage/moe.md)",
-    ("comm/moe.py", "_flat_dispatch", ".tolist()"):
+    ("comm/core/placement.py", "Placement.__init__", ".tolist()"):
+        "the placement, read on the host once per group and kept (MoE: docs/usage/moe.md; the ZeRO "
+        "wrapper's hierarchical reduce-scatter: once when the sharded module is built)",
+    ("comm/moe/dispatch.py", "_flat_dispatch", ".tolist()"):
         "dropless/capacity: the counts that size the uneven exchange, one read per hop (docs/usage/moe.md)",
-    ("comm/moe.py", "_dispatch", ".tolist()"):
+    ("comm/moe/dispatch.py", "dispatch_tokens", ".tolist()"):
         "the same counts across hosts, one read per hop (padded mode never reaches it)",
-    ("comm/moe.py", "_check_dispatch", ".tolist()"):
+    ("comm/moe/dispatch.py", "_check_dispatch", ".tolist()"):
         "dispatch()'s range check of the caller's expert_ids, one read (the layer's own path skips it)",
-    ("comm/moe.py", "MoE.stats", ".tolist()"):
+    ("comm/moe/layer.py", "MoE.stats", ".tolist()"):
         "statistics read on request, off the training path",
 }
 

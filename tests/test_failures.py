@@ -315,7 +315,7 @@ def test_segments_unlinked_once_all_ranks_attached(n):
 
 def two_hosts(rank, n, store_path):
     """Rank n-1 announces another host identity, as a process on a second machine would."""
-    from braid.comm import bootstrap
+    from braid.comm.core import bootstrap
 
     real = bootstrap.host_identity
     if rank == n - 1:
@@ -435,13 +435,16 @@ def close_in_callback(rank, n, store_path):
     done = fut.then(lambda _: box.clear())  # drops the last reference (on whichever thread runs it)
     done.wait()
     gc.collect()
-    time.sleep(0.5)  # the finalizer's closing thread
+    deadline = time.monotonic() + 30  # the finalizer's closing thread ends (daemon: not joined at exit)
+    while any(t.name == "braid-close" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen["close thread ended"] = not any(t.name == "braid-close" for t in threading.enumerate())
     return rank, seen
 
 
 def test_close_and_abort_from_a_callback_do_not_end_the_process():
     for rank, seen in run_ranks(close_in_callback, 2):
-        assert seen["closed"], seen
+        assert seen["closed"] and seen["close thread ended"], seen
         if rank != 0:
             continue
         assert seen["close"]["thread"] == "other" and seen["abort"]["thread"] == "other", seen
@@ -519,7 +522,9 @@ def abort_while_waiting(rank, n, store_path):
     if rank == 0:
         running = c.all_reduce(torch.ones(300_000), async_op=True)
         queued = c.all_reduce(torch.ones(10), async_op=True)
-        time.sleep(0.3)  # the progress thread is now asleep waiting for rank 1
+        # Aims at the case under test, abort while the progress thread waits for rank 1 (no
+        # synchronization rests on it: an abort before that wait must give the same outcomes).
+        time.sleep(0.3)
         start = time.monotonic()
         c.abort()
         took = time.monotonic() - start

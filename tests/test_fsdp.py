@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from braid import comm
 from braid.bench.models import LanguageModel
-from braid.comm import fsdp
+from braid.comm import fsdp2, zero
 from helpers import MatmulRecorder, compression_reference, digest
 from helpers.ranks import (CARRIERS, COMM_TIMEOUT_S, STORE_TIMEOUT, environment, make_comm, process_group,
                            run_ranks)
@@ -93,7 +93,7 @@ def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, pre
         c = _carrier_in(kind, rank, world_size, store_path)
         ddp = nn.parallel.DistributedDataParallel(_model())
         # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
-        sharded = fsdp.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
+        sharded = zero.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
                              reshard_after_forward=reshard, prefetch=prefetch, units=units)
         opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
@@ -132,7 +132,7 @@ def _run_memory(rank, world_size, store_path, stage):
     c = make_comm(rank, world_size, store_path)
     model = _model()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded = fsdp.shard(model, c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(model, c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
     _loss(sharded, _batch(rank, 0)).backward()
     opt.step()
@@ -146,7 +146,7 @@ def _run_memory(rank, world_size, store_path, stage):
 
 def _run_state_dicts(rank, world_size, store_path, stage):
     c = make_comm(rank, world_size, store_path)
-    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
     _loss(sharded, _batch(rank, 0)).backward()
     opt.step()
@@ -164,10 +164,10 @@ def _run_state_dicts(rank, world_size, store_path, stage):
     pieces = sharded.sharded_state_dict()
     assert list(pieces) == list(full)
     # Loading back: a wrapper around another initialization takes the saved state exactly.
-    other = fsdp.shard(_model(seed=3), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    other = zero.shard(_model(seed=3), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     other.load_sharded_state_dict(pieces)
     _assert_exact(other.full_state_dict(), full)
-    other = fsdp.shard(_model(seed=4), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    other = zero.shard(_model(seed=4), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     other.load_full_state_dict(full)
     _assert_exact(other.full_state_dict(), full)
     with pytest.raises(ValueError, match="another world size"):
@@ -183,7 +183,7 @@ def _run_state_dicts(rank, world_size, store_path, stage):
 def _run_gather_params(rank, world_size, store_path, stage):
     """Shards changed through ``.data`` (no version bump): gather_params still spreads them."""
     c = make_comm(rank, world_size, store_path)
-    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     for i, p in enumerate(sharded.parameters()):
         p.data.fill_(100 * i + rank)
     sharded.gather_params()
@@ -200,7 +200,7 @@ def _run_fused_and_discard(rank, world_size, store_path, stage):
     optimizer's zero_grad() (set_to_none or not) must not reach the next step: the gradient
     after it equals that of the next batch alone."""
     c = make_comm(rank, world_size, store_path)
-    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5, fused=True)
     ids = _batch(rank, 0)
     _loss(sharded, ids).backward()
@@ -249,7 +249,7 @@ def _run_frozen_other_dtypes(rank, world_size, store_path, stage):
     """Frozen parameters of dtypes braid does not reduce (int8, bool) are broadcast from rank 0,
     gathered and returned by full_state_dict as bytes; training the rest works."""
     c = make_comm(rank, world_size, store_path)
-    sharded = fsdp.shard(_Quantized(seed=rank), c, stage=stage)
+    sharded = zero.shard(_Quantized(seed=rank), c, stage=stage)
     expected = _Quantized(seed=0)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     for _ in range(2):
@@ -297,7 +297,7 @@ def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False, kind=
         for use_braid in (False, True):
             m = _fully_sharded(mesh)
             if use_braid:
-                assert fsdp.use_braid_comms(m, c) == LAYERS + 1
+                assert fsdp2.use_braid_comms(m, c) == LAYERS + 1
                 if divide_factor is not None:
                     for sub in (*m.blocks, m):  # each fully_shard module has its own factor
                         sub.set_gradient_divide_factor(divide_factor)
@@ -342,7 +342,7 @@ def _run_fsdp2_compressed(rank, world_size, store_path, kind, weights, grads):
             if compressed:
                 q_weights = comm.Int8Quantizer(block=64) if weights else None
                 q_grads = comm.Int4Quantizer(block=32, error_feedback=False) if grads else None
-                fsdp.use_braid_comms(m, c, param_compression=q_weights, grad_compression=q_grads)
+                fsdp2.use_braid_comms(m, c, param_compression=q_weights, grad_compression=q_grads)
             models.append(m)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
         ref_losses = _train(models[0], opts[0], rank, 4, 1, None)
@@ -365,7 +365,7 @@ def _run_comm_objects(rank, world_size, store_path):
     """The FSDP2 comm objects alone: async all-gather (a torch Work), byte gathers of odd sizes,
     and every reduce op against a local reference (integer-valued floats: exact in any order)."""
     c = make_comm(rank, world_size, store_path)
-    ag, rs = fsdp.fsdp2_comms(c)
+    ag, rs = fsdp2.fsdp2_comms(c)
 
     def value(r, n, salt):
         return torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(salt * 100 + r)).float()
@@ -429,7 +429,7 @@ def _run_schedule(rank, world_size, store_path, stage):
     """The events of one stage-3 (or stage-2) training step, as (kind, work number) pairs."""
     log = []
     c = _RecordingComm(make_comm(rank, world_size, store_path), log)
-    sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
+    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
     ids = _batch(rank, 0)
     _loss(sharded, ids).backward()  # the first step records the units' order
@@ -490,8 +490,8 @@ def _run_mixed_precision(rank, world_size, store_path, stage, kind):
     with process_group(rank, world_size, store_path):
         c = _carrier_in(kind, rank, world_size, store_path)
         ddp = nn.parallel.DistributedDataParallel(_model())
-        policy = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, mp_policy=policy)
+        policy = zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, mp_policy=policy)
         assert all(p.dtype == torch.float32 for p in sharded.parameters())  # master shards
         seen = []
         hook = sharded.module.head.register_forward_pre_hook(
@@ -520,7 +520,7 @@ def _run_quantized_gathers(rank, world_size, store_path, kind, bits):
         c = _carrier_in(kind, rank, world_size, store_path)
         q = {8: lambda: comm.Int8Quantizer(block=64), 4: lambda: comm.Int4Quantizer(block=32),
              "fp8": lambda: comm.FP8Quantizer(block=64)}[bits]()
-        sharded = fsdp.shard(_model(), c, stage=3, bucket_cap_mb=BUCKET_CAP_MB, param_compression=q)
+        sharded = zero.shard(_model(), c, stage=3, bucket_cap_mb=BUCKET_CAP_MB, param_compression=q)
         # A forward and backward without a step: the master shards (and the full state dict built
         # from them) are exactly the initial parameters, whatever the gathers carried.
         _loss(sharded, _batch(rank, 0)).backward()
@@ -613,7 +613,7 @@ def _run_qwz_seen(rank, world_size, store_path, kind, bits):
     with, in order."""
     with process_group(rank, world_size, store_path):
         c = _carrier_in(kind, rank, world_size, store_path)
-        sharded = fsdp.shard(_qwz_model(), c, stage=3, param_compression=QWZ[bits]())
+        sharded = zero.shard(_qwz_model(), c, stage=3, param_compression=QWZ[bits]())
         x = torch.randn(3, QWZ_LAYERS[0][0], generator=torch.Generator().manual_seed(rank))
         sharded(x).square().sum().backward()
         return [sharded.module[0].seen, sharded.module[2].seen]
@@ -667,7 +667,7 @@ def _run_quantized_reduce_scatters(rank, world_size, store_path, kind, bits, sta
         c = _carrier_in(kind, rank, world_size, store_path)
         q = comm.Int8Quantizer(block=64) if bits == 8 else comm.Int4Quantizer(block=32)
         weights = comm.Int8Quantizer(block=64) if weights_too else None
-        sharded = fsdp.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
+        sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
                              param_compression=weights)
         ddp = nn.parallel.DistributedDataParallel(_model())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
@@ -711,7 +711,7 @@ def _run_compressed_resume(rank, world_size, store_path):
     with process_group(rank, world_size, store_path):
         def build():
             q = comm.Int4Quantizer(block=32, seed=7)
-            m = fsdp.shard(_model(), dist.group.WORLD, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
+            m = zero.shard(_model(), dist.group.WORLD, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
                            param_compression=comm.Int8Quantizer(block=64), grad_compression=q)
             return m, q, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
@@ -742,7 +742,7 @@ def _run_hierarchical(rank, world_size, store_path, quantized):
         runs = {}
         for hierarchical in (False, True):
             weights = comm.Int8Quantizer(block=64) if quantized else None
-            sharded = fsdp.shard(_model(), None, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
+            sharded = zero.shard(_model(), None, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
                                  param_compression=weights, hierarchical=hierarchical)
             opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
             losses = _train(sharded, opt, rank, 3, 1, None)
@@ -794,7 +794,7 @@ def _run_hierarchical_reduce_scatter(rank, world_size, store_path, kind, host_of
     with environment({"BRAID_HOST_ID": f"host{host_of[rank]}"}), process_group(rank, world_size, store_path):
         group, hosts = _hosts_split(kind, rank, world_size, store_path)
         q = comm.Int8Quantizer(block=block, seed=5)
-        sharded = fsdp.shard(_Probe(numel), group, stage=2, grad_compression=q, hierarchical=hosts)
+        sharded = zero.shard(_Probe(numel), group, stage=2, grad_compression=q, hierarchical=hosts)
         for _ in range(q.warmup_steps + 1):
             sharded.zero_grad(set_to_none=True)
             sharded(inputs[rank]).backward()
@@ -845,7 +845,7 @@ def _run_hierarchical_training(rank, world_size, store_path, kind):
     with environment({"BRAID_HOST_ID": f"host{rank // 2}"}), process_group(rank, world_size, store_path):
         group, hosts = _hosts_split(kind, rank, world_size, store_path)
         q = comm.Int4Quantizer(block=32)
-        sharded = fsdp.shard(_model(), group, stage=3, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
+        sharded = zero.shard(_model(), group, stage=3, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
                              param_compression=comm.Int8Quantizer(block=64), hierarchical=hosts)
         ddp = nn.parallel.DistributedDataParallel(_model())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
@@ -1004,62 +1004,62 @@ def test_bad_arguments_name_themselves():
     c = _solo()
     model = _model()
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
-        fsdp.shard(model, c, stage=4)
+        zero.shard(model, c, stage=4)
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
-        fsdp.shard(model, c, stage=True)
+        zero.shard(model, c, stage=True)
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
-        fsdp.shard(model, c, bucket_cap_mb=0)
+        zero.shard(model, c, bucket_cap_mb=0)
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
-        fsdp.shard(model, c, bucket_cap_mb="25")
+        zero.shard(model, c, bucket_cap_mb="25")
     with pytest.raises(ValueError, match="prefetch must be >= 0"):
-        fsdp.shard(model, c, prefetch=-1)
+        zero.shard(model, c, prefetch=-1)
     with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
-        fsdp.shard(model, c, reshard_after_forward=1)
+        zero.shard(model, c, reshard_after_forward=1)
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
-        fsdp.shard("model", c)
+        zero.shard("model", c)
     with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
-        fsdp.shard(model, object())
+        zero.shard(model, object())
     with pytest.raises(ValueError, match=r"units\[1\] \(Linear\) is not a submodule"):
-        fsdp.shard(model, c, units=[model.embed, nn.Linear(2, 2)])
+        zero.shard(model, c, units=[model.embed, nn.Linear(2, 2)])
     with pytest.raises(ValueError, match=r"units\[0\]='nope' is not a submodule"):
-        fsdp.shard(model, c, units=["nope"])
+        zero.shard(model, c, units=["nope"])
     with pytest.raises(ValueError, match="is a ModuleList, which has no forward"):
-        fsdp.shard(model, c, units=["blocks"])
+        zero.shard(model, c, units=["blocks"])
     with pytest.raises(ValueError, match="nest"):
-        fsdp.shard(model, c, units=["blocks.0", "blocks.0.attn"])
+        zero.shard(model, c, units=["blocks.0", "blocks.0.attn"])
     with pytest.raises(ValueError, match="given twice"):
-        fsdp.shard(model, c, units=["head", model.head])
+        zero.shard(model, c, units=["head", model.head])
     with pytest.raises(ValueError, match="the wrapped module itself"):
-        fsdp.shard(model, c, units=[model])
+        zero.shard(model, c, units=[model])
     complex_model = nn.Linear(2, 2)
     complex_model.weight = nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))
     with pytest.raises(TypeError, match="parameter weight is trainable with dtype torch.complex64"):
-        fsdp.shard(complex_model, c)
+        zero.shard(complex_model, c)
     with pytest.raises(TypeError, match="units must be a sequence"):
-        fsdp.shard(model, c, units="head")
+        zero.shard(model, c, units="head")
     with pytest.raises(ValueError, match="param_compression needs stage=3, got stage=1"):
-        fsdp.shard(model, c, stage=1, param_compression=comm.Int8Quantizer())
+        zero.shard(model, c, stage=1, param_compression=comm.Int8Quantizer())
     with pytest.raises(TypeError, match="param_compression must be None or a block quantizer"):
-        fsdp.shard(model, c, param_compression=comm.TopK(0.1))
+        zero.shard(model, c, param_compression=comm.TopK(0.1))
     with pytest.raises(TypeError, match="grad_compression must be None or a block quantizer"):
-        fsdp.shard(model, c, grad_compression=comm.Cast(torch.bfloat16))
+        zero.shard(model, c, grad_compression=comm.Cast(torch.bfloat16))
     with pytest.raises(ValueError, match="no parameters"):
-        fsdp.shard(nn.ReLU(), c)
+        zero.shard(nn.ReLU(), c)
     with pytest.raises(ValueError, match="hierarchical needs stage=3 with reshard_after_forward=True"):
-        fsdp.shard(model, c, stage=2, hierarchical=True)
+        zero.shard(model, c, stage=2, hierarchical=True)
     with pytest.raises(TypeError, match="hierarchical must be a bool or a HostGroups"):
-        fsdp.shard(model, c, hierarchical="host")
+        zero.shard(model, c, hierarchical="host")
     # Nothing above touched the model: it still has its parameters.
     assert len(list(model.parameters())) == len(list(_model().parameters()))
     with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
-        fsdp.fsdp2_comms(object())
+        fsdp2.fsdp2_comms(object())
     with pytest.raises(ValueError, match="no fully_shard module"):
-        fsdp.use_braid_comms(model, c)
+        fsdp2.use_braid_comms(model, c)
     with pytest.raises(ValueError, match="error_feedback=False"):
-        fsdp.fsdp2_comms(c, grad_compression=comm.Int4Quantizer())
+        fsdp2.fsdp2_comms(c, grad_compression=comm.Int4Quantizer())
     with pytest.raises(TypeError, match="compression must be None or a block quantizer"):
-        fsdp.fsdp2_comms(c, param_compression=comm.TopK(0.1))
-    ag, rs = fsdp.fsdp2_comms(c)
+        fsdp2.fsdp2_comms(c, param_compression=comm.TopK(0.1))
+    ag, rs = fsdp2.fsdp2_comms(c)
     other_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
     with pytest.raises(ValueError, match=r"FSDP2's group \(rank 1 of 2\) is not braid's"):
         ag(torch.zeros(2), torch.zeros(1), other_group)
@@ -1096,7 +1096,7 @@ def test_tied_frozen_and_root_parameters_single_rank(stage):
     c = _solo()
     torch.manual_seed(0)
     plain = _Tied()
-    sharded = fsdp.shard(copy.deepcopy(plain), c, stage=stage, bucket_cap_mb=1e-4)
+    sharded = zero.shard(copy.deepcopy(plain), c, stage=stage, bucket_cap_mb=1e-4)
     assert sharded.unit_names == ["mid", "frozen", "<root>"]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, sharded)]
     ids = torch.tensor([[1, 4, 9, 10], [0, 2, 2, 7]])

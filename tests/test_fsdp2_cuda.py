@@ -1,6 +1,6 @@
 """FSDP2 with braid's comm objects on CUDA tensors: which meshes they refuse, and why.
 
-CPU: the decision (comm/fsdp/fsdp2.py's gloo_mesh_problem) on real process groups: a group whose
+CPU: the decision (comm/fsdp2.py's gloo_mesh_problem) on real process groups: a group whose
 CUDA backend is gloo is refused for CUDA tensors, with the reason; its CPU tensors, groups without
 gloo for CUDA, and braid Communicators are not.
 
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid.bench.models import LanguageModel
-from braid.comm import fsdp
-from braid.comm.build_info import is_cuda_build
-from braid.comm.fsdp.fsdp2 import gloo_mesh_problem
-from braid.comm.group import adapter
+from braid.comm import fsdp2
+from braid.comm.core.build_info import is_cuda_build
+from braid.comm.fsdp2 import gloo_mesh_problem
+from braid.comm.core.group import adapter
 from helpers.ranks import STORE_TIMEOUT, FreshRanks, make_comm, process_group, run_ranks
 
 CUDA = torch.device("cuda", 0)
@@ -132,7 +132,7 @@ def _refused_on_gloo(rank, world_size, store_path):
     device = _on_gpu(rank)
     with process_group(rank, world_size, store_path):
         m = _sharded(init_device_mesh("cuda", (world_size,)), device)
-        fsdp.use_braid_comms(m, None)
+        fsdp2.use_braid_comms(m, None)
         with pytest.raises(ValueError) as refused:
             m(_ids(rank, device)[:, :-1])
         return str(refused.value)
@@ -157,7 +157,7 @@ def _train_on_braid_mesh(rank, world_size, store_path, kind):
         c = make_comm(rank, world_size, store_path, device=device) if kind == "communicator" else None
         mesh = init_device_mesh("cuda", (world_size,))
         models = [_sharded(mesh, device), _sharded(mesh, device)]
-        fsdp.use_braid_comms(models[1], c)
+        fsdp2.use_braid_comms(models[1], c)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
         ids = _ids(rank, device)
         losses = []

@@ -1,4 +1,4 @@
-"""The group interface (comm/group.py): a torch ProcessGroup as a braid Group, checked collective by
+"""The group interface (comm/core/group.py): a torch ProcessGroup as a braid Group, checked collective by
 collective against exact local results, and braid's layers on CUDA tensors (GPU cases, marked).
 
 CPU: every collective of ProcessGroupAdapter over gloo and over braid's c10d backend, at 2 and 3
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid.bench.models import BLOCK_PLAN, Block, LanguageModel
-from braid.comm import fsdp, tp
-from braid.comm.build_info import is_cuda_build
-from braid.comm.group import DefaultGroup, Group, ProcessGroupAdapter, as_group, check_device
+from braid.comm import Int8Quantizer, Work, tp, zero
+from braid.comm.core.build_info import is_cuda_build
+from braid.comm.core.group import DefaultGroup, Group, ProcessGroupAdapter, as_group, check_device
 from helpers.ranks import carrier, make_comm, new_store_path, process_group, run_ranks
 from torch import nn
 
@@ -62,12 +62,16 @@ def _collectives(rank, world_size, store_path, backend):
         # Async: wait() completes the average; a future chains; is_completed after wait.
         t = every[rank].clone()
         work = g.all_reduce(t, "avg", async_op=True)
+        assert isinstance(work, Work), type(work)  # one handle class, whoever runs the call
         assert work.wait() and work.is_completed() and torch.equal(t, sum(every) / n)
+        assert work.is_success() and "done" in work.describe()
+        assert isinstance(g.barrier(async_op=True), Work)
         t = every[rank].clone()
         fut = g.reduce_scatter(part, t, "avg", async_op=True).get_future().then(lambda f: f.value()[0] * 2)
         assert torch.equal(fut.wait(), (sum(every) / n)[6 * rank:6 * rank + 6] * 2)
         recv = torch.empty(6 * n)
-        g.send_recv(every[rank], (rank + 1) % n, recv, (rank - 1) % n).wait()
+        pair = g.send_recv(every[rank], (rank + 1) % n, recv, (rank - 1) % n)
+        assert isinstance(pair, Work) and pair.wait() and pair.is_success()
         assert torch.equal(recv, every[(rank - 1) % n])
         checked += 3
         # Sub-group: ranks {1, .., n-1}; its rank 0 is global rank 1.
@@ -130,6 +134,12 @@ def test_communicator_is_a_group_with_capabilities():
         check_device(c, torch.device("cpu"), "x")
         assert "a braid Communicator takes CPU" in c.device_problem(torch.device("meta"))
         check_device(c, torch.device("meta"), "x")  # meta tensors carry nothing: no refusal
+        # One handle class: a plain and a compressed call's handles are both braid.comm.Work.
+        plain = c.all_reduce(torch.ones(8), async_op=True)
+        packed = c.all_reduce(torch.ones(1024), op="avg", compression=Int8Quantizer(), async_op=True)
+        for w in (plain, packed):
+            assert isinstance(w, Work) and w.wait() and w.is_completed() and w.is_success(), w
+        assert type(packed).__name__ == "CompressedWork" and "done" in repr(packed)
     finally:
         c.close()
 
@@ -148,7 +158,7 @@ def _device_refusals(rank, world_size, store_path):
         check_device(g, torch.device("cuda"), "parameters")  # gloo serves CUDA (through host memory)
         g._backends = {"cuda": "nccl"}  # what an NCCL group reports
         messages = []
-        for build in (lambda: fsdp.shard(nn.Linear(4, 4), g),
+        for build in (lambda: zero.shard(nn.Linear(4, 4), g),
                       lambda: tp.ColumnParallelLinear(4, 4, group=g)):
             try:
                 build()
@@ -159,9 +169,9 @@ def _device_refusals(rank, world_size, store_path):
 
 
 def test_cpu_parameters_on_a_cuda_only_group_are_refused():
-    for zero, column in run_ranks(_device_refusals, 2):
+    for sharded, column in run_ranks(_device_refusals, 2):
         assert ("shard: the module's parameters are on cpu, but the process group serves cuda (nccl) "
-                "tensors only, not cpu") in zero, zero
+                "tensors only, not cpu") in sharded, sharded
         assert "ColumnParallelLinear: the weights are on cpu, but the process group serves cuda" in column
 
 
@@ -223,9 +233,9 @@ def _zero_on_gpu(rank, world_size, store_path, kind, stage, mixed):
         c = dist.group.WORLD if c is None else c
         torch.manual_seed(0)
         dense = LanguageModel(VOCAB, DIM, HEADS, HIDDEN, layers=2).to(device)
-        policy = (fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = (zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if mixed else None)
-        sharded = fsdp.shard(copy.deepcopy(dense), c, stage=stage, bucket_cap_mb=0.01, mp_policy=policy)
+        sharded = zero.shard(copy.deepcopy(dense), c, stage=stage, bucket_cap_mb=0.01, mp_policy=policy)
         assert all(p.device == device for p in sharded.parameters())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (dense, sharded)]
         ids = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(r))
@@ -299,7 +309,7 @@ def test_old_names_of_the_group_argument_still_work_with_a_warning():
             idx = cp.shard_indices(8, communicator=c, balanced=False)
         assert torch.equal(idx, cp.shard_indices(8, c, balanced=False))
         with pytest.warns(DeprecationWarning, match="communicator= is now group="):
-            fsdp.shard(nn.Linear(3, 3), communicator=c)
+            zero.shard(nn.Linear(3, 3), communicator=c)
         with pytest.warns(DeprecationWarning, match=r"comm_hook\(\): process_group= is now group="):
             state, _ = ddp.comm_hook(process_group=c)
         assert state.group is c and state.process_group is c and state.communicator is c

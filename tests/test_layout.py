@@ -142,6 +142,68 @@ def bench_imports_of_tests() -> list:
     return list(dict.fromkeys(found))  # one entry per statement
 
 
+# braid.comm by floor, bottom first: a module imports modules of its own floor or below, and a
+# parallel layer none of the other layers (each builds on the core and compression only); the
+# package itself, and the old module names kept importing, sit on top.
+COMM_FLOORS = (("braid.comm.core",), ("braid.comm.compression",),
+               ("braid.comm.ddp", "braid.comm.zero", "braid.comm.fsdp2", "braid.comm.tp", "braid.comm.cp",
+                "braid.comm.moe"),
+               ("braid.comm", "braid.comm._aliases", "braid.comm.fsdp"))
+
+
+def _floor(module: str) -> tuple:
+    """(floor, unit) of a braid.comm module: the unit is the entry of COMM_FLOORS it falls under."""
+    for level, units in enumerate(COMM_FLOORS):
+        for unit in units:
+            if module == unit or (unit != "braid.comm" and module.startswith(unit + ".")):
+                return level, unit
+    raise AssertionError(f"{module} is on no floor of COMM_FLOORS")
+
+
+def layering_violations() -> list:
+    """Every import of a braid.comm module that climbs a floor or crosses between layers."""
+    modules = _modules()
+    found = []
+    for name, path in sorted(modules.items()):
+        if not name.startswith("braid.comm"):
+            continue
+        level, unit = _floor(name)
+        for target in sorted(_imports(name, path, modules)):
+            if not target.startswith("braid.comm"):
+                continue
+            t_level, t_unit = _floor(target)
+            if t_level > level or (t_level == level == 2 and t_unit != unit):
+                found.append(f"{name} imports {target}")
+    return found
+
+
+def test_comm_is_arranged_by_layer():
+    assert layering_violations() == []
+
+
+def test_old_module_paths_import_the_moved_modules():
+    """Scripts written against braid.comm's module paths before its arrangement by layer keep
+    running: every old name imports (as a module, a submodule or an attribute of braid.comm) the
+    very module that holds its code now, which keeps its own name; braid.comm.fsdp gives the ZeRO
+    wrapper's and FSDP2's names."""
+    code = ("import importlib, braid.comm as comm\n"
+            "from braid.comm._aliases import MOVED\n"
+            "for old, new in MOVED.items():\n"
+            "    m = importlib.import_module(old)\n"
+            "    assert m is importlib.import_module(new) and m.__name__ == new == m.__spec__.name, old\n"
+            "    if old.count('.') == 2:\n"
+            "        assert getattr(comm, old.rsplit('.', 1)[1]) is m, old\n"
+            "import braid.comm.fsdp.sharded as s\n"
+            "from braid.comm import fsdp, fsdp2, zero\n"
+            "from braid.comm.adaptive import Adaptive, decide\n"
+            "assert s is zero.sharded and fsdp.shard is zero.shard\n"
+            "assert fsdp.fsdp2_comms is fsdp2.fsdp2_comms\n"
+            "assert Adaptive is comm.Adaptive and decide is comm.compression.adaptive.model.decide\n"
+            "try:\n    importlib.import_module('braid.comm.no_such_module')\n"
+            "except ModuleNotFoundError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_no_import_cycles():
     assert import_cycles() == []
 
@@ -156,7 +218,8 @@ def test_tests_take_only_shared_pieces_from_bench():
 
 def test_parts_are_attributes_of_comm_in_a_fresh_interpreter():
     code = ("from braid import comm\n"
-            "assert callable(comm.ddp.comm_hook) and comm.fsdp and comm.tp\n"
+            "assert callable(comm.ddp.comm_hook) and comm.zero and comm.fsdp2 and comm.fsdp and comm.tp\n"
+            "assert callable(comm.moe.MoE)\n"
             "assert callable(comm.cp.ring_attention)\n"
             "try:\n    comm.no_such_part\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -167,7 +230,8 @@ def test_python_tables_match_the_core():
     spelled as torch.distributed spells it and meaning the same op, and the algorithm names are
     tunables.h's: an op renamed or renumbered on one side would reduce with the wrong op."""
     import torch.distributed as dist
-    from braid.comm import _C, vocabulary
+    from braid.comm import _C
+    from braid.comm.core import vocabulary
 
     assert list(vocabulary.REDUCE_OPS) == ["sum", "avg", "max", "min", "prod", "band", "bor", "bxor"]
     assert list(vocabulary.REDUCE_OPS.values()) == list(range(len(vocabulary.REDUCE_OPS)))

@@ -30,10 +30,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from braid.comm import moe
-from braid.comm.build_info import is_cuda_build
+from braid.comm.core.build_info import is_cuda_build
 from braid.comm.ddp import comm_hook
-from braid.comm.group import as_group
-from braid.comm.group_carrier import host_groups
+from braid.comm.core.group import as_group
+from braid.comm.core.group_carrier import host_groups
 from helpers.ranks import carrier, environment, make_comm, new_store_path, process_group, run_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -548,7 +548,7 @@ def fused_hierarchical_equals_host_pair(rank, n, store_path, layout, seed):
     bits, residuals and wire bytes. The warm-up's exact calls follow each carrier's exact order
     (the communicator: host partials, then hosts; the pair: every rank in rank order), so there
     they agree to float32 rounding only."""
-    from braid.comm.group_carrier import HostGroups
+    from braid.comm.core.group_carrier import HostGroups
 
     log = CaseLog()
     hosts = hosts_of(layout)

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from braid import comm
 from braid.comm import ddp
-from braid.comm.build_info import is_cuda_build
-from braid.comm.compression import dense_wire_bytes
-from braid.comm.group_carrier import HostGroups, host_groups
+from braid.comm.core.build_info import is_cuda_build
+from braid.comm.core.wire import dense_wire_bytes
+from braid.comm.core.group_carrier import HostGroups, host_groups
 from helpers import CaseLog, assert_ranks_agree, make_input, outcome, reduce_reference
 from helpers.ranks import environment, make_comm, process_group, run_ranks
 from test_compressed_collectives import (
@@ -288,7 +288,7 @@ def test_default_group_is_looked_up_at_the_first_bucket():
 
 @pytest.mark.skipif(is_cuda_build(), reason="this build has the CUDA kernels")
 def test_cuda_device_without_cuda_kernels_is_named():
-    from braid.comm.device_kernels import kernels_for
+    from braid.comm.core.device_kernels import kernels_for
 
     with pytest.raises(ValueError, match="tensor is on cuda:0, but this braid build has no CUDA kernels"):
         kernels_for(torch.device("cuda:0"))

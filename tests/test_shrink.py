@@ -68,7 +68,8 @@ def test_survivors_of_a_killed_rank_go_on_in_a_smaller_communicator(host_of):
 
 def leave_out(rank, n, store_path, late_rank):
     """Ranks 0..n-2 leave the last rank out on purpose (no wait); with ``late_rank`` instead every
-    rank calls shrink(wait=0.5), that one 3 s late."""
+    rank calls shrink(wait=0.5), that one once every other rank's shrink has returned (the
+    membership agreed without it)."""
     c = make_comm(rank, n, store_path)
     c.all_reduce(torch.ones(10))
     if late_rank is None:
@@ -78,11 +79,14 @@ def leave_out(rank, n, store_path, late_rank):
         start = time.monotonic()
         with c.shrink(exclude=[n - 1], wait=60.0) as c2:
             return dict(_check_new(c2, rank, list(range(n - 1))), took=time.monotonic() - start)
+    store = open_store(store_path)
+    others = [r for r in range(n) if r != late_rank]
     if rank == late_rank:
-        time.sleep(3.0)  # after the others agreed (they wait 0.5 s at most): left out
+        store.wait([f"shrunk/{r}" for r in others], timedelta(seconds=60))
         return {"late": outcome(c.shrink, wait=0.5)}
     with c.shrink(wait=0.5) as c2:
-        return _check_new(c2, rank, [r for r in range(n) if r != late_rank])
+        store.set(f"shrunk/{rank}", "1")
+        return _check_new(c2, rank, others)
 
 
 def test_ranks_left_out_on_purpose_are_not_waited_for():

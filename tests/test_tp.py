@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from braid.bench.models import BLOCK_PLAN, BLOCK_SEQUENCE_PLAN, Block, LanguageModel, lm_plan
 from braid.comm import tp
 from helpers import MatmulRecorder
-from braid.comm.group import as_group
+from braid.comm.core.group import as_group
 from helpers.ranks import CARRIERS, carrier, make_comm, run_ranks
 from torch import nn
 

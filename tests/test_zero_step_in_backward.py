@@ -5,7 +5,7 @@ no_sync accumulation."""
 import torch
 import torch.distributed as dist
 from braid import optim
-from braid.comm import fsdp
+from braid.comm import zero
 from helpers import outcome
 from helpers.ranks import make_comm, process_group, run_ranks
 from torch import nn
@@ -28,7 +28,7 @@ def _loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
 
 
 def _run(group, rank: int, stage: int, name: str, in_backward: bool, steps: int = 5, micro: int = 2) -> dict:
-    sharded = fsdp.shard(_model(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(_model(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     make = {"adamw": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
             "sgd": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)}[name]
     opt = make(sharded.parameters())
@@ -83,7 +83,7 @@ def test_step_in_backward_equals_step_after_backward():
 
 def bad_optimizers(rank, n, store_path):
     with make_comm(rank, n, store_path) as c:
-        sharded = fsdp.shard(_model(), c, stage=2, bucket_cap_mb=BUCKET_CAP_MB)
+        sharded = zero.shard(_model(), c, stage=2, bucket_cap_mb=BUCKET_CAP_MB)
         other = nn.Linear(3, 3)
         return {"torch": outcome(sharded.step_in_backward, torch.optim.SGD(sharded.parameters(), lr=0.1)),
                 "foreign": outcome(sharded.step_in_backward, optim.SGD(other.parameters(), lr=0.1))}

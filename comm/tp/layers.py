@@ -9,7 +9,7 @@ all-gathers its input and the row layer reduce-scatters its output instead.
 
 Every layer is a collective: all ranks of the group run the same layers in the same order. The group
 (``group``) is a braid Communicator, any torch.distributed ProcessGroup (NCCL, gloo, braid's
-backend, a DeviceMesh dimension's group) or None, the default group (comm/group.py); weights and
+backend, a DeviceMesh dimension's group) or None, the default group (comm/core/group.py); weights and
 activations may be on any device the group serves (CUDA tensors over NCCL, say).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..group import as_group, check_device, renamed_args
+from ..core.group import as_group, check_device, renamed_args
 from .regions import (all_gather, all_reduce, gather_from_region, reduce_from_region, reduce_scatter,
                       reduce_scatter_to_sequence_region, scatter_to_region, split)
 

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..group import as_group, renamed_args
+from ..core.group import as_group, renamed_args
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .regions import all_reduce
 

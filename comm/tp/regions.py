@@ -24,7 +24,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ..group import as_group, renamed_args
+from ..core.group import as_group, renamed_args
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:

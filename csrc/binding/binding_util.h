@@ -262,7 +262,7 @@ inline std::shared_ptr<Communicator> python_owned(Communicator* c) {
   return std::shared_ptr<Communicator>(c, [](Communicator* p) { without_gil([p] { delete p; }); });
 }
 
-// The Python handle (`_C.Work`, wrapped by comm/work.py's Work) of an async collective on host
+// The Python handle (`_C.Work`, wrapped by comm/core/work.py's Work) of an async collective on host
 // memory; CudaWork (cuda_comm_binding.cpp) is its counterpart for CUDA tensors.
 class HostWork {
  public:

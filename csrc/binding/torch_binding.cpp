@@ -302,7 +302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       if (p) std::rethrow_exception(p);
     } catch (const CommError& e) {
       if (restore_pending_error()) return;
-      py::object errors = py::module_::import("braid.comm.errors");
+      py::object errors = py::module_::import("braid.comm.core.errors");
       py::object cls = errors.attr(error_class_name(e.kind()));
       PyErr_SetString(cls.ptr(), e.what());
     }
@@ -411,7 +411,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>());
 
-  // The core's names, for the Python side's checks and tables (comm/vocabulary.py, communicator.py).
+  // The core's names, for the Python side's checks and tables (comm/core/vocabulary.py, communicator.py).
   py::list algorithms;
   for (int i = 0; i < kNumAlgos; ++i) algorithms.append(algo_name(static_cast<Algo>(i)));
   m.attr("ALGORITHMS") = py::tuple(algorithms);

@@ -18,7 +18,7 @@ import sys
 
 import torch.distributed as dist
 
-import braid.comm.backend  # noqa: F401 - registers the "braid" backend (here and in the ranks)
+import braid.comm.core.backend  # noqa: F401 - registers the "braid" backend (here and in the ranks)
 
 _backend = os.environ.get("BACKEND")
 if _backend is None or "WORLD_SIZE" not in os.environ:

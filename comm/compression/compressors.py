@@ -11,7 +11,7 @@ input, per key) and a warm-up of exact reductions. A compressor's state is expli
 
 The same compressors run over any torch process group (gloo, NCCL, braid's c10d backend) and on
 CUDA tensors: ``q.all_reduce(group, grad)`` quantizes on the tensor's device and lets the group
-carry the packed bytes (comm/group_carrier.py).
+carry the packed bytes (comm/core/group_carrier.py).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import torch
 
 import braid.comm._C as _C  # the extension module itself (not the package)
 
-from . import group_carrier
-from .device_kernels import CpuKernels, kernels_for
-from .group import GroupWork
-from .group_carrier import GroupCarrier, HostGroups
-from .vocabulary import AVG, Op, compressed_op_code
-from .wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
-from .work import Work
+from ..core import group_carrier
+from ..core.device_kernels import CpuKernels, kernels_for
+from ..core.group import COMPRESSED_ALL_REDUCE, GroupWork
+from ..core.group_carrier import GroupCarrier, HostGroups
+from ..core.vocabulary import AVG, Op, compressed_op_code
+from ..core.wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
+from ..core.work import Work
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest quantization block: csrc/core/compression/quantize.h's kMaxQuantBlock (the kernels hold a
@@ -97,13 +97,16 @@ def _key_hash(key: Hashable) -> int:
     return zlib.crc32(repr(key).encode())
 
 
-class CompressedWork:
-    """Handle of an async compressed all-reduce: the collective runs on braid's progress thread,
-    and decoding into the caller's tensor is chained to it, so it happens once, on that thread,
-    as soon as the collective completes (it issues no collective, so it may run there)."""
+class CompressedWork(Work):
+    """Handle of an async compressed all-reduce, a :class:`~braid.comm.Work`: the collective runs
+    on braid's progress thread, and decoding into the caller's tensor is chained to it, so it
+    happens once, on that thread, as soon as the collective completes (it issues no collective, so
+    it may run there)."""
+
+    __slots__ = ("_decoded",)
 
     def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
-        self._work = Work(work, "all_reduce")
+        super().__init__(work, "all_reduce")
 
         def decode(fut: torch.futures.Future) -> list:
             fut.value()  # raises the collective's error
@@ -116,7 +119,7 @@ class CompressedWork:
         """Blocks until the collective is done and the result decoded; raises its error. With
         ``timeout`` (seconds or a timedelta) returns False if the collective is still running
         then; 0 only polls."""
-        if not self._work.wait(timeout):  # raises braid's typed errors
+        if not super().wait(timeout):  # raises braid's typed errors
             return False
         self._decoded.wait()
         return True
@@ -124,10 +127,16 @@ class CompressedWork:
     def is_completed(self) -> bool:
         return self._decoded.done()
 
+    def is_success(self) -> bool:
+        return self._decoded.done() and super().is_success()
+
+    def describe(self) -> str:
+        if super().is_completed() and super().is_success() and not self._decoded.done():
+            return "all_reduce decoding"
+        return super().describe()
+
     def __repr__(self) -> str:
-        if self._work.is_completed() and self._work.is_success() and not self._decoded.done():
-            return "<braid.comm.CompressedWork all_reduce decoding>"
-        return f"<braid.comm.CompressedWork {self._work.describe()}>"
+        return f"<braid.comm.CompressedWork {self.describe()}>"
 
     def get_future(self) -> torch.futures.Future:
         """A future holding ``[tensor]`` once the result is decoded into it."""
@@ -208,7 +217,7 @@ class Compressor:
 
     def take_residual(self, key: Hashable) -> Optional[torch.Tensor]:
         """Removes and returns the residual of ``key`` (None if it has none): for a caller that moves
-        a tensor's error feedback to another compressor (comm/adaptive.py)."""
+        a tensor's error feedback to another compressor (comm/compression/adaptive/)."""
         return self._residuals.pop(key, None)
 
     def put_residual(self, key: Hashable, residual: torch.Tensor) -> None:
@@ -259,11 +268,11 @@ class Compressor:
         ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors; the
         communicator runs the call, see :meth:`all_reduce_on`), a torch ProcessGroup (None: the
         default group; CPU or CUDA tensors, quantized on their device and summed in rank order in
-        float32, the group moving the bytes), or a :class:`~braid.comm.group_carrier.HostGroups`
+        float32, the group moving the bytes), or a :class:`~braid.comm.core.group_carrier.HostGroups`
         (exact inside a host, compressed across hosts). Async calls return a
-        :class:`CompressedWork` (braid) or a :class:`~braid.comm.group.GroupWork`
+        :class:`CompressedWork` (braid) or a :class:`~braid.comm.core.group.GroupWork`
         (process groups)."""
-        if isinstance(comm, CompressionHost):
+        if COMPRESSED_ALL_REDUCE in getattr(comm, "capabilities", ()):  # a group with a fused call runs it
             return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
         code = compressed_op_code(op)
         check_tensor(tensor)
@@ -317,6 +326,19 @@ class Compressor:
             return None, stats
         return CompressedWork(work, done, tensor), stats
 
+    def all_reduce_on_communicator(self, communicator: Any, tensor: torch.Tensor, op: Op = "avg", *,
+                                   key: Hashable = "default", async_op: bool = False,
+                                   step: Optional[int] = None) -> tuple[Optional[Any], Optional[WireStats]]:
+        """``Communicator.all_reduce(tensor, compression=self)``: the fused one-call path on the
+        communicator's extension object where this compressor has one, else :meth:`all_reduce` over
+        the communicator's collectives. Returns the work (None unless ``async_op``) and the wire
+        statistics the communicator records as ``last_wire_bytes``."""
+        if not (self.fused and COMPRESSED_ALL_REDUCE in communicator.capabilities):
+            work = self.all_reduce(group_carrier.GroupCarrier(communicator), tensor, op, key=key,
+                                   async_op=async_op, step=step)
+            return work, self.last_wire_bytes
+        return self.all_reduce_on(communicator._c, tensor, op, key=key, async_op=async_op, step=step)
+
     def next_call(self, key: Hashable) -> int:
         """Counts a call of ``key`` and returns its number among the key's calls (0 first): what a
         caller compressing on its own (the sharded wrapper's reduce-scatters) compares with
@@ -335,7 +357,7 @@ class Compressor:
 
     def _all_reduce_on_group(self, carrier, tensor, flat, op_code, key, calls, step, async_op):
         """The all-reduce over a process group carrier: the warm-up's exact reduction or the
-        compressed one, as one job (comm/group_carrier.py's issue: in order on CPU, on the
+        compressed one, as one job (comm/core/group_carrier.py's issue: in order on CPU, on the
         current stream on CUDA)."""
         n, es = carrier.size, flat.element_size()
         if step < self.warmup_steps or n == 1 or flat.numel() == 0:
@@ -654,7 +676,7 @@ class FP8Quantizer(BlockQuantizer):
     (3 mantissa bits) that keeps small values of a block that int8's uniform grid rounds to 0.
 
     It has no fused path in braid's C++ core: over a braid Communicator it runs the compressors'
-    one algorithm through the communicator's collectives (comm/group_carrier.py), as over any
+    one algorithm through the communicator's collectives (comm/core/group_carrier.py), as over any
     process group; its format is written with torch operations, so it runs on any device torch
     has float8 for. Always rounds to nearest (``stochastic`` is not available)."""
 

@@ -23,9 +23,8 @@ import torch.distributed as dist
 import braid.comm._C as _C  # the extension module itself (not the package)
 from .bootstrap import Bootstrap, admit, agree_membership, await_admission, request_admission
 from .build_info import is_cuda_build
-from .compression import CompressedWork, Compressor
 from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
-from .group_carrier import GroupCarrier, HostGroups
+from .group_carrier import HostGroups
 from .launch_env import launch_rank, launch_store, launch_world_size
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
@@ -302,7 +301,7 @@ class Communicator(CompressionHost, Group):
     hosts), larger ones and every reduce-scatter and all-gather directly at two hosts and around a
     ring between hosts from three (:meth:`all_reduce_algorithm` names the all-reduce's choice).
 
-    It is a :class:`~braid.comm.group.Group`: every braid layer runs on it as on a torch process
+    It is a :class:`~braid.comm.core.group.Group`: every braid layer runs on it as on a torch process
     group, and finds its fused paths among ``capabilities`` (the compressed all-reduce in one call,
     hierarchical algorithms).
     """
@@ -474,7 +473,7 @@ class Communicator(CompressionHost, Group):
     def split_by_host(self) -> HostGroups:
         """This communicator split by host, for algorithms that are exact inside a host and
         compressed across hosts (ZeRO++'s hierarchical sharding, the compressed all-reduce's
-        hierarchical path): a :class:`~braid.comm.group_carrier.HostGroups` of this communicator, a new
+        hierarchical path): a :class:`~braid.comm.core.group_carrier.HostGroups` of this communicator, a new
         one over this host's ranks and a new one over the ranks with this rank's local index
         (one per host). Collective: every rank calls it, in the same order as its other
         communicator constructions. Raises ValueError when the hosts hold different numbers of
@@ -605,8 +604,8 @@ class Communicator(CompressionHost, Group):
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", async_op: bool = False, *,
-                   compression: Optional[Compressor] = None, key: Hashable = "default",
-                   step: Optional[int] = None) -> Optional[Union[Work, CompressedWork]]:
+                   compression: Any = None, key: Hashable = "default",
+                   step: Optional[int] = None) -> Any:
         """Reduces ``tensor`` across ranks in place. Results are bitwise identical on every rank.
 
         With ``compression`` (an ``Int8Quantizer``, ``Int4Quantizer``, ``TopK`` or ``Cast``) the
@@ -615,7 +614,8 @@ class Communicator(CompressionHost, Group):
         ``step``, when given, replaces the key's call count in the compressor's warm-up (the DDP
         hook passes its iteration). Compressed calls set ``last_wire_bytes`` (a ``WireStats``:
         bytes sent and received by this rank, and what the uncompressed all-reduce would send);
-        plain calls set it to None.
+        plain calls set it to None. Returns None, or with ``async_op`` a ``Work`` (a
+        ``CompressedWork`` for a compressed call).
         """
         if compression is None:
             self.last_wire_bytes = None
@@ -625,18 +625,16 @@ class Communicator(CompressionHost, Group):
                 async_op = _async_flag(async_op)
             w = self._c.all_reduce(tensor, op_code(op) if code is None else code, async_op)
             return None if w is None else Work(w, "all_reduce")
-        if not isinstance(compression, Compressor):
-            is_class = isinstance(compression, type)
+        # The compressor runs the call (braid.comm.compression sits above this module and is not
+        # imported here): its fused one-call path on this communicator, or its algorithm over
+        # these collectives.
+        run = getattr(compression, "all_reduce_on_communicator", None)
+        is_class = isinstance(compression, type)
+        if is_class or not callable(run):
             hint = " (a class: pass an instance, e.g. Int8Quantizer())" if is_class else ""
             raise TypeError("compression must be a braid.comm compressor (Int8Quantizer(), Int4Quantizer(), "
                             f"TopK(ratio), Cast(dtype)) or None, got {compression!r}{hint}")
-        if not compression.fused:  # no fused call: the compressor's algorithm over these collectives
-            work = compression.all_reduce(GroupCarrier(self), tensor, op, key=key,
-                                          async_op=_async_flag(async_op), step=step)
-            self.last_wire_bytes = compression.last_wire_bytes
-            return work
-        work, self.last_wire_bytes = compression.all_reduce_on(self._c, tensor, op, key=key,
-                                                               async_op=_async_flag(async_op), step=step)
+        work, self.last_wire_bytes = run(self, tensor, op, key=key, async_op=_async_flag(async_op), step=step)
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Op = "sum",

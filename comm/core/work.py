@@ -29,7 +29,13 @@ def seconds(timeout: Union[timedelta, float, int], name: str = "timeout", zero_o
 
 
 class Work:
-    """Handle of an async collective: ``wait()``, ``is_completed()``, ``get_future()``."""
+    """Handle of an async call: ``wait(timeout)``, ``is_completed()``, ``is_success()``,
+    ``get_future()``, ``describe()``. The one handle class of braid in Python: a communicator's
+    calls return this class itself; a group's calls (``GroupWork``, core/group.py) and a
+    compressed all-reduce (``CompressedWork``, compression/compressors.py) return subclasses that
+    add what runs when the call completes (a division, a copy back, decoding). (FSDP2's custom
+    collectives wrap one in ``fsdp2.BraidWork``, the ``torch.distributed.Work`` FSDP2 requires.)
+    """
 
     __slots__ = ("_w", "_what")
 

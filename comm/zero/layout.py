@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..vocabulary import WIRE_DTYPES
+from ..core.vocabulary import WIRE_DTYPES
 
 # Gradients braid reduces; frozen parameters may have any dtype (they are only copied).
 REDUCE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

@@ -46,7 +46,7 @@ class BraidCollectives(Protocol):
     """What a compressed all-reduce uses of a braid communicator: its shape and the collectives of
     its binding (``braid.comm._C.Communicator``), each issued as one unit of work in the
     communicator's order and returning the binding's work (None when ``async_op`` is False).
-    ``op`` is a code of ``braid.comm.vocabulary.REDUCE_OPS``; ``tag`` is compared across ranks with the
+    ``op`` is a code of ``braid.comm.core.vocabulary.REDUCE_OPS``; ``tag`` is compared across ranks with the
     call's sequence, kind, dtype and size."""
 
     rank: int

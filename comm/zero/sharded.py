@@ -34,12 +34,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..adaptive import COLLECTIVE_CANDIDATES, EXACT, REDUCE_SCATTER, Adaptive
+from ..compression.adaptive import COLLECTIVE_CANDIDATES, EXACT, REDUCE_SCATTER, Adaptive
 from ..compression import BlockQuantizer
-from ..group import as_group, check_device, renamed_args
-from ..group_carrier import HostGroups, resolve_hosts
-from ..wire import WireStats
-from ..vocabulary import WIRE_DTYPES
+from ..core.group import as_group, check_device, renamed_args
+from ..core.group_carrier import HostGroups, resolve_hosts
+from ..core.wire import WireStats
+from ..core.vocabulary import WIRE_DTYPES
 from . import state
 from .layout import REDUCE_DTYPES, Unit, collect_parameters, fill, plan_buckets, resolve_units
 from .schedule import Schedule, grad_key
@@ -147,7 +147,7 @@ class MixedPrecision:
                                              "cast_forward_inputs")):
             return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
                        policy.cast_forward_inputs)
-        raise TypeError("mp_policy must be None, a braid.comm.fsdp.MixedPrecision or a "
+        raise TypeError("mp_policy must be None, a braid.comm.zero.MixedPrecision or a "
                         f"torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}")
 
     def dtypes(self, dtype: torch.dtype) -> tuple:
@@ -443,7 +443,7 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
           param_compression: Any = None, grad_compression: Any = None,
           hierarchical: Union[bool, HostGroups] = False) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``group`` (ZeRO ``stage`` 1,
-    2 or 3; see the module docstring of ``braid.comm.fsdp.sharded``).
+    2 or 3; see the module docstring of ``braid.comm.zero.sharded``).
 
     Args:
         module: the model, on one device (CPU, or a GPU over a group that serves it: NCCL, braid

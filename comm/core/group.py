@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .vocabulary import AVG, REDUCE_OPS, Op, op_code
-from .work import seconds
+from .work import Work, seconds
 
 # Capabilities a group may advertise (Group.capabilities) beyond the collectives every group has.
 COMPRESSED_ALL_REDUCE = "compressed_all_reduce"  # all_reduce(t, compression=q) in one fused call
@@ -131,12 +131,12 @@ class Group(abc.ABC):
         completes both."""
 
 
-class GroupWork:
+class GroupWork(Work):
     """An async call on a group: a process group's work, or the future of a job braid issued
-    (compression over a process group: comm/group_carrier.py's issue thread, or a CUDA stream),
+    (compression over a process group: comm/core/group_carrier.py's issue thread, or a CUDA stream),
     and what runs once when it is done (the division of an average, a copy back from host
-    memory). ``wait()``, ``is_completed()``, ``get_future()`` (a future of ``[result]``), as
-    braid's own works."""
+    memory). A :class:`~braid.comm.Work`: ``wait()``, ``is_completed()``, ``get_future()`` (a
+    future of ``[result]``)."""
 
     __slots__ = ("_work", "_finish", "_result", "_finished", "_future", "_done")
 
@@ -214,8 +214,22 @@ class GroupWork:
             self._future = source.then(finished)
         return self._future
 
+    def completed_at(self) -> Optional[float]:
+        """Not recorded for a group's calls: None."""
+        return None
+
+    def describe(self) -> str:
+        """"group call running", "group call done" or "group call failed: <error>"."""
+        if not self.is_completed():
+            return "group call running"
+        try:
+            self.wait(0)
+        except Exception as e:  # noqa: BLE001 - described, not raised
+            return f"group call failed: {type(e).__name__}: {e}"
+        return "group call done"
+
     def __repr__(self) -> str:
-        return f"<braid.comm.group.GroupWork {'done' if self.is_completed() else 'running'}>"
+        return f"<braid.comm.core.group.GroupWork {'done' if self.is_completed() else 'running'}>"
 
 
 def _row_splits(sizes: Optional[Sequence[int]], t: torch.Tensor, n: int, name: str) -> list:
@@ -252,17 +266,22 @@ def _future_of_wait(work: Any) -> torch.futures.Future:
     return fut
 
 
-class WorkList:
-    """Several works waited for as one, then ``finish`` (a copy out of host memory), once."""
+class WorkList(Work):
+    """Several works waited for as one (a send and a receive posted together), then ``finish`` (a
+    copy out of host memory), once. A :class:`~braid.comm.Work`."""
 
     __slots__ = ("_works", "_finish")
 
     def __init__(self, works: list, finish: Optional[Callable[[], None]] = None):
         self._works, self._finish = works, finish
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
+        """Waits for every work (each given ``timeout``, when set: False if one is still running
+        then), then runs ``finish``; raises a work's error."""
+        limit = None if timeout is None else timedelta(seconds=seconds(timeout, zero_ok=True))
         for w in self._works:
-            w.wait()
+            if not (w.wait() if limit is None else w.wait(limit)):
+                return False
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -271,8 +290,32 @@ class WorkList:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
 
-class _DoneWork:
+    def completed_at(self) -> Optional[float]:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        """A future of the works' outputs, completed once every one is (``finish`` run first)."""
+        def done(fut: torch.futures.Future) -> list:
+            for f in fut.value():
+                f.value()  # raises a work's error
+            self.wait()  # runs finish once
+            return [t for f in fut.value() for t in (f.value() or [])]
+
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(done)
+
+    def describe(self) -> str:
+        states = [w.describe() if hasattr(w, "describe") else ("done" if w.is_completed() else "running")
+                  for w in self._works]
+        return "; ".join(states)
+
+    def __repr__(self) -> str:
+        return f"<braid.comm.core.group.WorkList {self.describe()}>"
+
+
+class _DoneWork(Work):
     """The work of a call that had nothing to move (a group of one): already complete."""
 
     __slots__ = ("_result",)
@@ -286,10 +329,22 @@ class _DoneWork:
     def is_completed(self) -> bool:
         return True
 
+    def is_success(self) -> bool:
+        return True
+
+    def completed_at(self) -> Optional[float]:
+        return None
+
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result([self._result])
         return fut
+
+    def describe(self) -> str:
+        return "done (nothing to move)"
+
+    def __repr__(self) -> str:
+        return "<braid.comm.core.group.GroupWork done>"
 
 
 def _backends_by_device(group: dist.ProcessGroup) -> dict:
@@ -469,7 +524,8 @@ class ProcessGroupAdapter(Group):
         return self._issue(launch, (output,), (input,), async_op, None, output)
 
     def barrier(self, async_op: bool = False) -> Any:
-        return dist.barrier(group=self.group, async_op=async_op)
+        work = dist.barrier(group=self.group, async_op=async_op)
+        return GroupWork(work) if async_op else None
 
     def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
         ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),

@@ -1,5 +1,5 @@
 """torch process groups (gloo, NCCL, braid's c10d backend) as carriers of braid's compressed bytes,
-through braid's group interface (comm/group.py).
+through braid's group interface (comm/core/group.py).
 
 braid compresses on the tensor's device; a :class:`GroupCarrier` moves the packed bytes with the
 group's all-to-all and all-gather, and sums what arrives in rank order, in float32, so results
@@ -46,7 +46,7 @@ def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessG
 class GroupCarrier:
     """One group as the carrier of packed bytes: equal-split all-to-all and all-gather, and the
     fixed-order reductions built on them. The bytes move through braid's group interface
-    (comm/group.py): over a ProcessGroup (adapted), or over any braid Group, a Communicator
+    (comm/core/group.py): over a ProcessGroup (adapted), or over any braid Group, a Communicator
     included (its fused compressed all-reduce then runs as this algorithm, call by call; use it
     from one thread only). Calls block on CPU tensors and are stream-ordered on CUDA ones (as the
     group's synchronous collectives are). Tensors on a device the group has no backend for (CUDA

@@ -15,7 +15,7 @@ another bucket launches, the oldest waited for past two pending (a pending one h
 gradient), the rest at the end of the backward (an autograd engine callback). Inside
 ``no_sync()`` nothing is launched: the gradients stay in the full flat tensors, and the next
 synchronized backward reduces the sum. With ``grad_compression`` a block quantizer encodes the
-pieces (qgZ); an Adaptive chooses per bucket (comm/adaptive.py: exact, 16-bit or quantized
+pieces (qgZ); an Adaptive chooses per bucket (comm/compression/adaptive/: exact, 16-bit or quantized
 pieces), this schedule issuing what it chose and telling it where each synchronized backward
 ends.
 
@@ -38,16 +38,17 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..adaptive import Adaptive
-from ..compression import Cast
-from ..device_kernels import kernels_for
-from ..group import as_group
-from ..wire import WireStats
+from ..compression.adaptive import Adaptive
+from ..compression import FLOAT_DTYPES, Cast
+from ..core.device_kernels import kernels_for
+from ..core.group import as_group
+from ..core.placement import Placement
+from ..core.wire import WireStats
 from .layout import Bucket, Unit, alloc, free, gather_input, set_views, wire
 
 # Buckets whose gathers a param_compression quantizes (others, frozen integer or float64 ones, travel
 # exactly).
-QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
+QUANTIZABLE = FLOAT_DTYPES
 # How many unit all-gathers may be in flight at once (the one about to be used and one ahead):
 # each holds a unit's full buffers, so this bounds ZeRO stage 3's memory above the shards.
 MAX_GATHERS_IN_FLIGHT = 2
@@ -72,30 +73,6 @@ class _Done:
         return fut
 
 
-class HostLayout:
-    """Where the group's ranks sit, for reduce-scatters exact inside a host and compressed across
-    (hierarchical qgZ). ``order`` lists, local rank by local rank, the group ranks of that local
-    rank's cross-host group (``hosts.inter`` of that rank) in that group's rank order: what this
-    host must send local rank i to exchange across hosts. Found by two small all-gathers
-    (collective, at construction), so any placement of ranks on hosts works, not only host-major
-    ranks."""
-
-    def __init__(self, hosts: Any, group: Any, device: torch.device):
-        self.intra = as_group(hosts.intra.group, "hierarchical")
-        self.inter = as_group(hosts.inter.group, "hierarchical")
-        self.intra_carrier = hosts.intra  # the host's fixed-order float32 sums (GroupCarrier.sum_slices)
-        local, across = self.intra.world_size, self.inter.world_size
-        mine = torch.tensor([group.rank], dtype=torch.int64, device=device)
-        members = torch.empty(across, dtype=torch.int64, device=device)
-        self.inter.all_gather(members, mine)
-        rows = torch.empty(local * across, dtype=torch.int64, device=device)
-        self.intra.all_gather(rows, members)
-        if sorted(rows.tolist()) != list(range(group.world_size)):
-            raise ValueError(f"hierarchical: the HostGroups do not cover the group's {group.world_size} "
-                             f"ranks once each (this host's cross-host groups hold ranks {rows.tolist()})")
-        self.order = rows
-
-
 def grad_key(b: Bucket) -> tuple:
     """The key of a bucket's gradient in a grad_compression compressor (its residual, its calls)."""
     return ("braid.fsdp.grad", b.index)
@@ -116,7 +93,7 @@ class Schedule:
         hpz = hosts is not None and stage == 3 and reshard_after_forward
         self.intra = as_group(hosts.intra.group, "hierarchical") if hpz else None
         # Hierarchical qgZ: gradients summed exactly inside the host, quantized across hosts.
-        self.layout = (HostLayout(hosts, group, device)
+        self.layout = (Placement(group, device, hosts)
                        if hosts is not None and grad_compression is not None else None)
         self.hosts = hosts if self.layout is not None else None
         self.param_compression = param_compression  # a block quantizer: gathers travel quantized
@@ -268,7 +245,7 @@ class Schedule:
                 sent.add_(residual.to(sent.device).view(sent.shape))
                 return
             across, index = self.layout.inter.world_size, self.layout.intra.rank
-            rows = self.layout.order[index * across:(index + 1) * across].to(sent.device)
+            rows = self.layout.local_major(sent.device)[index * across:(index + 1) * across]
             sent.view(n, per).index_add_(0, rows, residual.to(sent).view(across, per))
 
     def _hierarchical_reduce_scatter(self, b: Bucket, grad: torch.Tensor, q: Any, call: int) -> tuple:
@@ -280,8 +257,8 @@ class Schedule:
         encoded. Returns (work, finish)."""
         layout, n, per = self.layout, self.communicator.world_size, b.shard_numel
         across = layout.inter.world_size
-        arranged = grad.view(n, per).index_select(0, layout.order.to(grad.device)).view(-1)
-        partial = layout.intra_carrier.sum_slices(arranged, across * per)  # float32
+        arranged = grad.view(n, per).index_select(0, layout.local_major(grad.device)).view(-1)
+        partial = self.hosts.intra.sum_slices(arranged, across * per)  # float32: the host's fixed-order sums
         host_bytes = across * per * grad.element_size()
         self._count("reduce_scatter_in_host", host_bytes, host_bytes, layout.intra.world_size)
         if across == 1:

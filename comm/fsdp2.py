@@ -3,7 +3,7 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps its own scheduling (which parameters are
 gathered when, prefetching, resharding) and hands each flat collective to the objects installed
 with ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. These objects run that collective
-on a braid group (comm/group.py): a braid Communicator, or any torch ProcessGroup (an NCCL group
+on a braid group (comm/core/group.py): a braid Communicator, or any torch ProcessGroup (an NCCL group
 on GPUs), instead of the process group FSDP2 was built on, which still serves FSDP2's bookkeeping;
 its ranks must be the group's ranks, in order. Built with None, they run on the very group FSDP2
 hands each call (its mesh's), through braid's group interface.
@@ -42,11 +42,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from ..adaptive import Adaptive
-from ..compression import BlockQuantizer
-from ..group import adapter, as_group, check_device, renamed_args
-from ..vocabulary import AVG, WIRE_DTYPES, op_code
-from .schedule import QUANTIZABLE
+from .compression import FLOAT_DTYPES, Adaptive, BlockQuantizer
+from .core.group import adapter, as_group, check_device, renamed_args
+from .core.vocabulary import AVG, WIRE_DTYPES, op_code
 
 # Same-size carriers for moving bytes, widest first: a view needs the byte count to divide. A
 # gather only copies, so float16 carries any 2-byte pattern unchanged.
@@ -165,7 +163,7 @@ class BraidAllGather(_BraidComm, AllGather):
         c = _group_for(self.communicator, group, "BraidAllGather")
         _check_devices(c, group, "BraidAllGather", output_tensor=output_tensor, input_tensor=input_tensor)
         out, inp, after = output_tensor, input_tensor, None
-        if self.compression is not None and out.dtype in QUANTIZABLE:
+        if self.compression is not None and out.dtype in FLOAT_DTYPES:
             out, inp, after = self._quantized(c, output_tensor, input_tensor)
         elif out.dtype not in WIRE_DTYPES:
             out, inp, after = self._as_wire(c, output_tensor, input_tensor)
@@ -228,7 +226,7 @@ class BraidReduceScatter(_BraidComm, ReduceScatter):
                                  "ReduceOp.PREMUL_SUM(factor), not the bare RedOpType")
             input_tensor.mul_(op.factor)
             op = "sum"
-        if self.compression is not None and input_tensor.dtype in QUANTIZABLE:
+        if self.compression is not None and input_tensor.dtype in FLOAT_DTYPES:
             return self._quantized(c, output_tensor, input_tensor, op_code(op) == AVG, async_op)
         work = c.reduce_scatter(output_tensor, input_tensor, op=op, async_op=async_op)
         return BraidWork(work) if async_op else None
