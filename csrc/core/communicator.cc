@@ -135,6 +135,16 @@ void Communicator::unlink_own() {
 //   all_to_all,     the slots)                               directly at 2, around a ring from 3
 //   broadcast                                                (ring_between_hosts)
 //
+// Steps between hosts (between_hosts_algo: a call scoped to a rank's counterparts, the part
+// between hosts of a collective across hosts), among M members:
+//   all_reduce      oneshot (one round trip) up to cross_oneshot_max_bytes, else twoshot (a direct
+//                   exchange in pieces); BRAID_ALGO=oneshot, ring or doubling forces that one
+//   reduce_scatter, ring from 3 members, else twoshot (direct: at two the same exchange, in one
+//   all_gather      step); a reduce_scatter scoped to the counterparts always direct (its sums in
+//                   member order, which its callers, HostGroups' users, reproduce)
+//   others          twoshot: a direct exchange (all_to_all), a tree (broadcast), dissemination
+//                   (barrier)
+//
 // BRAID_ALGO (Tunables::algo) forces an all_reduce algorithm where it applies: on one host
 // oneshot/twoshot/ring (oneshot still needs the buffer); across hosts oneshot, leaders,
 // hierarchical (leaders when the hosts are uneven), ring, doubling; a host's own steps of a
@@ -170,6 +180,26 @@ Algo Communicator::choose_algo(CollKind kind, size_t bytes, bool across) const {
       if (ring_between_hosts(hosts)) return Algo::kRing;
       return can_slice ? Algo::kHierarchical : Algo::kLeaders;
     }
+  }
+}
+
+Algo Communicator::between_hosts_algo(CollKind kind, size_t bytes, int members, bool scoped) const {
+  switch (kind) {
+    case CollKind::kAllReduce:
+      switch (tun_.algo) {
+        case Algo::kOneShot:
+        case Algo::kRing:
+        case Algo::kDoubling:
+          return tun_.algo;
+        default:
+          return bytes <= tun_.cross_oneshot_max_bytes ? Algo::kOneShot : Algo::kTwoShot;
+      }
+    case CollKind::kReduceScatter:
+      return !scoped && ring_between_hosts(members) ? Algo::kRing : Algo::kTwoShot;
+    case CollKind::kAllGather:
+      return ring_between_hosts(members) ? Algo::kRing : Algo::kTwoShot;
+    default:
+      return Algo::kTwoShot;
   }
 }
 

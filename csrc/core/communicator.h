@@ -216,6 +216,10 @@ class Communicator {
   // this host's group (across = false) or over all ranks across hosts: every choice is made
   // there, in one table.
   Algo choose_algo(CollKind kind, size_t bytes, bool across) const;
+  // The same table's entry for a step between hosts among `members` ranks (`scoped`: a call scoped
+  // to the counterparts; else the part between hosts of a collective across hosts): kRing around a
+  // ring, kDoubling by recursive doubling, kOneShot one round trip, kTwoShot a direct exchange.
+  Algo between_hosts_algo(CollKind kind, size_t bytes, int members, bool scoped = false) const;
   void execute(Request& r);
   void execute_local(Request& r);
   // One collective on this host's shared-memory group, described by `d` (its algo is filled in).
@@ -224,7 +228,7 @@ class Communicator {
   // steps on this host's group and direct transfers between hosts.
   void execute_cross_host(Request& r, const CollectiveDesc& d);
   // A collective of Scope kHost or kCross across hosts (cross_host.cc).
-  void execute_scoped(Request& r, const CollectiveDesc& d);
+  void execute_scoped(Request& r, CollectiveDesc& d);
   void cross_all_reduce(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
   void cross_reduce_scatter(DType dt, ReduceOp op, const void* in, void* out, size_t count, const CollectiveDesc& d);
   void cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d);

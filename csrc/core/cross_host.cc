@@ -57,19 +57,20 @@ PeerGroup cross_group(TcpTransport* tcp, ScratchBuffers* scratch, const std::vec
   g.desc = &d;
   return g;
 }
-// All-gather and reduce-scatter between hosts: direct at two members (each sends its block once
-// either way, in one step), around the ring from three (one neighbour each way instead of every
-// member sending to every other at once through its uplink, as for all_reduce; the same bytes).
-void gather_between_hosts(const PeerGroup& g, const void* in, void* out, const std::vector<size_t>& bytes,
-                          size_t piece_bytes) {
-  if (ring_between_hosts(g.size()))
+// All-gather and reduce-scatter between hosts, by the table's choice (between_hosts_algo): around
+// the ring (one neighbour each way instead of every member sending to every other at once through
+// its uplink, as for all_reduce; the same bytes), else directly (at two members each sends its
+// block once either way, in one step).
+void gather_between_hosts(const PeerGroup& g, Algo algo, const void* in, void* out,
+                          const std::vector<size_t>& bytes, size_t piece_bytes) {
+  if (algo == Algo::kRing)
     ring_all_gather(g, in, out, bytes, piece_bytes);
   else
     direct_all_gather(g, in, out, bytes);
 }
-void reduce_scatter_between_hosts(const PeerGroup& g, DType dt, ReduceOp op, const void* in, void* out,
+void reduce_scatter_between_hosts(const PeerGroup& g, Algo algo, DType dt, ReduceOp op, const void* in, void* out,
                                   const std::vector<size_t>& counts, int divisor, size_t piece_bytes) {
-  if (ring_between_hosts(g.size()))
+  if (algo == Algo::kRing)
     ring_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
   else
     direct_reduce_scatter(g, dt, op, in, out, counts, divisor, piece_bytes);
@@ -157,7 +158,8 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
     char* block = grouped;  // the regrouped input is no longer needed
     if (me == 0) {
       PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-      reduce_scatter_between_hosts(g, dt, op, summed, block, counts, world_, tun_.cross_piece_bytes);
+      reduce_scatter_between_hosts(g, between_hosts_algo(CollKind::kReduceScatter, 0, g.size()), dt, op, summed, block,
+                                   counts, world_, tun_.cross_piece_bytes);
     }
     host_step(CollKind::kBroadcast, dt, host_op, static_cast<size_t>(local) * count, 0, block, block);
     if (bytes > 0) std::memcpy(out, block + static_cast<size_t>(me) * bytes, bytes);
@@ -179,8 +181,8 @@ void Communicator::cross_reduce_scatter(DType dt, ReduceOp op, const void* in, v
   else
     part = grouped;
   PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
-  reduce_scatter_between_hosts(g, dt, op, part, out, std::vector<size_t>(static_cast<size_t>(hosts), count), world_,
-                               tun_.cross_piece_bytes);
+  reduce_scatter_between_hosts(g, between_hosts_algo(CollKind::kReduceScatter, 0, g.size()), dt, op, part, out,
+                               std::vector<size_t>(static_cast<size_t>(hosts), count), world_, tun_.cross_piece_bytes);
 }
 
 void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, const CollectiveDesc& d) {
@@ -192,7 +194,8 @@ void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, con
     char* part = scratch_.get(kSlotPart, static_cast<size_t>(hosts) * bytes);
     char* grouped = scratch_.get(kSlotFull, static_cast<size_t>(world_) * bytes);
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
-    gather_between_hosts(g, in, part, std::vector<size_t>(static_cast<size_t>(hosts), bytes), tun_.cross_piece_bytes);
+    gather_between_hosts(g, between_hosts_algo(CollKind::kAllGather, bytes, g.size()), in, part,
+                         std::vector<size_t>(static_cast<size_t>(hosts), bytes), tun_.cross_piece_bytes);
     host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(hosts) * bytes, 0, part,
               grouped);
     for (int i = 0; i < local; ++i)
@@ -223,7 +226,8 @@ void Communicator::cross_all_gather(const void* in, void* out, size_t bytes, con
   host_step(CollKind::kAllGather, DType::kUInt8, ReduceOp::kSum, bytes, 0, in, by_host + host_off[h]);
   if (topo_.local_rank() == 0) {
     PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(0), rank_, d);
-    gather_between_hosts(g, by_host + host_off[h], by_host, host_bytes, tun_.cross_piece_bytes);
+    gather_between_hosts(g, between_hosts_algo(CollKind::kAllGather, bytes, g.size()), by_host + host_off[h], by_host,
+                         host_bytes, tun_.cross_piece_bytes);
   }
   host_step(CollKind::kBroadcast, DType::kUInt8, ReduceOp::kSum, static_cast<size_t>(world_) * bytes, 0, by_host,
             by_host);
@@ -327,27 +331,38 @@ int Communicator::scope_rank(Scope s) const {
   return rank_;
 }
 
-void Communicator::execute_scoped(Request& r, const CollectiveDesc& d) {
+void Communicator::execute_scoped(Request& r, CollectiveDesc& d) {
   const size_t es = dtype_size(r.dtype), bytes = r.count * es;
   if (r.scope == Scope::kHost) {
     host_step(r.kind, r.dtype, r.op, r.count, r.root, r.in, r.out);
     return;
   }
-  // kCross: this rank's counterparts (just itself on one host).
+  // kCross: this rank's counterparts (just itself on one host), by the table's choice.
+  const std::vector<int> members = topo_.counterparts(topo_.local_rank());
+  const Algo algo = between_hosts_algo(r.kind, bytes, static_cast<int>(members.size()), /*scoped=*/true);
+  d.algo = static_cast<uint32_t>(algo);
   NamedCollective named(tcp_.get(), d);
-  PeerGroup g = cross_group(tcp_.get(), &scratch_, topo_.counterparts(topo_.local_rank()), rank_, d);
+  PeerGroup g = cross_group(tcp_.get(), &scratch_, members, rank_, d);
   const int n = g.size();
+  const int divisor = r.divisor > 0 ? r.divisor : n;
   switch (r.kind) {
     case CollKind::kAllReduce:
-      direct_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, r.divisor > 0 ? r.divisor : n, tun_.cross_piece_bytes,
-                        bytes <= tun_.cross_oneshot_max_bytes);
+      if (algo == Algo::kRing)
+        ring_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, divisor, tun_.cross_piece_bytes);
+      else if (algo == Algo::kDoubling)
+        doubling_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, divisor);
+      else
+        direct_all_reduce(g, r.dtype, r.op, r.in, r.out, r.count, divisor, tun_.cross_piece_bytes,
+                          algo == Algo::kOneShot);
       break;
     case CollKind::kReduceScatter:
-      direct_reduce_scatter(g, r.dtype, r.op, r.in, r.out, r.count, r.divisor > 0 ? r.divisor : n,
-                            tun_.cross_piece_bytes);
+      reduce_scatter_between_hosts(g, algo, r.dtype, r.op, r.in, r.out,
+                                   std::vector<size_t>(static_cast<size_t>(n), r.count), divisor,
+                                   tun_.cross_piece_bytes);
       break;
     case CollKind::kAllGather:
-      gather_between_hosts(g, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes), tun_.cross_piece_bytes);
+      gather_between_hosts(g, algo, r.in, r.out, std::vector<size_t>(static_cast<size_t>(n), bytes),
+                           tun_.cross_piece_bytes);
       break;
     case CollKind::kBroadcast:
       tree_broadcast(g, r.out, bytes, topo_.host_of[static_cast<size_t>(r.root)]);
