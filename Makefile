@@ -13,7 +13,7 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install deps test test-py test-slow test-all test-cpp docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install deps test test-py test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
@@ -57,7 +57,21 @@ $(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
 
 install: $(VENV)/.built
 
-test: install cuda-check test-cpp docs test-py
+# make test: the build of the C++ tests, the CUDA sources' checks and the documentation run at the
+# lowest CPU priority beside the Python tests (whose multi-rank tests leave a core idle a good part
+# of the time while ranks wait on one another; the Python tests barely notice work at nice 19),
+# then the C++ tests run alone. The background's output follows the Python tests'; any failure
+# fails the target.
+test: install
+	@mkdir -p build
+	@( nice -n 19 $(MAKE) --no-print-directory cuda-check test-cpp-build docs > build/test-background.log 2>&1; \
+	   echo $$? > build/test-background.rc ) & bg=$$!; \
+	 $(MAKE) --no-print-directory test-py; py=$$?; \
+	 wait $$bg; echo "== C++ test build, CUDA checks, docs (run beside the Python tests):"; \
+	 cat build/test-background.log; \
+	 if [ "$$(cat build/test-background.rc)" != 0 ]; then echo "make test: the background step failed"; exit 1; fi; \
+	 $(MAKE) --no-print-directory test-cpp-run || exit 1; \
+	 exit $$py
 
 # The documentation site from docs/ into site/, the API reference from the docstrings
 # (mkdocstrings reads the sources: the package is linked under build/docs-src as it is imported,
@@ -112,7 +126,8 @@ cuda-binding-check:
 # (pytest-xdist); the others one at a time: the ranks of two multi-process tests side by side on
 # two cores would miss their deadlines.
 ONE_PROCESS_TESTS := tests/test_attention.py tests/test_device_discipline.py tests/test_optim.py \
-  tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py
+  tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
+  tests/test_compression_kernels.py tests/test_attention_sm90.py tests/test_trace.py
 test-py:
 	$(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -n 2
 	$(PY) -m pytest tests -q -m "not slow" $(addprefix --ignore=,$(ONE_PROCESS_TESTS))
@@ -142,10 +157,14 @@ recipes-check:
 	  | tee -a results/recipes.log; exit $${PIPESTATUS[0]}
 
 # The suites run side by side (-j): their multi-rank tests spend most of their time waiting.
-test-cpp:
+test-cpp: test-cpp-build test-cpp-run
+test-cpp-build:
 	@if command -v cmake >/dev/null 2>&1; then \
 	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
-	  cmake --build $(BUILD_DIR) -j $(NPROC) && \
+	  cmake --build $(BUILD_DIR) -j $(NPROC); \
+	else echo "cmake not found: C++ core tests not built"; fi
+test-cpp-run:
+	@if command -v cmake >/dev/null 2>&1; then \
 	  ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(NPROC); \
 	else echo "cmake not found: C++ core tests skipped"; fi
 
