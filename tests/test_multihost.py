@@ -296,7 +296,7 @@ def backend_across_hosts(rank, n, store_path, layout, name):
 
 
 def module_across_hosts(rank, n, store_path, layout, module, name, *args):
-    """One of test_fsdp's or test_tp's rank functions with its ranks on simulated hosts: braid's
+    """One of test_zero's or test_tp's rank functions with its ranks on simulated hosts: braid's
     sharded wrapper (against DDP on gloo) and TP layers (against the dense model), unchanged."""
     import importlib
 
@@ -506,15 +506,15 @@ def test_compression_is_exact_on_hosts_and_compressed_between(name, names):
 def test_sharded_wrapper_across_hosts_matches_ddp(stage):
     """braid.comm.fsdp (ZeRO-1/2/3) with its ranks on 2 + 1 hosts ends where DDP on gloo does."""
     layout = [0, 0, 1]
-    run_ranks(module_across_hosts, len(layout), layout, "test_fsdp", "_run_vs_ddp", stage, 1, True, 1)
+    run_ranks(module_across_hosts, len(layout), layout, "test_zero", "_run_vs_ddp", stage, 1, True, 1)
 
 
 @pytest.mark.parametrize("name", ["2x2"])
 def test_zero_plus_plus_across_hosts_trains_like_exact(name):
     """ZeRO-3 with int8 weight gathers and int8 gradient reduce-scatters on a Communicator across
-    simulated hosts (TCP between them): the same checks as on one host (test_fsdp.py)."""
+    simulated hosts (TCP between them): the same checks as on one host (test_zero.py)."""
     layout = LAYOUTS[name]
-    results = run_ranks(module_across_hosts, len(layout), layout, "test_fsdp",
+    results = run_ranks(module_across_hosts, len(layout), layout, "test_zero",
                         "_run_quantized_reduce_scatters", "communicator", 8, 3, True)
     assert all(r["params"] == results[0]["params"] for r in results)
     for r in results:

@@ -1,14 +1,11 @@
-"""Sharded data parallelism: braid's ZeRO wrapper against DDP, FSDP2 with braid comms against FSDP2 on gloo.
+"""braid's ZeRO wrapper (braid.comm.zero) against DDP: stages 1-3, ZeRO++ (quantized weight gathers
+and gradient reduce-scatters, hierarchical partitioning), mixed precision, state dicts, schedules,
+memory per rank, argument errors.
 
-Every rank trains the same small language model on its own batches twice, once with the reference
-(DDP, or FSDP2 on gloo) and once with braid, and the parameters must agree after several steps.
-Tolerance 1e-5 (float32, values of order 1): the two runs compute the same gradients and average
-them in a different order (DDP divides before a gloo sum, braid sums in rank order then divides),
-a few ulps per step; a missing, doubled or misplaced reduction is off by O(1e-2) or more.
-SGD with momentum, not Adam: Adam divides by the gradient's magnitude, which turns rounding noise
-in near-zero gradients into O(lr) parameter differences.
+Every rank trains the same small language model (helpers/sharding.py) on its own batches twice,
+once with DDP on gloo and once with braid, and the parameters must agree after several steps
+(the tolerance and its reason: helpers/sharding.py).
 """
-import contextlib
 import pickle
 import copy
 import types
@@ -18,97 +15,36 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from braid import comm
-from braid.bench.models import LanguageModel
-from braid.comm import fsdp2, zero
+from braid.comm import zero
 from helpers import MatmulRecorder, compression_reference, digest
-from helpers.ranks import (CARRIERS, COMM_TIMEOUT_S, STORE_TIMEOUT, environment, make_comm, process_group,
-                           run_ranks)
+from helpers.ranks import CARRIERS, COMM_TIMEOUT_S, environment, make_comm, process_group, run_ranks
+from helpers.sharding import (BUCKET_CAP_MB, LAYERS, TOL, assert_exact, assert_same_params, carrier_in,
+                              lm_batch, lm_loss, lm_model, train_steps)
 from torch import nn
-
-# float32 of order 1: the same gradients averaged in another order, a few ulps (1.2e-7 relative
-# each) per step; a missing, doubled or misplaced reduction is off by O(1e-2) or more.
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-VOCAB, DIM, HEADS, HIDDEN, LAYERS, BATCH, SEQ = 40, 24, 4, 40, 2, 2, 10
-# Small enough that each block splits into several buckets and some parameters straddle shards.
-BUCKET_CAP_MB = 4096 / 2**20
-
-
-# -- helpers run in the ranks --------------------------------------------------------------------
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return LanguageModel(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
-
-
-def _batch(rank, step, micro=0):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-
-
-def _loss(model, ids):
-    logits = model(ids[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
-
-def _train(model, opt, rank, steps, micro_batches, no_sync, clip=None):
-    """``steps`` optimizer steps; each accumulates ``micro_batches`` backward passes, all but the
-    last inside ``no_sync`` (when given), then ``clip()`` (when given) before the step. Returns
-    the loss of every step's first micro-batch, and the gradient norms ``clip`` returned."""
-    losses, norms = [], []
-    for _ in range(steps):
-        opt.zero_grad()
-        for micro in range(micro_batches):
-            # The same batches every step: the loss must fall, so the run checks that training happens.
-            ids = _batch(rank, 0, micro)
-            last = micro == micro_batches - 1
-            with (no_sync() if no_sync is not None and not last else contextlib.nullcontext()):
-                loss = _loss(model, ids) / micro_batches
-                loss.backward()
-            if micro == 0:
-                losses.append(loss.item())
-        if clip is not None:
-            norms.append(float(clip()))
-        opt.step()
-    return (losses, norms) if clip is not None else losses
-
-
-def _assert_same_params(actual: dict, expected: dict):
-    assert list(actual) == list(expected)
-    for k, v in expected.items():
-        torch.testing.assert_close(actual[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def _carrier_in(kind, rank, world_size, store_path):
-    """Inside a gloo default group: the group braid's layers run on for carrier ``kind``: a
-    Communicator, the gloo group itself, or a new group of braid's c10d backend."""
-    if kind == "communicator":
-        return make_comm(rank, world_size, store_path)
-    if kind == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="braid", timeout=STORE_TIMEOUT)
 
 
 def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, prefetch, units=None,
                 kind="communicator"):
     with process_group(rank, world_size, store_path):
-        c = _carrier_in(kind, rank, world_size, store_path)
-        ddp = nn.parallel.DistributedDataParallel(_model())
+        c = carrier_in(kind, rank, world_size, store_path)
+        ddp = nn.parallel.DistributedDataParallel(lm_model())
         # Different seeds: the wrapper must start from rank 0's parameters, as DDP does.
-        sharded = zero.shard(_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
+        sharded = zero.shard(lm_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
                              reshard_after_forward=reshard, prefetch=prefetch, units=units)
         opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
         steps = 4
         # Clipping at a norm the gradients exceed: the sharded norm must be the whole gradient's.
         max_norm = 0.5
-        ref_losses, ref_norms = _train(ddp, opt_ref, rank, steps, micro_batches, ddp.no_sync,
+        ref_losses, ref_norms = train_steps(ddp, opt_ref, rank, steps, micro_batches, ddp.no_sync,
                                        lambda: nn.utils.clip_grad_norm_(ddp.parameters(), max_norm))
-        losses, norms = _train(sharded, opt, rank, steps, micro_batches, sharded.no_sync,
+        losses, norms = train_steps(sharded, opt, rank, steps, micro_batches, sharded.no_sync,
                                lambda: sharded.clip_grad_norm_(max_norm))
         torch.testing.assert_close(losses, ref_losses, **TOL)
         torch.testing.assert_close(norms, ref_norms, **TOL)
         assert max(ref_norms) > max_norm, ref_norms
         assert ref_losses[-1] < ref_losses[0], f"the model did not train: {ref_losses}"
-        _assert_same_params(sharded.full_state_dict(), ddp.module.state_dict())
+        assert_same_params(sharded.full_state_dict(), ddp.module.state_dict())
         # Stages 1 and 2 hold full parameters: after gather_params they are the trained ones.
         if stage != 3:
             sharded.gather_params()
@@ -116,7 +52,7 @@ def _run_vs_ddp(rank, world_size, store_path, stage, micro_batches, reshard, pre
                 torch.testing.assert_close(_attr(sharded.module, name), p.detach(), **TOL)
         # And the sharded model computes what the reference computes, in eval mode too.
         with torch.no_grad():
-            ids = _batch(rank, 99)
+            ids = lm_batch(rank, 99)
             torch.testing.assert_close(sharded(ids), ddp(ids), **TOL)
         return len(sharded.shards)
 
@@ -130,11 +66,11 @@ def _attr(module, dotted):
 def _run_memory(rank, world_size, store_path, stage):
     """Bytes held for parameters, gradients and AdamW state after a step, from tensor sizes."""
     c = make_comm(rank, world_size, store_path)
-    model = _model()
+    model = lm_model()
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     sharded = zero.shard(model, c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
-    _loss(sharded, _batch(rank, 0)).backward()
+    lm_loss(sharded, lm_batch(rank, 0)).backward()
     opt.step()
     stats = sharded.memory_stats(opt)
     shard_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters())
@@ -146,30 +82,30 @@ def _run_memory(rank, world_size, store_path, stage):
 
 def _run_state_dicts(rank, world_size, store_path, stage):
     c = make_comm(rank, world_size, store_path)
-    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
-    _loss(sharded, _batch(rank, 0)).backward()
+    lm_loss(sharded, lm_batch(rank, 0)).backward()
     opt.step()
     full = sharded.full_state_dict()
     rank0 = sharded.full_state_dict(rank0_only=True)
     assert (rank0 == {}) == (rank != 0)
     if rank == 0:
-        _assert_same_params(rank0, full)
-    fresh = _model(seed=7)
+        assert_same_params(rank0, full)
+    fresh = lm_model(seed=7)
     assert list(full) == list(fresh.state_dict())
     fresh.load_state_dict(full)
-    ids = _batch(rank, 5)
+    ids = lm_batch(rank, 5)
     with torch.no_grad():
         torch.testing.assert_close(sharded(ids), fresh(ids), rtol=0, atol=0)
     pieces = sharded.sharded_state_dict()
     assert list(pieces) == list(full)
     # Loading back: a wrapper around another initialization takes the saved state exactly.
-    other = zero.shard(_model(seed=3), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    other = zero.shard(lm_model(seed=3), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     other.load_sharded_state_dict(pieces)
-    _assert_exact(other.full_state_dict(), full)
-    other = zero.shard(_model(seed=4), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    assert_exact(other.full_state_dict(), full)
+    other = zero.shard(lm_model(seed=4), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     other.load_full_state_dict(full)
-    _assert_exact(other.full_state_dict(), full)
+    assert_exact(other.full_state_dict(), full)
     with pytest.raises(ValueError, match="another world size"):
         bad = dict(pieces)
         key = next(k for k, v in bad.items() if v.numel() > 0 and k.endswith("weight"))
@@ -183,7 +119,7 @@ def _run_state_dicts(rank, world_size, store_path, stage):
 def _run_gather_params(rank, world_size, store_path, stage):
     """Shards changed through ``.data`` (no version bump): gather_params still spreads them."""
     c = make_comm(rank, world_size, store_path)
-    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     for i, p in enumerate(sharded.parameters()):
         p.data.fill_(100 * i + rank)
     sharded.gather_params()
@@ -200,32 +136,32 @@ def _run_fused_and_discard(rank, world_size, store_path, stage):
     optimizer's zero_grad() (set_to_none or not) must not reach the next step: the gradient
     after it equals that of the next batch alone."""
     c = make_comm(rank, world_size, store_path)
-    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(sharded.parameters(), lr=0.5, fused=True)
-    ids = _batch(rank, 0)
-    _loss(sharded, ids).backward()
+    ids = lm_batch(rank, 0)
+    lm_loss(sharded, ids).backward()
     opt.step()
     opt.zero_grad()
     with torch.no_grad():
         after_step = sharded(ids[:, :-1])
         sharded.gather_params()
         assert torch.equal(after_step, sharded(ids[:, :-1])), "forward after a fused step used stale shards"
-    _loss(sharded, _batch(rank, 2)).backward()
+    lm_loss(sharded, lm_batch(rank, 2)).backward()
     alone = [p.grad.clone() for p in sharded.parameters()]
     for set_to_none in (True, False):
         opt.zero_grad(set_to_none=set_to_none)
         with sharded.no_sync():
-            _loss(sharded, _batch(rank, 1)).backward()
-            _loss(sharded, _batch(rank, 3)).backward()
+            lm_loss(sharded, lm_batch(rank, 1)).backward()
+            lm_loss(sharded, lm_batch(rank, 3)).backward()
         opt.zero_grad(set_to_none=set_to_none)  # discards the accumulation, as with DDP
-        _loss(sharded, _batch(rank, 2)).backward()
+        lm_loss(sharded, lm_batch(rank, 2)).backward()
         for p, q in zip(sharded.parameters(), alone):
             torch.testing.assert_close(p.grad, q, **TOL)
     # Not cleared in between: the accumulation is kept and reduced with the next backward.
     opt.zero_grad()
     with sharded.no_sync():
-        _loss(sharded, _batch(rank, 1)).backward()
-    _loss(sharded, _batch(rank, 2)).backward()
+        lm_loss(sharded, lm_batch(rank, 1)).backward()
+    lm_loss(sharded, lm_batch(rank, 2)).backward()
     assert any((p.grad - q).abs().max() > 1e-3 for p, q in zip(sharded.parameters(), alone))
     return True
 
@@ -269,139 +205,6 @@ def test_frozen_parameters_of_other_dtypes(stage):
     assert results[0] == results[1]
 
 
-def _assert_exact(actual, expected):
-    assert list(actual) == list(expected)
-    for k in expected:
-        assert torch.equal(actual[k], expected[k]), k
-
-
-def _fully_sharded(mesh):
-    """The test model with ``fully_shard`` on each block and at the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    m = _model()
-    for block in m.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(m, mesh=mesh)
-    return m
-
-
-def _run_fsdp2(rank, world_size, store_path, divide_factor, overlap=False, kind="communicator"):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with process_group(rank, world_size, store_path):
-        # "gloo": built with None, the comms run on the group FSDP2 hands them (its mesh's).
-        c = None if kind == "gloo" else _carrier_in(kind, rank, world_size, store_path)
-        mesh = init_device_mesh("cpu", (world_size,))
-        models = []
-        for use_braid in (False, True):
-            m = _fully_sharded(mesh)
-            if use_braid:
-                assert fsdp2.use_braid_comms(m, c) == LAYERS + 1
-                if divide_factor is not None:
-                    for sub in (*m.blocks, m):  # each fully_shard module has its own factor
-                        sub.set_gradient_divide_factor(divide_factor)
-            if overlap:
-                # Async unshards with explicit forward prefetch: FSDP2 waits on the returned Work.
-                m.blocks[0].set_modules_to_forward_prefetch([m.blocks[1]])
-                m._set_unshard_async_op(True)
-            models.append(m)
-        ref, braid_model = models
-        if divide_factor is not None:
-            # One backward: braid's gradients are the sum divided by the factor (PREMUL_SUM),
-            # the reference's the mean.
-            ids = _batch(rank, 0)
-            for m in models:
-                _loss(m, ids).backward()
-            for (name, p), q in zip(ref.named_parameters(), braid_model.parameters()):
-                torch.testing.assert_close(q.grad.full_tensor() * divide_factor / world_size,
-                                           p.grad.full_tensor(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
-            return True
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        ref_losses = _train(ref, opts[0], rank, 4, 1, None)
-        losses = _train(braid_model, opts[1], rank, 4, 1, None)
-        torch.testing.assert_close(losses, ref_losses, **TOL)
-        assert ref_losses[-1] < ref_losses[0], ref_losses
-        for (name, p), q in zip(ref.named_parameters(), braid_model.parameters()):
-            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
-                                       msg=lambda m, n=name: f"{n}: {m}")
-        return True
-
-
-def _run_fsdp2_compressed(rank, world_size, store_path, kind, weights, grads):
-    """FSDP2 with braid's comm objects compressing its gathers (int8) and/or reduce-scatters (int4,
-    no error feedback), against FSDP2 on gloo."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with process_group(rank, world_size, store_path):
-        c = None if kind == "gloo" else _carrier_in(kind, rank, world_size, store_path)
-        mesh = init_device_mesh("cpu", (world_size,))
-        models = []
-        for compressed in (False, True):
-            m = _fully_sharded(mesh)
-            if compressed:
-                q_weights = comm.Int8Quantizer(block=64) if weights else None
-                q_grads = comm.Int4Quantizer(block=32, error_feedback=False) if grads else None
-                fsdp2.use_braid_comms(m, c, param_compression=q_weights, grad_compression=q_grads)
-            models.append(m)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        ref_losses = _train(models[0], opts[0], rank, 4, 1, None)
-        losses = _train(models[1], opts[1], rank, 4, 1, None)
-        return losses, ref_losses
-
-
-@pytest.mark.parametrize("kind,weights,grads", (("gloo", True, True), ("communicator", True, False),
-                                                ("braid", False, True)))
-def test_fsdp2_with_compressed_braid_comms_trains_like_exact(kind, weights, grads):
-    """FSDP2 keeps its scheduling and exact sharded parameters; braid's comm objects gather int8
-    weights and reduce-scatter int4 gradients. Measured within 0.17% of the exact run's losses over
-    four SGD steps; bound 1% (doubled or halved updates move them by 2-25%)."""
-    for losses, ref in run_ranks(_run_fsdp2_compressed, 2, kind, weights, grads):
-        torch.testing.assert_close(losses, ref, rtol=1e-2, atol=0)
-        assert losses != ref  # something was compressed
-
-
-def _run_comm_objects(rank, world_size, store_path):
-    """The FSDP2 comm objects alone: async all-gather (a torch Work), byte gathers of odd sizes,
-    and every reduce op against a local reference (integer-valued floats: exact in any order)."""
-    c = make_comm(rank, world_size, store_path)
-    ag, rs = fsdp2.fsdp2_comms(c)
-
-    def value(r, n, salt):
-        return torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(salt * 100 + r)).float()
-
-    for n in (0, 1, 7, 64):
-        out = ag.allocate((n * world_size,), dtype=torch.float32, device=torch.device("cpu"))
-        inp = out.narrow(0, rank * n, n)
-        inp.copy_(value(rank, n, n))
-        work = ag(out, inp, None, async_op=True)
-        assert isinstance(work, dist.Work)
-        assert work.wait()
-        assert torch.equal(out, torch.cat([value(r, n, n) for r in range(world_size)]))
-    for nbytes in (1, 3, 6, 12):  # odd sizes go through the padded copy, others through a view
-        mine = torch.arange(nbytes, dtype=torch.uint8) + 17 * rank
-        out = torch.empty(nbytes * world_size, dtype=torch.uint8)
-        for async_op in (False, True):
-            out.zero_()
-            work = ag(out, mine, None, async_op=async_op)
-            if async_op:
-                work.wait()
-            expected = torch.cat([torch.arange(nbytes, dtype=torch.uint8) + 17 * r
-                                  for r in range(world_size)])
-            assert torch.equal(out, expected), (nbytes, async_op, out, expected)
-    n = 5
-    every = [value(r, n * world_size, 7) for r in range(world_size)]
-    total = sum(every)
-    mine = slice(rank * n, (rank + 1) * n)
-    ops = [(dist.ReduceOp.SUM, total), (dist.ReduceOp.AVG, total / world_size),
-           (dist.ReduceOp.PREMUL_SUM(0.5), total * 0.5), (dist.ReduceOp.MAX, torch.stack(every).amax(0))]
-    for op, expected in ops:
-        out = torch.empty(n)
-        assert rs(out, every[rank].clone(), None, op) is None
-        assert torch.equal(out, expected[mine]), (op, out, expected[mine])
-    return True
-
-
 class _RecordingComm:
     """Forwards to a communicator; logs each async launch and each wait with the work's number."""
 
@@ -429,14 +232,14 @@ def _run_schedule(rank, world_size, store_path, stage):
     """The events of one stage-3 (or stage-2) training step, as (kind, work number) pairs."""
     log = []
     c = _RecordingComm(make_comm(rank, world_size, store_path), log)
-    sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
+    sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=64)  # one bucket per unit
     opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-    ids = _batch(rank, 0)
-    _loss(sharded, ids).backward()  # the first step records the units' order
+    ids = lm_batch(rank, 0)
+    lm_loss(sharded, ids).backward()  # the first step records the units' order
     opt.step()
     del log[:]
     with MatmulRecorder(log, ("mm", None)):
-        loss = _loss(sharded, ids)
+        loss = lm_loss(sharded, ids)
         log.append(("backward", None))
         loss.backward()
     return log
@@ -488,17 +291,17 @@ def _run_mixed_precision(rank, world_size, store_path, stage, kind):
     """bfloat16 compute and gathers, float32 gradient reduction and master shards, against the
     float32 DDP run of the same batches."""
     with process_group(rank, world_size, store_path):
-        c = _carrier_in(kind, rank, world_size, store_path)
-        ddp = nn.parallel.DistributedDataParallel(_model())
+        c = carrier_in(kind, rank, world_size, store_path)
+        ddp = nn.parallel.DistributedDataParallel(lm_model())
         policy = zero.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, mp_policy=policy)
+        sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, mp_policy=policy)
         assert all(p.dtype == torch.float32 for p in sharded.parameters())  # master shards
         seen = []
         hook = sharded.module.head.register_forward_pre_hook(
             lambda m, args: seen.append((m.weight.dtype, args[0].dtype)))
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
-        ref_losses = _train(ddp, opts[0], rank, 4, 1, None)
-        losses = _train(sharded, opts[1], rank, 4, 1, None)
+        ref_losses = train_steps(ddp, opts[0], rank, 4, 1, None)
+        losses = train_steps(sharded, opts[1], rank, 4, 1, None)
         hook.remove()
         assert set(seen) == {(torch.bfloat16, torch.bfloat16)}, seen  # computed in bfloat16
         assert all(p.grad.dtype == torch.float32 for p in sharded.parameters())
@@ -517,27 +320,27 @@ def _run_mixed_precision(rank, world_size, store_path, stage, kind):
 def _run_quantized_gathers(rank, world_size, store_path, kind, bits):
     """ZeRO-3 with block-quantized weight gathers (qwZ) against the exact DDP run."""
     with process_group(rank, world_size, store_path):
-        c = _carrier_in(kind, rank, world_size, store_path)
+        c = carrier_in(kind, rank, world_size, store_path)
         q = {8: lambda: comm.Int8Quantizer(block=64), 4: lambda: comm.Int4Quantizer(block=32),
              "fp8": lambda: comm.FP8Quantizer(block=64)}[bits]()
-        sharded = zero.shard(_model(), c, stage=3, bucket_cap_mb=BUCKET_CAP_MB, param_compression=q)
+        sharded = zero.shard(lm_model(), c, stage=3, bucket_cap_mb=BUCKET_CAP_MB, param_compression=q)
         # A forward and backward without a step: the master shards (and the full state dict built
         # from them) are exactly the initial parameters, whatever the gathers carried.
-        _loss(sharded, _batch(rank, 0)).backward()
-        _assert_exact(sharded.full_state_dict(), _model().state_dict())
+        lm_loss(sharded, lm_batch(rank, 0)).backward()
+        assert_exact(sharded.full_state_dict(), lm_model().state_dict())
         sharded.zero_grad()
         sharded.wire_stats()  # counts from here
         seen = []
         hook = sharded.module.head.register_forward_pre_hook(
             lambda m, args: seen.append(m.weight.detach().clone()))
-        ddp = nn.parallel.DistributedDataParallel(_model())
+        ddp = nn.parallel.DistributedDataParallel(lm_model())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
-        ref_losses = _train(ddp, opts[0], rank, 4, 1, None)
-        losses = _train(sharded, opts[1], rank, 4, 1, None)
+        ref_losses = train_steps(ddp, opts[0], rank, 4, 1, None)
+        losses = train_steps(sharded, opts[1], rank, 4, 1, None)
         hook.remove()
         wire = sharded.wire_stats()
         exact_head = _attr(ddp.module, "head.weight").detach()
-        quantized = not torch.equal(seen[0], _model().head.weight.detach())
+        quantized = not torch.equal(seen[0], lm_model().head.weight.detach())
         return {"losses": losses, "ref": ref_losses, "gathered": digest(seen), "quantized": quantized,
                 "gather_ratio": wire["all_gather"].ratio, "reduce_ratio": wire["reduce_scatter"].ratio,
                 "head_err": float((sharded.full_state_dict()["head.weight"] - exact_head).abs().max())}
@@ -612,7 +415,7 @@ def _run_qwz_seen(rank, world_size, store_path, kind, bits):
     """One forward and backward of ZeRO-3 with quantized gathers: the weights each layer computed
     with, in order."""
     with process_group(rank, world_size, store_path):
-        c = _carrier_in(kind, rank, world_size, store_path)
+        c = carrier_in(kind, rank, world_size, store_path)
         sharded = zero.shard(_qwz_model(), c, stage=3, param_compression=QWZ[bits]())
         x = torch.randn(3, QWZ_LAYERS[0][0], generator=torch.Generator().manual_seed(rank))
         sharded(x).square().sum().backward()
@@ -664,15 +467,15 @@ def _run_quantized_reduce_scatters(rank, world_size, store_path, kind, bits, sta
     """ZeRO with block-quantized gradient reduce-scatters (qgZ), with qwZ too where asked, against
     the exact DDP run."""
     with process_group(rank, world_size, store_path):
-        c = _carrier_in(kind, rank, world_size, store_path)
+        c = carrier_in(kind, rank, world_size, store_path)
         q = comm.Int8Quantizer(block=64) if bits == 8 else comm.Int4Quantizer(block=32)
         weights = comm.Int8Quantizer(block=64) if weights_too else None
-        sharded = zero.shard(_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
+        sharded = zero.shard(lm_model(), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
                              param_compression=weights)
-        ddp = nn.parallel.DistributedDataParallel(_model())
+        ddp = nn.parallel.DistributedDataParallel(lm_model())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
-        ref_losses = _train(ddp, opts[0], rank, 6, 1, None)
-        losses = _train(sharded, opts[1], rank, 6, 1, None)
+        ref_losses = train_steps(ddp, opts[0], rank, 6, 1, None)
+        losses = train_steps(sharded, opts[1], rank, 6, 1, None)
         wire = sharded.wire_stats()
         stats = sharded.memory_stats()
         residuals = [q.residual(key) for key in q.state_dict()["residuals"]]
@@ -711,21 +514,21 @@ def _run_compressed_resume(rank, world_size, store_path):
     with process_group(rank, world_size, store_path):
         def build():
             q = comm.Int4Quantizer(block=32, seed=7)
-            m = zero.shard(_model(), dist.group.WORLD, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
+            m = zero.shard(lm_model(), dist.group.WORLD, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
                            param_compression=comm.Int8Quantizer(block=64), grad_compression=q)
             return m, q, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
         straight, _, opt = build()
-        _train(straight, opt, rank, 5, 1, None)
+        train_steps(straight, opt, rank, 5, 1, None)
         first, q, opt = build()
-        _train(first, opt, rank, 3, 1, None)
+        train_steps(first, opt, rank, 3, 1, None)
         saved = pickle.loads(pickle.dumps((first.sharded_state_dict(), opt.state_dict(), q.state_dict())))
         resumed, q2, opt2 = build()
         resumed.load_sharded_state_dict(saved[0])
         opt2.load_state_dict(saved[1])
         q2.load_state_dict(saved[2])
-        _train(resumed, opt2, rank, 2, 1, None)
-        _assert_exact(resumed.full_state_dict(), straight.full_state_dict())
+        train_steps(resumed, opt2, rank, 2, 1, None)
+        assert_exact(resumed.full_state_dict(), straight.full_state_dict())
         return sum(int(q2.residual(k).abs().sum() > 0) for k in saved[2]["residuals"])
 
 
@@ -742,14 +545,14 @@ def _run_hierarchical(rank, world_size, store_path, quantized):
         runs = {}
         for hierarchical in (False, True):
             weights = comm.Int8Quantizer(block=64) if quantized else None
-            sharded = zero.shard(_model(), None, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
+            sharded = zero.shard(lm_model(), None, stage=3, bucket_cap_mb=BUCKET_CAP_MB,
                                  param_compression=weights, hierarchical=hierarchical)
             opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
-            losses = _train(sharded, opt, rank, 3, 1, None)
+            losses = train_steps(sharded, opt, rank, 3, 1, None)
             runs[hierarchical] = (losses, sharded.full_state_dict(), sharded.wire_stats())
         (flat_losses, flat_state, flat_wire), (losses, state, wire) = runs[False], runs[True]
         assert losses == flat_losses
-        _assert_exact(state, flat_state)
+        assert_exact(state, flat_state)
         return {"flat": {k: v.sent for k, v in flat_wire.items()},
                 "hpz": {k: v.sent for k, v in wire.items()}}
 
@@ -845,12 +648,12 @@ def _run_hierarchical_training(rank, world_size, store_path, kind):
     with environment({"BRAID_HOST_ID": f"host{rank // 2}"}), process_group(rank, world_size, store_path):
         group, hosts = _hosts_split(kind, rank, world_size, store_path)
         q = comm.Int4Quantizer(block=32)
-        sharded = zero.shard(_model(), group, stage=3, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
+        sharded = zero.shard(lm_model(), group, stage=3, bucket_cap_mb=BUCKET_CAP_MB, grad_compression=q,
                              param_compression=comm.Int8Quantizer(block=64), hierarchical=hosts)
-        ddp = nn.parallel.DistributedDataParallel(_model())
+        ddp = nn.parallel.DistributedDataParallel(lm_model())
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ddp, sharded)]
-        ref = _train(ddp, opts[0], rank, 6, 1, None)
-        losses = _train(sharded, opts[1], rank, 6, 1, None)
+        ref = train_steps(ddp, opts[0], rank, 6, 1, None)
+        losses = train_steps(sharded, opts[1], rank, 6, 1, None)
         return {"losses": losses, "ref": ref, "params": digest(sharded.full_state_dict().values()),
                 "wire": {k: v.sent for k, v in sharded.wire_stats().items()}}
 
@@ -976,25 +779,6 @@ def test_fused_optimizer_and_discarded_no_sync_gradients(stage):
     assert run_ranks(_run_fused_and_discard, 2, stage) == [True, True]
 
 
-@pytest.mark.parametrize("kind", CARRIERS)
-@pytest.mark.parametrize("world_size,overlap", ((2, False), (3, False), (2, True)))
-def test_fsdp2_with_braid_comms_matches_gloo(world_size, overlap, kind):
-    """FSDP2 with braid's all-gather and reduce-scatter (over a Communicator, over FSDP2's own gloo
-    group through braid's group interface, over a braid-backend group) trains as FSDP2 on gloo,
-    with blocking all-gathers and with async ones (FSDP2 then waits on the work it got back)."""
-    run_ranks(_run_fsdp2, world_size, None, overlap, kind)
-
-
-def test_fsdp2_gradient_divide_factor_is_honoured():
-    """A divide factor other than the world size arrives as PREMUL_SUM(1/factor)."""
-    run_ranks(_run_fsdp2, 2, 5.0)
-
-
-@pytest.mark.parametrize("world_size", (2, 3))
-def test_fsdp2_comm_objects(world_size):
-    assert run_ranks(_run_comm_objects, world_size) == [True] * world_size
-
-
 # -- single process ------------------------------------------------------------------------------
 def _solo():
     return comm.Communicator(dist.HashStore(), 0, 1, timeout=COMM_TIMEOUT_S)
@@ -1002,7 +786,7 @@ def _solo():
 
 def test_bad_arguments_name_themselves():
     c = _solo()
-    model = _model()
+    model = lm_model()
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3, got 4"):
         zero.shard(model, c, stage=4)
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
@@ -1050,25 +834,7 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(TypeError, match="hierarchical must be a bool or a HostGroups"):
         zero.shard(model, c, hierarchical="host")
     # Nothing above touched the model: it still has its parameters.
-    assert len(list(model.parameters())) == len(list(_model().parameters()))
-    with pytest.raises(TypeError, match="group must be a braid.comm.Communicator"):
-        fsdp2.fsdp2_comms(object())
-    with pytest.raises(ValueError, match="no fully_shard module"):
-        fsdp2.use_braid_comms(model, c)
-    with pytest.raises(ValueError, match="error_feedback=False"):
-        fsdp2.fsdp2_comms(c, grad_compression=comm.Int4Quantizer())
-    with pytest.raises(TypeError, match="compression must be None or a block quantizer"):
-        fsdp2.fsdp2_comms(c, param_compression=comm.TopK(0.1))
-    ag, rs = fsdp2.fsdp2_comms(c)
-    other_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
-    with pytest.raises(ValueError, match=r"FSDP2's group \(rank 1 of 2\) is not braid's"):
-        ag(torch.zeros(2), torch.zeros(1), other_group)
-    with pytest.raises(ValueError, match="PREMUL_SUM needs its factor"):
-        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.RedOpType.PREMUL_SUM)
-    with pytest.raises(ValueError, match="op must be one of"):
-        rs(torch.zeros(1), torch.zeros(1), None, "mean")
-    with pytest.raises(ValueError, match="op 'band' needs an integer tensor"):  # gradients are floats
-        rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.BAND)
+    assert len(list(model.parameters())) == len(list(lm_model().parameters()))
     c.close()
 
 
