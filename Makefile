@@ -13,7 +13,7 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install deps test test-py test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install core-lib deps test test-py test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
@@ -55,7 +55,18 @@ $(VENV)/.built: $(VENV)/.editable $(CXX_SOURCES)
 	fi
 	touch $@
 
-install: $(VENV)/.built
+# The core's cmake build needs nothing from the venv: it runs beside the venv's setup (pip
+# installing torch and the tools), then the extension is built against both.
+install:
+	@$(MAKE) --no-print-directory -j2 core-lib $(VENV)/.editable
+	@$(MAKE) --no-print-directory $(VENV)/.built
+
+core-lib:
+	@if command -v cmake >/dev/null 2>&1; then \
+	  cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null && \
+	  MAKEFLAGS= cmake --build $(BUILD_DIR) --target braid_core -j $(NPROC) || \
+	  echo "the core's cmake build failed: setup.py builds the core"; \
+	fi
 
 # make test: the build of the C++ tests, the CUDA sources' checks and the documentation run at the
 # lowest CPU priority beside the Python tests (whose multi-rank tests leave a core idle a good part
