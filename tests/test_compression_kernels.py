@@ -451,3 +451,43 @@ def test_fp8_format_matches_reference(dtype, numel, block, chunk, nchunks):
     xf = x.float()
     tol = xf.abs() * (1 / 16 + 1e-6) + xf.abs().max() / 448 * 2.0**-10
     assert bool(((decoded - xf).abs() <= tol).all())
+
+
+def _carrier(kind, size):
+    """A GroupCarrier or HostGroups of ``size`` ranks, for the choice alone (nothing is sent)."""
+    from braid.comm.core.group_carrier import GroupCarrier, HostGroups
+
+    carrier = object.__new__(GroupCarrier if kind == "group" else HostGroups)
+    carrier.size = size
+    return carrier
+
+
+def test_one_function_chooses_the_compressed_algorithm():
+    """choose_path, the one place a compressed all-reduce's algorithm is chosen: the warm-up and a
+    group of one exact; over a process group's carrier flat, over HostGroups exact in the host;
+    on braid's communicator the fused call between hosts where every host holds the same number
+    (> 1) of ranks, the quantized pipeline where every rank has a host of its own (block
+    quantizers only), else flat."""
+    import types
+
+    from braid.comm.compression.compressors import (BETWEEN_HOSTS, EXACT, FLAT, HOSTS, PIPELINED,
+                                                    choose_path)
+
+    def braid(world, hosts, uniform=True):
+        return types.SimpleNamespace(world_size=world, num_hosts=hosts, local_world_size=world // hosts,
+                                     uniform_hosts=uniform)
+
+    int8, topk, cast = comm.Int8Quantizer(), comm.TopK(0.01), comm.Cast(torch.bfloat16)
+    for q in (int8, topk, cast):
+        assert choose_path(q, braid(4, 2), 1000, 0) == EXACT  # warm-up
+        assert choose_path(q, braid(1, 1), 1000, 5) == EXACT  # a group of one
+        assert choose_path(q, braid(4, 2), 1000, 5) == BETWEEN_HOSTS
+        assert choose_path(q, braid(4, 1), 1000, 5) == FLAT  # one host
+        assert choose_path(q, braid(6, 2, uniform=False), 1000, 5) == FLAT
+        assert choose_path(q, _carrier("group", 4), 1000, 5) == FLAT
+        assert choose_path(q, _carrier("group", 4), 0, 5) == EXACT  # nothing to compress
+        assert choose_path(q, _carrier("group", 4), 1000, 1) == EXACT
+        assert choose_path(q, _carrier("hosts", 4), 1000, 5) == HOSTS
+    assert choose_path(int8, braid(3, 3), 1000, 5) == PIPELINED
+    assert choose_path(topk, braid(3, 3), 1000, 5) == FLAT
+    assert choose_path(cast, braid(3, 3), 1000, 5) == FLAT

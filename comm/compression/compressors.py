@@ -57,6 +57,33 @@ def _exact_on_hosts(comm: BraidCollectives) -> bool:
     return comm.num_hosts > 1 and comm.local_world_size > 1 and comm.uniform_hosts
 
 
+# The algorithms of a compressed all-reduce, chosen in one place (choose_path):
+EXACT = "exact"  # the warm-up, a group of one: the group's own exact all-reduce
+FLAT = "flat"  # compressed among all the ranks (top-k: dense instead where its pairs weigh more)
+HOSTS = "hosts"  # a HostGroups: exact in each host, compressed across (any groups)
+BETWEEN_HOSTS = "between_hosts"  # braid's communicator across hosts: the same in one fused call
+PIPELINED = "pipelined"  # braid's communicator, one rank per host: the quantized pipeline between hosts
+PATHS = (EXACT, FLAT, HOSTS, BETWEEN_HOSTS, PIPELINED)
+
+
+def choose_path(q: "Compressor", target: Any, numel: int, step: int) -> str:
+    """The algorithm of ``q``'s all-reduce of ``numel`` elements at warm-up ``step`` over
+    ``target``: a carrier (GroupCarrier or HostGroups: the compressor's algorithm over the group's
+    collectives) or braid's communicator's collectives (its fused calls). The only place the
+    choice is made; every path runs the same codec."""
+    fused = not isinstance(target, (GroupCarrier, HostGroups))
+    n = target.world_size if fused else target.size
+    if step < q.warmup_steps or n == 1 or (numel == 0 and not fused):
+        return EXACT
+    if not fused:
+        return HOSTS if isinstance(target, HostGroups) else FLAT
+    if _exact_on_hosts(target):
+        return BETWEEN_HOSTS
+    if q.pipelines and target.num_hosts == target.world_size > 1:
+        return PIPELINED
+    return FLAT
+
+
 def check_tensor(tensor: torch.Tensor) -> None:
     """A tensor a compressor can carry: a float32, bfloat16 or float16 torch.Tensor."""
     if not isinstance(tensor, torch.Tensor):
@@ -172,11 +199,14 @@ class Compressor:
         self._scratch: dict[Hashable, list] = {}  # reusable buffers, not state
         self.wire_total = WireStats(0, 0, 0)
         self.last_wire_bytes: Optional[WireStats] = None  # of the last call, whatever carried it
+        self.last_path: Optional[str] = None  # the algorithm of the last all-reduce (choose_path)
 
     # Whether braid's communicator has a fused call for this compressor (its compressed_all_reduce
     # capability); without one a Communicator runs the compressor's algorithm through its own
     # collectives, as a process group does.
     fused = True
+    # Whether it has the fused pipeline between hosts (one rank per host): choose_path asks.
+    pipelines = False
 
     # -- state -----------------------------------------------------------------------------
     def _config(self) -> dict:
@@ -302,14 +332,17 @@ class Compressor:
         calls, step = self._next_call(key, step)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         n, es = comm.world_size, flat.element_size()
-        if step < self.warmup_steps or n == 1:
+        path = self.last_path = choose_path(self, comm, flat.numel(), step)
+        if path == EXACT:
             work = comm.all_reduce(flat, op_code, async_op)
             stats = self.exact_wire_stats(flat.numel() * es, n)
             finish = None
         else:
             seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
-            work, finish = self._compressed(comm, flat, op_code, key, seed, async_op)
-            if _exact_on_hosts(comm):  # hierarchical: exact inside each host, compressed across
+            run = getattr(self, {FLAT: "_compressed", BETWEEN_HOSTS: "_compressed_between_hosts",
+                                 PIPELINED: "_compressed_pipelined"}[path])
+            work, finish = run(comm, flat, op_code, key, seed, async_op)
+            if path == BETWEEN_HOSTS:  # exact inside each host, compressed across
                 stats = self.wire_stats(flat.numel(), es, comm.num_hosts, comm.local_world_size,
                                         float32_fallback=True)
             else:
@@ -360,14 +393,15 @@ class Compressor:
         compressed one, as one job (comm/core/group_carrier.py's issue: in order on CPU, on the
         current stream on CUDA)."""
         n, es = carrier.size, flat.element_size()
-        if step < self.warmup_steps or n == 1 or flat.numel() == 0:
+        path = self.last_path = choose_path(self, carrier, flat.numel(), step)
+        if path == EXACT:
             stats = self.exact_wire_stats(flat.numel() * es, n)
 
             def run() -> None:
                 carrier.reduce_exact(flat, op_code == AVG, n)
         else:
             seed = _mix64(self.seed, carrier.rank, _key_hash(key), calls)
-            if isinstance(carrier, HostGroups):
+            if path == HOSTS:
                 run = self._on_hosts(carrier, flat, op_code, key, seed)
                 stats = self.wire_stats(flat.numel(), es, carrier.inter.size, carrier.intra.size)
             else:
@@ -468,6 +502,7 @@ class BlockQuantizer(Compressor):
     """Block quantization with one float32 scale per block (absmax / qmax)."""
 
     bits = 8
+    pipelines = True
 
     def __init__(self, block: int, stochastic: bool = True, **kwargs: Any):
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_QUANT_BLOCK:
@@ -526,10 +561,6 @@ class BlockQuantizer(Compressor):
         return max(self.block, -(-per // self.block) * self.block)
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        if _exact_on_hosts(comm):
-            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
-        if comm.num_hosts == comm.world_size > 1:
-            return self._compressed_pipelined(comm, flat, op_code, key, seed, async_op)
         n, numel = comm.world_size, flat.numel()
         chunk = self.chunk_elems(numel, n)
         cb = self.wire_bytes(chunk)
@@ -682,6 +713,7 @@ class FP8Quantizer(BlockQuantizer):
 
     bits = 8
     fused = False
+    pipelines = False
     FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
     def __init__(self, block: int = 256, *, error_feedback: bool = True, warmup_steps: int = 2,
@@ -780,8 +812,6 @@ class TopK(Compressor):
                              f"at most {_INT32_MAX} elements per call")
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        if _exact_on_hosts(comm):
-            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         n, numel, es = comm.world_size, flat.numel(), flat.element_size()
         residual = self.residual_for(key, numel)
         if residual is not None:
@@ -923,8 +953,6 @@ class Cast(Compressor):
         return dense_wire_bytes(count * torch.finfo(self.dtype).bits // 8, peers)  # 16-bit values
 
     def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        if _exact_on_hosts(comm):
-            return self._compressed_between_hosts(comm, flat, op_code, key, seed, async_op)
         numel = flat.numel()
         residual = self.residual_for(key, numel)
         bufs = self._sent_buffer(key, numel, flat.device)
