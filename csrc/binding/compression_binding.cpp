@@ -6,9 +6,9 @@
 
 #include "../core/compression/error_feedback.h"
 #include "../core/compression/quantize.h"
-#include "../core/compression/between_hosts.h"
-#include "../core/compression/quantized_all_reduce.h"
-#include "../core/compression/quantized_direct.h"
+#include "../core/algorithms/between_hosts.h"
+#include "../core/algorithms/quantized_all_reduce.h"
+#include "../core/algorithms/quantized_direct.h"
 #include "../core/compression/top_k.h"
 #include "binding_util.h"
 

@@ -12,7 +12,7 @@
 #include "check.h"
 #include "collective_check.h"
 #include "core/compression/quantize.h"
-#include "core/compression/quantized_all_reduce.h"
+#include "core/algorithms/quantized_all_reduce.h"
 #include "rank_group.h"
 
 using braid::Algo;

@@ -6,8 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../algorithms/direct.h"
-#include "quantize.h"
+#include "direct.h"
+#include "../compression/quantize.h"
 
 namespace braid {
 

@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "../reduce.h"
-#include "error_feedback.h"
-#include "top_k.h"
+#include "../compression/error_feedback.h"
+#include "../compression/top_k.h"
 
 namespace braid {
 

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../algorithms/transfers.h"
+#include "transfers.h"
 
 namespace braid {
 

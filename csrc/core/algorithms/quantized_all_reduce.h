@@ -8,7 +8,7 @@
 #include <functional>
 
 #include "../communicator.h"
-#include "quantize.h"
+#include "../compression/quantize.h"
 #include "quantized_direct.h"
 
 namespace braid {
