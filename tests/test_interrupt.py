@@ -112,6 +112,8 @@ def quiet_handler_changes_nothing(rank, n, store_path):
             seen = outcome(c.all_reduce, t)
     else:
         store.wait(["handled"])
+        # Arrive once rank 0's handler has likely returned into its wait (nothing observable marks
+        # that; arriving earlier must give the same outcome, so no correctness rests on it).
         time.sleep(0.2)
         seen = outcome(c.all_reduce, t)
     exact = torch.equal(t, torch.full((300_000,), 3.0))
@@ -142,7 +144,7 @@ def handler_calls_back_in(rank, n, store_path):
         later[0].wait()
     else:
         store.wait(["handled"])
-        time.sleep(0.2)
+        time.sleep(0.2)  # as in quiet_handler_changes_nothing: aims at the handler's return
         seen["outer"] = outcome(c.all_reduce, t)
         c.all_reduce(torch.ones(4))  # rank 0's async one from the handler
     seen["exact"] = torch.equal(t, torch.full((300_000,), 3.0))
