@@ -98,7 +98,7 @@ class CommHookState:
             if self.hierarchical and not isinstance(group, HostGroups):
                 # At the first bucket of the first step: every rank of the job gets here in the
                 # same order, as host_groups (a new_group) needs.
-                group = group_carrier.host_groups(group_carrier.checked_group(group, "group"))
+                group = group_carrier.host_groups(group_carrier.process_group_for(group, "group"))
             self._carrier = group_carrier.carrier_of(group, "group")
         return self._carrier
 
@@ -239,7 +239,7 @@ def comm_hook(
             raise ValueError("hierarchical=True applies to torch process groups: a braid Communicator whose "
                              "ranks span hosts is already exact on each host and compressed between hosts")
     elif group is not None and not isinstance(group, HostGroups):
-        group_carrier.checked_group(group, "group")  # a member of it
+        group_carrier.process_group_for(group, "group")  # a member of it
         if hierarchical:
             group = group_carrier.host_groups(group)
     if compression == "auto":

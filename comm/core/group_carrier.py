@@ -22,25 +22,21 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .group import Group, adapter, process_group_of
+from .group import DefaultGroup, Group, adapter, as_group, process_group_of
 from .hosts import host_identity, host_numbers
 
 
-def checked_group(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessGroup:
-    """``group`` as a ProcessGroup this rank belongs to (None: the default group), or an error
-    naming ``arg``."""
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"{arg} is None (the default process group), but torch.distributed is not "
-                             "initialized: call torch.distributed.init_process_group first, or pass a group")
-        return dist.group.WORLD
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{arg}: this rank (global rank {dist.get_rank()}) is not a member of the group "
-                         "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here): only "
-                         "the group's ranks may reduce over it")
-    if not isinstance(group, dist.ProcessGroup):
+def process_group_for(group: Optional[dist.ProcessGroup], arg: str) -> dist.ProcessGroup:
+    """The torch ProcessGroup of ``group`` (None: the default group, resolved now), this rank a
+    member of it: as_group's normalization (the one there is), then the ProcessGroup under it. A
+    TypeError naming ``arg`` for what has none (a braid Communicator, another Group)."""
+    g = as_group(group, arg)
+    if isinstance(g, DefaultGroup):
+        g.resolve()
+    pg = process_group_of(g)
+    if pg is None:
         raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    return group
+    return pg
 
 
 class GroupCarrier:
@@ -147,8 +143,8 @@ class HostGroups:
         if all(isinstance(g, Group) for g in (group, intra, inter)):
             sizes = (group.world_size, intra.world_size, inter.world_size)
         else:
-            group = checked_group(group, "group")
-            intra, inter = checked_group(intra, "intra"), checked_group(inter, "inter")
+            group = process_group_for(group, "group")
+            intra, inter = process_group_for(intra, "intra"), process_group_for(inter, "inter")
             sizes = (group.size(), intra.size(), inter.size())
         if sizes[1] * sizes[2] != sizes[0]:
             raise ValueError(f"intra and inter: intra.size() * inter.size() must equal group.size() "
@@ -180,7 +176,7 @@ def host_groups(group: Optional[dist.ProcessGroup] = None) -> Optional[HostGroup
     returned to it (``GroupMember.NON_GROUP_MEMBER``) and gets None. Raises ValueError (on every
     rank) when the group's hosts hold different numbers of ranks."""
     member = not (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER)
-    g = checked_group(group, "group") if member else None
+    g = process_group_for(group, "group") if member else None
     entries: list = [None] * dist.get_world_size()
     dist.all_gather_object(entries, (host_identity(), dist.get_process_group_ranks(g) if member else None))
     ranks = next((e[1] for e in entries if e[1] is not None), None)
@@ -213,7 +209,7 @@ def carrier_of(group, arg: str = "process_group") -> Carrier:
     """The carrier of ``group``: a ProcessGroup, None (the default group), or a HostGroups."""
     if isinstance(group, (GroupCarrier, HostGroups)):
         return group
-    return GroupCarrier(checked_group(group, arg))
+    return GroupCarrier(process_group_for(group, arg))
 
 
 class _IssueThread:
