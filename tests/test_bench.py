@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from braid.bench import protocol
-from helpers import braid_segments
 
 
 class LocalBackend:
@@ -582,12 +581,26 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     whole benchmark with nobody to enforce its deadline)."""
     import os
     import signal
+    import threading
     import time
 
     launcher = subprocess.Popen(
         [sys.executable, "-m", "braid.bench", "collectives", "--nproc", "2", "--impls", "braid",
          "--ops", "all_reduce", "--max-bytes", "256M", "--deadline", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    measuring = threading.Event()
+
+    def watch_progress():  # the progress line of the first size: both ranks are up and measuring
+        seen = b""
+        while not measuring.is_set():
+            chunk = os.read(launcher.stderr.fileno(), 4096)
+            if not chunk:
+                return
+            seen = (seen + chunk)[-4096:]
+            if b"braid all_reduce" in seen:
+                measuring.set()
+
+    threading.Thread(target=watch_progress, daemon=True).start()
     try:
         deadline = time.time() + 60
         ranks = []
@@ -597,11 +610,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
             ranks = [int(p) for p in out]
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks did not start"
-        # Inside the run: both ranks have built their communicator (their shared-memory segments
-        # exist), so they are measuring.
-        while time.time() < deadline and len(braid_segments(ranks)) < 2:
-            time.sleep(0.05)
-        assert len(braid_segments(ranks)) >= 2, "the ranks did not start measuring"
+        assert measuring.wait(max(0.0, deadline - time.time())), "the ranks did not start measuring"
         launcher.kill()
         launcher.wait()
 
