@@ -27,7 +27,7 @@ from .core.communicator import Communicator, P2POp, Work, init
 from .core.errors import CollectiveMismatch, CommClosed, CommError, CommTimeout, PeerError
 
 _backend.register()  # dist.init_process_group("braid") from here on
-_aliases.install()  # the module paths of before the arrangement by layer (braid.comm.core.communicator, ...)
+_aliases.install()  # the module paths of before the arrangement by layer (braid.comm.communicator, ...)
 
 # The layers a user reaches as attributes after `from braid import comm` (comm.ddp.comm_hook, ...),
 # imported on first use: importing braid.comm stays quick, and none of them imports back here

@@ -63,7 +63,6 @@ FLAT = "flat"  # compressed among all the ranks (top-k: dense instead where its 
 HOSTS = "hosts"  # a HostGroups: exact in each host, compressed across (any groups)
 BETWEEN_HOSTS = "between_hosts"  # braid's communicator across hosts: the same in one fused call
 PIPELINED = "pipelined"  # braid's communicator, one rank per host: the quantized pipeline between hosts
-PATHS = (EXACT, FLAT, HOSTS, BETWEEN_HOSTS, PIPELINED)
 
 
 def choose_path(q: "Compressor", target: Any, numel: int, step: int) -> str:
@@ -338,7 +337,7 @@ class Compressor:
             stats = self.exact_wire_stats(flat.numel() * es, n)
             finish = None
         else:
-            seed = _mix64(self.seed, comm.rank, _key_hash(key), calls)
+            seed = self.seed_for(comm.rank, key, calls)
             run = getattr(self, {FLAT: "_compressed", BETWEEN_HOSTS: "_compressed_between_hosts",
                                  PIPELINED: "_compressed_pipelined"}[path])
             work, finish = run(comm, flat, op_code, key, seed, async_op)
@@ -400,7 +399,7 @@ class Compressor:
             def run() -> None:
                 carrier.reduce_exact(flat, op_code == AVG, n)
         else:
-            seed = _mix64(self.seed, carrier.rank, _key_hash(key), calls)
+            seed = self.seed_for(carrier.rank, key, calls)
             if path == HOSTS:
                 run = self._on_hosts(carrier, flat, op_code, key, seed)
                 stats = self.wire_stats(flat.numel(), es, carrier.inter.size, carrier.intra.size)

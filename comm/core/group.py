@@ -344,7 +344,7 @@ class _DoneWork(Work):
         return "done (nothing to move)"
 
     def __repr__(self) -> str:
-        return "<braid.comm.core.group.GroupWork done>"
+        return f"<braid.comm.core.group._DoneWork {self.describe()}>"
 
 
 def _backends_by_device(group: dist.ProcessGroup) -> dict:

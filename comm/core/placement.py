@@ -63,7 +63,8 @@ class Placement:
                                  f"be rank i of its host's intra group and rank h of its inter group; got "
                                  f"(host, local) {list(zip(self.hosts, self.locals))})")
         self.num_hosts = max(self.hosts) + 1
-        self._on: dict = {}
+        self._on: dict = {}  # device -> on()'s tensors
+        self._local_major: dict = {}  # device -> local_major()'s tensor
 
     def local_major(self, device: torch.device) -> torch.Tensor:
         """With ``hosts``: the group's ranks local index by local index, each index's ranks in host
@@ -72,13 +73,12 @@ class Placement:
         wrapper's hierarchical reduce-scatter). An int64 tensor on ``device``, made once."""
         if self.locals is None:
             raise ValueError("local_major needs the group split by host (hosts)")
-        key = ("local_major", device)
-        found = self._on.get(key)
+        found = self._local_major.get(device)
         if found is None:
             order = [0] * len(self.hosts)
             for rank, (h, i) in enumerate(zip(self.hosts, self.locals)):
                 order[i * self.num_hosts + h] = rank
-            found = self._on[key] = torch.tensor(order, dtype=torch.int64, device=device)
+            found = self._local_major[device] = torch.tensor(order, dtype=torch.int64, device=device)
         return found
 
     def on(self, device: torch.device) -> tuple:
