@@ -467,11 +467,13 @@ def test_one_function_chooses_the_compressed_algorithm():
     group of one exact; over a process group's carrier flat, over HostGroups exact in the host;
     on braid's communicator the fused call between hosts where every host holds the same number
     (> 1) of ranks, the quantized pipeline where every rank has a host of its own (block
-    quantizers only), else flat."""
+    quantizers only), else flat; top-k dense wherever its pairs would weigh more than the tensor.
+    Every codec names how its payloads combine, and braid's communicator has a call for each path
+    the choice can give it."""
     import types
 
-    from braid.comm.compression.compressors import (BETWEEN_HOSTS, EXACT, FLAT, HOSTS, PIPELINED,
-                                                    choose_path)
+    from braid.comm.compression.driver import (BETWEEN_HOSTS, DENSE, EXACT, FLAT, GATHER, HOSTS, NATIVE,
+                                               ON_BRAID, PIPELINED, REQUANTIZE, choose_path)
 
     def braid(world, hosts, uniform=True):
         return types.SimpleNamespace(world_size=world, num_hosts=hosts, local_world_size=world // hosts,
@@ -491,3 +493,17 @@ def test_one_function_chooses_the_compressed_algorithm():
     assert choose_path(int8, braid(3, 3), 1000, 5) == PIPELINED
     assert choose_path(topk, braid(3, 3), 1000, 5) == FLAT
     assert choose_path(cast, braid(3, 3), 1000, 5) == FLAT
+    # top-k at 1%: 10 pairs of 8 bytes from each of 4 ranks weigh less than 1,000 float32 values;
+    # from 64 ranks (5,120 bytes) they weigh more, and in bfloat16 (2,000 bytes) from 32 ranks too
+    assert choose_path(topk, _carrier("group", 64), 1000, 5) == DENSE
+    assert choose_path(topk, braid(64, 1), 1000, 5) == DENSE
+    assert choose_path(topk, _carrier("group", 32), 1000, 5, elem_size=2) == DENSE
+    assert choose_path(topk, _carrier("group", 32), 1000, 5, elem_size=4) == FLAT
+    for q in (int8, cast):  # the other formats never fall back
+        assert choose_path(q, _carrier("group", 64), 1000, 5) == FLAT
+    assert (comm.Int8Quantizer.reduction, comm.FP8Quantizer.reduction, topk.reduction, cast.reduction) == (
+        REQUANTIZE, REQUANTIZE, GATHER, NATIVE)
+    for q in (int8, topk, cast):
+        for world, hosts in ((4, 2), (4, 1), (3, 3)):
+            path = choose_path(q, braid(world, hosts), 1000, 5)
+            assert (q.reduction, path) in ON_BRAID, (q, path)

@@ -9,6 +9,8 @@ input, per key) and a warm-up of exact reductions. A compressor's state is expli
     c.all_reduce(grad, op="avg", compression=q, key="layer1")
     c.last_wire_bytes            # WireStats(sent=..., received=..., dense=...)
 
+A compressor is a format with its state (encode, decode, wire bytes, residuals, call counts);
+driver.py runs the all-reduce for all of them, choosing its algorithm in one function.
 The same compressors run over any torch process group (gloo, NCCL, braid's c10d backend) and on
 CUDA tensors: ``q.all_reduce(group, grad)`` quantizes on the tensor's device and lets the group
 carry the packed bytes (comm/core/group_carrier.py).
@@ -18,155 +20,30 @@ from __future__ import annotations
 
 import math
 import zlib
-from datetime import timedelta
 from typing import Any, Callable, Hashable, Optional, Union
 
 import torch
 
 import braid.comm._C as _C  # the extension module itself (not the package)
 
-from ..core import group_carrier
-from ..core.device_kernels import CpuKernels, kernels_for
-from ..core.group import COMPRESSED_ALL_REDUCE, GroupWork
-from ..core.group_carrier import GroupCarrier, HostGroups
-from ..core.vocabulary import AVG, Op, compressed_op_code
+from ..core.device_kernels import kernels_for
+from ..core.group import GroupWork
+from ..core.group_carrier import HostGroups
+from ..core.vocabulary import Op
 from ..core.wire import BraidCollectives, CompressionHost, WireStats, dense_wire_bytes
-from ..core.work import Work
+from . import driver
+from .driver import GATHER, NATIVE, REQUANTIZE, CompressedWork, mix64 as _mix64
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest quantization block: csrc/core/compression/quantize.h's kMaxQuantBlock (the kernels hold a
 # block in a stack buffer of float32).
 MAX_QUANT_BLOCK = _C.MAX_QUANT_BLOCK
-_MASK64 = (1 << 64) - 1
 _INT32_MAX = 2**31 - 1
 _CPU = torch.device("cpu")
-
-
-def _slice_buffers(flat: torch.Tensor, local: int) -> tuple:
-    """This rank's slice of ``flat`` across ``local`` host ranks, and the padded copy of ``flat``
-    (empty when its size divides) for an all-reduce exact on the host."""
-    per = -(-flat.numel() // local)
-    size = per * local if per * local != flat.numel() else 0
-    padded = torch.empty(size, dtype=flat.dtype, device=flat.device)
-    return padded, torch.empty(per, dtype=flat.dtype, device=flat.device)
-
-
-def _exact_on_hosts(comm: BraidCollectives) -> bool:
-    """Whether a compressed all-reduce on ``comm`` reduces exactly on each host and compresses
-    only between hosts: ranks on several hosts, the same number on each, more than one."""
-    return comm.num_hosts > 1 and comm.local_world_size > 1 and comm.uniform_hosts
-
-
-# The algorithms of a compressed all-reduce, chosen in one place (choose_path):
-EXACT = "exact"  # the warm-up, a group of one: the group's own exact all-reduce
-FLAT = "flat"  # compressed among all the ranks (top-k: dense instead where its pairs weigh more)
-HOSTS = "hosts"  # a HostGroups: exact in each host, compressed across (any groups)
-BETWEEN_HOSTS = "between_hosts"  # braid's communicator across hosts: the same in one fused call
-PIPELINED = "pipelined"  # braid's communicator, one rank per host: the quantized pipeline between hosts
-
-
-def choose_path(q: "Compressor", target: Any, numel: int, step: int) -> str:
-    """The algorithm of ``q``'s all-reduce of ``numel`` elements at warm-up ``step`` over
-    ``target``: a carrier (GroupCarrier or HostGroups: the compressor's algorithm over the group's
-    collectives) or braid's communicator's collectives (its fused calls). The only place the
-    choice is made; every path runs the same codec."""
-    fused = not isinstance(target, (GroupCarrier, HostGroups))
-    n = target.world_size if fused else target.size
-    if step < q.warmup_steps or n == 1 or (numel == 0 and not fused):
-        return EXACT
-    if not fused:
-        return HOSTS if isinstance(target, HostGroups) else FLAT
-    if _exact_on_hosts(target):
-        return BETWEEN_HOSTS
-    if q.pipelines and target.num_hosts == target.world_size > 1:
-        return PIPELINED
-    return FLAT
-
-
-def check_tensor(tensor: torch.Tensor) -> None:
-    """A tensor a compressor can carry: a float32, bfloat16 or float16 torch.Tensor."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"tensor must be float32, bfloat16 or float16 to be compressed, got {tensor.dtype}")
-
-
-def copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
-    """The result into the caller's tensor, when the call worked on a contiguous copy of it."""
-    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(flat.view(tensor.shape))
-
-
-def _send_everything(flat: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """What a top-k call sends when the dense all-reduce is cheaper: input + residual (already
-    summed into the residual, which then keeps nothing), or the input without error feedback."""
-    if residual is None:
-        return flat
-    dense = residual.clone()
-    residual.zero_()
-    return dense
-
-
-def _mix64(*parts: int) -> int:
-    """A 64-bit hash of integers (splitmix64 rounds): seeds of the stochastic rounding streams."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (p & _MASK64)) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h
 
 
 def _key_hash(key: Hashable) -> int:
     """Stable across processes (Python's hash() of a str is salted per process)."""
     return zlib.crc32(repr(key).encode())
-
-
-class CompressedWork(Work):
-    """Handle of an async compressed all-reduce, a :class:`~braid.comm.Work`: the collective runs
-    on braid's progress thread, and decoding into the caller's tensor is chained to it, so it
-    happens once, on that thread, as soon as the collective completes (it issues no collective, so
-    it may run there)."""
-
-    __slots__ = ("_decoded",)
-
-    def __init__(self, work: Any, finish: Callable[[], None], tensor: torch.Tensor):
-        super().__init__(work, "all_reduce")
-
-        def decode(fut: torch.futures.Future) -> list:
-            fut.value()  # raises the collective's error
-            finish()
-            return [tensor]
-
-        self._decoded = work.get_future().then(decode)
-
-    def wait(self, timeout: Optional[Union[float, timedelta]] = None) -> bool:
-        """Blocks until the collective is done and the result decoded; raises its error. With
-        ``timeout`` (seconds or a timedelta) returns False if the collective is still running
-        then; 0 only polls."""
-        if not super().wait(timeout):  # raises braid's typed errors
-            return False
-        self._decoded.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._decoded.done()
-
-    def is_success(self) -> bool:
-        return self._decoded.done() and super().is_success()
-
-    def describe(self) -> str:
-        if super().is_completed() and super().is_success() and not self._decoded.done():
-            return "all_reduce decoding"
-        return super().describe()
-
-    def __repr__(self) -> str:
-        return f"<braid.comm.CompressedWork {self.describe()}>"
-
-    def get_future(self) -> torch.futures.Future:
-        """A future holding ``[tensor]`` once the result is decoded into it."""
-        return self._decoded
 
 
 class Compressor:
@@ -200,12 +77,12 @@ class Compressor:
         self.last_wire_bytes: Optional[WireStats] = None  # of the last call, whatever carried it
         self.last_path: Optional[str] = None  # the algorithm of the last all-reduce (choose_path)
 
-    # Whether braid's communicator has a fused call for this compressor (its compressed_all_reduce
-    # capability); without one a Communicator runs the compressor's algorithm through its own
-    # collectives, as a process group does.
+    #: How payloads of this format combine (driver.py): REQUANTIZE, GATHER or NATIVE.
+    reduction = REQUANTIZE
+    #: Whether braid's C++ core has this format, so that a braid Communicator runs it in its own
+    #: calls (its compressed_all_reduce capability); without it a Communicator carries the
+    #: driver's algorithm through its collectives, as a process group does.
     fused = True
-    # Whether it has the fused pipeline between hosts (one rank per host): choose_path asks.
-    pipelines = False
 
     # -- state -----------------------------------------------------------------------------
     def _config(self) -> dict:
@@ -272,13 +149,51 @@ class Compressor:
         """The stochastic rounding seed of ``rank``'s ``call``-th compression of ``key``."""
         return _mix64(self.seed, rank, _key_hash(key), call)
 
-    def _take_scratch(self, key: Hashable, make: Callable[[], list], fits: Callable[[list], bool]) -> list:
-        """Buffers owned by one call until it finishes (a second call in flight with the same key
-        gets its own)."""
+    # -- what the driver (driver.py) uses ---------------------------------------------------
+    def take_scratch(self, key: Hashable, make: Callable[[], list], fits: Callable[[list], bool]) -> list:
+        """Buffers of ``key``'s call, kept since its last call if they ``fits``, else ``make()``: owned
+        by one call until it gives them back (a second call in flight with the same key gets its
+        own). Not state: never saved."""
         bufs = self._scratch.pop(key, None)
         return bufs if bufs is not None and fits(bufs) else make()
 
-    # -- the all-reduce --------------------------------------------------------------------
+    def keep_scratch(self, key: Hashable, bufs: list) -> None:
+        """Gives a call's buffers back for ``key``'s next call."""
+        self._scratch[key] = bufs
+
+    def count_call(self, key: Hashable, step: Optional[int]) -> tuple:
+        """Counts a call of ``key``: (its number among the key's calls, the step the warm-up
+        compares with: ``step`` where given, else that number)."""
+        calls = self._calls.get(key, 0)
+        self._calls[key] = calls + 1
+        return calls, calls if step is None else step
+
+    def count_wire(self, stats: WireStats) -> None:
+        """Records a call's wire statistics (``last_wire_bytes``, ``wire_total``)."""
+        self.last_wire_bytes = stats
+        self.wire_total = self.wire_total + stats
+
+    def check_numel(self, numel: int) -> None:
+        """Raises ValueError for a tensor size this format cannot carry (none by default)."""
+
+    def sends_less(self, numel: int, peers: int, elem_size: int) -> bool:
+        """Whether this format's payloads for ``numel`` elements among ``peers`` ranks weigh less
+        than the dense tensor (else the driver sends it dense). Always, but for top-k."""
+        return True
+
+    # Settings that may differ between ranks without changing what travels.
+    _LOCAL_SETTINGS = ("seed", "error_feedback", "warmup_steps", "stochastic")
+
+    def call_tag(self, op_code: int, flat: torch.Tensor) -> int:
+        """32 bits the ranks' collectives compare (with sequence, kind, dtype and byte count):
+        a hash of the compressor's type and wire settings, the op, the dtype and the element
+        count, so ranks that disagree on any of them raise CollectiveMismatch instead of
+        mixing payloads that merely have the same size."""
+        wire = sorted((k, v) for k, v in self._config().items() if k not in self._LOCAL_SETTINGS)
+        what = zlib.crc32(repr((type(self).__name__, wire, str(flat.dtype))).encode())
+        return (_mix64(what, op_code, flat.numel()) & 0xFFFFFFFF) or 1
+
+    # -- the all-reduce (driver.py runs it) -----------------------------------------------------
     def all_reduce(
         self,
         comm: Union[CompressionHost, "torch.distributed.ProcessGroup", HostGroups, None],
@@ -291,26 +206,17 @@ class Compressor:
     ) -> Optional[Union[CompressedWork, GroupWork]]:
         """Compressed all-reduce of ``tensor`` in place (``op`` "sum" or "avg", or torch's
         ReduceOp.SUM / AVG). ``step`` overrides the per-key call count that the warm-up compares
-        with (the DDP hook passes its iteration). Sets ``last_wire_bytes`` here (and on a braid
-        communicator).
+        with (the DDP hook passes its iteration). Sets ``last_wire_bytes`` and ``last_path`` here
+        (and ``last_wire_bytes`` on a braid communicator).
 
         ``comm`` carries the compressed bytes: a braid :class:`Communicator` (CPU tensors; the
         communicator runs the call, see :meth:`all_reduce_on`), a torch ProcessGroup (None: the
-        default group; CPU or CUDA tensors, quantized on their device and summed in rank order in
+        default group; CPU or CUDA tensors, encoded on their device and summed in rank order in
         float32, the group moving the bytes), or a :class:`~braid.comm.core.group_carrier.HostGroups`
         (exact inside a host, compressed across hosts). Async calls return a
         :class:`CompressedWork` (braid) or a :class:`~braid.comm.core.group.GroupWork`
         (process groups)."""
-        if COMPRESSED_ALL_REDUCE in getattr(comm, "capabilities", ()):  # a group with a fused call runs it
-            return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
-        code = compressed_op_code(op)
-        check_tensor(tensor)
-        carrier = group_carrier.carrier_of(comm, "comm")
-        kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
-        self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
-        calls, step = self._next_call(key, step)
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        return self._all_reduce_on_group(carrier, tensor, flat, code, key, calls, step, async_op)
+        return driver.all_reduce(self, comm, tensor, op, key, async_op, step)
 
     def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op: Op = "avg", *,
                       key: Hashable = "default", async_op: bool = False,
@@ -318,45 +224,7 @@ class Compressor:
         """The compressed all-reduce of the CPU ``tensor`` in place over a braid communicator's
         collectives ``comm`` (``op``, ``key`` and ``step`` as in :meth:`all_reduce`). Returns its
         work (None unless ``async_op``) and its wire statistics, which the communicator records."""
-        if not self.fused:
-            raise TypeError(f"{type(self).__name__} has no fused call in braid's communicator: reduce with "
-                            "Communicator.all_reduce(t, compression=q) or q.all_reduce(c, t)")
-        op_code = compressed_op_code(op)
-        check_tensor(tensor)
-        if tensor.device.type != "cpu":
-            raise ValueError(f"tensor must be a CPU tensor to travel through a braid Communicator, "
-                             f"got a tensor on {tensor.device} (reduce CUDA tensors over a torch "
-                             "process group)")
-        self._check_numel(tensor.numel())  # before any state changes: a refused call leaves none
-        calls, step = self._next_call(key, step)
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        n, es = comm.world_size, flat.element_size()
-        path = self.last_path = choose_path(self, comm, flat.numel(), step)
-        if path == EXACT:
-            work = comm.all_reduce(flat, op_code, async_op)
-            stats = self.exact_wire_stats(flat.numel() * es, n)
-            finish = None
-        else:
-            seed = self.seed_for(comm.rank, key, calls)
-            run = getattr(self, {FLAT: "_compressed", BETWEEN_HOSTS: "_compressed_between_hosts",
-                                 PIPELINED: "_compressed_pipelined"}[path])
-            work, finish = run(comm, flat, op_code, key, seed, async_op)
-            if path == BETWEEN_HOSTS:  # exact inside each host, compressed across
-                stats = self.wire_stats(flat.numel(), es, comm.num_hosts, comm.local_world_size,
-                                        float32_fallback=True)
-            else:
-                stats = self.wire_stats(flat.numel(), es, n)
-        self._count(stats)
-
-        def done() -> None:
-            if finish is not None:
-                finish()
-            copy_back(flat, tensor)
-
-        if not async_op:
-            done()
-            return None, stats
-        return CompressedWork(work, done, tensor), stats
+        return driver.all_reduce_on(self, comm, tensor, op, key, async_op, step)
 
     def all_reduce_on_communicator(self, communicator: Any, tensor: torch.Tensor, op: Op = "avg", *,
                                    key: Hashable = "default", async_op: bool = False,
@@ -365,66 +233,13 @@ class Compressor:
         communicator's extension object where this compressor has one, else :meth:`all_reduce` over
         the communicator's collectives. Returns the work (None unless ``async_op``) and the wire
         statistics the communicator records as ``last_wire_bytes``."""
-        if not (self.fused and COMPRESSED_ALL_REDUCE in communicator.capabilities):
-            work = self.all_reduce(group_carrier.GroupCarrier(communicator), tensor, op, key=key,
-                                   async_op=async_op, step=step)
-            return work, self.last_wire_bytes
-        return self.all_reduce_on(communicator._c, tensor, op, key=key, async_op=async_op, step=step)
+        return driver.all_reduce_on_communicator(self, communicator, tensor, op, key, async_op, step)
 
     def next_call(self, key: Hashable) -> int:
         """Counts a call of ``key`` and returns its number among the key's calls (0 first): what a
         caller compressing on its own (the sharded wrapper's reduce-scatters) compares with
         ``warmup_steps`` and seeds its rounding with. The count is part of the state dict."""
-        return self._next_call(key, None)[0]
-
-    def _next_call(self, key: Hashable, step: Optional[int]) -> tuple:
-        """Counts a call of ``key``: (its number among the key's calls, the warm-up's step)."""
-        calls = self._calls.get(key, 0)
-        self._calls[key] = calls + 1
-        return calls, calls if step is None else step
-
-    def _count(self, stats: WireStats) -> None:
-        self.last_wire_bytes = stats
-        self.wire_total = self.wire_total + stats
-
-    def _all_reduce_on_group(self, carrier, tensor, flat, op_code, key, calls, step, async_op):
-        """The all-reduce over a process group carrier: the warm-up's exact reduction or the
-        compressed one, as one job (comm/core/group_carrier.py's issue: in order on CPU, on the
-        current stream on CUDA)."""
-        n, es = carrier.size, flat.element_size()
-        path = self.last_path = choose_path(self, carrier, flat.numel(), step)
-        if path == EXACT:
-            stats = self.exact_wire_stats(flat.numel() * es, n)
-
-            def run() -> None:
-                carrier.reduce_exact(flat, op_code == AVG, n)
-        else:
-            seed = self.seed_for(carrier.rank, key, calls)
-            if path == HOSTS:
-                run = self._on_hosts(carrier, flat, op_code, key, seed)
-                stats = self.wire_stats(flat.numel(), es, carrier.inter.size, carrier.intra.size)
-            else:
-                run = self._on_group(carrier, flat, op_code, key, seed, n)
-                stats = self.wire_stats(flat.numel(), es, n)
-        self._count(stats)
-
-        def job() -> None:
-            run()
-            copy_back(flat, tensor)
-
-        inline = (carrier.group if isinstance(carrier, HostGroups) else carrier).inline
-        work = GroupWork(group_carrier.issue(job, [tensor], tensor.device, inline))
-        if async_op:
-            return work
-        work.wait()
-        return None
-
-    def _on_group(
-        self, c: GroupCarrier, flat: torch.Tensor, op_code: int, key: Hashable, seed: int, divisor: int
-    ) -> Callable[[], None]:
-        """The compressed all-reduce of the 1-D ``flat`` over ``c`` (avg divides by ``divisor``):
-        returns the function that runs it. Kernels of flat's device."""
-        raise NotImplementedError
+        return self.count_call(key, None)[0]
 
     # -- wire statistics: what each path moves, computed here only ---------------------------
     @staticmethod
@@ -449,59 +264,17 @@ class Compressor:
         """Bytes one rank sends compressing ``count`` elements among ``peers`` ranks."""
         raise NotImplementedError
 
-    def _on_hosts(self, hosts: HostGroups, flat: torch.Tensor, op_code: int, key: Hashable, seed: int
-                  ) -> Callable[[], None]:
-        """Exact inside the host, compressed across hosts: the host reduce-scatters ``flat`` (sum
-        in local rank order, rounded once to its dtype), this rank's slice is compressed once (its
-        own residual) and all-reduced among the ranks of its local index on every host (avg
-        divides by every rank), and the host all-gathers the slices."""
-        per = -(-flat.numel() // hosts.intra.size)
-        mine = torch.empty(per, dtype=flat.dtype, device=flat.device)
-        average = op_code == AVG
-        if hosts.inter.size == 1:  # one host: nothing is compressed
-
-            def run_across() -> None:
-                hosts.inter.reduce_exact(mine, average, hosts.size)
-        else:
-            run_across = self._on_group(hosts.inter, mine, op_code, key, seed, hosts.size)
-
-        def run() -> None:
-            mine.copy_(hosts.intra.sum_slices(flat, per))
-            run_across()
-            hosts.intra.gather_slices(mine, flat)
-
-        return run
-
-    def _check_numel(self, numel: int) -> None:
-        """Raises ValueError for a tensor size this compressor cannot carry (none by default)."""
-
-    # Settings that may differ between ranks without changing what travels.
-    _LOCAL_SETTINGS = ("seed", "error_feedback", "warmup_steps", "stochastic")
-
-    def _call_tag(self, op_code: int, flat: torch.Tensor) -> int:
-        """32 bits the ranks' collectives compare (with sequence, kind, dtype and byte count):
-        a hash of the compressor's type and wire settings, the op, the dtype and the element
-        count, so ranks that disagree on any of them raise CollectiveMismatch instead of
-        mixing payloads that merely have the same size."""
-        wire = sorted((k, v) for k, v in self._config().items() if k not in self._LOCAL_SETTINGS)
-        what = zlib.crc32(repr((type(self).__name__, wire, str(flat.dtype))).encode())
-        return (_mix64(what, op_code, flat.numel()) & 0xFFFFFFFF) or 1
-
-    def _compressed(self, comm: BraidCollectives, flat: torch.Tensor, op_code: int, key: Hashable, seed: int,
-                    async_op: bool) -> tuple:
-        """Issues the compressed collective; returns (work or None, finish)."""
-        raise NotImplementedError
-
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
         return f"{type(self).__name__}({args})"
 
 
 class BlockQuantizer(Compressor):
-    """Block quantization with one float32 scale per block (absmax / qmax)."""
+    """Block quantization with one float32 scale per block (absmax / qmax). Payloads of chunks
+    are decoded, summed and encoded again (``reduction`` REQUANTIZE)."""
 
     bits = 8
-    pipelines = True
+    reduction = REQUANTIZE
 
     def __init__(self, block: int, stochastic: bool = True, **kwargs: Any):
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_QUANT_BLOCK:
@@ -559,107 +332,6 @@ class BlockQuantizer(Compressor):
         per = -(-numel // world_size)
         return max(self.block, -(-per // self.block) * self.block)
 
-    def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        n, numel = comm.world_size, flat.numel()
-        chunk = self.chunk_elems(numel, n)
-        cb = self.wire_bytes(chunk)
-        bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
-        send, recv, acc, gathered = bufs
-        residual = self.residual_for(key, numel)
-        _C.quantize(flat, residual, self.bits, self.block, self.stochastic, seed, 0, chunk, n, out=send)
-        work = comm.quantized_all_reduce(
-            send,
-            recv,
-            acc,
-            gathered,
-            self.bits,
-            self.block,
-            chunk,
-            op_code == AVG,
-            self.stochastic,
-            _mix64(seed, 1),
-            async_op,
-            self._call_tag(op_code, flat),
-        )
-
-        def finish() -> None:
-            _C.dequantize(gathered, self.bits, self.block, flat, chunk)
-            self._scratch[key] = bufs
-
-        return work, finish
-
-    def _chunk_buffers(self, key: Hashable, n: int, chunk: int, cb: int, device: torch.device) -> list:
-        """send, recv, accumulator, gathered of a quantized all-reduce among ``n`` ranks: kept per
-        key between calls (fresh memory would cost its page faults every call)."""
-
-        def make() -> list:
-            return [torch.empty(n * cb, dtype=torch.uint8, device=device),
-                    torch.empty(n * cb, dtype=torch.uint8, device=device),
-                    torch.empty(chunk, dtype=torch.float32, device=device),
-                    torch.empty(n * cb, dtype=torch.uint8, device=device)]
-
-        return self._take_scratch(key, make, lambda b: b[0].numel() == n * cb and b[2].numel() == chunk
-                                  and b[0].device == device)
-
-    def _on_group(self, c, flat, op_code, key, seed, divisor):
-        """Quantize once on flat's device, all-to-all of the chunks, every chunk decoded and summed
-        once in rank order in float32 by its owner, re-quantized once, all-gathered, decoded: the
-        steps (and bits) of the communicator's quantized all-reduce (quantized_all_reduce.cc)."""
-        n, numel = c.size, flat.numel()
-        chunk = self.chunk_elems(numel, n)
-        cb = self.wire_bytes(chunk)
-        kernels_for(flat.device)  # a device without kernels fails here
-
-        def run() -> None:
-            bufs = self._chunk_buffers(key, n, chunk, cb, flat.device)
-            send, recv, acc, gathered = bufs
-            residual = self.residual_for(key, numel, flat.device)
-            self.encode(flat, residual, seed, 0, chunk, n, out=send)
-            c.all_to_all(recv, send)
-            self.decode_sum(recv, n, acc.zero_())
-            if op_code == AVG:
-                acc.div_(divisor)
-            mine = send[:cb]  # free again once the all-to-all is done
-            self.encode(acc, None, _mix64(seed, 1), c.rank * chunk, chunk, 1, out=mine)
-            c.all_gather(gathered, mine)
-            self.decode(gathered, flat, chunk)
-            self._scratch[key] = bufs
-
-        return run
-
-    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
-        """Exact on each host, quantized between hosts: the host reduce-scatters the tensor (local
-        rank i keeps slice i), slice i is quantized once (its own error-feedback residual) and
-        all-reduced with the ranks of local index i on the other hosts, pipelined in pieces, and
-        the host all-gathers the slices. One unit of work on the communicator (in issue order,
-        async or not)."""
-        local, hosts, numel = comm.local_world_size, comm.num_hosts, flat.numel()
-        per = -(-numel // local)
-        chunk = self.chunk_elems(per, hosts)
-        padded, mine = self._take_scratch(key, lambda: list(_slice_buffers(flat, local)),
-                                          lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
-        work = comm.host_quantized_all_reduce(
-            flat, self.residual_for(key, per), padded, mine, self.bits, self.block, chunk, op_code == AVG,
-            self.stochastic, _mix64(seed, 1), seed, async_op, self._call_tag(op_code, flat))
-
-        def finish() -> None:
-            self._scratch[key] = [padded, mine]
-
-        return work, finish
-
-    def _compressed_pipelined(self, comm, flat, op_code, key, seed, async_op):
-        """Every rank on a host of its own: the quantized all-reduce between hosts pipelined in
-        pieces (quantize, send, reduce, re-quantize, send back, decode overlapped), with the bits
-        of the one-call layout. One unit of work on the communicator."""
-        n, numel = comm.world_size, flat.numel()
-        chunk = self.chunk_elems(numel, n)
-        work = comm.pipelined_quantized_all_reduce(
-            flat, self.residual_for(key, numel), self.bits, self.block, chunk, op_code == AVG,
-            self.stochastic,
-            seed, _mix64(seed, 1), async_op, self._call_tag(op_code, flat))
-        return work, None
-
-
 class Int8Quantizer(BlockQuantizer):
     """int8 values with one float32 scale per ``block`` elements (3.94x smaller than float32 at
     block 256). ``stochastic`` rounding is unbiased; otherwise round to nearest."""
@@ -712,7 +384,6 @@ class FP8Quantizer(BlockQuantizer):
 
     bits = 8
     fused = False
-    pipelines = False
     FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 
     def __init__(self, block: int = 256, *, error_feedback: bool = True, warmup_steps: int = 2,
@@ -776,7 +447,9 @@ class TopK(Compressor):
     """Keeps the ``ratio`` fraction of elements with the largest magnitudes (at least one), sent
     as float32 values and int32 indices through an all-gather and summed in rank order. When
     k * world_size * 8 bytes would exceed the dense tensor, the dense all-reduce is cheaper and
-    is used instead."""
+    is used instead (the driver's DENSE path). Payloads are all-gathered (``reduction`` GATHER)."""
+
+    reduction = GATHER
 
     def __init__(
         self, ratio: float = 0.01, *, error_feedback: bool = True, warmup_steps: int = 2, seed: int = 0
@@ -805,40 +478,23 @@ class TopK(Compressor):
         """Whether the (values, indices) all-gather is smaller than the dense tensor."""
         return self.k(numel) * world_size * 8 <= numel * elem_size
 
-    def _check_numel(self, numel: int) -> None:
+    def sends_less(self, numel: int, peers: int, elem_size: int) -> bool:
+        return self.sparse(numel, peers, elem_size)
+
+    def check_numel(self, numel: int) -> None:
         if numel > _INT32_MAX:
             raise ValueError(f"TopK: tensor has {numel} elements, but top-k indices travel as int32: "
                              f"at most {_INT32_MAX} elements per call")
 
-    def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        n, numel, es = comm.world_size, flat.numel(), flat.element_size()
-        residual = self.residual_for(key, numel)
+    def encode(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The payload of the 1-D ``x``: the ``k(x.numel())`` largest magnitudes of ``x`` +
+        ``residual`` (summed into the residual, which then keeps what was not sent) or of ``x``
+        alone without error feedback, packed as 8 k bytes: float32 values, then int32 indices."""
+        kern = kernels_for(x.device)
+        k = self.k(x.numel())
         if residual is not None:
-            _C.error_feedback(flat, residual, None)  # residual = input + residual
-        if not self.sparse(numel, n, es):
-            dense = _send_everything(flat, residual)
-            work = comm.all_reduce(dense, op_code, async_op)
-
-            def finish_dense() -> None:
-                if dense is not flat:
-                    flat.copy_(dense)
-
-            return work, finish_dense
-        k = self.k(numel)
-        send = self._select(CpuKernels, flat, residual, k)
-        gathered = torch.empty(n * 8 * k, dtype=torch.uint8, device=flat.device)
-        work = comm.all_gather(gathered, send, async_op, self._call_tag(op_code, flat))
-
-        def finish() -> None:
-            self._sum_gathered(CpuKernels, gathered, n, k, flat, op_code == AVG, n)
-
-        return work, finish
-
-    @staticmethod
-    def _select(kern, flat: torch.Tensor, residual: Optional[torch.Tensor], k: int) -> torch.Tensor:
-        """The ``k`` largest magnitudes of ``residual`` (input + residual already) or of ``flat``
-        (no error feedback), packed as 8 k bytes: float32 values, then int32 indices."""
-        values, indices = kern.top_k(residual if residual is not None else flat, k)
+            kern.error_feedback(x, residual, None)  # residual = input + residual
+        values, indices = kern.top_k(residual if residual is not None else x, k)
         if residual is not None:
             # The sent entries leave the residual: x - x = 0. An inf or NaN would leave NaN there:
             # non-finite values rank above every number, so when one was sent, every non-finite
@@ -851,78 +507,27 @@ class TopK(Compressor):
                 sent_nonfinite = torch.isfinite(values).all().logical_not()
                 nonfinite = torch.isfinite(residual).logical_not_()
                 residual.masked_fill_(nonfinite.logical_and_(sent_nonfinite), 0.0)
-        send = torch.empty(8 * k, dtype=torch.uint8, device=flat.device)
-        send[: 4 * k].view(torch.float32).copy_(values)
-        send[4 * k :].view(torch.int32).copy_(indices)
-        return send
+        payload = torch.empty(8 * k, dtype=torch.uint8, device=x.device)
+        payload[: 4 * k].view(torch.float32).copy_(values)
+        payload[4 * k :].view(torch.int32).copy_(indices)
+        return payload
 
-    @staticmethod
-    def _sum_gathered(kern, gathered: torch.Tensor, n: int, k: int, flat: torch.Tensor, average: bool,
-                      divisor: int) -> None:
-        """flat = the sum of every rank's (values, indices) in ``gathered``, in rank order."""
-        if flat.dtype == torch.float32:  # summed in place: no dense temporary
-            acc = flat.zero_()
+    def decode_sum(self, payloads: torch.Tensor, n: int, out: torch.Tensor, divisor: int = 1) -> None:
+        """``out`` (1-D) = the sum of the ``n`` equal payloads in ``payloads`` (one per rank,
+        summed in rank order: the same sum on every rank) divided by ``divisor``."""
+        kern = kernels_for(out.device)
+        k = payloads.numel() // (8 * n)
+        if out.dtype == torch.float32:  # summed in place: no dense temporary
+            acc = out.zero_()
         else:
-            acc = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        for r in range(n):  # rank order: every rank sums the same pairs in the same order
-            part = gathered[r * 8 * k : (r + 1) * 8 * k]
+            acc = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
+        for r in range(n):
+            part = payloads[r * 8 * k : (r + 1) * 8 * k]
             kern.scatter_add(acc, part[4 * k :].view(torch.int32), part[: 4 * k].view(torch.float32))
-        if average:
+        if divisor != 1:
             acc.div_(divisor)
-        if acc is not flat:
-            flat.copy_(acc)
-
-    def _on_group(self, c, flat, op_code, key, seed, divisor):
-        """Top-k of flat + residual on its device, (values, indices) all-gathered and summed in
-        rank order; the exact all-reduce of flat + residual where that sends fewer bytes."""
-        n, numel, es = c.size, flat.numel(), flat.element_size()
-        k, sparse = self.k(numel), self.sparse(numel, n, es)
-        kern = kernels_for(flat.device)
-        average = op_code == AVG
-
-        def run() -> None:
-            residual = self.residual_for(key, numel, flat.device)
-            if residual is not None:
-                kern.error_feedback(flat, residual, None)  # residual = input + residual
-            if not sparse:
-                dense = _send_everything(flat, residual)
-                c.reduce_exact(dense, average, divisor)
-                if dense is not flat:
-                    flat.copy_(dense)
-                return
-            send = self._select(kern, flat, residual, k)
-            gathered = torch.empty(n * 8 * k, dtype=torch.uint8, device=flat.device)
-            c.all_gather(gathered, send)
-            self._sum_gathered(kern, gathered, n, k, flat, average, divisor)
-
-        return run
-
-    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
-        """Exact on each host, top-k between hosts: the host reduce-scatters the tensor, this
-        rank's slice (+ its residual) keeps its top k of the slice, all-gathered among the ranks
-        of the same local index on the other hosts and summed in host order, and the host
-        all-gathers the slices. One unit of work on the communicator."""
-        local, hosts, numel, es = comm.local_world_size, comm.num_hosts, flat.numel(), flat.element_size()
-        per = -(-numel // local)
-        k = self.k(per)
-        sparse = self.sparse(per, hosts, es)
-
-        def make() -> list:  # padded, slice, values, indices, send, gathered, accumulator
-            on = flat.device
-            return [*_slice_buffers(flat, local), torch.empty(k, device=on),
-                    torch.empty(k, dtype=torch.int32, device=on),
-                    torch.empty(8 * k, dtype=torch.uint8, device=on),
-                    torch.empty(hosts * 8 * k, dtype=torch.uint8, device=on), torch.empty(per, device=on)]
-
-        bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype
-                                  and b[2].numel() == k)
-        work = comm.host_top_k_all_reduce(flat, self.residual_for(key, per), *bufs, k, sparse,
-                                             op_code == AVG, async_op, self._call_tag(op_code, flat))
-
-        def finish() -> None:
-            self._scratch[key] = bufs
-
-        return work, finish
+        if acc is not out:
+            out.copy_(acc)
 
 
 class Cast(Compressor):
@@ -930,7 +535,10 @@ class Cast(Compressor):
     braid accumulates the 16-bit values in float32 and rounds once. With error feedback the
     rounding error of the cast is carried to the next call; rounding and the residual update are
     one C++ pass over the tensor, into a send buffer kept per key. Values beyond float16's range
-    become infinities (bfloat16 has float32's range)."""
+    become infinities (bfloat16 has float32's range). The 16-bit values are summed by the
+    group's exact all-reduce (``reduction`` NATIVE)."""
+
+    reduction = NATIVE
 
     def __init__(
         self,
@@ -951,61 +559,15 @@ class Cast(Compressor):
     def _compressed_bytes(self, count: int, peers: int, elem_size: int, float32_fallback: bool) -> int:
         return dense_wire_bytes(count * torch.finfo(self.dtype).bits // 8, peers)  # 16-bit values
 
-    def _compressed(self, comm, flat, op_code, key, seed, async_op):
-        numel = flat.numel()
-        residual = self.residual_for(key, numel)
-        bufs = self._sent_buffer(key, numel, flat.device)
-        sent = bufs[0]
-        # One pass: sent = round(input + residual), residual = what the rounding dropped.
-        _C.cast(flat, residual, sent)
-        work = comm.all_reduce(sent, op_code, async_op)
+    def encode(self, x: torch.Tensor, residual: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out`` (of ``dtype``) = ``x`` + ``residual`` rounded to nearest even, the residual
+        keeping what the rounding dropped: one pass over the tensor. Returns ``out``."""
+        kernels_for(x.device).cast(x, residual, out)
+        return out
 
-        def finish() -> None:
-            flat.copy_(sent)
-            self._scratch[key] = bufs
-
-        return work, finish
-
-    def _sent_buffer(self, key: Hashable, numel: int, device: torch.device) -> list:
-        """[the 16-bit copy that travels], kept per key between calls."""
-        return self._take_scratch(key, lambda: [torch.empty(numel, dtype=self.dtype, device=device)],
-                                  lambda b: b[0].numel() == numel and b[0].device == device)
-
-    def _on_group(self, c, flat, op_code, key, seed, divisor):
-        """flat + residual rounded once to ``dtype`` on its device, all-reduced exactly in rank
-        order (16-bit values on the wire, float32 sums, one rounding)."""
-        numel = flat.numel()
-        kern = kernels_for(flat.device)
-
-        def run() -> None:
-            bufs = self._sent_buffer(key, numel, flat.device)
-            sent = bufs[0]
-            kern.cast(flat, self.residual_for(key, numel, flat.device), sent)
-            c.reduce_exact(sent, op_code == AVG, divisor)
-            flat.copy_(sent)
-            self._scratch[key] = bufs
-
-        return run
-
-    def _compressed_between_hosts(self, comm, flat, op_code, key, seed, async_op):
-        """Exact on each host, cast between hosts: the host reduce-scatters the tensor, this
-        rank's slice (+ its residual) is rounded once to ``dtype`` and all-reduced among the ranks
-        of the same local index on the other hosts, and the host all-gathers the slices."""
-        local = comm.local_world_size
-        per = -(-flat.numel() // local)
-
-        def make() -> list:  # padded, slice, sent, accumulator
-            return [*_slice_buffers(flat, local), torch.empty(per, dtype=self.dtype, device=flat.device),
-                    torch.empty(per, device=flat.device)]
-
-        bufs = self._take_scratch(key, make, lambda b: b[1].numel() == per and b[1].dtype == flat.dtype)
-        work = comm.host_cast_all_reduce(flat, self.residual_for(key, per), *bufs, op_code == AVG,
-                                            async_op)
-
-        def finish() -> None:
-            self._scratch[key] = bufs
-
-        return work, finish
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = the values of ``payload``."""
+        out.copy_(payload)
 
 
 COMPRESSOR_NAMES = ("int8", "int4", "fp8", "topk", "bf16", "fp16")

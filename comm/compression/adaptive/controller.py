@@ -26,7 +26,8 @@ from ...core.hosts import host_identity
 from ...core.vocabulary import AVG, Op, compressed_op_code
 from ...core.wire import BraidCollectives, WireStats
 from ...core.work import Work
-from ..compressors import CompressedWork, Compressor, check_tensor, compressor, copy_back
+from ..compressors import Compressor, compressor
+from ..driver import CompressedWork, check_tensor, copy_back
 from .model import (
     ACROSS_HOSTS,
     ALL_REDUCE,
@@ -411,7 +412,7 @@ class Adaptive(Compressor):
                                  lambda: self._layout_of_group(carrier))
         if name == EXACT:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-            self._count(self.exact_wire_stats(flat.numel() * flat.element_size(), carrier.size))
+            self.count_wire(self.exact_wire_stats(flat.numel() * flat.element_size(), carrier.size))
             slice_of = self._slice_of_group(carrier)
             flush = step >= self.warmup_steps  # never into a warm-up step's (maybe first) layout
 
@@ -428,7 +429,7 @@ class Adaptive(Compressor):
         else:
             q = self._compressors[name]
             work = q.all_reduce(carrier, tensor, op, key=key, async_op=async_op, step=step)
-            self._count(q.last_wire_bytes)
+            self.count_wire(q.last_wire_bytes)
         return self._record(call, work)
 
     def all_reduce_on(self, comm: BraidCollectives, tensor: torch.Tensor, op: Op = "avg", *,
@@ -464,7 +465,7 @@ class Adaptive(Compressor):
         else:
             work, stats = self._compressors[name].all_reduce_on(comm, tensor, op, key=key, async_op=async_op,
                                                                 step=step)
-        self._count(stats)
+        self.count_wire(stats)
         return self._record(call, work), stats
 
     # -- the reduce-scatter ------------------------------------------------------------------
