@@ -171,6 +171,8 @@ def _run_transfers_out_of_order(rank, world_size, store_path):
         if rank == 0:
             reply = torch.zeros(big)
             work = c.recv(reply, 1, async_op=True)
+            # The pause aims the send at the time rank 0 already waits (no outcome rests on it: a
+            # send before the wait must give the same result).
             sender = threading.Thread(target=lambda: (time.sleep(0.2), c.send(_payload(0, 1, 1, 3), 1)))
             sender.start()
             work.wait()
