@@ -77,7 +77,8 @@ from braid import comm
 
 from . import deepspeed_peer, launch, mpi_peer, protocol, report
 
-IMPLS = ("braid", "gloo", "mpi", "deepspeed")
+IMPLS = ("braid", "braid-registered", "gloo", "mpi", "deepspeed")
+REGISTERED = "braid-registered"  # braid with its inputs in registered buffers (Communicator.empty)
 # braid with its flight recorder paused, beside braid (--trace on,off): the recorder's cost.
 UNTRACED = "braid-untraced"
 # The ranks stop measuring this long before --deadline (at most a quarter of the run), to report
@@ -187,6 +188,27 @@ def braid_backend(c, dtype: str, recording: bool | None = None, switch: dict | N
                         {op: switched(fn) for op, fn in calls.items()}, c.barrier)
 
 
+class RegisteredBackend(TorchBackend):
+    """braid's collectives with each input in a buffer the host's ranks can read
+    (``Communicator.empty``: the window path, one copy), the outputs private as in ``braid``.
+    Binding is collective, as the buffers are; the suite binds in the same order on every rank."""
+
+    def __init__(self, c, dtype: str):
+        calls = braid_backend(c, dtype)._calls  # all_to_allv travels point to point: not here
+        super().__init__(REGISTERED, dtype, {op: fn for op, fn in calls.items() if op != "all_to_allv"},
+                         c.barrier)
+        self._c = c
+
+    def bind(self, op: str, send: np.ndarray, out_count: int | None
+             ) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+        x = self._c.empty(send.size, dtype=self._dtype)
+        x.copy_(torch.from_numpy(send).to(self._dtype))
+        out = x if out_count is None else torch.empty(out_count, dtype=self._dtype)
+        fn = self._calls[op]
+        as_numpy = (lambda: out.float().numpy()) if self._dtype == torch.bfloat16 else out.numpy
+        return (lambda: fn(out, x)), as_numpy
+
+
 def gloo_backend(dtype: str) -> TorchBackend:
     return TorchBackend("gloo", dtype, {
         "all_reduce": lambda out, x: dist.all_reduce(x),
@@ -224,6 +246,10 @@ def run_rank(rank: int, world_size: int, store_port: int | None, config: Config)
             else:
                 braid.trace_enabled = config.trace == ("on",)
                 backends.append(braid_backend(braid, config.dtype))
+        if REGISTERED in config.impls:
+            if braid is None:
+                braid = comm.init(timeout=config.timeout)
+            backends.append(RegisteredBackend(braid, config.dtype))
         if "gloo" in config.impls:
             backends.append(gloo_backend(config.dtype))
         mpi_library = None
@@ -336,6 +362,9 @@ def _report(config: Config, records: list[dict], world_size: int, mpi_library: s
     blocks = [report.results_table(records, impl, op) for op in config.ops for impl in config.impls]
     if "braid" in config.impls:
         blocks += [report.ratio_table(records, "braid", peer) for peer in config.impls if peer != "braid"]
+    if REGISTERED in config.impls:
+        blocks += [report.ratio_table(records, REGISTERED, peer) for peer in config.impls
+                   if peer not in ("braid", REGISTERED)]
     print("\n\n".join(b for b in blocks if b))
     wrong = [r for r in records if r["wrong"]]
     if wrong:

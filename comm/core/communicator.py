@@ -377,6 +377,7 @@ class Communicator(CompressionHost, Group):
         self._prefix = prefix if prefix is not None else f"braid/comm{next(_instances)}/"
         self._shrinks = 0  # shrink() calls so far: each agrees under keys of its own
         self._grows = 0  # grow() calls so far, likewise
+        self._windows = 0  # registered buffers made so far (empty / zeros): their ids, the same on every rank
         self._root = self._prefix  # where processes ask to join (the first of a line of shrinks and grows)
         self._store = store
         self.last_wire_bytes: Optional[WireStats] = None
@@ -698,6 +699,47 @@ class Communicator(CompressionHost, Group):
     def barrier(self, async_op: bool = False) -> Optional[Work]:
         """Returns once every rank has called barrier()."""
         return _wrap(self._c.barrier(_async_flag(async_op)), "barrier")
+
+    # -- registered buffers ----------------------------------------------------------------------
+    def empty(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A CPU tensor of ``size`` (ints or one sequence of them) and ``dtype`` in memory that the
+        other ranks of this host can read: a shared-memory segment registered with this
+        communicator (a *window*). Collectives whose data lies in such tensors on every rank of
+        the host (past the one-shot sizes) read the peers' buffers in place instead of copying
+        through braid's staging slots: all_gather's and all_to_all's and reduce_scatter's input,
+        broadcast's tensor, an all_reduce's tensor (in place). Any other tensor works as before.
+
+        Collective: every rank calls it, in the same order as its other ``empty`` / ``zeros``
+        calls (the ranks of each host create and map their segments together, through the
+        store, then a barrier). Its contents are uninitialized. The memory is freed when the
+        tensor and every view of it are gone. Where this rank is alone on its host, a plain
+        tensor. Counts against the host's shared-memory file system (/dev/shm), like braid's
+        own segments.
+        """
+        dims = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+            raise ValueError(f"size must be non-negative ints, got {tuple(size)}")
+        shape = torch.Size(dims)
+        if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"dtype must be a real torch dtype, got {dtype!r}")
+        wid = self._windows
+        self._windows += 1
+        here = [r for r, h in enumerate(self._hosts) if h == self._hosts[self._rank]]
+        if len(here) == 1:
+            return torch.empty(shape, dtype=dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * itemsize
+        key = f"{self._prefix}window{wid}/"
+        self._store.set(f"{key}{self._rank}", self._c.window_create(wid, max(nbytes, 1)))
+        names = [self._store.get(f"{key}{r}").decode() for r in here]  # local rank order
+        raw = self._c.window_attach(wid, names)
+        self.barrier()  # every rank has mapped every segment: the names can go
+        self._c.window_unlink(wid)
+        return raw[:nbytes].view(dtype).view(shape)
+
+    def zeros(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`empty`, filled with zeros (collective as it is)."""
+        return self.empty(*size, dtype=dtype).zero_()
 
     # -- point-to-point ----------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Optional[Work]:

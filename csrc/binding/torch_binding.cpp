@@ -3,6 +3,7 @@
 // Python exception classes. The other binding files (csrc/binding/) include torch as well: the
 // torch.distributed backend (backend.cpp), compression, CUDA builds' parts, and the helpers they
 // share (binding_util.h).
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/sparse_coo_tensor.h>
 #include <pthread.h>
 
@@ -395,6 +396,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              c.attach(infos);
            })
       .def("unlink_own", &Communicator::unlink_own)
+      // Registered buffers (ShmGroup's windows; comm/core/windows.py runs the steps).
+      .def("window_create",
+           [](Communicator& c, int64_t id, size_t bytes) -> std::string {
+             ShmGroup* g = c.host_group();
+             return g ? g->window_create(id, bytes) : std::string();
+           })
+      .def("window_attach",
+           [](std::shared_ptr<Communicator> c, int64_t id, const std::vector<std::string>& names) {
+             ShmGroup* g = c->host_group();
+             TORCH_CHECK(g != nullptr, "window_attach: the communicator has no other rank on this host or is closed");
+             std::shared_ptr<const ShmWindow> w = g->window_attach(id, names);
+             const int me = g->rank();
+             // The tensor holds the mappings; its storage's end takes the window out of the registry.
+             return at::from_blob(
+                 w->bases[me], {static_cast<int64_t>(w->bytes)},
+                 [c, w, id](void*) {
+                   if (ShmGroup* group = c->host_group()) group->window_free(id);
+                 },
+                 at::TensorOptions().dtype(at::kByte));
+           })
+      .def("window_unlink",
+           [](Communicator& c, int64_t id) {
+             if (ShmGroup* g = c.host_group()) g->window_unlink(id);
+           })
       .def("all_reduce_algo", [](const Communicator& c, size_t bytes) { return std::string(algo_name(c.all_reduce_algo(bytes))); })
       .def("all_reduce", &all_reduce, py::arg("tensor"), py::arg("op"), py::arg("async_op"))
       .def("reduce_scatter", &reduce_scatter, py::arg("output"), py::arg("input"), py::arg("op"), py::arg("async_op"))

@@ -436,6 +436,8 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
       d.algo = static_cast<uint32_t>(a);
       if (a == Algo::kOneShot)
         oneshot_all_reduce(*group_, d, r.in, r.out);
+      else if (window_all_reduce(*group_, d, r.in, r.out))
+        d.algo = static_cast<uint32_t>(Algo::kWindow);  // registered buffers: read in place
       else if (a == Algo::kRing)
         ring_all_reduce(*group_, d, r.in, r.out);
       else
@@ -450,6 +452,21 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
       const bool whole = r.kind == CollKind::kReduceScatter || r.kind == CollKind::kAllToAll;
       const bool small = choose_algo(r.kind, r.count * es * (whole ? n : 1), false) == Algo::kOneShot;
       d.algo = static_cast<uint32_t>(small ? Algo::kOneShot : Algo::kTwoShot);
+      if (!small) {  // registered buffers: read in place (else arrived, and on to the slots)
+        bool done = false;
+        if (r.kind == CollKind::kReduceScatter)
+          done = window_reduce_scatter(*group_, d, r.in, r.out);
+        else if (r.kind == CollKind::kAllGather)
+          done = window_all_gather(*group_, d, r.in, r.out);
+        else if (r.kind == CollKind::kAllToAll)
+          done = window_all_to_all(*group_, d, r.in, r.out);
+        else
+          done = window_broadcast(*group_, d, r.out);
+        if (done) {
+          d.algo = static_cast<uint32_t>(Algo::kWindow);  // named so in the flight recorder
+          break;
+        }
+      }
       if (r.kind == CollKind::kReduceScatter)
         (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);
       else if (r.kind == CollKind::kAllGather)

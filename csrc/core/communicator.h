@@ -122,6 +122,9 @@ class Communicator {
   bool on_progress_thread() const { return engine_ && engine_->on_progress_thread(); }
 
   const Topology& topology() const { return topo_; }
+  // The shared-memory group of this host's ranks (its registered buffers), or null where this
+  // rank is alone on its host or the communicator is closed.
+  ShmGroup* host_group() const { return group_.get(); }
   // Ranks a collective of `s` spans, and this rank's index among them.
   int scope_size(Scope s) const;
   int scope_rank(Scope s) const;

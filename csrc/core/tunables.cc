@@ -118,6 +118,7 @@ const char* algo_name(Algo a) {
     case Algo::kHierarchical: return "hierarchical";
     case Algo::kLeaders: return "leaders";
     case Algo::kDoubling: return "doubling";
+    case Algo::kWindow: return "window";
   }
   return "unknown";
 }

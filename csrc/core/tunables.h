@@ -17,8 +17,11 @@ enum class Algo : uint32_t {
   kHierarchical = 4,  // reduce-scatter on the host, slices across hosts, all-gather on the host
   kLeaders = 5,       // host sums through the host leaders, then a broadcast on each host
   kDoubling = 6,      // through the host leaders, recursive doubling between them (small messages)
+  // Not a choice: what the flight recorder names a collective that read its peers' registered
+  // buffers in place (algorithms/window_collectives.cc) instead of running the algorithm chosen.
+  kWindow = 7,
 };
-constexpr int kNumAlgos = 7;
+constexpr int kNumAlgos = 7;  // the choices (BRAID_ALGO): kAuto .. kDoubling
 const char* algo_name(Algo a);
 Algo parse_algo(const std::string& s);  // throws std::invalid_argument
 

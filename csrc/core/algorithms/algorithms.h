@@ -34,4 +34,13 @@ void pipelined_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* 
 void pipelined_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 void pipelined_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
 
+// On registered buffers (window_collectives.cc): when the data lies in the same window on every
+// rank (all_reduce: in place), read the peers' buffers in place and return true; otherwise
+// return false, having arrived, and the caller runs the algorithm above.
+bool window_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+bool window_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+bool window_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+bool window_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
+bool window_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
+
 }  // namespace braid

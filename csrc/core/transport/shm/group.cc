@@ -51,6 +51,7 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
   headers_.assign(world_, nullptr);
   bases_.assign(world_, nullptr);
   pidfds_.assign(world_, -1);
+  h->window_id[0] = h->window_id[1] = -1;
   headers_[rank_] = h;
   bases_[rank_] = static_cast<char*>(own_.data());
   for (int r = 0; r < world_; ++r)
@@ -87,6 +88,10 @@ void ShmGroup::attach(const std::vector<PeerInfo>& peers) {
 }
 
 uint64_t ShmGroup::arrive(const CollectiveDesc& d) {
+  if (prearrived_ && prearrived_seq_ == d.seq) {  // arrive_windowed arrived already
+    prearrived_ = false;
+    return prearrived_step_;
+  }
   SegmentHeader* me = header(rank_);
   me->desc[d.seq & 1] = d;
   current_ = &me->desc[d.seq & 1];

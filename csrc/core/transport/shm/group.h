@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -51,6 +53,16 @@ struct WaitPolicy {
 
 struct SegmentHeader;
 
+// A registered buffer's mappings on one rank: its own segment and every peer's. Shared by the
+// group's registry and whatever holds the memory (a tensor), so that it stays mapped until both
+// are gone, even past the group.
+struct ShmWindow {
+  ShmSegment own;
+  std::vector<ShmSegment> peers;  // index = local rank; this rank's entry stays empty
+  std::vector<char*> bases;       // every rank's segment as mapped here
+  size_t bytes = 0;
+};
+
 class ShmGroup : public Transport {
  public:
   // `stream_min_bytes`: outputs at least this large are written with non-temporal stores.
@@ -73,6 +85,24 @@ class ShmGroup : public Transport {
   void set_global_ranks(std::vector<int> global) { global_ = std::move(global); }
   int world_size() const { return world_; }
   const ShmLayout& layout() const { return layout_; }
+
+  // Registered buffers ("windows", windows.cc): one shared-memory segment per rank of the host,
+  // made together under one id, each rank mapping every peer's, so that a collective whose data
+  // lies in the same window on every rank reads the peers' data where it is, without copying it
+  // through the slots. The steps, every rank in the same order: window_create (this rank's
+  // segment of `bytes`, backed at once; returns its name), window_attach (maps the peers'
+  // segments, `names` indexed by local rank; returns the mappings), a barrier, then
+  // window_unlink. window_free drops this rank's mappings of the id (its last tensor is gone).
+  std::string window_create(int64_t id, size_t bytes);
+  std::shared_ptr<const ShmWindow> window_attach(int64_t id, const std::vector<std::string>& names);
+  void window_unlink(int64_t id);
+  void window_free(int64_t id) noexcept;
+  // Arrives at collective `d` (as arrive(); the algorithm's own arrive() right after returns the
+  // same step without posting again), first publishing which window holds this rank's
+  // [data, data + bytes), if one does. Returns true, with `peer_data[r]` the address of rank r's
+  // data (this rank's included), when every rank's data lies in the same window; false
+  // otherwise, the same answer on every rank.
+  bool arrive_windowed(const CollectiveDesc& d, const void* data, size_t bytes, const char** peer_data);
 
   // Progress counter: each call posts the next step; peers wait on step values.
   uint64_t step() const { return step_; }
@@ -173,6 +203,9 @@ class ShmGroup : public Transport {
   bool p2p_ready(const P2POp& op) const;
   size_t lane(const P2POp& op) const;   // index of op's (channel, peer) in sent_/taken_
 
+  // The id of the window holding [data, data + bytes), or -1.
+  int64_t window_of(const void* data, size_t bytes, uint64_t* offset);
+
   int rank_;
   int world_;
   ShmLayout layout_;
@@ -194,6 +227,12 @@ class ShmGroup : public Transport {
   std::vector<bool> mailbox_reserved_;  // this rank's mailbox to each destination is backed
   const CollectiveDesc* current_ = nullptr;  // for error messages
   SegmentHeader* hub_ = nullptr;   // rank 0's header: host doorbell and abort epoch
+  std::mutex windows_mu_;  // windows_ is changed from the caller's threads, read by the collectives'
+  std::map<int64_t, std::shared_ptr<ShmWindow>> windows_;
+  std::atomic<size_t> nwindows_{0};
+  // arrive_windowed's arrival, which the algorithm's arrive() for the same sequence number takes.
+  bool prearrived_ = false;
+  uint64_t prearrived_seq_ = 0, prearrived_step_ = 0;
   std::atomic<bool> abort_requested_{false};  // request_abort() was called
   std::mutex abort_mu_;
   std::string abort_msg_;

@@ -13,7 +13,7 @@
 
 namespace braid {
 
-constexpr uint64_t kSegmentMagic = 0x6272616964736d32ull;  // "braidsm2"
+constexpr uint64_t kSegmentMagic = 0x6272616964736d33ull;  // "braidsm3"
 // SegmentHeader::state
 constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
 constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
@@ -50,6 +50,11 @@ struct SegmentHeader {
   uint32_t error_kind;
   uint64_t fail_seq;  // the collective this rank was in (or last ran) when it failed
   char error_msg[488];
+  // The registered buffer (window, windows.cc) whose data this rank's peers may read in the
+  // collective of sequence number s, at index s & 1 as `desc`: its id (-1: none) and the data's
+  // offset in it. Written before the arrival's post, read by peers once every rank arrived.
+  alignas(kLine) int64_t window_id[2];
+  uint64_t window_off[2];
   // Point-to-point progress: chunks this rank posted to each destination, and took from each
   // source (mailbox.cc). Each side writes only its own arrays.
   // Indexed by lane: channel * kMaxLocalRanks + peer (see Channel).

@@ -1,0 +1,185 @@
+"""Registered buffers (``Communicator.empty`` / ``zeros``): collectives on tensors that every rank
+of the host can read run the window algorithms (csrc/core/algorithms/window_collectives.cc), and
+give the bits of the slot algorithms on private tensors, either side of the one-shot limit, with
+odd counts, every dtype, views at offsets, and mixed (one rank registered, the other not).
+
+Every rank checks its results against exact local references and against the same collective on
+private copies of the same inputs (the slot path), bit for bit."""
+import glob
+import os
+
+import pytest
+import torch
+from braid import comm
+from helpers import make_input, reduce_reference
+from helpers.ranks import make_comm, run_ranks
+
+ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and window) path
+TUNABLES = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
+COUNTS = (1, 13, 64, 1000, 4097)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8)
+
+
+def _inputs(n, count, dtype, seed):
+    return [make_input(seed, r, count, dtype) for r in range(n)]
+
+
+def _check_collectives(rank, n, store_path):
+    c = make_comm(rank, n, store_path, **TUNABLES)
+    seen = []
+    try:
+        for dtype in DTYPES:
+            for count in COUNTS:
+                seed = count * 31 + len(seen)
+                xs = _inputs(n, count, dtype, seed)
+                mine = xs[rank]
+                # all_gather: the input in a window (at an offset: a view into a larger one)
+                win = c.empty(count + 5, dtype=dtype)
+                win[5:].copy_(mine)
+                out = torch.empty(n * count, dtype=dtype)
+                c.all_gather(out, win[5:])
+                assert torch.equal(out, torch.cat(xs)), ("all_gather", dtype, count)
+                # broadcast from every root, in a window
+                for root in range(n):
+                    b = c.empty(count, dtype=dtype)
+                    b.copy_(xs[root] if rank == root else torch.zeros_like(mine))
+                    c.broadcast(b, root)
+                    assert torch.equal(b, xs[root]), ("broadcast", dtype, count, root)
+                # all_to_all: n chunks of count
+                a_in = c.empty(n * count, dtype=dtype)
+                a_in.copy_(make_input(seed + 1, rank, n * count, dtype))
+                a_out = torch.empty(n * count, dtype=dtype)
+                c.all_to_all(a_out, a_in)
+                want = torch.cat([make_input(seed + 1, j, n * count, dtype)[rank * count:(rank + 1) * count]
+                                  for j in range(n)])
+                assert torch.equal(a_out, want), ("all_to_all", dtype, count)
+                for op in ("sum", "avg", "max") if dtype != torch.uint8 else ("max",):
+                    # reduce_scatter: the input in a window; against the same call on private memory
+                    rs_in = c.empty(n * count, dtype=dtype)
+                    full = make_input(seed + 2, rank, n * count, dtype)
+                    rs_in.copy_(full)
+                    got = torch.empty(count, dtype=dtype)
+                    c.reduce_scatter(got, rs_in, op)
+                    slot = torch.empty(count, dtype=dtype)
+                    c.reduce_scatter(slot, full.clone(), op)
+                    assert torch.equal(got, slot), ("reduce_scatter", dtype, count, op)
+                    every = [make_input(seed + 2, r, n * count, dtype) for r in range(n)]
+                    ref = reduce_reference([e[rank * count:(rank + 1) * count] for e in every], op, n)
+                    assert torch.equal(got, ref), ("reduce_scatter reference", dtype, count, op)
+                    # all_reduce in place on a window, against private memory and the reference
+                    t = c.empty(count, dtype=dtype)
+                    t.copy_(mine)
+                    c.all_reduce(t, op)
+                    private = mine.clone()
+                    c.all_reduce(private, op)
+                    assert torch.equal(t, private), ("all_reduce", dtype, count, op)
+                    assert torch.equal(t, reduce_reference(xs, op, n)), ("all_reduce reference", dtype, count, op)
+                seen.append((str(dtype), count))
+        # One rank registered, the other not: both take the slot path, same results.
+        x = torch.arange(3000, dtype=torch.float32) + rank
+        registered = c.empty(3000)  # collective: every rank makes it
+        y = registered if rank == 0 else torch.empty(3000)
+        y.copy_(x)
+        c.all_reduce(y)
+        assert torch.equal(y, sum(torch.arange(3000, dtype=torch.float32) + r for r in range(n)))
+        # zeros, shapes and a freed window's id not reused
+        z = c.zeros(4, 5, dtype=torch.float64)
+        assert z.shape == (4, 5) and z.dtype == torch.float64 and not z.any()
+        del z, win, b, a_in, rs_in, t, y, registered
+        z2 = c.zeros((2, 3))
+        assert z2.shape == (2, 3)
+        c.barrier()
+    finally:
+        c.close()
+    return rank, seen
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_on_registered_buffers_are_exact(n):
+    results = run_ranks(_check_collectives, n)
+    assert len({tuple(seen) for _, seen in results}) == 1
+    assert len(results[0][1]) == len(DTYPES) * len(COUNTS)
+
+
+def _alone(rank, n, store_path):
+    c = make_comm(rank, n, store_path)
+    try:
+        t = c.zeros(7)
+        return type(t).__name__, t.shape, bool(t.any())
+    finally:
+        c.close()
+
+
+def test_a_rank_alone_gets_a_plain_tensor():
+    assert run_ranks(_alone, 1) == [("Tensor", torch.Size([7]), False)]
+
+
+def _bad_arguments(rank, n, store_path):
+    c = make_comm(rank, n, store_path)
+    try:
+        errors = []
+        for call in (lambda: c.empty(-1), lambda: c.empty(2.5), lambda: c.empty(3, dtype="float32"),
+                     lambda: c.empty(True)):
+            try:
+                call()
+                errors.append(None)
+            except (ValueError, TypeError) as e:
+                errors.append(type(e).__name__ + ": " + str(e).split(",")[0])
+        c.barrier()
+        return errors
+    finally:
+        c.close()
+
+
+def test_bad_arguments_name_themselves():
+    errors = run_ranks(_bad_arguments, 2)[0]
+    assert errors[0].startswith("ValueError: size must be") and errors[1].startswith("ValueError: size must be")
+    assert errors[2].startswith("TypeError: dtype must be") and errors[3].startswith("ValueError: size must be")
+
+
+def _segments_go(rank, n, store_path):
+    c = make_comm(rank, n, store_path)
+    try:
+        t = c.zeros(1 << 16)
+        c.all_reduce(t)
+        c.barrier()
+        return sorted(os.path.basename(p) for p in glob.glob("/dev/shm/*"))
+    finally:
+        c.close()
+
+
+def test_no_window_name_is_left_in_dev_shm():
+    before = set(os.listdir("/dev/shm"))
+    run_ranks(_segments_go, 2)
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+def _algorithms(rank, n, store_path):
+    """The flight recorder names each call's algorithm: "window" where the data was read in place."""
+    c = make_comm(rank, n, store_path, **TUNABLES)
+    try:
+        count = 1000
+        win = c.empty(n * count)
+        win.fill_(rank)
+        private = torch.full((n * count,), float(rank))
+        out = torch.empty(n * n * count)
+        for data in (win, private):
+            c.all_reduce(data)
+            c.reduce_scatter(torch.empty(count), data)
+            c.all_gather(out[: n * count], data[:count])
+            c.all_to_all(out[: n * count], data)
+            c.broadcast(data, 0)
+        tiny = c.empty(4)  # within the one-shot limit: one-shot, registered or not
+        c.all_reduce(tiny)
+        calls = [(e["kind"], e["algorithm"]) for e in c.trace()["entries"] if e["kind"] != "barrier"]
+        return calls[-11:]
+    finally:
+        c.close()
+
+
+def test_the_recorder_names_the_window_path():
+    for names in run_ranks(_algorithms, 2):
+        kinds = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"]
+        assert names[:5] == [(k, "window") for k in kinds]
+        assert [k for k, _ in names[5:10]] == kinds and all(a != "window" for _, a in names[5:10])
+        assert names[10] == ("all_reduce", "oneshot")
