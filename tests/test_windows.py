@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from braid import comm
 from helpers import make_input, reduce_reference
 from helpers.ranks import make_comm, run_ranks
 
@@ -73,7 +72,8 @@ def _check_collectives(rank, n, store_path):
                     private = mine.clone()
                     c.all_reduce(private, op)
                     assert torch.equal(t, private), ("all_reduce", dtype, count, op)
-                    assert torch.equal(t, reduce_reference(xs, op, n)), ("all_reduce reference", dtype, count, op)
+                    want = reduce_reference(xs, op, n)
+                    assert torch.equal(t, want), ("all_reduce reference", dtype, count, op)
                 seen.append((str(dtype), count))
         # One rank registered, the other not: both take the slot path, same results.
         x = torch.arange(3000, dtype=torch.float32) + rank
@@ -133,8 +133,8 @@ def _bad_arguments(rank, n, store_path):
 
 def test_bad_arguments_name_themselves():
     errors = run_ranks(_bad_arguments, 2)[0]
-    assert errors[0].startswith("ValueError: size must be") and errors[1].startswith("ValueError: size must be")
-    assert errors[2].startswith("TypeError: dtype must be") and errors[3].startswith("ValueError: size must be")
+    size, dtype = "ValueError: size must be", "TypeError: dtype must be"
+    assert [e.startswith(want) for e, want in zip(errors, (size, size, dtype, size))] == [True] * 4, errors
 
 
 def _segments_go(rank, n, store_path):
