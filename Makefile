@@ -136,7 +136,7 @@ cuda-binding-check:
 # The files whose tests run in one process (no ranks, no subprocesses) go two at a time
 # (pytest-xdist); the others one at a time: the ranks of two multi-process tests side by side on
 # two cores would miss their deadlines.
-ONE_PROCESS_TESTS := tests/test_attention.py tests/test_device_discipline.py tests/test_optim.py \
+ONE_PROCESS_TESTS := tests/test_attention.py tests/test_attention_varlen.py tests/test_device_discipline.py tests/test_optim.py \
   tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
   tests/test_compression_kernels.py tests/test_attention_sm90.py tests/test_trace.py
 test-py:
@@ -234,7 +234,7 @@ gpu-test:
 	  tests/test_adaptive.py::test_device_marks_time_the_device_not_the_host \
 	  -q -rs -p no:cacheprovider 2>&1 | tee -a $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	workers=$$($(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_TEST_WORKERS)"); \
-	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_sm90.py $$workers -q -rs -p no:cacheprovider 2>&1 \
+	$(GPU_PY) -m pytest tests/test_attention.py tests/test_attention_varlen.py tests/test_attention_sm90.py $$workers -q -rs -p no:cacheprovider 2>&1 \
 	  | tee -a $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	exit $$status
 gpu-bench:

@@ -179,7 +179,7 @@ def _block_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     if q.is_cuda:
         from braid.kernels import attention
 
-        return "kernels" if attention._kernel_unsupported(q, k, v, enable_gqa=True) is None else "math"
+        return "kernels" if attention.kernel_unsupported(q, k, v, enable_gqa=True) is None else "math"
     if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
         return "cpu_flash"
     return "math"

@@ -176,6 +176,8 @@ def fixed_launch(kernel: str, q: torch.Tensor, block_d: int) -> dict | None:
     return {**chosen.kwargs, "num_warps": chosen.num_warps, "num_stages": chosen.num_stages}
 
 
-# Autotuning keys: a new configuration is chosen per head dim, causal flag, length bucket and load
-# path (tensor dtypes are part of Triton's key already).
-TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"]
+# Autotuning keys: a new configuration is chosen per head dim, causal flag, length bucket (of the
+# longest sequence when packed), load path and VARIANT, the options that are on (packed sequences,
+# window, soft cap, ALiBi: each changes the work per tile). Tensor dtypes are part of Triton's key
+# already.
+TUNING_KEY = ["BUCKET_Q", "BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA", "VARIANT"]

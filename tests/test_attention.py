@@ -19,28 +19,57 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
-              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Textbook attention and the natural-log LSE of each row, computed in `dtype` (default: the
-    inputs'); k and v heads are repeated for GQA as torch's enable_gqa does."""
-    dtype = dtype or q.dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+def probabilities(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None = None, *,
+                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None, shift: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax probabilities and natural-log LSE of textbook attention scores, in q's dtype; k's heads
+    are repeated for GQA as torch's enable_gqa does. Query row i stands at key position i + shift
+    (0: top-left, as torch aligns is_causal). The logits: scale * q.k, then softcap * tanh(s /
+    softcap), then -slope * |i + shift - j| (slopes (H,) or (B, H)), then the causal mask and the
+    window (left, right; -1 an open side) hide keys. A row that sees no key gets probabilities 0
+    (with zero gradients) and LSE -inf."""
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    k = k.repeat_interleave(group, 1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    distance = (torch.arange(q.shape[-2], device=q.device)[:, None] + shift
+                - torch.arange(k.shape[-2], device=q.device)[None, :])  # (i + shift) - j
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.to(q.dtype).reshape(-1, q.shape[1], 1, 1) * distance.abs().to(q.dtype)
+    hidden = torch.zeros_like(distance, dtype=torch.bool)
     if causal:
-        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+        hidden |= distance < 0
+    left, right = window
+    if left >= 0:
+        hidden |= distance > left
+    if right >= 0:
+        hidden |= distance < -right
+    scores = scores.masked_fill(hidden, float("-inf"))
+    # Rows that see no key: softmax over zeros instead of -inf (no NaN), then zeroed.
+    empty = hidden.all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return probs, torch.logsumexp(scores, dim=-1)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+              dtype: torch.dtype | None = None, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook attention and the natural-log LSE of each row, computed in `dtype` (default: the
+    inputs'); `options` (window, softcap, alibi_slopes, shift) as in `probabilities`."""
+    dtype = dtype or q.dtype
+    probs, lse = probabilities(q.to(dtype), k.to(dtype), causal, scale, **options)
+    return probs @ v.to(dtype).repeat_interleave(q.shape[1] // k.shape[1], 1), lse
 
 
 def run(fn, q, k, v, do, dlse):
     """fn(q, k, v) -> (out, lse) with fresh leaves; returns out, lse, dq, dk, dv for the loss
-    sum(out * do) + sum(lse * dlse), so that the LSE's gradient is checked along with the output's."""
+    sum(out * do) + sum(lse * dlse), so that the LSE's gradient is checked along with the output's
+    (over the rows that see some key: the LSE of the others is -inf)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = fn(*leaves)
-    loss = (out.double() * do).sum() + (lse.double() * dlse).sum()
+    loss = (out.double() * do).sum() + (lse.double().masked_fill(torch.isinf(lse), 0.0) * dlse).sum()
     loss.backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
@@ -78,20 +107,19 @@ def make_inputs(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, transpose
 FLOOR_ULPS = 4
 
 
-def key_mass(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None) -> float:
+def key_mass(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, **options) -> float:
     """The largest probability a key collects over the query rows of its kv group (float64), at
     least 1: how much dS's per-element error can add up in one row of dK or dV."""
-    group = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q.double() @ k.double().repeat_interleave(group, 1).transpose(-2, -1)) * scale
-    if causal:
-        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).unflatten(1, (k.shape[1], group))
-    return max(1.0, probs.sum(dim=(2, 3)).max().item())
+    probs, _ = probabilities(q.double(), k.double(), causal, scale, **options)
+    return max(1.0, probs.unflatten(1, (k.shape[1], -1)).sum(dim=(2, 3)).max().item())
 
 
 def check_close(name, got, same_dtype, truth, dtype, mass=1.0):
+    # Rows that see no key: an LSE of -inf wherever the truth has one, compared apart.
+    no_key = torch.isinf(truth)
+    assert torch.equal(torch.isinf(got), no_key) and (got[no_key] == truth[no_key]).all(), \
+        f"{name}: infinities differ from the truth's"
+    got, same_dtype, truth = (t.masked_fill(no_key, 0.0) for t in (got, same_dtype, truth))
     err = (got.double() - truth).abs().max().item()
     ref_err = (same_dtype.double() - truth).abs().max().item()
     head_dim = got.shape[-1] if name != "lse" else 1
@@ -102,17 +130,18 @@ def check_close(name, got, same_dtype, truth, dtype, mass=1.0):
         f"{name}: error {err:.3g} > 2 * {ref_err:.3g} (torch, same dtype) + {floor:.3g}"
 
 
-def check_against_references(fn, shape, dtype, causal, transposed=False, scale=None):
-    """Forward, LSE and dq/dk/dv of fn against float64, with torch in `dtype` as the yardstick."""
+def check_against_references(fn, shape, dtype, causal, transposed=False, scale=None, **options):
+    """Forward, LSE and dq/dk/dv of fn against float64, with torch in `dtype` as the yardstick;
+    `options` (window, softcap, alibi_slopes) as in `probabilities`."""
     q, k, v, do, dlse = make_inputs(*shape, dtype=dtype, transposed=transposed)
     got = run(fn, q, k, v, do, dlse)
-    truth = run(lambda *t: reference(*t, causal, scale, torch.float64), q, k, v, do, dlse)
-    same = run(lambda *t: reference(*t, causal, scale), q, k, v, do, dlse)
+    truth = run(lambda *t: reference(*t, causal, scale, torch.float64, **options), q, k, v, do, dlse)
+    same = run(lambda *t: reference(*t, causal, scale, **options), q, k, v, do, dlse)
     # The LSE is float32 whatever the inputs: its yardstick is torch computing it in float32.
-    same_lse = reference(q, k, v, causal, scale, torch.float32)[1]
+    same_lse = reference(q, k, v, causal, scale, torch.float32, **options)[1]
     assert got[0].dtype == dtype and got[0].shape == q.shape
     assert got[1].dtype == torch.float32 and got[1].shape == q.shape[:3]
-    mass = key_mass(q, k, causal, scale)
+    mass = key_mass(q, k, causal, scale, **options)
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         assert got[i].shape == truth[i].shape, name
         check_close(name, got[i], same_lse if name == "lse" else same[i], truth[i],
@@ -145,6 +174,41 @@ def test_flash_attention_matches_float64(shape, causal, dtype):
     """Output, LSE and all three gradients (through the output and the LSE) on small shapes."""
     check_against_references(functools.partial(flash_attention, causal=causal, return_lse=True),
                              shape, dtype, causal)
+
+
+def alibi_slopes(*shape: int) -> torch.Tensor:
+    """float32 ALiBi slopes of `shape` ((H,) or (B, H)), spread over 0.05 .. 0.6: biases from 0
+    to tens of logits over these lengths, so that a wrong distance or alignment shows."""
+    n = math.prod(shape)
+    return torch.linspace(0.05, 0.6, n, dtype=torch.float32).reshape(shape).to(DEVICE)
+
+
+# (shape as in SHAPES, causal, options): windows on both sides; a causal window with Sq > Sk, where
+# the rows past Sk + left see no key (output 0, LSE -inf); the soft cap (2: scores of unit-normal
+# data are capped hard); ALiBi per head without a mask (keys on both sides of the row, where the
+# bias takes |i - j|) and per (batch, head); everything at once, with GQA.
+OPTION_CASES = [
+    ((1, 2, 2, 45, 61, 32), False, {"window": (7, 3)}),
+    ((1, 2, 1, 70, 40, 32), True, {"window": (5, -1)}),
+    ((2, 2, 2, 33, 47, 64), False, {"softcap": 2.0}),
+    ((2, 4, 2, 40, 50, 32), False, {"alibi_slopes": (4,)}),
+    ((2, 2, 1, 50, 37, 16), True, {"window": (9, 20), "softcap": 3.0, "alibi_slopes": (2, 2)}),
+]
+
+
+def _option_id(case) -> str:
+    _, causal, options = case
+    return "-".join([f"{k}{v}".replace(" ", "") for k, v in options.items()] + (["causal"] if causal else []))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("shape, causal, options", OPTION_CASES, ids=[_option_id(c) for c in OPTION_CASES])
+def test_flash_attention_options_match_float64(shape, causal, options, dtype):
+    """Window, soft cap and ALiBi (top-left aligned, as the causal mask): output, LSE and the three
+    gradients against the float64 reference, also where rows see no key."""
+    options = {k: alibi_slopes(*v) if k == "alibi_slopes" else v for k, v in options.items()}
+    check_against_references(functools.partial(flash_attention, causal=causal, return_lse=True, **options),
+                             shape, dtype, causal, **options)
 
 
 def test_slices_beyond_32_bit_offsets_are_copied(monkeypatch):
@@ -288,11 +352,12 @@ def test_unsupported_inputs_fall_back_to_torch(case):
         assert torch.equal(mine, theirs)
 
 
-def test_grid_limit_falls_back(monkeypatch):
-    """More (batch, head) slices than the launch grid's y axis holds go to torch (the limit is
-    lowered here: the real one, 65535, needs large inputs)."""
-    monkeypatch.setattr(attention, "_MAX_GRID_Y", 3)
-    q, k, v, _, _ = make_inputs(2, 2, 2, 9, 13, 32, torch.float16)
+@pytest.mark.parametrize("batch, heads", [(4, 2), (2, 4)], ids=["batch", "heads"])
+def test_grid_limit_falls_back(monkeypatch, batch, heads):
+    """More heads (grid axis y) or batch entries (axis z) than the launch grid holds go to torch
+    (the limit is lowered here: the real one, 65535, needs large inputs)."""
+    monkeypatch.setattr(attention, "_MAX_GRID_YZ", 3)
+    q, k, v, _, _ = make_inputs(batch, heads, heads, 9, 13, 32, torch.float16)
     assert torch.equal(scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
 
 

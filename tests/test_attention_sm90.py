@@ -16,7 +16,13 @@ import sys
 
 import pytest
 
-# (kernel, dtype, head dim, causal, BLOCK_M, BLOCK_N, num_warps, num_stages, tensor descriptors)
+# The optional inputs of the forward and gradient kernels: None compiles them out (the plain
+# kernel); "on" types them as present (packed sequences, ALiBi, soft cap and window at once).
+OPTIONAL = {"CU_SEQLENS_Q": "*i32", "CU_SEQLENS_K": "*i32", "ALIBI_SLOPES": "*fp32", "softcap": "fp32",
+            "window_left": "i32", "window_right": "i32"}
+
+# (kernel, dtype, head dim, causal, BLOCK_M, BLOCK_N, num_warps, num_stages, tensor descriptors[,
+# "options": every optional input present])
 CASES = [
     ("attention_forward_kernel", "bf16", 128, True, 128, 64, 8, 3, False),
     ("attention_forward_kernel", "bf16", 128, False, 128, 64, 8, 3, True),
@@ -27,6 +33,8 @@ CASES = [
     ("attention_dkdv_kernel", "bf16", 64, True, 32, 128, 4, 2, False),
     ("attention_dkdv_kernel", "fp16", 128, False, 32, 64, 8, 2, True),
     ("attention_delta_kernel", "bf16", 128, False, 64, None, 4, 1, False),
+    ("attention_forward_kernel", "bf16", 128, True, 128, 64, 8, 3, False, "options"),
+    ("attention_dkdv_kernel", "bf16", 64, True, 32, 128, 4, 2, True, "options"),
 ]
 # What each kernel streams through descriptors with USE_TMA, and which block is their box's rows.
 DESCRIPTORS = {"attention_forward_kernel": (("K", "V"), "BLOCK_N"),
@@ -37,12 +45,15 @@ DESCRIPTORS = {"attention_forward_kernel": (("K", "V"), "BLOCK_N"),
 def _signature(fn, dtype: str, constexprs: dict, tma: bool) -> dict:
     """Triton types of a kernel's arguments, from the naming convention of braid's attention
     kernels: upper-case names are tensors (float32 for LSE and DELTA) or, with tma, descriptors;
-    the scales are float32, the rest int32 (sizes and strides)."""
+    the scales are float32, the optional inputs as OPTIONAL says, the rest int32 (sizes and
+    strides)."""
     names, rows = DESCRIPTORS.get(fn.__name__, ((), None))
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name in OPTIONAL:
+            sig[name] = OPTIONAL[name]
         elif tma and name in names:
             sig[name] = f"tensordesc<{dtype}[1,1,{constexprs[rows]},{constexprs['BLOCK_D']}]>"
         elif name[0].isupper():
@@ -65,18 +76,20 @@ def compile_cases() -> list[dict]:
                "attention_dkdv_kernel": attention_backward.attention_dkdv_kernel,
                "attention_delta_kernel": attention_backward.attention_delta_kernel}
     results = []
-    for name, dtype, head_dim, causal, block_m, block_n, warps, stages, tma in CASES:
+    for name, dtype, head_dim, causal, block_m, block_n, warps, stages, tma, *options in CASES:
         fn = kernels[name]
         meta = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "CAUSAL": causal,
                 "DOT_PRECISION": "tf32" if dtype == "fp32" else "ieee", "USE_TMA": tma,
                 "BLOCK_M": block_m, "BLOCK_N": block_n}
+        if not options:  # the plain kernel: the optional inputs compiled out
+            meta.update(dict.fromkeys(OPTIONAL))
         constexprs = {k: v for k, v in meta.items() if k in fn.arg_names}
         source = triton.compiler.ASTSource(fn=fn, signature=_signature(fn, dtype, constexprs, tma),
                                            constexprs=constexprs)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64),
                                 options={"num_warps": warps, "num_stages": stages})
         ptx = kernel.asm["ptx"]
-        results.append({"case": [name, dtype, head_dim, causal], "wgmma": "wgmma" in ptx,
+        results.append({"case": [name, dtype, head_dim, causal, *options], "wgmma": "wgmma" in ptx,
                         "tma": "cp.async.bulk.tensor" in ptx, "cubin_bytes": len(kernel.asm["cubin"])})
     return results
 
@@ -97,7 +110,7 @@ def test_kernels_compile_for_sm90():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == len(CASES)
     for case, result in zip(CASES, results):
-        name, dtype, *_, tma = case
+        name, dtype, *_, tma = case[:9]
         assert result["cubin_bytes"] > 0, case
         if name != "attention_delta_kernel":  # the delta kernel has no matrix product
             # float32 goes through TF32 wgmma as well when TF32 is allowed.

@@ -190,6 +190,9 @@ def _library_files() -> list[str]:
 
 # (file, function, call) -> why the host tensor or host read is right there.
 ALLOWED: dict[tuple[str, str, str], str] = {
+    ("kernels/attention_varlen.py", "_read_bounds", ".tolist()"):
+        "flash_attention_varlen's check of the caller's cu_seqlens (from 0, non-decreasing, ending at the "
+        "token counts, within max_seqlen): one read per new pair of tensors, reused while they are unchanged",
     ("comm/compression/adaptive/controller.py", "_probe", "float(tensor)"):
         "the codec probe: timed around explicit device synchronizations, its error read once per probe",
     ("comm/compression/adaptive/controller.py", "_cpu_layout", "float(tensor)"):
@@ -212,7 +215,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "brings the round's small gathered vector back to the host that decides, once per round",
     ("comm/compression/compressors.py", "<module>", 'torch.device("cpu")'):
         "residual_for's default: the fused Communicator paths are CPU-only; callers on a device pass it",
-    ("comm/compression/compressors.py", "TopK._select", "bool(tensor)"):
+    ("comm/compression/compressors.py", "TopK.encode", "bool(tensor)"):
         "CPU tensors only (the branch above it): the flag is already in host memory; devices mask instead",
     ("comm/cp.py", "_Ring.all_gather", ".cpu()"):
         "staged through host memory only where the group cannot carry the tensor's device (device_problem)",
@@ -226,6 +229,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "CPU ids only (the branch above it); on a device the check is an assertion the device raises",
     ("comm/core/communicator.py", "_splits", ".tolist()"):
         "split sizes are Python ints the caller chose; a tensor of them is read once per call by contract",
+    ("comm/core/communicator.py", "Communicator.empty", "torch.empty without device="):
+        "registered buffers are host memory by definition: shared-memory segments the host's ranks map",
     ("comm/core/communicator.py", "_device", 'torch.device("cpu")'):
         "the constructor's default device: the CPU when none is named",
     ("comm/core/communicator.py", "_HostStaging.host", 'device="cpu"'):
