@@ -7,7 +7,6 @@ one-shot/pipelined switch, several rounds and slot reuse.
 """
 import glob
 import os
-import socket
 import time
 
 import pytest
@@ -16,7 +15,8 @@ import torch.distributed as dist
 from braid import comm
 from braid.comm import _C
 from helpers import DTYPES, OPS, CaseLog, assert_ranks_agree, make_input, ops_for, reduce_reference
-from helpers.ranks import COMM_TIMEOUT_S, make_comm, new_store_path, open_store, process_group, run_ranks
+from helpers.ranks import (COMM_TIMEOUT_S, listen_ports, make_comm, new_store_path, open_store, process_group,
+                           run_ranks)
 
 WORLD_SIZES = (1, 2, 3, 4)
 SLOT_BYTES, ONESHOT_MAX_BYTES, NSLOTS = 1024, 256, 2
@@ -629,16 +629,10 @@ def test_streaming_threshold_shares_the_cache_among_local_ranks(monkeypatch):
     assert t.stream_min_bytes == 12345
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_init_from_torchrun_environment():
     """comm.init() with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT only: rank 0 hosts a TCPStore and
     the ranks build a working communicator."""
-    assert_ranks_agree(run_ranks(init_from_env, 2, _free_port()))
+    assert_ranks_agree(run_ranks(init_from_env, 2, listen_ports(1)[0]))
 
 
 def test_init_from_default_process_group():

@@ -11,7 +11,6 @@ skipped where the package is missing.
 from __future__ import annotations
 
 import copy
-import socket
 import tempfile
 from typing import Any, Callable
 
@@ -19,20 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import SmallMLP
-from helpers.ranks import STORE_TIMEOUT, FreshRanks, environment, run_ranks
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports free now on the loopback interface: one per rendezvous, so that a second group never
-    meets the store of a first one destroyed just before."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+from helpers.ranks import STORE_TIMEOUT, FreshRanks, environment, listen_ports, run_ranks
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -198,7 +184,7 @@ def _accelerate(rank: int, world_size: int, store_path: str, port: int, backend:
 
 def test_device_mesh_after_init_process_group_braid():
     """DeviceMesh and DTensor: init_process_group("braid") first, then init_device_mesh("cpu", ...)."""
-    results = run_ranks(_device_mesh, 2, _free_ports(2))
+    results = run_ranks(_device_mesh, 2, listen_ports(2))
     for r in results:
         assert r["alone"] == "cpu:gloo", r
         assert r["after"] == "cpu:braid", r
@@ -207,7 +193,7 @@ def test_device_mesh_after_init_process_group_braid():
 
 def test_script_with_backend_braid():
     """A script that takes its backend by name: backend="braid" once braid.comm is imported."""
-    assert run_ranks(_script, 2, _free_ports(2)) == [True, True]
+    assert run_ranks(_script, 2, listen_ports(2)) == [True, True]
 
 
 @pytest.mark.slow
@@ -215,7 +201,7 @@ def test_lightning_ddp_strategy_on_braid():
     """Lightning: DDPStrategy(process_group_backend="braid") after importing braid.comm, and a
     comm hook registered in on_fit_start; bitwise the same run on gloo, the hook compressing."""
     pytest.importorskip("lightning")
-    for runs in _in_fresh_ranks(_lightning, 2, _free_ports(2)):
+    for runs in _in_fresh_ranks(_lightning, 2, listen_ports(2)):
         braid, gloo = runs["braid"], runs["gloo"]
         assert (braid["backend"], gloo["backend"]) == ("braid", "gloo")
         assert _equal(braid["params"], gloo["params"])
@@ -227,7 +213,7 @@ def test_accelerate_adopts_a_braid_group():
     """accelerate: init_process_group("braid") before Accelerator; bitwise the same run on gloo."""
     pytest.importorskip("accelerate")
     runs = {backend: _in_fresh_ranks(_accelerate, 2, port, backend)
-            for backend, port in zip(("gloo", "braid"), _free_ports(2))}
+            for backend, port in zip(("gloo", "braid"), listen_ports(2))}
     for rank in range(2):
         braid, gloo = runs["braid"][rank], runs["gloo"][rank]
         assert (braid["backend"], gloo["backend"]) == ("braid", "gloo")

@@ -18,8 +18,10 @@ import itertools
 import multiprocessing as mp
 import os
 import pickle
+import random
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import traceback
@@ -129,6 +131,33 @@ def braid_default_group(rank: int, world_size: int, store_path: str) -> Iterator
 
     with process_group(rank, world_size, store_path, backend="braid"):
         yield dist.new_group(backend="gloo", timeout=STORE_TIMEOUT)
+
+
+def listen_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free now, for stores a test starts later (MASTER_PORT).
+
+    Drawn below the kernel's range of ephemeral ports (ip_local_port_range), from which every
+    outgoing connection on the machine takes its local port: a port bound to 0 and released
+    comes from that range, and any connection may take it before the test's store listens
+    (EADDRINUSE). Below it only a listener that names the port could."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(10000, max(10001, low))
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: draw again
+        ports.append(port)
+    return ports
 
 
 @contextmanager
