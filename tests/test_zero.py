@@ -892,3 +892,31 @@ def test_tied_frozen_and_root_parameters_single_rank(stage):
 def _initial_frozen_weight():
     torch.manual_seed(0)
     return _Tied().frozen.weight.detach()
+
+
+def _run_registered_full_buffers(rank, world_size, store_path, stage):
+    """ZeRO stages 1 and 2 keep their full buffers in the communicator's registered buffers: the
+    all-gathers read the peers' shards in place (the recorder says "window"; a small one-shot limit
+    puts these buckets past it) and training is DDP's, as on private buffers."""
+    with process_group(rank, world_size, store_path):
+        c = make_comm(rank, world_size, store_path, oneshot_max_bytes=256)
+        try:
+            ddp = nn.parallel.DistributedDataParallel(lm_model())
+            sharded = zero.shard(lm_model(seed=rank), c, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+            opt_ref = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+            ref_losses = train_steps(ddp, opt_ref, rank, 3, 1, ddp.no_sync)
+            losses = train_steps(sharded, opt, rank, 3, 1, sharded.no_sync)
+            torch.testing.assert_close(losses, ref_losses, **TOL)
+            assert ref_losses[-1] < ref_losses[0], ref_losses
+            assert_same_params(sharded.full_state_dict(), ddp.module.state_dict())
+            gathers = [e["algorithm"] for e in c.trace()["entries"] if e["kind"] == "all_gather"]
+            return gathers.count("window"), len(gathers)
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("stage", (1, 2))
+def test_full_buffers_are_registered_at_stages_1_and_2(stage):
+    for windowed, gathers in run_ranks(_run_registered_full_buffers, 2, stage):
+        assert gathers > 0 and windowed > 0, (windowed, gathers)

@@ -35,7 +35,7 @@ import braid.comm._C as _C  # the extension module itself (not the package)
 
 from ..core import group_carrier
 from ..core.device_kernels import kernels_for
-from ..core.group import COMPRESSED_ALL_REDUCE, GroupWork
+from ..core.group import COMPRESSED_ALL_REDUCE, GroupWork, capabilities_of
 from ..core.group_carrier import GroupCarrier, HostGroups
 from ..core.vocabulary import AVG, Op, compressed_op_code
 from ..core.wire import BraidCollectives, WireStats
@@ -169,7 +169,7 @@ def all_reduce(q: Any, comm: Any, tensor: torch.Tensor, op: Op, key: Hashable, a
                step: Optional[int]) -> Optional[Union[CompressedWork, GroupWork]]:
     """``q.all_reduce(comm, tensor, ...)`` (compressors.py documents it): a group offering the
     compressed all-reduce as a capability runs the call; any other group carries the algorithm."""
-    if COMPRESSED_ALL_REDUCE in getattr(comm, "capabilities", ()):
+    if COMPRESSED_ALL_REDUCE in capabilities_of(comm):
         return comm.all_reduce(tensor, op, async_op, compression=q, key=key, step=step)
     code = compressed_op_code(op)
     check_tensor(tensor)

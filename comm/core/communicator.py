@@ -23,7 +23,7 @@ import torch.distributed as dist
 import braid.comm._C as _C  # the extension module itself (not the package)
 from .bootstrap import Bootstrap, admit, agree_membership, await_admission, request_admission
 from .build_info import is_cuda_build
-from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, Group, WorkList
+from .group import COMPRESSED_ALL_REDUCE, HIERARCHICAL, REGISTERED_BUFFERS, Group, WorkList
 from .group_carrier import HostGroups
 from .launch_env import launch_rank, launch_store, launch_world_size
 from .vocabulary import REDUCE_OPS, Op, op_code
@@ -306,7 +306,7 @@ class Communicator(CompressionHost, Group):
     hierarchical algorithms).
     """
 
-    capabilities = frozenset({COMPRESSED_ALL_REDUCE, HIERARCHICAL})
+    capabilities = frozenset({COMPRESSED_ALL_REDUCE, HIERARCHICAL, REGISTERED_BUFFERS})
 
     def __init__(self, store: "dist.Store", rank: int, world_size: int, *,
                  timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,

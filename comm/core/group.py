@@ -37,6 +37,17 @@ from .work import Work, seconds
 # Capabilities a group may advertise (Group.capabilities) beyond the collectives every group has.
 COMPRESSED_ALL_REDUCE = "compressed_all_reduce"  # all_reduce(t, compression=q) in one fused call
 HIERARCHICAL = "hierarchical"  # hierarchical algorithms inside its own collectives
+# empty(size, dtype=) / zeros(...): CPU tensors the ranks of a host read in place (collective calls)
+REGISTERED_BUFFERS = "registered_buffers"
+
+
+
+def capabilities_of(group: Any) -> frozenset:
+    """The capabilities ``group`` advertises (``Group.capabilities``); none for an object that
+    does not declare them as a set (a duck-typed stand-in, a ProcessGroup, None)."""
+    caps = getattr(group, "capabilities", None)
+    return frozenset(caps) if isinstance(caps, (frozenset, set, tuple, list)) else frozenset()
+
 
 # What duck-typed stand-ins (a test's recorder, a user's wrapper) must have to pass as a group.
 GROUP_METHODS = ("rank", "world_size", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -63,7 +74,8 @@ class Group(abc.ABC):
     ``get_future()``; otherwise it returns None once the result is in place (on CUDA: ordered on
     the current stream)."""
 
-    #: Optional fused paths this group offers (COMPRESSED_ALL_REDUCE, HIERARCHICAL).
+    #: Optional fused paths this group offers (COMPRESSED_ALL_REDUCE, HIERARCHICAL,
+    #: REGISTERED_BUFFERS).
     capabilities: frozenset = frozenset()
 
     @property

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from ..core.group import REGISTERED_BUFFERS, capabilities_of
 from ..core.vocabulary import WIRE_DTYPES
 
 # Gradients braid reduces; frozen parameters may have any dtype (they are only copied).
@@ -197,8 +198,16 @@ def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device) -> None:
     takes the parameters off their modules. With ``keep_full`` (ZeRO stages 1 and 2) the shard is a
     slice of the full tensor, so an optimizer updates the full parameters' slice in place and the
     all-gather runs in place; otherwise (ZeRO stage 3, or a full buffer of another dtype under mixed
-    precision) it is a copy."""
-    full = torch.zeros(b.padded, dtype=b.dtype, device=device)
+    precision) it is a copy.
+
+    A full buffer that stays allocated (``keep_full`` in the parameters' dtype) on the CPU lives in
+    the group's registered buffers where it has them (a braid Communicator): the ranks of a host
+    then read each other's shards in place in the all-gathers. (At ZeRO stage 3 the buffer is
+    freed between uses, which a registered buffer cannot be.)"""
+    registered = (keep_full and b.compute_dtype == b.dtype and b.dtype in WIRE_DTYPES and device.type == "cpu"
+                  and REGISTERED_BUFFERS in capabilities_of(group))
+    full = group.zeros(b.padded, dtype=b.dtype) if registered else torch.zeros(b.padded, dtype=b.dtype,
+                                                                               device=device)
     with torch.no_grad():
         for s in b.slots:
             full[s.offset:s.offset + s.numel].copy_(s.param.reshape(-1))

@@ -20,7 +20,7 @@ import torch
 
 from ...core import group_carrier
 from ...core.device_kernels import kernels_for
-from ...core.group import COMPRESSED_ALL_REDUCE, Group, GroupWork
+from ...core.group import COMPRESSED_ALL_REDUCE, Group, GroupWork, capabilities_of
 from ...core.group_carrier import GroupCarrier, HostGroups
 from ...core.hosts import host_identity
 from ...core.vocabulary import AVG, Op, compressed_op_code
@@ -400,7 +400,7 @@ class Adaptive(Compressor):
     def all_reduce(self, comm: Any, tensor: torch.Tensor, op: Op = "avg", *, key: Hashable = "default",
                    async_op: bool = False, step: Optional[int] = None
                    ) -> Optional[Union[CompressedWork, GroupWork]]:
-        if COMPRESSED_ALL_REDUCE in getattr(comm, "capabilities", ()):  # the group runs the call
+        if COMPRESSED_ALL_REDUCE in capabilities_of(comm):  # the group runs the call
             return comm.all_reduce(tensor, op, async_op, compression=self, key=key, step=step)
         code = compressed_op_code(op)
         check_tensor(tensor)
