@@ -14,8 +14,12 @@ from helpers import make_input, reduce_reference
 from helpers.ranks import make_comm, run_ranks
 
 ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and window) path
-TUNABLES = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
-COUNTS = (1, 13, 64, 1000, 4097)
+TINY = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
+TUNABLES = TINY
+# (tunables, counts): tiny slots, where all but the smallest counts are pipelined; and the defaults,
+# where 5000 and 9000 elements of 4 bytes and more take the one-shot algorithms on registered
+# buffers (past their 16 KiB threshold: oneshot_sources.h) and 70000 the pipelined ones.
+SETTINGS = {"tiny": (TINY, (1, 13, 64, 1000, 4097)), "default": ({}, (1, 5000, 9000, 70000))}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8)
 
 
@@ -23,12 +27,13 @@ def _inputs(n, count, dtype, seed):
     return [make_input(seed, r, count, dtype) for r in range(n)]
 
 
-def _check_collectives(rank, n, store_path):
-    c = make_comm(rank, n, store_path, **TUNABLES)
+def _check_collectives(rank, n, store_path, setting):
+    tunables, counts = SETTINGS[setting]
+    c = make_comm(rank, n, store_path, **tunables)
     seen = []
     try:
         for dtype in DTYPES:
-            for count in COUNTS:
+            for count in counts:
                 seed = count * 31 + len(seen)
                 xs = _inputs(n, count, dtype, seed)
                 mine = xs[rank]
@@ -75,13 +80,18 @@ def _check_collectives(rank, n, store_path):
                     want = reduce_reference(xs, op, n)
                     assert torch.equal(t, want), ("all_reduce reference", dtype, count, op)
                 seen.append((str(dtype), count))
-        # One rank registered, the other not: both take the slot path, same results.
-        x = torch.arange(3000, dtype=torch.float32) + rank
-        registered = c.empty(3000)  # collective: every rank makes it
-        y = registered if rank == 0 else torch.empty(3000)
-        y.copy_(x)
-        c.all_reduce(y)
-        assert torch.equal(y, sum(torch.arange(3000, dtype=torch.float32) + r for r in range(n)))
+        # One rank registered, the others not: the usual paths (the registered rank publishing its
+        # data after the arrival at one-shot sizes), the same results.
+        for size in (3000, 8000, 300000):
+            x = torch.arange(size, dtype=torch.float32) + rank
+            registered = c.empty(size)  # collective: every rank makes it
+            y = registered if rank == 0 else torch.empty(size)
+            y.copy_(x)
+            c.all_reduce(y)
+            assert torch.equal(y, sum(torch.arange(size, dtype=torch.float32) + r for r in range(n))), size
+            out = torch.empty(n * size)
+            c.all_gather(out, y)
+            assert torch.equal(out[rank * size:(rank + 1) * size], y), size
         # zeros, shapes and a freed window's id not reused
         z = c.zeros(4, 5, dtype=torch.float64)
         assert z.shape == (4, 5) and z.dtype == torch.float64 and not z.any()
@@ -94,11 +104,12 @@ def _check_collectives(rank, n, store_path):
     return rank, seen
 
 
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_on_registered_buffers_are_exact(n):
-    results = run_ranks(_check_collectives, n)
+def test_collectives_on_registered_buffers_are_exact(n, setting):
+    results = run_ranks(_check_collectives, n, setting)
     assert len({tuple(seen) for _, seen in results}) == 1
-    assert len(results[0][1]) == len(DTYPES) * len(COUNTS)
+    assert len(results[0][1]) == len(DTYPES) * len(SETTINGS[setting][1])
 
 
 def _alone(rank, n, store_path):
@@ -175,6 +186,37 @@ def _algorithms(rank, n, store_path):
         return calls[-11:]
     finally:
         c.close()
+
+
+def _oneshot_algorithms(rank, n, store_path):
+    """At one-shot sizes (default tunables, 2 ranks: up to 1 MiB) past 16 KiB, registered buffers
+    are read in place too; below 16 KiB, and on private memory, the one-shot buffers carry the data."""
+    c = make_comm(rank, n, store_path)
+    try:
+        names = []
+        for count in (1000, 8000):  # 4 KB, 32 KB
+            win = c.empty(n * count)
+            win.fill_(rank)
+            out = torch.empty(n * n * count)
+            for data in (win, win.clone()):
+                c.all_reduce(data)
+                c.all_reduce(data)  # in place again: its result is the input of the next call
+                c.reduce_scatter(torch.empty(count), data)
+                c.all_gather(out[: n * count], data[:count])
+                c.all_to_all(out[: n * count], data)
+                c.broadcast(data, 0)
+                calls = [e for e in c.trace()["entries"] if e["kind"] != "barrier"][-6:]
+                names.append([e["algorithm"] for e in calls])
+        return names
+    finally:
+        c.close()
+
+
+def test_registered_buffers_at_one_shot_sizes():
+    for names in run_ranks(_oneshot_algorithms, 2):
+        small_registered, small_private, registered, private = names
+        assert small_registered == small_private == private == ["oneshot"] * 6, names
+        assert registered == ["window"] * 6, names
 
 
 def test_the_recorder_names_the_window_path():

@@ -430,6 +430,12 @@ void Communicator::execute(Request& r) {
 void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
   const size_t es = dtype_size(r.dtype);
   const size_t n = static_cast<size_t>(group_->world_size());
+  group_->forget_windows();
+  run_algorithm_on_host(r, d, es, n);
+  if (group_->read_windows()) d.algo = static_cast<uint32_t>(Algo::kWindow);  // named so in the recorder
+}
+
+void Communicator::run_algorithm_on_host(Request& r, CollectiveDesc& d, size_t es, size_t n) {
   switch (r.kind) {
     case CollKind::kAllReduce: {
       const Algo a = choose_algo(r.kind, r.count * es, false);
@@ -437,7 +443,7 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
       if (a == Algo::kOneShot)
         oneshot_all_reduce(*group_, d, r.in, r.out);
       else if (window_all_reduce(*group_, d, r.in, r.out))
-        d.algo = static_cast<uint32_t>(Algo::kWindow);  // registered buffers: read in place
+        break;  // registered buffers: read in place
       else if (a == Algo::kRing)
         ring_all_reduce(*group_, d, r.in, r.out);
       else
@@ -462,10 +468,7 @@ void Communicator::run_on_host(Request& r, CollectiveDesc& d) {
           done = window_all_to_all(*group_, d, r.in, r.out);
         else
           done = window_broadcast(*group_, d, r.out);
-        if (done) {
-          d.algo = static_cast<uint32_t>(Algo::kWindow);  // named so in the flight recorder
-          break;
-        }
+        if (done) break;
       }
       if (r.kind == CollKind::kReduceScatter)
         (small ? oneshot_reduce_scatter : pipelined_reduce_scatter)(*group_, d, r.in, r.out);

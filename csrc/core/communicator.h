@@ -227,6 +227,7 @@ class Communicator {
   void execute_local(Request& r);
   // One collective on this host's shared-memory group, described by `d` (its algo is filled in).
   void run_on_host(Request& r, CollectiveDesc& d);
+  void run_algorithm_on_host(Request& r, CollectiveDesc& d, size_t es, size_t n);
   // Across hosts (cross_host.cc): the collective `r` (described to the other hosts by `d`) as
   // steps on this host's group and direct transfers between hosts.
   void execute_cross_host(Request& r, const CollectiveDesc& d);

@@ -42,5 +42,8 @@ bool window_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in,
 bool window_all_gather(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 bool window_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out);
 bool window_broadcast(ShmGroup& g, const CollectiveDesc& d, void* data);
+// The in-place all_reduce on registered buffers once arrived, `data[r]` rank r's buffer (the
+// one-shot all_reduce's path for them too).
+void window_all_reduce_arrived(ShmGroup& g, const CollectiveDesc& d, const char* const* data, void* out);
 
 }  // namespace braid

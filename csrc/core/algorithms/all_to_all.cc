@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "algorithms.h"
+#include "oneshot_sources.h"
 #include "scatter_pipeline.h"
 
 namespace braid {
@@ -16,13 +17,17 @@ void oneshot_all_to_all(ShmGroup& g, const CollectiveDesc& d, const void* in, vo
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   char* mine = g.oneshot(g.rank(), d.seq);
-  for (size_t j = 0; j < n; ++j)
-    if (j != me) copy_bytes(mine + j * part, src + j * part, part);
-  g.arrive(d);
+  const char* data[kMaxLocalRanks];
+  const bool windows = oneshot_arrive(g, d, in, part * n, [&] {
+    for (size_t j = 0; j < n; ++j)
+      if (j != me) copy_bytes(mine + j * part, src + j * part, part);
+  }, data);
   for (size_t r = 0; r < n; ++r) {
-    const char* from = r == me ? src + me * part : g.oneshot(static_cast<int>(r), d.seq) + me * part;
+    const char* from = r == me ? src + me * part
+                               : (windows ? data[r] : g.oneshot(static_cast<int>(r), d.seq)) + me * part;
     if (dst + r * part != from) copy_bytes(dst + r * part, from, part);
   }
+  if (windows) close_windows(g);
 }
 
 // Pipelined: as pipelined_reduce_scatter, slot k holds one piece per peer (my chunk j's piece

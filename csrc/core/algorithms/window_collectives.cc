@@ -72,12 +72,18 @@ bool window_reduce_scatter(ShmGroup& g, const CollectiveDesc& d, const void* in,
 }
 
 bool window_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, void* out) {
+  const char* data[kMaxLocalRanks];
+  // In place only: each rank writes its reduced part where the peers then read it.
+  if (!g.arrive_windowed(d, in != out ? nullptr : in, d.count * dtype_size(static_cast<DType>(d.dtype)), data))
+    return false;
+  window_all_reduce_arrived(g, d, data, out);
+  return true;
+}
+
+void window_all_reduce_arrived(ShmGroup& g, const CollectiveDesc& d, const char* const* data, void* out) {
   const auto dt = static_cast<DType>(d.dtype);
   const size_t es = dtype_size(dt);
   const int n = g.world_size(), me = g.rank();
-  // In place only: each rank writes its reduced part where the peers then read it.
-  const char* data[kMaxLocalRanks];
-  if (!g.arrive_windowed(d, in != out ? nullptr : in, d.count * es, data)) return false;
   const size_t per = (d.count + n - 1) / n;
   auto begin = [&](int j) { return std::min(static_cast<size_t>(j) * per, d.count); };
   // Part me, over every rank's part me in rank order, into this rank's buffer (each peer reads
@@ -93,7 +99,6 @@ bool window_all_reduce(ShmGroup& g, const CollectiveDesc& d, const void* in, voi
     copy_bytes(dst + begin(j) * es, data[j] + begin(j) * es, (begin(j + 1) - begin(j)) * es);
   }
   close(g);
-  return true;
 }
 
 }  // namespace braid

@@ -103,6 +103,17 @@ class ShmGroup : public Transport {
   // data (this rank's included), when every rank's data lies in the same window; false
   // otherwise, the same answer on every rank.
   bool arrive_windowed(const CollectiveDesc& d, const void* data, size_t bytes, const char** peer_data);
+  // The two halves of arrive_windowed, for algorithms that do more in between (the one-shot ones:
+  // algorithms/oneshot_sources.h). publish_window records which window holds this rank's data for
+  // `d` (none: -1) and returns whether one does; after the arrival at `d`, windows_at reads every
+  // rank's record: kAll (the same window everywhere; `peer_data` filled as above), kNone or kSome.
+  enum class Windows { kNone, kSome, kAll };
+  bool publish_window(const CollectiveDesc& d, const void* data, size_t bytes);
+  Windows windows_at(const CollectiveDesc& d, const char** peer_data);
+  // Whether windows_at answered kAll since forget_windows(): the collective read registered
+  // buffers in place (what the flight recorder names it).
+  bool read_windows() const { return read_windows_; }
+  void forget_windows() { read_windows_ = false; }
 
   // Progress counter: each call posts the next step; peers wait on step values.
   uint64_t step() const { return step_; }
@@ -232,6 +243,7 @@ class ShmGroup : public Transport {
   std::atomic<size_t> nwindows_{0};
   // arrive_windowed's arrival, which the algorithm's arrive() for the same sequence number takes.
   bool prearrived_ = false;
+  bool read_windows_ = false;
   uint64_t prearrived_seq_ = 0, prearrived_step_ = 0;
   std::atomic<bool> abort_requested_{false};  // request_abort() was called
   std::mutex abort_mu_;

@@ -68,25 +68,41 @@ int64_t ShmGroup::window_of(const void* data, size_t bytes, uint64_t* offset) {
   return -1;
 }
 
-bool ShmGroup::arrive_windowed(const CollectiveDesc& d, const void* data, size_t bytes, const char** peer_data) {
+bool ShmGroup::publish_window(const CollectiveDesc& d, const void* data, size_t bytes) {
   SegmentHeader* me = header(rank_);
   uint64_t off = 0;
   const int64_t id = window_of(data, bytes, &off);
   const int parity = static_cast<int>(d.seq & 1);
   me->window_id[parity] = id;
   me->window_off[parity] = off;
-  prearrived_ = false;
-  prearrived_step_ = arrive(d);  // posts: the record above is published with the arrival
-  prearrived_seq_ = d.seq;
-  prearrived_ = true;
-  if (id < 0) return false;
-  for (int r : all_peers_)
-    if (header(r)->window_id[parity] != id) return false;
+  return id >= 0;
+}
+
+ShmGroup::Windows ShmGroup::windows_at(const CollectiveDesc& d, const char** peer_data) {
+  const int parity = static_cast<int>(d.seq & 1);
+  const int64_t id = header(rank_)->window_id[parity];
+  bool any = id >= 0, all = id >= 0;
+  for (int r : all_peers_) {
+    const int64_t theirs = header(r)->window_id[parity];
+    any = any || theirs >= 0;
+    all = all && theirs == id;
+  }
+  if (!all) return any ? Windows::kSome : Windows::kNone;
   // Every rank's data is in window `id`: each holds its mappings of the id while its data is there.
   std::lock_guard<std::mutex> lock(windows_mu_);
   const ShmWindow& w = *windows_.at(id);
   for (int r = 0; r < world_; ++r) peer_data[r] = w.bases[r] + header(r)->window_off[parity];
-  return true;
+  read_windows_ = true;
+  return Windows::kAll;
+}
+
+bool ShmGroup::arrive_windowed(const CollectiveDesc& d, const void* data, size_t bytes, const char** peer_data) {
+  publish_window(d, data, bytes);
+  prearrived_ = false;
+  prearrived_step_ = arrive(d);  // posts: the record is published with the arrival
+  prearrived_seq_ = d.seq;
+  prearrived_ = true;
+  return windows_at(d, peer_data) == Windows::kAll;
 }
 
 }  // namespace braid
