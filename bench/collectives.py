@@ -275,12 +275,13 @@ def run_rank(rank: int, world_size: int, store_port: int | None, config: Config)
             print("braid.bench: stopped before the deadline (--deadline): the tables hold what was "
                   "measured until then", file=sys.stderr)
         progress.close()
+        floor = _copy_floor(config.sizes) if not truncated else {}
         if braid is not None:
             braid.close()
         launch.end_gloo_use()  # without it, runs with the DeepSpeed peer aborted a rank at exit
     finally:
         dist.destroy_process_group()
-    status = _report(config, records, world_size, mpi_library) if rank == 0 else 0
+    status = _report(config, records, world_size, mpi_library, floor) if rank == 0 else 0
     return launch.EXIT_FAILED if truncated else status
 
 
@@ -357,7 +358,31 @@ def _version(package: str = "braid") -> str | None:
         return None
 
 
-def _report(config: Config, records: list[dict], world_size: int, mpi_library: str | None) -> int:
+def _copy_floor(sizes: Sequence[int], repeats: int = 7) -> dict[int, float]:
+    """GB/s of one copy of each size (bytes read) with torch's ``copy_`` (at the smallest sizes its
+    call's own cost counts too), every rank copying at once as they do in the collectives; the
+    slowest rank's rate: the single-copy floor's rate."""
+    rates = []
+    for nbytes in sizes:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # touch both: page faults are not the copy's
+        iters = max(1, min(1000, (64 << 20) // max(nbytes, 1)))
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src)
+            best = min(best, (time.perf_counter() - t0) / iters)
+        rates.append(nbytes / best / 1e9)
+    t = torch.tensor(rates, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return dict(zip(sizes, t.tolist()))
+
+
+def _report(config: Config, records: list[dict], world_size: int, mpi_library: str | None,
+            floor: dict[int, float]) -> int:
     status = 0
     blocks = [report.results_table(records, impl, op) for op in config.ops for impl in config.impls]
     if "braid" in config.impls:
@@ -365,6 +390,8 @@ def _report(config: Config, records: list[dict], world_size: int, mpi_library: s
     if REGISTERED in config.impls:
         blocks += [report.ratio_table(records, REGISTERED, peer) for peer in config.impls
                    if peer not in ("braid", REGISTERED)]
+    blocks += [report.floor_table(records, impl, floor) for impl in ("braid", REGISTERED)
+               if impl in config.impls]
     print("\n\n".join(b for b in blocks if b))
     wrong = [r for r in records if r["wrong"]]
     if wrong:
@@ -385,7 +412,8 @@ def _report(config: Config, records: list[dict], world_size: int, mpi_library: s
                     "bind": config.bind, "trace": list(config.trace)}
         report.write_json(config.json_path, {
             "benchmark": "collectives", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine, "config": settings, "records": records})
+            "machine": machine, "config": settings, "records": records,
+            "copy_floor_gbps": {str(k): v for k, v in floor.items()}})
     if config.plot_path:
         report.plot_busbw(config.plot_path, records,
                           f"busbw, {world_size} ranks, {config.dtype} ({config.machine['hostname']})")

@@ -120,6 +120,28 @@ def ratio_table(records: Sequence[dict], impl: str, peer: str) -> str:
     return "\n".join(lines)
 
 
+def floor_table(records: Sequence[dict], impl: str, floor_gbps: dict) -> str:
+    """``impl``'s busbw beside the single-copy floor: each rank copying every byte it must move
+    once at this machine's copy rate for that size (``floor_gbps``: bytes -> GB/s). For every
+    collective here that is a busbw equal to the copy rate (each rank reads the (n-1)/n of the
+    data, or 2(n-1)/n for all_reduce, that busbw counts); a column per op of busbw / floor."""
+    ops = [op for op in ops_of(records) if _select(records, impl, op)]
+    if not ops or not floor_gbps:
+        return ""
+    by_key: dict[tuple, dict] = {(r["op"], r["bytes"]): r for r in records if r["impl"] == impl}
+    lines = [f"# single-copy floor (GB/s: one copy of each byte that must move, at this machine's copy "
+             f"rate) and {impl}'s busbw / floor",
+             f"#{'size (B)':>11} {'floor':>9}" + "".join(f" {op:>15}" for op in ops)]
+    for nbytes in sorted(floor_gbps):
+        floor = floor_gbps[nbytes]
+        cells = []
+        for op in ops:
+            r = by_key.get((op, nbytes))
+            cells.append(f"{'-':>15}" if r is None or floor <= 0 else f"{r['busbw_gbps'] / floor:>15.2f}")
+        lines.append((f"{nbytes:>12} {floor:>9.2f}" + "".join(f" {c}" for c in cells)).rstrip())
+    return "\n".join(lines)
+
+
 def machine_info() -> dict:
     """What a reader needs to compare runs: host, CPU, cores, memory, load, OS, Python."""
     cpu = platform.processor()
