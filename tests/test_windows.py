@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from helpers import make_input, reduce_reference
-from helpers.ranks import make_comm, run_ranks
+from helpers.ranks import environment, make_comm, run_ranks
 
 ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and window) path
 TINY = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
@@ -225,3 +225,30 @@ def test_the_recorder_names_the_window_path():
         assert names[:5] == [(k, "window") for k in kinds]
         assert [k for k, _ in names[5:10]] == kinds and all(a != "window" for _, a in names[5:10])
         assert names[10] == ("all_reduce", "oneshot")
+
+
+def _refused_on_one_rank(rank, n, store_path):
+    """A rank that cannot make its segment (simulated: BRAID_REGISTERED_BUFFERS=0 on rank 1
+    only) makes every rank of the host fall back to plain tensors for that buffer: the usual
+    paths, exact results, nothing left in /dev/shm; the next buffer is registered again."""
+    c = make_comm(rank, n, store_path)
+    try:
+        count = 300000  # past the one-shot limit: "twoshot" on private memory, "window" registered
+        with environment({"BRAID_REGISTERED_BUFFERS": "0"} if rank == 1 else {}):
+            refused = c.empty(count)
+        registered = c.empty(count)
+        names = []
+        for t in (refused, registered):
+            t.fill_(rank + 1)
+            c.all_reduce(t)
+            assert torch.equal(t, torch.full((count,), float(sum(range(1, n + 1))))), names
+            names.append([e["algorithm"] for e in c.trace()["entries"] if e["kind"] == "all_reduce"][-1])
+        return names
+    finally:
+        c.close()
+
+
+def test_a_refused_segment_falls_back_on_every_rank():
+    before = set(os.listdir("/dev/shm"))
+    assert run_ranks(_refused_on_one_rank, 2) == [["twoshot", "window"]] * 2
+    assert set(os.listdir("/dev/shm")) <= before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
+import logging
 import operator
 import os
 import socket
@@ -29,6 +30,8 @@ from .launch_env import launch_rank, launch_store, launch_world_size
 from .vocabulary import REDUCE_OPS, Op, op_code
 from .wire import CompressionHost, WireStats
 from .work import Work, seconds
+
+logger = logging.getLogger(__name__)
 
 _instances = itertools.count()
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # of every wait, unless a communicator is given its own
@@ -714,7 +717,9 @@ class Communicator(CompressionHost, Group):
         store, then a barrier). Its contents are uninitialized. The memory is freed when the
         tensor and every view of it are gone. Where this rank is alone on its host, a plain
         tensor. Counts against the host's shared-memory file system (/dev/shm), like braid's
-        own segments.
+        own segments: where a rank of the host cannot make its segment (too little room, refused),
+        it logs a warning and every rank of the host returns a plain tensor instead (as with
+        ``BRAID_REGISTERED_BUFFERS=0`` on any of them).
         """
         dims = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
@@ -730,8 +735,19 @@ class Communicator(CompressionHost, Group):
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = shape.numel() * itemsize
         key = f"{self._prefix}window{wid}/"
-        self._store.set(f"{key}{self._rank}", self._c.window_create(wid, max(nbytes, 1)))
+        name = ""
+        if os.environ.get("BRAID_REGISTERED_BUFFERS", "1") != "0":
+            try:
+                name = self._c.window_create(wid, max(nbytes, 1))
+            except Exception as e:  # a /dev/shm too small, a refused segment: every rank falls back
+                logger.warning("braid: rank %d could not make a registered buffer of %d bytes (%s); "
+                               "the host's ranks use plain tensors for it", self._rank, nbytes, e)
+        self._store.set(f"{key}{self._rank}", name)
         names = [self._store.get(f"{key}{r}").decode() for r in here]  # local rank order
+        if "" in names:  # some rank of the host has none: plain tensors everywhere, the same path
+            if name:
+                self._c.window_free(wid)
+            return torch.empty(shape, dtype=dtype)
         raw = self._c.window_attach(wid, names)
         self.barrier()  # every rank has mapped every segment: the names can go
         self._c.window_unlink(wid)

@@ -416,6 +416,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  },
                  at::TensorOptions().dtype(at::kByte));
            })
+      .def("window_free",
+           [](Communicator& c, int64_t id) {
+             if (ShmGroup* g = c.host_group()) g->window_free(id);
+           })
       .def("window_unlink",
            [](Communicator& c, int64_t id) {
              if (ShmGroup* g = c.host_group()) g->window_unlink(id);
