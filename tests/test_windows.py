@@ -7,11 +7,13 @@ Every rank checks its results against exact local references and against the sam
 private copies of the same inputs (the slot path), bit for bit."""
 import glob
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
-from helpers import make_input, reduce_reference
-from helpers.ranks import environment, make_comm, run_ranks
+from helpers import braid_segments, make_input, outcome, reduce_reference
+from helpers.ranks import FreshRanks, environment, make_comm, open_store, run_ranks
 
 ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and window) path
 TINY = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
@@ -252,3 +254,45 @@ def test_a_refused_segment_falls_back_on_every_rank():
     before = set(os.listdir("/dev/shm"))
     assert run_ranks(_refused_on_one_rank, 2) == [["twoshot", "window"]] * 2
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def _killed_while_reading(rank, n, store_path, victim):
+    """Every rank all-gathers a 16 MiB registered buffer over and over (the window path: each reads
+    the others' buffers in place); the test SIGKILLs the victim meanwhile."""
+    c = make_comm(rank, n, store_path, timeout=30.0)
+    store = open_store(store_path)
+    win = c.empty(1 << 22)
+    win.fill_(rank)
+    out = torch.empty(n << 22)
+    c.all_gather(out, win)
+    store.set(f"gathering{rank}", "1")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        seen = outcome(c.all_gather, out, win)
+        if seen["type"] is not None:
+            return {"seen": seen, "leaked": braid_segments([os.getpid()])}
+    raise AssertionError("the peer's death went unnoticed for 60 s")
+
+
+def test_a_peer_killed_during_window_collectives_raises_peer_error():
+    """A rank SIGKILLed while the ranks read each other's registered buffers: the survivors raise
+    PeerError naming it within 2 s (the victim's memory stays mapped in the survivors, so a read in
+    progress finishes; the wait after it notices the death), and nothing is left in /dev/shm."""
+    n, victim = 3, 1
+    with FreshRanks(n) as ranks:
+        ranks.start(_killed_while_reading, victim)
+        open_store(ranks.store_path).wait([f"gathering{r}" for r in range(n)], timedelta(seconds=60))
+        time.sleep(0.3)  # aims the kill at the middle of the loop; no outcome rests on it
+        killed_at = time.monotonic()
+        ranks.kill(victim)
+        outcomes = ranks.outcomes()
+    assert outcomes[victim][0] == "died", outcomes[victim]
+    for r in (0, 2):
+        kind, result = outcomes[r]
+        assert kind == "ok", result
+        seen = result["seen"]
+        assert seen["type"] == "PeerError", seen
+        assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
+        assert seen["at"] - killed_at < 2.0, seen
+        assert result["leaked"] == []
+    assert braid_segments(ranks.pids) == []

@@ -714,9 +714,9 @@ class Communicator(CompressionHost, Group):
 
         Collective: every rank calls it, in the same order as its other ``empty`` / ``zeros``
         calls (the ranks of each host create and map their segments together, through the
-        store, then a barrier). Its contents are uninitialized. The memory is freed when the
-        tensor and every view of it are gone. Where this rank is alone on its host, a plain
-        tensor. Counts against the host's shared-memory file system (/dev/shm), like braid's
+        store, then a barrier of the whole communicator). Its contents are uninitialized. The
+        memory is freed when the tensor and every view of it are gone. Where this rank is alone on
+        its host, a plain tensor. Counts against the host's shared-memory file system (/dev/shm), like braid's
         own segments: where a rank of the host cannot make its segment (too little room, refused),
         it logs a warning and every rank of the host returns a plain tensor instead (as with
         ``BRAID_REGISTERED_BUFFERS=0`` on any of them).
@@ -730,26 +730,30 @@ class Communicator(CompressionHost, Group):
         wid = self._windows
         self._windows += 1
         here = [r for r, h in enumerate(self._hosts) if h == self._hosts[self._rank]]
-        if len(here) == 1:
-            return torch.empty(shape, dtype=dtype)
+        raw = None
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = shape.numel() * itemsize
-        key = f"{self._prefix}window{wid}/"
-        name = ""
-        if os.environ.get("BRAID_REGISTERED_BUFFERS", "1") != "0":
-            try:
-                name = self._c.window_create(wid, max(nbytes, 1))
-            except Exception as e:  # a /dev/shm too small, a refused segment: every rank falls back
-                logger.warning("braid: rank %d could not make a registered buffer of %d bytes (%s); "
-                               "the host's ranks use plain tensors for it", self._rank, nbytes, e)
-        self._store.set(f"{key}{self._rank}", name)
-        names = [self._store.get(f"{key}{r}").decode() for r in here]  # local rank order
-        if "" in names:  # some rank of the host has none: plain tensors everywhere, the same path
-            if name:
-                self._c.window_free(wid)
+        if len(here) > 1:
+            key = f"{self._prefix}window{wid}/"
+            name = ""
+            if os.environ.get("BRAID_REGISTERED_BUFFERS", "1") != "0":
+                try:
+                    name = self._c.window_create(wid, max(nbytes, 1))
+                except Exception as e:  # a /dev/shm too small, a refused segment: the host falls back
+                    logger.warning("braid: rank %d could not make a registered buffer of %d bytes (%s); "
+                                   "the host's ranks use plain tensors for it", self._rank, nbytes, e)
+            self._store.set(f"{key}{self._rank}", name)
+            names = [self._store.get(f"{key}{r}").decode() for r in here]  # local rank order
+            if "" in names:  # some rank of the host has none: plain tensors there, the same path
+                if name:
+                    self._c.window_free(wid)
+            else:
+                raw = self._c.window_attach(wid, names)
+        # Every rank of the communicator, whatever its host did: each host's ranks have mapped
+        # every segment of theirs once it returns, so the names can go.
+        self.barrier()
+        if raw is None:
             return torch.empty(shape, dtype=dtype)
-        raw = self._c.window_attach(wid, names)
-        self.barrier()  # every rank has mapped every segment: the names can go
         self._c.window_unlink(wid)
         return raw[:nbytes].view(dtype).view(shape)
 
