@@ -19,8 +19,9 @@ ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and windo
 TINY = {"oneshot_max_bytes": ONESHOT_MAX_BYTES, "slot_bytes": 1024, "nslots": 2}
 TUNABLES = TINY
 # (tunables, counts): tiny slots, where all but the smallest counts are pipelined; and the defaults,
-# where 5000 and 9000 elements of 4 bytes and more take the one-shot algorithms on registered
-# buffers (past their 16 KiB threshold: oneshot_sources.h) and 70000 the pipelined ones.
+# where 9000 elements of 4 bytes and more take the one-shot algorithms on registered buffers
+# (past their 32 KiB threshold: oneshot_sources.h; 5000 below it, but for the calls that publish
+# every rank's share) and 70000 the pipelined ones.
 SETTINGS = {"tiny": (TINY, (1, 13, 64, 1000, 4097)), "default": ({}, (1, 5000, 9000, 70000))}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.uint8)
 
@@ -191,12 +192,12 @@ def _algorithms(rank, n, store_path):
 
 
 def _oneshot_algorithms(rank, n, store_path):
-    """At one-shot sizes (default tunables, 2 ranks: up to 1 MiB) past 16 KiB, registered buffers
-    are read in place too; below 16 KiB, and on private memory, the one-shot buffers carry the data."""
+    """At one-shot sizes (default tunables, 2 ranks: up to 1 MiB) past 32 KiB, registered buffers
+    are read in place too; below 32 KiB, and on private memory, the one-shot buffers carry the data."""
     c = make_comm(rank, n, store_path)
     try:
         names = []
-        for count in (1000, 8000):  # 4 KB, 32 KB
+        for count in (1000, 9000):  # 4 KB, 36 KB per part
             win = c.empty(n * count)
             win.fill_(rank)
             out = torch.empty(n * n * count)

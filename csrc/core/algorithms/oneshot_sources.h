@@ -11,8 +11,11 @@ namespace braid {
 // From this many bytes published per rank on, the one-shot collectives look for registered
 // buffers (a record per rank beside the descriptor, read after the arrival); below it they run
 // as they always did, their latency being the point there. The same on every rank: the choice
-// to look depends on the size alone.
-constexpr size_t kOneShotWindowMinBytes = 16 << 10;
+// to look depends on the size alone. Measured at 2 ranks (docs/results/
+// 2026-11-28-epyc-2vcpu-registered.md, "The one-shot threshold"): reading in place with its
+// closing step was 0.89-1.42x slower than the one-shot copies from 4 to 16 KiB, and faster
+// (0.68-1.00 of the time) at 32 KiB.
+constexpr size_t kOneShotWindowMinBytes = 32 << 10;
 
 // Arrives at the one-shot collective `d` whose peers read this rank's [data, data + bytes), which
 // `publish()` copies into its one-shot buffer. Returns true, with `peer_data[r]` rank r's data,
