@@ -107,8 +107,9 @@ def _check_collectives(rank, n, store_path, setting):
     return rank, seen
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("n", [2, 3])
+# Three ranks with tiny slots; the default tunables at two ranks, where their one-shot limit (1 MiB)
+# leaves room for the one-shot collectives on registered buffers (at three it is 32 KiB).
+@pytest.mark.parametrize("n,setting", [(2, "tiny"), (3, "tiny"), (2, "default")])
 def test_collectives_on_registered_buffers_are_exact(n, setting):
     results = run_ranks(_check_collectives, n, setting)
     assert len({tuple(seen) for _, seen in results}) == 1
@@ -279,7 +280,7 @@ def test_a_peer_killed_during_window_collectives_raises_peer_error():
     """A rank SIGKILLed while the ranks read each other's registered buffers: the survivors raise
     PeerError naming it within 2 s (the victim's memory stays mapped in the survivors, so a read in
     progress finishes; the wait after it notices the death), and nothing is left in /dev/shm."""
-    n, victim = 3, 1
+    n, victim = 2, 1
     with FreshRanks(n) as ranks:
         ranks.start(_killed_while_reading, victim)
         open_store(ranks.store_path).wait([f"gathering{r}" for r in range(n)], timedelta(seconds=60))
@@ -288,12 +289,11 @@ def test_a_peer_killed_during_window_collectives_raises_peer_error():
         ranks.kill(victim)
         outcomes = ranks.outcomes()
     assert outcomes[victim][0] == "died", outcomes[victim]
-    for r in (0, 2):
-        kind, result = outcomes[r]
-        assert kind == "ok", result
-        seen = result["seen"]
-        assert seen["type"] == "PeerError", seen
-        assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
-        assert seen["at"] - killed_at < 2.0, seen
-        assert result["leaked"] == []
+    kind, result = outcomes[0]
+    assert kind == "ok", result
+    seen = result["seen"]
+    assert seen["type"] == "PeerError", seen
+    assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
+    assert seen["at"] - killed_at < 2.0, seen
+    assert result["leaked"] == []
     assert braid_segments(ranks.pids) == []
