@@ -406,18 +406,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _names(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'no ' + what} given; choose from "
-                                         f"{', '.join(allowed)}")
-    return names
-
-
 def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", type=lambda t: _names(t, SECTIONS, "section"), default=SECTIONS,
+    p.add_argument("--sections", type=report.choice_list(SECTIONS), default=SECTIONS,
                    help=f"comma-separated, from {','.join(SECTIONS)} (default all)")
     p.add_argument("--head-dims", type=_int_list, default=(64, 128), help="(default 64,128)")
     p.add_argument("--seqs", type=_int_list, default=(512, 1024, 2048, 4096, 8192, 16384),
@@ -430,7 +421,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=1024, help="keys before each query in the window rows "
                    "(default 1024)")
     p.add_argument("--seed", type=int, default=0, help="of the varlen rows' document lengths (default 0)")
-    p.add_argument("--impls", type=lambda t: _names(t, ALL_IMPLS, "implementation"), default=ALL_IMPLS,
+    p.add_argument("--impls", type=report.choice_list(ALL_IMPLS), default=ALL_IMPLS,
                    help=f"comma-separated, from {','.join(ALL_IMPLS)} (default all)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up in ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench timed ms per measurement (default 100)")

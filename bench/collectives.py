@@ -428,25 +428,14 @@ def _parse_bytes(text: str) -> int:
     return int(m.group(1)) * 1024 ** {"": 0, "k": 1, "m": 2, "g": 3}[m.group(2).lower()]
 
 
-def _parse_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-        unknown = [s for s in items if s not in choices]
-        if unknown or not items:
-            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'} given; choose from "
-                                             f"{', '.join(choices)} (comma-separated)")
-        return items
-    return parse
-
-
 def _parser(prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default 2); ignored under torchrun, which sets WORLD_SIZE")
-    p.add_argument("--ops", type=_parse_list(protocol.ALL_OPS), default=protocol.OPS,
+    p.add_argument("--ops", type=report.choice_list(protocol.ALL_OPS), default=protocol.OPS,
                    help=f"comma-separated collectives (default {','.join(protocol.OPS)}; also "
                    f"{', '.join(protocol.EXTRA_OPS)}: all_to_all with equal and with skewed split sizes)")
-    p.add_argument("--impls", type=_parse_list(IMPLS), default=None,
+    p.add_argument("--impls", type=report.choice_list(IMPLS), default=None,
                    help="comma-separated implementations (default: braid, gloo, and mpi and "
                    "deepspeed when available; deepspeed measures all_reduce only)")
     p.add_argument("--min-bytes", type=_parse_bytes, default=4096,
@@ -463,7 +452,7 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
                    help="rank placement: core = local rank r on the r-th usable CPU; auto (default) = "
                         "core when ranks <= CPUs, else none, as Open MPI's mpirun does")
-    p.add_argument("--trace", type=_parse_list(("on", "off")), default=("on",),
+    p.add_argument("--trace", type=report.choice_list(("on", "off")), default=("on",),
                    help="braid's flight recorder: on (default), off, or on,off: both measured side by "
                         f"side on the same communicator, paused as impl {UNTRACED} (its cost)")
     p.add_argument("--json", metavar="PATH", type=report.output_path(),

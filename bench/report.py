@@ -9,11 +9,24 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from .protocol import ALL_OPS, REDOP
 
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse ``type``: a comma-separated list of ``choices`` (duplicates dropped, order
+    kept); ArgumentTypeError naming the unknown ones, or an empty list."""
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+        unknown = [s for s in items if s not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'} given; choose from "
+                                             f"{', '.join(choices)} (comma-separated)")
+        return items
+    return parse
 
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -83,7 +83,9 @@ def copy_back(flat: torch.Tensor, tensor: torch.Tensor) -> None:
         tensor.copy_(flat.view(tensor.shape))
 
 
-def _flat_view(tensor: torch.Tensor) -> torch.Tensor:
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one dimension: a view where it is contiguous, else a contiguous copy (the
+    result then goes back through :func:`copy_back`)."""
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
@@ -177,7 +179,7 @@ def all_reduce(q: Any, comm: Any, tensor: torch.Tensor, op: Op, key: Hashable, a
     kernels_for(tensor.device)  # a device without kernels fails here, before any state changes
     q.check_numel(tensor.numel())  # before any state changes: a refused call leaves none
     calls, step = q.count_call(key, step)
-    return _on_carrier(q, carrier, tensor, _flat_view(tensor), code, key, calls, step, async_op)
+    return _on_carrier(q, carrier, tensor, flat_view(tensor), code, key, calls, step, async_op)
 
 
 def all_reduce_on_communicator(q: Any, communicator: Any, tensor: torch.Tensor, op: Op, key: Hashable,
@@ -207,7 +209,7 @@ def all_reduce_on(q: Any, comm: BraidCollectives, tensor: torch.Tensor, op: Op, 
                          "process group)")
     q.check_numel(tensor.numel())  # before any state changes: a refused call leaves none
     calls, step = q.count_call(key, step)
-    flat = _flat_view(tensor)
+    flat = flat_view(tensor)
     n, es = comm.world_size, flat.element_size()
     path = q.last_path = choose_path(q, comm, flat.numel(), step, es)
     if path == EXACT:

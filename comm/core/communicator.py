@@ -731,8 +731,7 @@ class Communicator(CompressionHost, Group):
         self._windows += 1
         here = [r for r, h in enumerate(self._hosts) if h == self._hosts[self._rank]]
         raw = None
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = shape.numel() * itemsize
+        nbytes = shape.numel() * dtype.itemsize
         if len(here) > 1:
             key = f"{self._prefix}window{wid}/"
             name = ""

@@ -27,7 +27,7 @@ from ...core.vocabulary import AVG, Op, compressed_op_code
 from ...core.wire import BraidCollectives, WireStats
 from ...core.work import Work
 from ..compressors import Compressor, compressor
-from ..driver import CompressedWork, check_tensor, copy_back
+from ..driver import CompressedWork, check_tensor, copy_back, flat_view
 from .model import (
     ACROSS_HOSTS,
     ALL_REDUCE,
@@ -411,7 +411,7 @@ class Adaptive(Compressor):
                                  lambda out, inp: self._gather_on_group(group, out, inp),
                                  lambda: self._layout_of_group(carrier))
         if name == EXACT:
-            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            flat = flat_view(tensor)
             self.count_wire(self.exact_wire_stats(flat.numel() * flat.element_size(), carrier.size))
             slice_of = self._slice_of_group(carrier)
             flush = step >= self.warmup_steps  # never into a warm-up step's (maybe first) layout
@@ -445,7 +445,7 @@ class Adaptive(Compressor):
                                  lambda out, inp: comm.all_gather(out, inp, False),
                                  lambda: self._layout_of_braid(comm))
         if name == EXACT:
-            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+            flat = flat_view(tensor)
             local = comm.local_world_size if comm.num_hosts > 1 and comm.uniform_hosts else 1
             if step >= self.warmup_steps:  # never into a warm-up step's (maybe first) layout
                 self._flush(key, flat, (comm.local_rank, local))
