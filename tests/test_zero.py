@@ -920,3 +920,30 @@ def _run_registered_full_buffers(rank, world_size, store_path, stage):
 def test_full_buffers_are_registered_at_stages_1_and_2(stage):
     for windowed, gathers in run_ranks(_run_registered_full_buffers, 2, stage):
         assert gathers > 0 and windowed > 0, (windowed, gathers)
+
+
+def _run_dropped_wrapper(rank, world_size, store_path, stage):
+    """Wraps a model on a gloo sub-group, trains a step, drops the wrapper and destroys the groups:
+    the sub-group must then be freed (with its threads and sockets), however many wrappers and
+    adapters of it braid made; returns whether the group, the wrapper and its module still live."""
+    import gc
+    import weakref
+
+    with process_group(rank, world_size, store_path):
+        group = dist.new_group(backend="gloo", timeout=dist.default_pg_timeout)
+        sharded = zero.shard(lm_model(seed=rank), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        train_steps(sharded, opt, rank, 1, 1, sharded.no_sync)
+        refs = [weakref.ref(group), weakref.ref(sharded), weakref.ref(sharded.module)]
+        del group, sharded, opt
+    gc.collect()
+    return [r() is not None for r in refs]
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_dropped_wrapper_frees_its_group(stage):
+    """The wrapper's autograd hooks live on tensors autograd holds in C++, out of the collector's
+    sight: hooks that held the wrapper kept it, its buffers and its group for good; and braid's
+    cache of group adapters once kept every group it saw."""
+    for alive in run_ranks(_run_dropped_wrapper, 2, stage):
+        assert alive == [False, False, False], "still alive (group, wrapper, module): " + str(alive)

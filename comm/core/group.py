@@ -622,15 +622,20 @@ class DefaultGroup(Group):
         return f"<braid DefaultGroup {'-> ' + repr(self._group) if self._group else '(not yet resolved)'}>"
 
 
-# One adapter per ProcessGroup (weakly held: a destroyed group's adapter goes with it).
-_ADAPTERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, ProcessGroupAdapter]" = weakref.WeakKeyDictionary()
+# One adapter per ProcessGroup while anything uses it. Both sides are weak: an adapter holds its
+# group, so a strong value would keep the key alive for good, and with it the group's threads and
+# sockets after ``destroy_process_group`` (gloo's, about 100 wake-ups a second each).
+_ADAPTERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def adapter(group: dist.ProcessGroup) -> ProcessGroupAdapter:
-    """The :class:`ProcessGroupAdapter` of ``group`` (made once per group)."""
-    found = _ADAPTERS.get(group)
+    """The :class:`ProcessGroupAdapter` of ``group``: the one in use if there is one, else a new
+    one. The adapter keeps its group alive; nothing here keeps the adapter."""
+    ref = _ADAPTERS.get(group)
+    found = None if ref is None else ref()
     if found is None:
-        found = _ADAPTERS[group] = ProcessGroupAdapter(group)
+        found = ProcessGroupAdapter(group)
+        _ADAPTERS[group] = weakref.ref(found)
     return found
 
 

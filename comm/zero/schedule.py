@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -71,6 +72,20 @@ class _Done:
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
+
+
+def _weakly(method: Any, *bound: Any) -> Any:
+    """``functools.partial(method, *bound)`` that does not keep ``method``'s schedule alive: the
+    hooks live on parameters and tensors autograd holds in C++, where Python's collector cannot see
+    a cycle back to the schedule, so a strong hook would keep a dropped wrapper (its buffers, its
+    groups and their threads) for good. Once the schedule is gone the hook does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        fn = ref()
+        return None if fn is None else fn(*bound, *args)
+
+    return call
 
 
 def grad_key(b: Bucket) -> tuple:
@@ -120,12 +135,12 @@ class Schedule:
         parameters as the stage keeps them between steps (ZeRO stage 3 resharded, else as views)."""
         for b in self.buckets():
             if b.trainable:
-                b.full.register_hook(functools.partial(self._before_accumulate, b))
-                b.full.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b))
+                b.full.register_hook(_weakly(self._before_accumulate, b))
+                b.full.register_post_accumulate_grad_hook(_weakly(self._on_grad_ready, b))
         for unit in self.units:
             if unit.module is not None:
-                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
-                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+                unit.module.register_forward_pre_hook(_weakly(self._pre_forward, unit))
+                unit.module.register_forward_hook(_weakly(self._post_forward, unit))
             if self.stage == 3:
                 self.reshard(unit)
             else:
@@ -396,7 +411,7 @@ class Schedule:
         hooked = False
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(functools.partial(self._pre_backward, unit))
+                t.register_hook(_weakly(self._pre_backward, unit))
                 hooked = True
         # The last unit's backward comes first: keeping it avoids a gather on the critical path.
         # An output with no tensor in reach (a type pytree does not know) gives no hook to gather

@@ -14,6 +14,7 @@
 #include "algorithms/algorithms.h"
 #include "interrupt.h"
 #include "reduce.h"
+#include "thread_name.h"
 
 namespace braid {
 
@@ -523,6 +524,7 @@ void Communicator::dump_failure(const std::string& reason) noexcept {
 // was not waiting on it (its own failures are dumped by the thread that meets them: while a
 // collective runs, that thread gets 2 s to meet the failure and dump with its call failed).
 void Communicator::watch_loop() {
+  name_this_thread("braid-watch");
   uint64_t signals = trace_signals_seen();
   std::chrono::steady_clock::time_point seen_failure{};
   std::unique_lock<std::mutex> lk(watch_mu_);

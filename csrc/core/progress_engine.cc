@@ -1,5 +1,6 @@
 // Ordered executor: one work at a time, in issue order, across the caller and progress threads.
 #include "progress_engine.h"
+#include "thread_name.h"
 
 namespace braid {
 
@@ -38,6 +39,7 @@ const ProgressEngine* ProgressEngine::current_engine() { return t_engine; }
 
 void ProgressEngine::loop() {
   t_engine = this;
+  name_this_thread("braid-progress");
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     cv_.wait(lk, [&] { return (!queue_.empty() && !busy_) || (stop_ && queue_.empty()); });

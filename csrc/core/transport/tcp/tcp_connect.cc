@@ -22,6 +22,7 @@
 
 #include "hmac_sha256.h"
 #include "tcp_transport.h"
+#include "../../thread_name.h"
 
 namespace braid {
 
@@ -302,6 +303,7 @@ void TcpTransport::stop_acceptor() noexcept {
 }
 
 void TcpTransport::accept_loop() {
+  name_this_thread("braid-accept");
   std::vector<std::unique_ptr<Handshake>> pending;  // oldest first
   std::vector<struct pollfd> fds;
   auto drop = [&](size_t i) {
