@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from braid import comm
 from braid.comm import zero
 from helpers import MatmulRecorder, compression_reference, digest
-from helpers.ranks import CARRIERS, COMM_TIMEOUT_S, environment, make_comm, process_group, run_ranks
+from helpers.ranks import (CARRIERS, COMM_TIMEOUT_S, STORE_TIMEOUT, environment, make_comm, open_store,
+                           process_group, run_ranks)
 from helpers.sharding import (BUCKET_CAP_MB, LAYERS, TOL, assert_exact, assert_same_params, carrier_in,
                               lm_batch, lm_loss, lm_model, train_steps)
 from torch import nn
@@ -929,13 +930,18 @@ def _run_dropped_wrapper(rank, world_size, store_path, stage):
     import gc
     import weakref
 
-    with process_group(rank, world_size, store_path):
-        group = dist.new_group(backend="gloo", timeout=dist.default_pg_timeout)
+    # Not helpers' process_group, which keeps the groups it destroys (a torch deadlock with DDP).
+    store = dist.PrefixStore("gloo-pg/", open_store(store_path))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=STORE_TIMEOUT)
+    try:
+        group = dist.new_group(backend="gloo", timeout=STORE_TIMEOUT)
         sharded = zero.shard(lm_model(seed=rank), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
         train_steps(sharded, opt, rank, 1, 1, sharded.no_sync)
         refs = [weakref.ref(group), weakref.ref(sharded), weakref.ref(sharded.module)]
         del group, sharded, opt
+    finally:
+        dist.destroy_process_group()
     gc.collect()
     return [r() is not None for r in refs]
 

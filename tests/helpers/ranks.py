@@ -121,7 +121,15 @@ def process_group(rank: int, world_size: int, store_path: str, backend: str = "g
     try:
         yield
     finally:
+        # Destroyed, but kept: a gloo group whose last reference goes with a DDP Reducer is
+        # destroyed while the Reducer's deallocation holds the GIL, and its destructor joins a worker
+        # thread that may need the GIL to free its last work (torch's ProcessGroupGloo; pytorch
+        # issue 56297): the rank hangs. Held here, the groups end with the worker process.
+        _DESTROYED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
+
+
+_DESTROYED_GROUPS: list = []
 
 
 @contextmanager
