@@ -55,6 +55,12 @@ class Bucket:
     index: int = 0                # position among the module's buckets (names its compression residual)
     secondary: Any = None         # hpZ: this rank's piece of the full buffer for its host, between forward
                                   # and backward
+    on_device: Any = None         # offload_optimizer: the shard's copy on the module's device, in the
+                                  # compute dtype, that the all-gathers read (``shard`` is then the
+                                  # float32 master in host memory)
+    uploaded_version: int = -1    # shard._version when ``on_device`` was last copied from it; -1: stale
+    grad_staging: Any = None      # offload_optimizer on a GPU: pinned host buffer the reduced shard
+                                  # gradient is copied into
 
 
 @dataclass
@@ -193,12 +199,17 @@ def new_bucket(slots: list, dtype: torch.dtype, trainable: bool, n: int, align: 
     return Bucket(slots, dtype, trainable, padded, padded // n)
 
 
-def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device) -> None:
+def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device, offload: bool = False) -> None:
     """Copies the parameters into the bucket (rank 0's values, as DDP), cuts this rank's shard and
     takes the parameters off their modules. With ``keep_full`` (ZeRO stages 1 and 2) the shard is a
     slice of the full tensor, so an optimizer updates the full parameters' slice in place and the
     all-gather runs in place; otherwise (ZeRO stage 3, or a full buffer of another dtype under mixed
     precision) it is a copy.
+
+    With ``offload`` (a trainable bucket) the shard, the optimizer's parameter, is a copy in host
+    memory (pinned when the device is a GPU) and ``on_device`` holds its image on the device in the
+    compute dtype for the all-gathers: the slice of the full tensor where the shard would have been
+    one, else a tensor of its own.
 
     A full buffer that stays allocated (``keep_full`` in the parameters' dtype) on the CPU lives in
     the group's registered buffers where it has them (a braid Communicator): the ranks of a host
@@ -215,12 +226,20 @@ def fill(b: Bucket, group: Any, keep_full: bool, device: torch.device) -> None:
     group.broadcast(wire(full), 0)
     lo = group.rank * b.shard_numel
     same = b.compute_dtype == b.dtype
-    shard = full[lo:lo + b.shard_numel] if keep_full and same else full[lo:lo + b.shard_numel].clone()
+    in_place = keep_full and same
+    if offload and b.trainable:
+        shard = full[lo:lo + b.shard_numel].to("cpu", copy=True)
+        if device.type == "cuda":
+            shard = shard.pin_memory()
+        image = full.detach()[lo:lo + b.shard_numel]  # outside autograd: the uploads write it in place
+        b.on_device = image if in_place else image.to(b.compute_dtype, copy=True)
+    else:
+        shard = full[lo:lo + b.shard_numel] if in_place else full[lo:lo + b.shard_numel].clone()
     b.shard = nn.Parameter(shard, requires_grad=b.trainable)
     if not same:
         full = full.to(b.compute_dtype)
     b.full = full.requires_grad_(b.trainable)
-    b.synced_version = b.shard._version
+    b.synced_version = b.uploaded_version = b.shard._version
     for s in b.slots:
         for m, attr in s.owners:
             m._parameters.pop(attr, None)
@@ -234,7 +253,9 @@ def wire(t: torch.Tensor) -> torch.Tensor:
 
 def gather_input(b: Bucket) -> torch.Tensor:
     """What this rank contributes to the bucket's all-gather: its shard as the full buffer holds it
-    (cast to the compute dtype under mixed precision)."""
+    (cast to the compute dtype under mixed precision; offloaded: its image on the device)."""
+    if b.on_device is not None:
+        return wire(b.on_device)
     shard = b.shard.detach()
     return wire(shard) if b.compute_dtype == b.dtype else shard.to(b.compute_dtype)
 

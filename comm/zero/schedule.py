@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -129,6 +130,11 @@ class Schedule:
         self.pending: list = []           # (bucket, work, finish, gradient) per reduce-scatter
         self.order: list[Unit] = []       # non-root units in the order their forwards ran
         self.order_done = False
+        # offload_optimizer: the host's part of each reduced bucket (its gradient added to the
+        # master shard's, the shard stepped under step_in_backward) runs on one thread of its own,
+        # in retire order, while the backward goes on; ``host_jobs`` are its futures this backward.
+        self.host_pool: Optional[ThreadPoolExecutor] = None
+        self.host_jobs: list = []
 
     def install(self) -> None:
         """Hooks every unit's forward and every trainable bucket's gradient, and leaves the
@@ -151,8 +157,8 @@ class Schedule:
             yield from unit.buckets
 
     def check_idle(self, what: str) -> None:
-        """Raises when called during a backward (reduce-scatters pending)."""
-        if self.pending or self.finish_queued:
+        """Raises when called during a backward (reduce-scatters or host steps pending)."""
+        if self.pending or self.finish_queued or self.host_jobs:
             raise RuntimeError(f"{what} during a backward pass: call it between steps")
 
     # -- gathers -----------------------------------------------------------------------------
@@ -174,6 +180,7 @@ class Schedule:
                 continue
             alloc(b.full)
             b.synced_version = b.shard._version
+            self._upload(b)
             # A process group's all-gather bumps the full buffer's version counter (which the
             # shard, a view of it at ZeRO stages 1 and 2, and the forward's saved views share) when it
             # writes the output, on the group's own thread, at a time no rank controls. Autograd
@@ -200,6 +207,16 @@ class Schedule:
         unit.in_flight = True
         self.in_flight.append(unit)
 
+    @staticmethod
+    def _upload(b: Bucket) -> None:
+        """offload_optimizer: copies the master shard to its image on the device when the master
+        changed since (asynchronously from pinned memory, ordered before the all-gather that reads
+        it, which the caller issues next on the same stream)."""
+        if b.on_device is not None and b.uploaded_version != b.shard._version:
+            with torch.no_grad():
+                b.on_device.copy_(b.shard.detach(), non_blocking=True)
+            b.uploaded_version = b.shard._version
+
     def _adaptive_in_backward(self) -> Optional[Adaptive]:
         """The Adaptive grad_compression while a synchronized backward runs (else None)."""
         q = self.grad_compression
@@ -222,7 +239,8 @@ class Schedule:
         if q is None or b.dtype not in QUANTIZABLE or b.compute_dtype not in QUANTIZABLE:
             return wire(b.full.detach()), gather_input(b), None
         n, per = self.communicator.world_size, b.shard_numel
-        payload = q.encode(b.shard.detach(), None, 0, self.communicator.rank * per, per, 1, stochastic=False)
+        source = b.shard.detach() if b.on_device is None else b.on_device
+        payload = q.encode(source, None, 0, self.communicator.rank * per, per, 1, stochastic=False)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
 
         def decode() -> None:
@@ -455,7 +473,7 @@ class Schedule:
         if self.sync:
             # The optimizer will update the shard: gather it before the next forward even when the
             # update leaves the version counter alone (fused optimizers' kernels do).
-            b.synced_version = -1
+            b.synced_version = b.uploaded_version = -1
             grad = full.grad
             if self.stage != 1:
                 full.grad = None
@@ -495,6 +513,7 @@ class Schedule:
             # Every gradient is computed: the backward is over, which closes the buckets' windows.
             self.grad_compression.end_step()
         self._retire(0)
+        self._drain_host()
         if not self.sync:
             # Remember the shard gradients as they are now: if they are cleared before the next
             # backward, so is the local gradient these no_sync() backwards accumulated. A shard
@@ -517,7 +536,8 @@ class Schedule:
 
     def _retire(self, keep: int) -> None:
         """Completes pending reduce-scatters, oldest first: every one already done, then waits
-        until at most ``keep`` remain. Each result goes into its shard's ``.grad``."""
+        until at most ``keep`` remain. Each result goes into its shard's ``.grad`` (offloaded: by
+        the host thread, :meth:`_to_host`)."""
         with torch.no_grad():
             while self.pending and (len(self.pending) > keep or self.pending[0][1].is_completed()):
                 b, work, finish, grad = self.pending.pop(0)
@@ -525,13 +545,48 @@ class Schedule:
                 reduced = finish()
                 if reduced.dtype != b.shard.dtype:  # mixed precision: into the master shard's dtype
                     reduced = reduced.to(b.shard.dtype)
-                if b.shard.grad is None:
-                    b.shard.grad = reduced
+                if b.on_device is not None:
+                    self._to_host(b, reduced)
                 else:
-                    b.shard.grad += reduced
-                if self.optimizer is not None:
-                    # The bucket's gradient is final for this step: its shard steps now, while the
-                    # later buckets' reduce-scatters are in flight.
-                    self.optimizer.step_param(b.shard, b.shard.grad)
+                    self._land(b, reduced, None)
                 if self.stage == 1:
                     grad.zero_()  # the persistent buffer accumulates the next step's gradient
+
+    def _land(self, b: Bucket, reduced: torch.Tensor, ready: Any) -> None:
+        """Adds the reduced gradient to the shard's ``.grad`` and, under step_in_backward, steps
+        the shard: the bucket's gradient is final for this step, and the later buckets'
+        reduce-scatters are in flight meanwhile. ``ready``: the CUDA event after which
+        ``reduced`` (a reused pinned buffer) holds the gradient, or None."""
+        if ready is not None:
+            ready.synchronize()
+        with torch.no_grad():
+            if b.shard.grad is None:
+                b.shard.grad = reduced if ready is None else reduced.clone()
+            else:
+                b.shard.grad += reduced
+            if self.optimizer is not None:
+                self.optimizer.step_param(b.shard, b.shard.grad)
+
+    def _to_host(self, b: Bucket, reduced: torch.Tensor) -> None:
+        """offload_optimizer: streams the reduced shard gradient to host memory (from a GPU: an
+        async copy into the bucket's pinned buffer, then an event) and hands the rest of
+        :meth:`_land` to the host thread, so that the backward goes on while the CPU adds and steps."""
+        ready = None
+        if reduced.device.type != "cpu":
+            if b.grad_staging is None:
+                b.grad_staging = torch.empty(b.shard_numel, dtype=b.shard.dtype, pin_memory=True)
+            b.grad_staging.copy_(reduced, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            reduced = b.grad_staging
+        if self.host_pool is None:
+            self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="braid-offload")
+        self.host_jobs.append(self.host_pool.submit(self._land, b, reduced, ready))
+
+    def _drain_host(self) -> None:
+        """Waits for every host job of this backward; the first one's error is raised."""
+        jobs, self.host_jobs = self.host_jobs, []
+        errors = [job.exception() for job in jobs]
+        for e in errors:
+            if e is not None:
+                raise e

@@ -189,8 +189,11 @@ class ShardedModule(nn.Module):
                  bucket_cap_mb: float = 25, reshard_after_forward: bool = True, prefetch: int = 1,
                  units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
                  param_compression: Any = None, grad_compression: Any = None,
-                 hierarchical: Union[bool, HostGroups] = False):
+                 hierarchical: Union[bool, HostGroups] = False, offload_optimizer: bool = False):
         _check_args(module, stage, bucket_cap_mb, reshard_after_forward, prefetch)
+        if not isinstance(offload_optimizer, bool):
+            raise TypeError("offload_optimizer must be True or False, got "
+                            f"{type(offload_optimizer).__name__}")
         _check_compression(param_compression, grad_compression, stage)
         group = as_group(group, "group", "shard")
         hosts = _hosts_of(hierarchical, group, stage, reshard_after_forward, grad_compression)
@@ -204,6 +207,7 @@ class ShardedModule(nn.Module):
         self.stage = stage
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
+        self.offload_optimizer = offload_optimizer
         self._keys = list(module.state_dict(keep_vars=True).keys())
         units, root = self._build(resolve_units(module, units), int(bucket_cap_mb * _MB))
         self._schedule = Schedule(group, stage, prefetch, reshard_after_forward, units, root,
@@ -237,7 +241,8 @@ class ShardedModule(nn.Module):
                 bucket.index = len(shards)
                 bucket.compute_dtype, bucket.reduce_dtype = (
                     self.mp_policy.dtypes(bucket.dtype) if self.mp_policy else (bucket.dtype, bucket.dtype))
-                fill(bucket, c, keep_full=self.stage != 3, device=found.device)
+                fill(bucket, c, keep_full=self.stage != 3, device=found.device,
+                     offload=self.offload_optimizer)
                 bucket.unit = unit
                 unit.buckets.append(bucket)
                 shards.append(bucket.shard)
@@ -330,18 +335,22 @@ class ShardedModule(nn.Module):
             raise RuntimeError("clip_grad_norm_ with step_in_backward: the shards were stepped during the "
                                "backward, before the whole gradient's norm was known")
         grads = [b.shard.grad for b in self._schedule.buckets() if b.shard.grad is not None]
+        # Where the shard gradients are: the module's device, or host memory (offload_optimizer),
+        # whose partial norm travels on the device, where the group serves it.
+        where = torch.device("cpu") if self.offload_optimizer else self.device
         # Padding elements have zero gradients (no parameter uses them): they add nothing.
         if norm_type == math.inf:
             local = max((g.abs().max() for g in grads),
-                        default=torch.tensor(0.0, device=self.device)).double().reshape(1)
+                        default=torch.tensor(0.0, device=where)).double().reshape(1).to(self.device)
             self.communicator.all_reduce(local, op="max")
-            total = local[0]
+            total = local[0].to(where)
         else:
-            local = torch.zeros(1, dtype=torch.float64, device=self.device)
+            local = torch.zeros(1, dtype=torch.float64, device=where)
             for g in grads:
                 local += g.double().abs().pow(norm_type).sum()
+            local = local.to(self.device)
             self.communicator.all_reduce(local, op="sum")
-            total = local[0].pow(1.0 / norm_type)
+            total = local[0].to(where).pow(1.0 / norm_type)
         # The scale stays on the device, as torch.nn.utils.clip_grad_norm_'s: the host never waits
         # for the norm (a coefficient clamped to 1 leaves the gradients as they are).
         coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)
@@ -400,7 +409,9 @@ class ShardedModule(nn.Module):
     def memory_stats(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
         """Bytes this rank holds now for parameters (shards and live full buffers), gradients
         (shard gradients and live full-size ones), with ``grad_compression`` its error-feedback
-        residuals, and, given the optimizer, its state tensors.
+        residuals, and, given the optimizer, its state tensors. With ``offload_optimizer`` the
+        master shards, their gradients and the optimizer's state are in host memory: counted
+        under ``"offloaded"``, and ``"params"`` counts the shards' images on the device instead.
         Storage shared by several tensors is counted once."""
         seen: set = set()
 
@@ -416,18 +427,24 @@ class ShardedModule(nn.Module):
             return total
 
         buckets = list(self._schedule.buckets())
+        resident = [b for b in buckets if b.on_device is None]
+        offloaded = [b for b in buckets if b.on_device is not None]
         stats = {
-            "params": size([b.shard for b in buckets] + [b.full for b in buckets]
-                           + [b.secondary for b in buckets]),
-            "grads": size([b.shard.grad for b in buckets] + [b.full.grad for b in buckets]
+            "params": size([b.shard for b in resident] + [b.on_device for b in offloaded]
+                           + [b.full for b in buckets] + [b.secondary for b in buckets]),
+            "grads": size([b.shard.grad for b in resident] + [b.full.grad for b in buckets]
                           + [p[3] for p in self._schedule.pending]),
         }
         q = self.grad_compression
         if q is not None:  # qgZ's error-feedback residuals, one per bucket
             stats["residuals"] = size(q.residual(grad_key(b)) for b in buckets)
-        if optimizer is not None:
-            stats["optimizer"] = size(t for entry in optimizer.state.values() for t in entry.values()
-                                      if isinstance(t, torch.Tensor))
+        state_tensors = [] if optimizer is None else [
+            t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+        if self.offload_optimizer:
+            stats["offloaded"] = size([b.shard for b in offloaded] + [b.shard.grad for b in offloaded]
+                                      + [b.grad_staging for b in offloaded] + state_tensors)
+        elif optimizer is not None:
+            stats["optimizer"] = size(state_tensors)
         return stats
 
     @property
@@ -441,7 +458,7 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
           reshard_after_forward: bool = True, prefetch: int = 1,
           units: Optional[Sequence[Union[str, nn.Module]]] = None, mp_policy: Any = None,
           param_compression: Any = None, grad_compression: Any = None,
-          hierarchical: Union[bool, HostGroups] = False) -> ShardedModule:
+          hierarchical: Union[bool, HostGroups] = False, offload_optimizer: bool = False) -> ShardedModule:
     """Wraps ``module`` for sharded data-parallel training on ``group`` (ZeRO ``stage`` 1,
     2 or 3; see the module docstring of ``braid.comm.zero.sharded``).
 
@@ -496,6 +513,16 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
             a ProcessGroup (or None) by host identity with ``group_carrier.host_groups`` and a
             Communicator with its ``split_by_host()``, collectives over the whole job (every
             rank calls ``shard``); or pass a ``HostGroups``.
+        offload_optimizer: ZeRO-Offload, at any stage: the shards that ``parameters()`` yields
+            (the float32 masters, hence the optimizer's state) live in host memory, pinned when
+            the module is on a GPU; the device keeps only each shard's image in the compute
+            dtype, which the all-gathers read. Each bucket's reduced shard gradient streams to
+            the host as its reduce-scatter completes, and a host thread adds it to the master's
+            ``.grad`` while the backward goes on; with ``step_in_backward(opt)`` (a
+            ``braid.optim`` optimizer) that thread also steps the bucket there and then. A
+            master that changed is copied back to the device before its next all-gather. The
+            results are those of the resident run bit for bit; state dicts hold the same values
+            (``sharded_state_dict`` and the optimizer's state on the host).
 
     The optimizer goes on ``wrapper.parameters()``, unchanged::
 
@@ -506,4 +533,5 @@ def shard(module: nn.Module, group: Any = None, *, stage: int = 3, bucket_cap_mb
     return ShardedModule(module, group, stage=stage, bucket_cap_mb=bucket_cap_mb,
                          reshard_after_forward=reshard_after_forward, prefetch=prefetch, units=units,
                          mp_policy=mp_policy, param_compression=param_compression,
-                         grad_compression=grad_compression, hierarchical=hierarchical)
+                         grad_compression=grad_compression, hierarchical=hierarchical,
+                         offload_optimizer=offload_optimizer)

@@ -26,8 +26,10 @@ def full_state_dict(buckets: list, group: Any, module: nn.Module, keys: list, ke
     for b in buckets:
         # From the shards, whatever the stage: they are the state (the full buffers of
         # ZeRO stages 1 and 2 may not have seen the latest step yet).
-        flat = torch.empty(b.padded, dtype=b.dtype, device=b.shard.device)
-        group.all_gather(wire(flat), wire(b.shard.detach()))
+        # Offloaded master shards (host memory) travel from the module's device, as the group
+        # serves it: the state dict is the same either way.
+        flat = torch.empty(b.padded, dtype=b.dtype, device=b.full.device)
+        group.all_gather(wire(flat), wire(b.shard.detach().to(b.full.device)))
         if keep:
             for key, s in by_bucket.get(id(b), {}).items():
                 values[key] = flat[s.offset:s.offset + s.numel].view(s.shape).clone()
