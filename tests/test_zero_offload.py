@@ -15,25 +15,12 @@ import torch
 import torch.distributed as dist
 from braid import comm, optim
 from braid.comm import zero
+from helpers.sharding import small_lm, small_lm_loss
 from helpers.ranks import make_comm, process_group, run_ranks
-from torch import nn
 
 # Small buckets: the model's parameters spread over several, some straddling shards.
 BUCKET_CAP_MB = 2048 / 2**20
 STEPS = 20
-
-
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 24),
-                         nn.LayerNorm(24), nn.Linear(24, 50))
-
-
-def _loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + 10 * rank + micro)
-    ids = torch.randint(0, 50, (4, 9), generator=g)
-    logits = model(ids[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, 50).float(), ids[:, 1:].reshape(-1))
 
 
 def _optimizer(name: str, params):
@@ -47,7 +34,8 @@ def _optimizer(name: str, params):
 def _train(group, rank: int, stage: int, offload: bool, opt_name: str = "adamw", in_backward: bool = False,
            micro: int = 1, clip: bool = False, mp: bool = False, qwz: bool = False, steps: int = STEPS,
            first_step: int = 0, start=None) -> dict:
-    sharded = zero.shard(_model(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, offload_optimizer=offload,
+    sharded = zero.shard(small_lm(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
+                         offload_optimizer=offload,
                          mp_policy=zero.MixedPrecision(param_dtype=torch.bfloat16) if mp else None,
                          param_compression=comm.Int8Quantizer(block=32) if qwz else None)
     opt = _optimizer(opt_name, sharded.parameters())
@@ -68,7 +56,7 @@ def _train(group, rank: int, stage: int, offload: bool, opt_name: str = "adamw",
     for step in range(first_step, first_step + steps):
         sharded.zero_grad()
         for m in range(micro):
-            loss = _loss(sharded, rank, step, m) / micro
+            loss = small_lm_loss(sharded, rank, step, m) / micro
             if m < micro - 1:
                 with sharded.no_sync():
                     loss.backward()
@@ -127,7 +115,7 @@ def offloaded_equals_resident(rank, n, store_path, carrier, cases):
                 resident = _train(group, rank, stage, False, **options)
                 offloaded = _train(group, rank, stage, True, **options)
                 moved = max((resident["params"][k] - v).abs().max().item()
-                            for k, v in _model().state_dict().items())
+                            for k, v in small_lm().state_dict().items())
                 out[i] = {
                     "losses": resident["losses"] == offloaded["losses"],
                     "params": _same_state(resident["params"], offloaded["params"]),
@@ -181,7 +169,7 @@ def test_offloaded_training_resumes_bitwise_from_a_sharded_checkpoint(stage):
 
 def test_offload_argument_is_checked():
     with pytest.raises(TypeError, match="offload_optimizer must be True or False"):
-        zero.shard(_model(), None, offload_optimizer="cpu")
+        zero.shard(small_lm(), None, offload_optimizer="cpu")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -189,7 +177,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _train_cuda(rank: int, stage: int, offload: bool, in_backward: bool) -> tuple:
     torch.cuda.set_device(0)
-    model = _model().cuda()
+    model = small_lm().cuda()
     sharded = zero.shard(model, None, stage=stage, bucket_cap_mb=BUCKET_CAP_MB, offload_optimizer=offload)
     shards = list(sharded.parameters())
     # The resident run steps on the GPU with torch's SGD, the offloaded one on the host with
@@ -200,7 +188,7 @@ def _train_cuda(rank: int, stage: int, offload: bool, in_backward: bool) -> tupl
     losses = []
     for step in range(STEPS):
         sharded.zero_grad()
-        loss = _loss(sharded, rank, step, 0)
+        loss = small_lm_loss(sharded, rank, step, 0)
         loss.backward()
         losses.append(loss.item())
         if not in_backward:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from braid import optim
 from braid.comm import zero
 from helpers import outcome
+from helpers.sharding import small_lm, small_lm_loss
 from helpers.ranks import make_comm, process_group, run_ranks
 from torch import nn
 
@@ -14,21 +15,8 @@ from torch import nn
 BUCKET_CAP_MB = 2048 / 2**20
 
 
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 24),
-                         nn.LayerNorm(24), nn.Linear(24, 50))
-
-
-def _loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + 10 * rank + micro)
-    ids = torch.randint(0, 50, (4, 9), generator=g)
-    logits = model(ids[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
-
-
 def _run(group, rank: int, stage: int, name: str, in_backward: bool, steps: int = 5, micro: int = 2) -> dict:
-    sharded = zero.shard(_model(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
+    sharded = zero.shard(small_lm(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB)
     make = {"adamw": lambda ps: optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
             "sgd": lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)}[name]
     opt = make(sharded.parameters())
@@ -39,9 +27,9 @@ def _run(group, rank: int, stage: int, name: str, in_backward: bool, steps: int 
         for m in range(micro):
             if m < micro - 1:
                 with sharded.no_sync():
-                    (_loss(sharded, rank, step, m) / micro).backward()
+                    (small_lm_loss(sharded, rank, step, m) / micro).backward()
             else:
-                (_loss(sharded, rank, step, m) / micro).backward()
+                (small_lm_loss(sharded, rank, step, m) / micro).backward()
         if not in_backward:
             opt.step()
     params = sharded.full_state_dict()
@@ -64,7 +52,7 @@ def stepped_in_backward(rank, n, store_path):
                         during = _run(group, rank, stage, name, True)
                         same = all(torch.equal(during["params"][k], v) for k, v in after["params"].items())
                         moved = max((during["params"][k] - v).abs().max().item()
-                                    for k, v in _model().state_dict().items())
+                                    for k, v in small_lm().state_dict().items())
                         out[(carrier, stage, name)] = {"same": same, "moved": moved, "seen": during["seen"]}
     return out
 
@@ -83,7 +71,7 @@ def test_step_in_backward_equals_step_after_backward():
 
 def bad_optimizers(rank, n, store_path):
     with make_comm(rank, n, store_path) as c:
-        sharded = zero.shard(_model(), c, stage=2, bucket_cap_mb=BUCKET_CAP_MB)
+        sharded = zero.shard(small_lm(), c, stage=2, bucket_cap_mb=BUCKET_CAP_MB)
         other = nn.Linear(3, 3)
         return {"torch": outcome(sharded.step_in_backward, torch.optim.SGD(sharded.parameters(), lr=0.1)),
                 "foreign": outcome(sharded.step_in_backward, optim.SGD(other.parameters(), lr=0.1))}

@@ -13,6 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from braid.bench.models import LanguageModel
 
 from helpers.ranks import STORE_TIMEOUT, make_comm
@@ -30,6 +31,23 @@ BUCKET_CAP_MB = 4096 / 2**20
 def lm_model(seed=0):
     torch.manual_seed(seed)
     return LanguageModel(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
+
+
+def small_lm(seed: int = 0) -> nn.Module:
+    """A smaller language model of plain layers (embedding, MLP, LayerNorm, head) for tests that
+    train it many times: the ZeRO wrapper's optimizer placements (step_in_backward, offload)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(50, 24), nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 24),
+                         nn.LayerNorm(24), nn.Linear(24, 50))
+
+
+def small_lm_loss(model: nn.Module, rank: int, step: int, micro: int) -> torch.Tensor:
+    """``small_lm``'s next-token loss (in float32 whatever the compute dtype) on the batch of
+    (rank, step, micro-batch)."""
+    g = torch.Generator().manual_seed(100 * step + 10 * rank + micro)
+    ids = torch.randint(0, 50, (4, 9), generator=g)
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 50).float(), ids[:, 1:].reshape(-1))
 
 
 def lm_batch(rank, step, micro=0):
