@@ -240,6 +240,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("comm/core/placement.py", "Placement.__init__", ".tolist()"):
         "the placement, read on the host once per group and kept (MoE: docs/usage/moe.md; the ZeRO "
         "wrapper's hierarchical reduce-scatter: once when the sharded module is built)",
+    ("comm/zero/layout.py", "fill", '.to("cpu")'):
+        "offload_optimizer: the master shard lives in host memory by design (ZeRO-Offload)",
+    ("comm/zero/schedule.py", "Schedule._to_host", "torch.empty without device="):
+        "offload_optimizer: the pinned host buffer the reduced gradient streams into",
+    ("comm/zero/sharded.py", "ShardedModule.clip_grad_norm_", 'torch.device("cpu")'):
+        "offload_optimizer: the shard gradients are host tensors; their partial norm travels to the device",
     ("comm/moe/dispatch.py", "_flat_dispatch", ".tolist()"):
         "dropless/capacity: the counts that size the uneven exchange, one read per hop (docs/usage/moe.md)",
     ("comm/moe/dispatch.py", "dispatch_tokens", ".tolist()"):
