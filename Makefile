@@ -13,7 +13,7 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install core-lib deps test test-py test-py-one test-py-ranks test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install core-lib deps test test-py test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
@@ -68,21 +68,16 @@ core-lib:
 	  echo "the core's cmake build failed: setup.py builds the core"; \
 	fi
 
-# make test: three things side by side, then the C++ tests alone. The tests with ranks (which leave
-# a core idle a good part of the time while ranks wait on one another) run in the foreground; the
-# tests that run in one process (kernels, tables, static checks: CPU-bound) run beside them at nice
-# 10, and the build of the C++ tests, the CUDA sources' checks and the documentation at nice 19,
-# filling the idle core. Their output follows the foreground's; any failure fails the target.
+# make test: the build of the C++ tests, the CUDA sources' checks and the documentation run at the
+# lowest CPU priority beside the Python tests (whose multi-rank tests leave a core idle a good part
+# of the time while ranks wait on one another; the Python tests barely notice work at nice 19),
+# then the C++ tests run alone. The background's output follows the Python tests'; any failure
+# fails the target.
 test: install
 	@mkdir -p build
 	@( nice -n 19 $(MAKE) --no-print-directory cuda-check test-cpp-build docs > build/test-background.log 2>&1; \
 	   echo $$? > build/test-background.rc ) & bg=$$!; \
-	 ( nice -n 10 $(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -p no:cacheprovider \
-	   > build/test-one-process.log 2>&1; echo $$? > build/test-one-process.rc ) & one=$$!; \
-	 $(MAKE) --no-print-directory test-py-ranks; py=$$?; \
-	 wait $$one; echo "== tests in one process (run beside the tests with ranks):"; \
-	 cat build/test-one-process.log; \
-	 if [ "$$(cat build/test-one-process.rc)" != 0 ]; then py=1; fi; \
+	 $(MAKE) --no-print-directory test-py; py=$$?; \
 	 wait $$bg; echo "== C++ test build, CUDA checks, docs (run beside the Python tests):"; \
 	 cat build/test-background.log; \
 	 if [ "$$(cat build/test-background.rc)" != 0 ]; then echo "make test: the background step failed"; exit 1; fi; \
@@ -144,10 +139,8 @@ cuda-binding-check:
 ONE_PROCESS_TESTS := tests/test_attention.py tests/test_attention_varlen.py tests/test_device_discipline.py tests/test_optim.py \
   tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
   tests/test_compression_kernels.py tests/test_attention_sm90.py tests/test_trace.py
-test-py: test-py-one test-py-ranks
-test-py-one:
+test-py:
 	$(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -n 2
-test-py-ranks:
 	$(PY) -m pytest tests -q -m "not slow" $(addprefix --ignore=,$(ONE_PROCESS_TESTS))
 
 test-slow: install
