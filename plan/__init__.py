@@ -7,7 +7,8 @@
     print(best.label(), best.step, best.mfu, best.memory.total)
     print(best.snippet)
 
-From the shell: ``python -m braid.plan --model llama3-70b --cluster h100x8:64``. The formulas are
+From the shell: ``python -m braid.plan --model llama3-70b --cluster h100x8:64``; under torchrun,
+``--measure`` times the links among the launched ranks (``braid.plan.measure``). The formulas are
 in docs/usage/plan.md.
 """
 

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m braid.plan",
         description="Rank parallel layouts (DP x TP x PP x CP x EP, ZeRO, "
         "micro-batches, recomputation, gradient compression) of a decoder-only transformer on a "
-        "cluster by predicted step time. Links are given, not measured.",
+        "cluster by predicted step time. Links are given, or measured with --measure.",
     )
     m = p.add_argument_group("model (a preset, or its fields; fields override a preset's)")
     m.add_argument("--model", help=f"preset: {', '.join(sorted(MODEL_PRESETS))}")
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--intra-latency-us", type=float, help="microseconds per message inside a host")
     c.add_argument("--inter-latency-us", type=float, help="microseconds per message between hosts")
+    c.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the hosts x ranks and both links among the ranks this command runs on "
+        "(launch it with torchrun on the cluster; rank 0 prints); fields given still win",
+    )
 
     k = p.add_argument_group("constraints")
     k.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (0.1)")
@@ -262,8 +268,9 @@ def _g(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def describe_inputs(result: PlanResult) -> str:
-    """The first lines of the report: model, cluster and how many layouts were looked at."""
+def describe_inputs(result: PlanResult, links: str = "given, not measured") -> str:
+    """The first lines of the report: model, cluster and how many layouts were looked at;
+    ``links`` says where the links' figures come from."""
     m, c = result.model, result.cluster
     moe = f", {m.experts} experts top-{m.top_k}" if m.moe else ""
     hosts = f"{c.hosts} host{'s' if c.hosts > 1 else ''}"
@@ -277,7 +284,7 @@ def describe_inputs(result: PlanResult) -> str:
         f"cluster: {c.name or 'custom'}: {hosts} x {c.devices_per_host} = {c.devices} devices, "
         f"{_g(c.device_memory)}, {c.peak_for(m.dtype) / 1e12:g} TFLOP/s peak, links "
         f"{c.intra_bandwidth / 1e9:g} GB/s in a host, {c.inter_bandwidth / 1e9:g} GB/s between hosts "
-        "(given, not measured)"
+        f"({links})"
     )
     counts = (
         f"layouts: {result.evaluated} evaluated, {result.fitting} fit in {usable} per device; "
@@ -342,19 +349,63 @@ def details(x: Layout) -> str:
     return "\n".join(lines)
 
 
-def report(result: PlanResult) -> str:
-    """The whole text report."""
-    return "\n\n".join([describe_inputs(result), table(result.layouts), details(result.layouts[0])])
+def report(result: PlanResult, links: str = "given, not measured") -> str:
+    """The whole text report (``links``: where the links' figures come from)."""
+    return "\n\n".join([describe_inputs(result, links), table(result.layouts), details(result.layouts[0])])
+
+
+def _measure(args: argparse.Namespace) -> Optional[Any]:
+    """--measure: the links among the job's ranks (every rank measures; the default process group,
+    started from torchrun's environment when none is); fills the cluster fields not given. Returns
+    the measurement on rank 0, None on the others (which print nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    from .measure import measure_links
+
+    started = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise _UsageError("--measure runs on the ranks of a job: launch the command with torchrun "
+                              "(RANK and WORLD_SIZE are not set)")
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+        started = True
+    try:
+        links = measure_links(None)
+        rank = dist.get_rank()
+    finally:
+        if started:
+            dist.destroy_process_group()
+    given = {
+        "hosts": links.hosts,
+        "devices_per_host": links.devices_per_host,
+        "intra_gbps": None if links.intra_bandwidth is None else links.intra_bandwidth / 1e9,
+        "inter_gbps": None if links.inter_bandwidth is None else links.inter_bandwidth / 1e9,
+        "intra_latency_us": None if links.intra_latency is None else links.intra_latency * 1e6,
+        "inter_latency_us": None if links.inter_latency is None else links.inter_latency * 1e6,
+    }
+    for name, value in given.items():
+        if getattr(args, name) is None and value is not None:
+            setattr(args, name, value)
+    return links if rank == 0 else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command line; returns 0, 1 when no layout fits, 2 for bad arguments."""
     parser = build_parser()
     args = None
+    measured = None
     try:
         args = parser.parse_args(argv)
         if args.top <= 0:
             raise _UsageError(f"--top must be positive, got {args.top}")
+        if args.measure:
+            measured = _measure(args)
+            if measured is None:  # not rank 0
+                return 0
         result = search(_model(args), _cluster(args), _constraints(args), args.top, _assumptions(args))
     except NoLayoutFits as e:
         if args is not None and args.json:
@@ -367,9 +418,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"braid.plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        out = result.to_dict()
+        if measured is not None:
+            out["measured"] = {**measured.cluster_fields(), "samples": measured.samples}
+        print(json.dumps(out, indent=2))
     else:
-        print(report(result))
+        if measured is not None:
+            print(measured.describe())
+        print(report(result, links="measured where a pair of ranks crossed the level, else given"
+                     if measured is not None else "given, not measured"))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The machines a layout runs on: hosts of identical devices, two link levels.
 
-Links are given, not measured: ``intra_bandwidth`` / ``intra_latency`` between devices of one host,
+Links are given (or measured among launched ranks: plan/measure.py, ``--measure``):
+``intra_bandwidth`` / ``intra_latency`` between devices of one host,
 ``inter_bandwidth`` / ``inter_latency`` between hosts, each the rate one device sends at in one
 direction while every other device does the same (one network interface share per device).
 """

@@ -1,0 +1,180 @@
+"""Links measured among the ranks a command runs on (``python -m braid.plan --measure``).
+
+Every rank takes part. The ranks are grouped by host (braid's host identity: same machine boot and
+/dev/shm, or ``BRAID_HOST_ID``), then two rounds time simultaneous exchanges, each at several sizes:
+
+- *in a host*: local ranks 2k and 2k+1 of every host swap a buffer (``send_recv``), all pairs at
+  once;
+- *between hosts*: the rank of local index i on host h swaps with the rank of local index i on
+  host h xor 1, all pairs at once.
+
+Every pair exchanging at once is the planner's definition of a link's bandwidth: the rate one
+device sends at in one direction while every other device does the same (plan/cluster.py). Each
+size's time is the median of the repeats on each rank, then the slowest rank's (a layout waits for
+its slowest pair). A least-squares line of time against bytes gives the latency (its intercept,
+held at or above zero) and the bandwidth (the inverse of its slope). A level no pair crosses (one
+rank per host, or one host) is not measured: the planner keeps the value given for it, or the
+preset's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # 4 KiB to 8 MiB per exchange
+REPEATS = 5
+WARMUP = 2
+
+
+@dataclass(frozen=True)
+class MeasuredLinks:
+    """What :func:`measure_links` found: the cluster's shape from the ranks, and each level's link
+    (None where no pair crossed that level). ``samples``: per level, (bytes, seconds) per size."""
+
+    hosts: int
+    devices_per_host: int
+    intra_bandwidth: Optional[float] = None
+    intra_latency: Optional[float] = None
+    inter_bandwidth: Optional[float] = None
+    inter_latency: Optional[float] = None
+    samples: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+
+    def cluster_fields(self) -> Dict[str, Any]:
+        """The fields of a :class:`~braid.plan.cluster.Cluster` this measurement gives."""
+        out: Dict[str, Any] = {"hosts": self.hosts, "devices_per_host": self.devices_per_host}
+        for name in ("intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def describe(self) -> str:
+        """One line per measured level: bandwidth, latency and the sizes timed."""
+
+        def level(name: str, bw: Optional[float], lat: Optional[float]) -> str:
+            if bw is None:
+                return f"{name}: not measured (no pair of ranks crosses it)"
+            sizes = ", ".join(f"{b >> 10} KiB {t * 1e6:.0f} us" for b, t in self.samples.get(name, []))
+            return f"{name}: {bw / 1e9:.3g} GB/s, {lat * 1e6:.1f} us per message ({sizes})"
+
+        return "\n".join([
+            f"measured on {self.hosts} host{'s' if self.hosts > 1 else ''} x {self.devices_per_host} ranks",
+            level("in a host", self.intra_bandwidth, self.intra_latency),
+            level("between hosts", self.inter_bandwidth, self.inter_latency),
+        ])
+
+
+def fit_line(samples: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of t = latency + bytes / bandwidth, least squares over
+    ``samples`` ((bytes, seconds), at least two sizes). The latency is held within [0, the
+    fastest time]; a slope that is not positive (times that do not grow with the bytes) gives the
+    largest size's bytes over its time."""
+    if len({b for b, _ in samples}) < 2:
+        raise ValueError("fit_line needs samples at two sizes or more")
+    n = len(samples)
+    mean_b = sum(b for b, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    sbb = sum((b - mean_b) ** 2 for b, _ in samples)
+    sbt = sum((b - mean_b) * (t - mean_t) for b, t in samples)
+    slope = sbt / sbb
+    fastest = min(t for _, t in samples)
+    if slope <= 0:
+        b, t = max(samples)
+        return fastest, b / t
+    latency = min(fastest, max(0.0, mean_t - slope * mean_b))
+    return latency, 1.0 / slope
+
+
+def _host_key(identity: str) -> int:
+    """A host identity as an int64 (for an all-gather of one number per rank)."""
+    return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:8], "little", signed=True)
+
+
+def _pairs(hosts: List[int]) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """({rank: partner in its host}, {rank: partner on the paired host}) for ranks in host order."""
+    members: Dict[int, List[int]] = {}
+    for r, h in enumerate(hosts):
+        members.setdefault(h, []).append(r)
+    intra: Dict[int, int] = {}
+    for ranks in members.values():
+        for i in range(0, len(ranks) - 1, 2):
+            intra[ranks[i]], intra[ranks[i + 1]] = ranks[i + 1], ranks[i]
+    inter: Dict[int, int] = {}
+    for h, ranks in members.items():
+        other = members.get(h ^ 1)
+        if other is None:
+            continue
+        for i, r in enumerate(ranks):
+            if i < len(other):
+                inter[r] = other[i]
+    return intra, inter
+
+
+def _time_level(g: Any, partner: Optional[int], sizes: Sequence[int], repeats: int,
+                device: torch.device) -> List[Tuple[int, float]]:
+    """Each size's time: median of this rank's repeats, then the slowest rank's (a collective: every
+    rank calls it, with or without a partner)."""
+    out = []
+    for size in sizes:
+        send = torch.ones(size // 4, dtype=torch.float32, device=device)
+        recv = torch.empty_like(send)
+        times = []
+        for i in range(WARMUP + repeats):
+            g.barrier()
+            began = time.perf_counter()
+            if partner is not None:
+                g.send_recv(send, partner, recv, partner).wait()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - began)
+        mine = statistics.median(times) if partner is not None else 0.0
+        slowest = torch.tensor([mine], dtype=torch.float64, device=device)
+        g.all_reduce(slowest, op="max")
+        out.append((size, float(slowest[0])))
+    return out
+
+
+def measure_links(group: Any = None, *, sizes: Sequence[int] = SIZES, repeats: int = REPEATS,
+                  device: Optional[torch.device] = None) -> MeasuredLinks:
+    """Measures the links among the ranks of ``group`` (a braid Communicator, a ProcessGroup, or
+    None: the default group; every rank calls it) as this module's docstring describes; tensors on
+    ``device`` (default: CUDA where the group's ranks have a GPU, else the CPU). Raises ValueError
+    when hosts hold different numbers of ranks (the planner's clusters are uniform)."""
+    from braid.comm.core.group import as_group
+    from braid.comm.core.hosts import host_identity, host_numbers
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    sizes = sorted(set(int(s) for s in sizes))
+    if len(sizes) < 2 or sizes[0] < 4:
+        raise ValueError(f"sizes must hold two sizes or more, each at least 4 bytes, got {sizes}")
+    g = as_group(group, "group", "measure_links")
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+    n = g.world_size
+    mine = torch.tensor([_host_key(host_identity())], dtype=torch.int64, device=device)
+    every = torch.empty(n, dtype=torch.int64, device=device)
+    g.all_gather(every, mine)
+    hosts = host_numbers([str(k) for k in every.tolist()])
+    counts = [hosts.count(h) for h in range(max(hosts) + 1)]
+    if len(set(counts)) != 1:
+        raise ValueError(f"measure_links: the hosts hold different numbers of ranks ({counts}); the "
+                         "planner's cluster has the same number of devices on every host")
+    intra, inter = _pairs(hosts)
+    fields: Dict[str, Any] = {"hosts": len(counts), "devices_per_host": counts[0], "samples": {}}
+    for name, pairs, prefix in (("in a host", intra, "intra"), ("between hosts", inter, "inter")):
+        if not pairs:
+            continue
+        samples = _time_level(g, pairs.get(g.rank), sizes, repeats, device)
+        latency, bandwidth = fit_line(samples)
+        fields[f"{prefix}_latency"], fields[f"{prefix}_bandwidth"] = latency, bandwidth
+        fields["samples"][name] = samples
+    return MeasuredLinks(**fields)
