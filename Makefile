@@ -110,9 +110,10 @@ cuda-check:
 # (-fsyntax-only) with BRAID_WITH_CUDA against the installed torch's headers and the CUDA
 # toolkit's. The CPU wheel ships c10/cuda's headers but not the one torch's cmake generates
 # (cuda_cmake_macros.h, one define); a stand-in for it goes in the check's include folder.
-# torch's headers take most of the time: the sources are checked in two translation units that
-# include them (torch_binding.cpp alone: its helpers share names with backend.cpp's), side by side.
-CUDA_BINDING_GROUPS := "cuda_compression_binding.cpp cuda_comm_binding.cpp cuda_stager.cpp cuda_ipc.cpp backend.cpp" "torch_binding.cpp"
+# torch's headers take most of the time: the sources are checked in the two translation units
+# setup.py's unity build compiles (torch_binding.cpp alone: its helpers share names with
+# backend.cpp's; the rest together), side by side.
+CUDA_BINDING_GROUPS := "backend.cpp compression_binding.cpp cuda_comm_binding.cpp cuda_compression_binding.cpp cuda_ipc.cpp cuda_stager.cpp optim_binding.cpp" "torch_binding.cpp"
 cuda-binding-check:
 	@if [ -n "$(NVCC)" ] && [ -x "$(PY)" ]; then \
 	  stub=$(CUDA_CHECK_DIR)/include/c10/cuda/impl && mkdir -p $$stub && \
