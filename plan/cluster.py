@@ -156,7 +156,7 @@ class Cluster:
         fields = dict(CLUSTER_PRESETS[name])
         fields.update({k: v for k, v in overrides.items() if v is not None})
         fields.setdefault("hosts", hosts)
-        fields.setdefault("name", f"{name}:{hosts}")
+        fields.setdefault("name", f"{name}:{fields['hosts']}")  # the hosts an override (--measure) set
         return cls(**fields)
 
 
