@@ -11,8 +11,9 @@ Every rank takes part. The ranks are grouped by host (braid's host identity: sam
 Every pair exchanging at once is the planner's definition of a link's bandwidth: the rate one
 device sends at in one direction while every other device does the same (plan/cluster.py). Each
 size's time is the median of the repeats on each rank, then the slowest rank's (a layout waits for
-its slowest pair). A least-squares line of time against bytes gives the latency (its intercept,
-held at or above zero) and the bandwidth (the inverse of its slope). A level no pair crosses (one
+its slowest pair). Latency and bandwidth are fitted as Adaptive compression fits the links it
+times (``fit_link``): a least-squares intercept, held within [0, the fastest time], then the bytes
+over the time left. A level no pair crosses (one
 rank per host, or one host) is not measured: the planner keeps the value given for it, or the
 preset's.
 """
@@ -70,25 +71,14 @@ class MeasuredLinks:
         ])
 
 
-def fit_line(samples: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of t = latency + bytes / bandwidth, least squares over
-    ``samples`` ((bytes, seconds), at least two sizes). The latency is held within [0, the
-    fastest time]; a slope that is not positive (times that do not grow with the bytes) gives the
-    largest size's bytes over its time."""
-    if len({b for b, _ in samples}) < 2:
-        raise ValueError("fit_line needs samples at two sizes or more")
-    n = len(samples)
-    mean_b = sum(b for b, _ in samples) / n
-    mean_t = sum(t for _, t in samples) / n
-    sbb = sum((b - mean_b) ** 2 for b, _ in samples)
-    sbt = sum((b - mean_b) * (t - mean_t) for b, t in samples)
-    slope = sbt / sbb
-    fastest = min(t for _, t in samples)
-    if slope <= 0:
-        b, t = max(samples)
-        return fastest, b / t
-    latency = min(fastest, max(0.0, mean_t - slope * mean_b))
-    return latency, 1.0 / slope
+def fit(samples: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of ``samples`` ((bytes, seconds) per size), fitted as
+    Adaptive compression fits the links it times (``fit_link``: a least-squares intercept held
+    within [0, the fastest time], then the bytes over the time left)."""
+    from braid.comm.compression.adaptive.model import IN_HOST, fit_link
+
+    latency, bandwidth = fit_link([(b, 0, 1, t) for b, t in samples])
+    return latency, bandwidth[IN_HOST]
 
 
 def _host_key(identity: str) -> int:
@@ -174,7 +164,7 @@ def measure_links(group: Any = None, *, sizes: Sequence[int] = SIZES, repeats: i
         if not pairs:
             continue
         samples = _time_level(g, pairs.get(g.rank), sizes, repeats, device)
-        latency, bandwidth = fit_line(samples)
+        latency, bandwidth = fit(samples)
         fields[f"{prefix}_latency"], fields[f"{prefix}_bandwidth"] = latency, bandwidth
         fields["samples"][name] = samples
     return MeasuredLinks(**fields)

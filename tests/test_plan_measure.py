@@ -1,5 +1,5 @@
 """The planner's measured links (``braid.plan.measure``, ``python -m braid.plan --measure``): the
-line fit against exact lines, the pairing of ranks by host, the measurement on ranks of simulated
+fit on an exact line, the pairing of ranks by host, the measurement on ranks of simulated
 hosts (``BRAID_HOST_ID``) over a gloo group and a braid Communicator, and the command line run by
 every rank of a job (rank 0 prints, the measured fields fill what was not given)."""
 import contextlib
@@ -10,22 +10,17 @@ import math
 import pytest
 import torch.distributed as dist
 from braid.plan.__main__ import main
-from braid.plan.measure import _pairs, fit_line, measure_links
+from braid.plan.measure import _pairs, fit, measure_links
 from helpers.ranks import environment, make_comm, process_group, run_ranks
 
 SIZES = (1 << 12, 1 << 16, 1 << 20)
 
 
-def test_fit_line_recovers_an_exact_line_and_holds_its_bounds():
+def test_the_fit_recovers_an_exact_line():
+    """Adaptive's fit_link (tested in test_adaptive.py) on one level: an exact line comes back."""
     exact = [(b, 20e-6 + b / 5e9) for b in (4096, 65536, 1 << 20, 1 << 23)]
-    latency, bandwidth = fit_line(exact)
+    latency, bandwidth = fit(exact)
     assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(5e9, rel=1e-6)
-    # A negative intercept is held at zero; times that do not grow with the bytes give the largest
-    # size's rate, and the fastest time as the latency.
-    assert fit_line([(1000, 1e-6), (2000, 3e-6)])[0] == 0.0
-    assert fit_line([(1000, 5e-6), (2000, 4e-6)]) == (4e-6, 2000 / 4e-6)
-    with pytest.raises(ValueError, match="two sizes"):
-        fit_line([(1000, 1e-6), (1000, 2e-6)])
 
 
 def test_pairs_stay_in_their_host_and_cross_to_the_next_one():

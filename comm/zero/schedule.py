@@ -577,7 +577,7 @@ class Schedule:
                 b.grad_staging = torch.empty(b.shard_numel, dtype=b.shard.dtype, pin_memory=True)
             b.grad_staging.copy_(reduced, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(reduced.device))  # the copy's stream
             reduced = b.grad_staging
         if self.host_pool is None:
             self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="braid-offload")
