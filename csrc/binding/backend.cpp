@@ -918,6 +918,16 @@ void register_backend(py::module_& m) {
              return c10::make_intrusive<BraidProcessGroup>(store, backend, types);
            }),
            py::arg("store"), py::arg("backend"), py::arg("devices") = std::vector<std::string>{"cpu"});
+  // How many owners a process group has (its Python object counts one). torch's Python object
+  // frees the group with the GIL released, but an owner in C++ (a DDP Reducer) frees it with the
+  // GIL held, and gloo's destructor joins threads that may need the GIL; code that must let a
+  // group go safely drops its Python object only once nothing else owns the group.
+  m.def(
+      "_process_group_owners",
+      [](const py::handle& group) {
+        return c10::raw::intrusive_ptr::use_count(py::cast<c10d::ProcessGroup*>(group));
+      },
+      py::arg("group"));
 }
 
 }  // namespace braid

@@ -73,6 +73,8 @@ def _worker_main(conn) -> None:
             payload = pickle.dumps(outcome)
         except Exception:  # noqa: BLE001 - reported instead of killing the worker
             payload = pickle.dumps(("err", "result is not picklable:\n" + traceback.format_exc()))
+        del fn, args, outcome
+        release_destroyed_groups()
         conn.send_bytes(payload)
 
 
@@ -121,15 +123,32 @@ def process_group(rank: int, world_size: int, store_path: str, backend: str = "g
     try:
         yield
     finally:
-        # Destroyed, but kept: a gloo group whose last reference goes with a DDP Reducer is
-        # destroyed while the Reducer's deallocation holds the GIL, and its destructor joins a worker
-        # thread that may need the GIL to free its last work (torch's ProcessGroupGloo; pytorch
-        # issue 56297): the rank hangs. Held here, the groups end with the worker process.
+        # Destroyed, but held until nothing else owns them: a gloo group whose last reference
+        # goes with a DDP Reducer is destroyed while the Reducer's deallocation holds the GIL, and
+        # its destructor joins a worker thread that may need the GIL to free its last work (torch's
+        # ProcessGroupGloo; pytorch issue 56297): the rank hangs. Its Python object frees it with
+        # the GIL released, so the worker drops that last (release_destroyed_groups).
         _DESTROYED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
 
 
 _DESTROYED_GROUPS: list = []
+
+
+def release_destroyed_groups() -> None:
+    """Frees the groups `process_group` destroyed that nothing but their Python object owns any
+    more (the test's DDP modules, and their Reducers, collected); the rest wait for a later call.
+    A kept group's threads (gloo's event loop wakes ~100 times a second) would otherwise slow every
+    later test in a pooled worker."""
+    if not _DESTROYED_GROUPS:
+        return
+    import gc
+
+    import braid.comm._C as _C
+
+    gc.collect()
+    still_owned = [g for g in _DESTROYED_GROUPS if _C._process_group_owners(g) > 1]
+    _DESTROYED_GROUPS[:] = still_owned
 
 
 @contextmanager
