@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=128,
         help="tokens per micro-batch per device at which matrix work runs at half efficiency (128)",
     )
+    a.add_argument(
+        "--optimizer-ns-per-param",
+        type=float,
+        default=0.0,
+        help="nanoseconds of the optimizer step per parameter a device updates (0: left out)",
+    )
 
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to list (5)")
@@ -261,6 +267,7 @@ def _assumptions(args: argparse.Namespace) -> Assumptions:
         codec_seconds_per_byte=1 / (args.codec_gbps * 1e9),
         bucket_bytes=int(args.bucket_mb * 1024**2),
         half_efficiency_tokens=args.half_efficiency_tokens,
+        optimizer_seconds_per_param=args.optimizer_ns_per_param * 1e-9,
     )
 
 
@@ -328,8 +335,9 @@ def details(x: Layout) -> str:
         f"micro-batch{'es' if c.micro_batches > 1 else ''}{pipeline}, recomputation "
         f"{'on' if c.recompute else 'off'}, gradient compression {c.compression}",
         f"step {t.step:.3f} s = compute {t.compute:.3f} (recomputation {t.recompute:.3f}) + bubble "
-        f"{t.bubble:.3f} + exposed communication {sum(v.exposed for v in t.comms.values()):.3f}; "
-        f"MFU {x.mfu:.1%}",
+        f"{t.bubble:.3f} + exposed communication {sum(v.exposed for v in t.comms.values()):.3f}"
+        + (f" + optimizer {t.optimizer:.3f}" if t.optimizer else "")
+        + f"; MFU {x.mfu:.1%}",
     ]
     if t.comms:
         lines.append("  communication  link    total s  exposed s  hidden s  what")

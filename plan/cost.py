@@ -40,6 +40,10 @@ class Assumptions:
         half_efficiency_tokens: tokens per micro-batch on one device (s' b) at which matrix work
             runs at half of ``efficiency`` (small micro-batches make small matrix products);
             0 turns the effect off.
+        optimizer_seconds_per_param: time of the optimizer step per parameter a device updates
+            (sharded from ZeRO-1); default 0: the step is left out, as it is small beside the
+            matrix work on accelerators. On CPUs it is not: measure it (``python -m braid.bench
+            plan`` does).
     """
 
     efficiency: float = 0.4
@@ -47,6 +51,7 @@ class Assumptions:
     codec_seconds_per_byte: float = 5e-12
     bucket_bytes: int = 25 * MiB
     half_efficiency_tokens: float = 128
+    optimizer_seconds_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         for name, low_open in (("efficiency", True), ("overlap", False)):
@@ -61,9 +66,10 @@ class Assumptions:
         b = self.bucket_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {b!r}")
-        k = self.half_efficiency_tokens
-        if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 <= k < float("inf"):
-            raise ValueError(f"half_efficiency_tokens must be a finite number >= 0, got {k!r}")
+        for name in ("half_efficiency_tokens", "optimizer_seconds_per_param"):
+            k = getattr(self, name)
+            if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 <= k < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {k!r}")
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields, JSON-ready."""
@@ -165,17 +171,19 @@ class Comm:
 @dataclass
 class StepTime:
     """Seconds of one optimizer step: compute (recomputation included, ``recompute`` of it),
-    pipeline bubble, and each communication's exposed part; ``step`` is their sum."""
+    pipeline bubble, each communication's exposed part and the optimizer's own step
+    (``Assumptions.optimizer_seconds_per_param``); ``step`` is their sum."""
 
     compute: float
     recompute: float
     bubble: float
     comms: Dict[str, Comm] = field(default_factory=dict)
+    optimizer: float = 0.0
 
     @property
     def step(self) -> float:
         """Predicted seconds per optimizer step."""
-        return self.compute + self.bubble + sum(c.exposed for c in self.comms.values())
+        return self.compute + self.bubble + sum(c.exposed for c in self.comms.values()) + self.optimizer
 
     def to_dict(self) -> Dict[str, Any]:
         """The parts and the step, JSON-ready."""
@@ -184,6 +192,7 @@ class StepTime:
             "compute_s": self.compute,
             "recompute_s": self.recompute,
             "bubble_s": self.bubble,
+            "optimizer_s": self.optimizer,
             "comms": {k: c.to_dict() for k, c in self.comms.items()},
         }
 
@@ -627,9 +636,11 @@ def step_time(
     The slowest pipeline stage sets the pace: per micro-batch it computes forward t_f, backward
     2 t_f and, with recomputation, one more forward of its blocks; its exposed TP, CP and EP
     communication and the per-micro-batch ZeRO-2/3 collectives add to that micro-batch time t_mb.
-    Step = m t_mb + bubble (pp - 1) t_mb / v + pipeline sends + the data-parallel exchanges done
-    once per step (exposed parts). Matrix work runs at peak x efficiency x T / (T + T_half), T the
-    tokens of one micro-batch on one device (s' b). ``detail=False`` leaves the notes out (faster)."""
+    Step = m t_mb + bubble + pipeline sends + the data-parallel exchanges done once per step
+    (exposed parts) + the optimizer; the bubble is (pp - 1) t_mb / v for alike stages, less where
+    the other stages have less work than the slowest. Matrix work runs at peak x efficiency x
+    T / (T + T_half), T the tokens of one micro-batch on one device (s' b). ``detail=False``
+    leaves the notes out (faster)."""
     cfg = assumptions or Assumptions()
     stages = tuple(stages or stage_layers(model.layers, c.pp))
     a = model.dtype_bytes
@@ -774,7 +785,11 @@ def step_time(
             )
 
     t_mb = t_f + t_b + t_rc + per_mb
-    bubble = (c.pp - 1) * t_mb / c.interleave
+    # Filling and draining the pipeline passes each micro-batch through every other stage once:
+    # (sum of the stages' micro-batch times - the slowest's) / v, the others' times scaled from
+    # the slowest's by their work (blocks, and the head on the last); (pp - 1) t_mb / v when alike.
+    work = [n * layer_f + (head_f if i == last else 0) for i, n in enumerate(stages)]
+    bubble = (sum(work) - work[j]) / work[j] * t_mb / c.interleave if c.pp > 1 else 0.0
     if c.pp > 1:
         nbytes = a * s_loc * b * model.hidden / c.tp
         one = send(cluster, nbytes, sp["pp"][1] > 1)
@@ -785,7 +800,16 @@ def step_time(
             _level(sp["pp"]),
             f"{hops} sends of {_mib(nbytes)} on the critical path" if detail else "",
         )
-    return StepTime(m * (t_f + t_b + t_rc), m * t_rc, bubble, comms)
+    t_opt = 0.0
+    if cfg.optimizer_seconds_per_param:
+        per = _device_params(model, c.tp, c.ep, c.pp)
+        n_dp, n_edp = dp_sizes(c)
+        shard = (n_dp, n_edp) if c.zero >= 1 else (1, 1)
+        t_opt = cfg.optimizer_seconds_per_param * max(
+            d / shard[0] + e / shard[1]
+            for d, e in (_stage_params(model, c, i, stages[i], per) for i in _stages_to_check(stages))
+        )
+    return StepTime(m * (t_f + t_b + t_rc), m * t_rc, bubble, comms, t_opt)
 
 
 def mfu(model: TransformerShape, cluster: Cluster, step: float) -> float:

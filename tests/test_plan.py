@@ -490,3 +490,46 @@ def test_search_result_counts():
     result = search(tiny(batch=16), small_cluster(hosts=2, devices_per_host=4), top=2)
     assert result.evaluated >= result.fitting >= len(result.layouts) == 2
     assert json.loads(json.dumps(result.to_dict()))["fitting"] == result.fitting
+
+
+def test_optimizer_step_time_by_hand():
+    """optimizer_seconds_per_param adds the step of the parameters a device updates: all of its
+    stage's without ZeRO, 1/dp of them from ZeRO-1; 0 (the default) leaves it out."""
+    m, cl = tiny(), small_cluster()
+    per = 1e-9
+    with_opt = Assumptions(optimizer_seconds_per_param=per)
+    for c, share in ((Candidate(dp=4, tp=1, pp=1, cp=1), 1), (Candidate(dp=4, tp=1, pp=1, cp=1, zero=1), 4),
+                     (Candidate(dp=1, tp=4, pp=1, cp=1), 1)):
+        base = evaluate(m, cl, c).time
+        timed = evaluate(m, cl, c, assumptions=with_opt).time
+        assert base.optimizer == 0
+        device_params = m.param_count() if c.tp == 1 else None
+        if device_params is not None:
+            assert timed.optimizer == pytest.approx(per * device_params / share)
+        else:  # TP: each rank holds its slice of the matrices and whole norms
+            assert 0 < timed.optimizer < per * m.param_count() / 2
+        assert timed.step == pytest.approx(base.step + timed.optimizer)
+        assert timed.to_dict()["optimizer_s"] == timed.optimizer
+    with pytest.raises(ValueError, match="optimizer_seconds_per_param"):
+        Assumptions(optimizer_seconds_per_param=-1.0)
+
+
+def test_cli_optimizer_term():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--model", "llama3-8b", "--cluster", "h100x8:1", "--top", "1",
+                     "--optimizer-ns-per-param", "2"]) == 0
+    assert "+ optimizer " in out.getvalue()
+
+
+def test_bubble_counts_each_other_stage_once():
+    """Filling and draining: every stage but the slowest once, scaled by its work (the last stage
+    also runs the head), over v interleaved chunks."""
+    m, cl = tiny(layers=4), small_cluster()
+    c = Candidate(dp=1, tp=1, pp=2, cp=1, micro_batches=4)
+    t = evaluate(m, small_cluster(devices_per_host=2), c).time
+    layer, head = m.layer_forward_flops(), m.head_forward_flops()
+    t_mb = t.compute / c.micro_batches  # no per-micro-batch communication here (dp 1, tp 1)
+    assert t.bubble == pytest.approx(t_mb * (2 * layer) / (2 * layer + head))
+    t4 = evaluate(m, cl, Candidate(dp=1, tp=1, pp=4, cp=1, micro_batches=4)).time
+    assert t4.bubble == pytest.approx(t4.compute / 4 * 3 * layer / (layer + head))
