@@ -204,6 +204,7 @@ bench: install
 	$(PY) -m braid.bench optim --json results/optim.json
 	$(PY) -m braid.bench ft --json results/ft.json
 	$(PY) -m braid.bench ft --skip recovery,torchrun --hosts 2 --link-mbit 1000 --json results/ft-2hosts.json
+	$(PY) -m braid.bench plan --json results/plan.json
 
 # On a machine with a CUDA GPU whose Python already has torch with CUDA, triton and pytest (no
 # venv, no network needed): build braid with its CUDA sources, run the GPU tests and the GPU
