@@ -445,3 +445,46 @@ def _run_round_trip(c, rank, world_size):
 @pytest.mark.parametrize("kind,world_size", _cases((2, 3), (3,)))
 def test_from_dense_to_dense_round_trip_exactly(kind, world_size):
     assert run_ranks(_with_carrier, world_size, kind, _run_round_trip) == [True] * world_size
+
+
+def _run_vocab_loss(c, rank, world_size):
+    """vocab_parallel_cross_entropy on each rank's vocabulary slice against F.cross_entropy of the
+    whole logits: the loss, and the gradient of each rank's slice, for every reduction, with
+    ignored targets, and in bfloat16."""
+    g = torch.Generator().manual_seed(7)
+    vocab = 24
+    logits = torch.randn(3, 5, vocab, generator=g) * 4
+    target = torch.randint(0, vocab, (3, 5), generator=g)
+    target[0, :2] = -100
+    per = vocab // world_size
+    checked = 0
+    for reduction in ("mean", "sum", "none"):
+        dense = logits.clone().requires_grad_()
+        want = F.cross_entropy(dense.flatten(0, 1), target.flatten(), reduction=reduction)
+        want = want.view(3, 5) if reduction == "none" else want
+        weights = torch.rand(want.shape, generator=g) if reduction == "none" else torch.tensor(1.0)
+        (want * weights).sum().backward()
+        mine = logits[..., rank * per:(rank + 1) * per].clone().requires_grad_()
+        got = tp.vocab_parallel_cross_entropy(mine, target, c, reduction=reduction)
+        (got * weights).sum().backward()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine.grad, dense.grad[..., rank * per:(rank + 1) * per], rtol=1e-5,
+                                   atol=1e-6)
+        assert not mine.grad[0, :2].any()  # ignored tokens give no gradient
+        checked += 1
+    half = logits[..., rank * per:(rank + 1) * per].to(torch.bfloat16).requires_grad_()
+    loss = tp.vocab_parallel_cross_entropy(half, target, c)
+    loss.backward()
+    want = F.cross_entropy(logits.to(torch.bfloat16).float().flatten(0, 1), target.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert half.grad.dtype == torch.bfloat16
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        tp.vocab_parallel_cross_entropy(mine, torch.full((3, 5), vocab), c)
+    with pytest.raises(ValueError, match="reduction"):
+        tp.vocab_parallel_cross_entropy(mine, target, c, reduction="avg")
+    return checked
+
+
+@pytest.mark.parametrize("kind,world_size", _cases((1, 2, 3, 4), (2, 3)))
+def test_vocab_parallel_cross_entropy_matches_dense(kind, world_size):
+    assert run_ranks(_with_carrier, world_size, kind, _run_vocab_loss) == [3] * world_size
