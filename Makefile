@@ -138,7 +138,7 @@ cuda-binding-check:
 # (pytest-xdist); the others one at a time: the ranks of two multi-process tests side by side on
 # two cores would miss their deadlines.
 ONE_PROCESS_TESTS := tests/test_attention.py tests/test_attention_varlen.py tests/test_device_discipline.py tests/test_optim.py \
-  tests/test_plan.py tests/test_bench_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
+  tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
   tests/test_compression_kernels.py tests/test_attention_sm90.py tests/test_trace.py
 test-py:
 	$(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -n 2
