@@ -177,6 +177,13 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+def _tp_plan(plan: dict, head: str) -> dict:
+    """``plan`` with the output head column-parallel and its logits left split by vocabulary
+    (the loss is vocab_parallel_cross_entropy): no rank holds all the logits, as the planner
+    assumes."""
+    return {**plan, head: "colwise"}
+
+
 def _ddp(module: torch.nn.Module, group, compression: str):
     """torch DDP over ``group`` with braid's hook (``compression``: none, int8)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -194,7 +201,7 @@ def _ddp(module: torch.nn.Module, group, compression: str):
 def _stage_plan(stage) -> dict:
     """The tensor-parallel plan of a pipeline stage (bench.pipeline.Stage: the model's modules
     numbered in order), as lm_plan gives the whole model's."""
-    whole = lm_plan(False)
+    whole = _tp_plan(lm_plan(False), "head")
     plan: dict = {}
     for k, source in enumerate(stage.sources):
         if source.startswith("blocks."):
@@ -277,12 +284,16 @@ class Trainer:
         per_dp = BATCH // x.dp
         ids, target = (t[co["dp"] * per_dp:(co["dp"] + 1) * per_dp] for t in (ids, target))
         if x.tp > 1 and x.pp == 1:
-            tp.parallelize(model, groups.of(rank, x, ("tp",)), lm_plan(False))
+            tp.parallelize(model, groups.of(rank, x, ("tp",)), _tp_plan(lm_plan(False), "head"))
         if x.cp > 1:
             g_cp = groups.of(rank, x, ("cp",))
             cp.parallelize(model, g_cp, ["blocks.*.attn"])
             ids, target = (cp.shard(t, g_cp, balanced=True, dim=1) for t in (ids, target))
         self.ids, self.target = ids, target
+        self.loss_fn = _loss
+        if x.tp > 1:
+            g_tp = groups.of(rank, x, ("tp",))
+            self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=g_tp)
         replicas = groups.of(rank, x, ("dp", "cp"))
         self.pipe = None
         if x.pp > 1:
@@ -298,7 +309,7 @@ class Trainer:
             self.pipe = pipelining.Schedule1F1B(
                 pipelining.PipelineStage(net, co["pp"], x.pp, torch.device("cpu"),
                                          group=groups.of(rank, x, ("pp",))),
-                n_microbatches=x.micro_batches, loss_fn=_loss)
+                n_microbatches=x.micro_batches, loss_fn=self.loss_fn)
             self.first, self.last = co["pp"] == 0, co["pp"] == x.pp - 1
             self.net = net
         elif x.zero:
@@ -327,7 +338,7 @@ class Trainer:
             if self.last:
                 loss = float(torch.stack(losses).mean().detach())
         else:
-            out = _loss(self.net(self.ids), self.target)
+            out = self.loss_fn(self.net(self.ids), self.target)
             out.backward()
             loss = float(out.detach())
         self.opt.step()
