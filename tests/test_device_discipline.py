@@ -240,6 +240,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("comm/core/placement.py", "Placement.__init__", ".tolist()"):
         "the placement, read on the host once per group and kept (MoE: docs/usage/moe.md; the ZeRO "
         "wrapper's hierarchical reduce-scatter: once when the sharded module is built)",
+    ("comm/tp/loss.py", "vocab_parallel_cross_entropy", "bool(tensor)"):
+        "the check that targets lie in the vocabulary, done for CPU logits only (a CUDA check would "
+        "wait for the device; torch's own device asserts cover it there)",
     ("comm/zero/layout.py", "fill", '.to("cpu")'):
         "offload_optimizer: the master shard lives in host memory by design (ZeRO-Offload)",
     ("comm/zero/schedule.py", "Schedule._to_host", "torch.empty without device="):
