@@ -680,9 +680,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     reason = unavailable_reason(rate=any(mbit for _, _, mbit in args.setups))
     if reason is not None:
-        print(f"braid.bench plan: simulated hosts unavailable here ({reason}); nothing measured",
-              file=sys.stderr)
-        return launch.EXIT_FAILED
+        # as multihost: a machine that cannot make them (not root) runs the rest of `make bench`
+        print(f"braid.bench plan: simulated hosts cannot be made here ({reason}); nothing measured")
+        return 0
     print(f"# braid.bench plan: {MODEL} seq {SEQ} batch {BATCH}, float32 AdamW, 4 ranks; "
           f"{args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed steps) per layout", flush=True)
     records = []
