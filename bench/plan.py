@@ -2,22 +2,25 @@
 
 A small GPT (bench.models.LanguageModel, float32, AdamW) is trained on 4 ranks spread over
 simulated hosts (``--setups``: 2 hosts x 2 ranks and 4 x 1, on links shaped to 1 Gbit and
-unshaped) with a dozen layouts braid runs today: DDP with braid's hook (exact and int8), the ZeRO
-wrapper at stages 1-3 (and stage 3 with int4 gradients, ZeRO++'s qgZ), TP x DP, PP x DP (1F1B),
-CP x DP (ring attention) and TP x PP. Per setup the ranks first measure what the planner needs:
-the links (``braid.plan.measure.measure_links``, the same probe as ``python -m braid.plan
---measure``) and the FLOP/s one rank sustains on the model's forward and backward while every rank
-computes (the 4 ranks share this machine's cores). The planner then predicts each layout's step
-time and peak memory on a cluster with those figures (``braid.plan.evaluate``); the table puts them
-beside the measured ones, with Kendall's rank correlation, whether the planner's first choice is
-within 10% of the measured best, and the memory ratios.
+unshaped) with 13 layouts braid runs today: DDP with braid's hook (exact and int8), the ZeRO
+wrapper at stages 1-3 (and stage 3 with int4 gradients, ZeRO++'s qgZ), TP x DP and TP 4 (the loss
+vocabulary-parallel), PP x DP and PP 4 (1F1B), CP x DP and CP 4 (ring attention) and TP x PP.
+Each rank runs under a CPU quota (:class:`CpuShares`) so that it behaves as a device of its own.
+Per setup the ranks first measure what the planner needs, every rank at once: the links
+(``braid.plan.measure.measure_links``, the same probe as ``python -m braid.plan --measure``), the
+FLOP/s of the model's forward and backward, and torch AdamW's time per parameter. The planner then
+predicts each layout's step time and peak memory on a cluster with those figures
+(``braid.plan.evaluate``); the table puts them beside the measured ones, with Kendall's rank
+correlation, whether the planner's first choice is within 10% of the measured best, and the
+memory ratios.
 
-Each layout is built fresh in each round (rounds alternate the order), runs warm-up steps, then
-timed steps between barriers (the slowest rank's time, median over rounds); its peak memory is
-read in one more, untimed step under torch's MemTracker (tensors made through the dispatcher:
-parameters, gradients, optimizer state, activations and temporaries; buffers braid's C++ core
-holds are not in it). Every layout's first loss is printed: they start from the same weights and
-batch, so they agree to rounding (int8/int4 compress only gradients).
+Each layout is built fresh in each round (rounds rotate the order), runs warm-up steps, then timed
+steps between barriers (the slowest rank's time, median over rounds); its peak memory is read in
+one more, untimed step under :class:`PeakMemory` (the storage of every tensor an operator touches:
+parameters, gradients, optimizer state, activations and temporaries; what braid's C++ core holds
+out of the operators' sight is not in it). Every layout's first loss over the whole batch is
+printed: they start from the same weights and batch, and the first loss comes before any update,
+so they agree to rounding.
 """
 from __future__ import annotations
 
