@@ -73,7 +73,6 @@ def _worker_main(conn) -> None:
             payload = pickle.dumps(outcome)
         except Exception:  # noqa: BLE001 - reported instead of killing the worker
             payload = pickle.dumps(("err", "result is not picklable:\n" + traceback.format_exc()))
-        del fn, args, outcome
         release_destroyed_groups()
         conn.send_bytes(payload)
 
