@@ -25,10 +25,11 @@ batch; the time of a batch is its slowest rank's, the reported time the median o
 result on every rank.
 
 Columns: size = S in bytes, the whole message (all_reduce, broadcast: the tensor; reduce_scatter:
-the input, n * output; all_gather: the output, n * input); count = elements of S; time in us;
-algbw = S / time; busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter and
-all_gather, 1 for broadcast (GB/s = 1e9 B/s). Then, per peer, braid's busbw over the peer's per
-op and size: >1 means braid is faster.
+the input, n * output; all_gather: the output, n * input; all_to_all(v): what each rank sends;
+send_recv: what each rank sends to the next); count = elements of S; time in us;
+algbw = S / time; busbw = algbw * 2(n-1)/n for all_reduce, (n-1)/n for reduce_scatter,
+all_gather and all_to_all(v), 1 for broadcast and send_recv (GB/s = 1e9 B/s). Then, per peer,
+braid's busbw over the peer's per op and size: >1 means braid is faster.
 
 --trace: braid's flight recorder on (its default) or off; ``on,off`` measures braid twice on the
 same communicator, recording (``braid``) and with recording paused (``braid-untraced``), their
@@ -42,10 +43,12 @@ is the recorder's cost (below 1: slower with it).
      deepspeed},
      "config": {world_size, launcher, ops, impls, dtype, sizes, warmup, batches, time_budget_s,
      iters, timeout_s, bind, trace},
-     "records": [{"impl", "op", "world_size", "bytes", "count", "dtype", "time_us", "algbw_gbps",
-                  "busbw_gbps", "wrong", "iters"}, ...]}
+     "records": [{"impl", "op", "world_size", "size", "bytes", "count", "dtype", "time_us",
+                  "algbw_gbps", "busbw_gbps", "wrong", "iters"}, ...]}
 
-where load_average is the host's 1, 5 and 15 minute load at launch (other work on the host skews
+where ``size`` is the size asked for (--min-bytes .. --max-bytes) and ``bytes`` what moved (an op
+that splits the message rounds it down to whole pieces per rank), load_average is the host's 1, 5
+and 15 minute load at launch (other work on the host skews
 every figure) and a record's ``iters`` the calls per timed batch. --plot draws busbw against size.
 
 Exit status: 0; 1 when a rank or the setup failed; 3 when the run finished but a result had
@@ -173,6 +176,8 @@ def braid_backend(c, dtype: str, recording: bool | None = None, switch: dict | N
         "broadcast": lambda out, x: c.broadcast(x, src=protocol.ROOT),
         "all_to_all": lambda out, x: c.all_to_all(out, x),
         "all_to_allv": lambda out, x: c.all_to_all(out, x, **_split_kwargs(c.rank, c.world_size, x.numel())),
+        "send_recv": lambda out, x: c.send_recv(x, (c.rank + 1) % c.world_size,
+                                                out, (c.rank - 1) % c.world_size).wait(),
     }
     if recording is None:
         return TorchBackend("braid", dtype, calls, c.barrier)
@@ -194,9 +199,7 @@ class RegisteredBackend(TorchBackend):
     Binding is collective, as the buffers are; the suite binds in the same order on every rank."""
 
     def __init__(self, c, dtype: str):
-        calls = braid_backend(c, dtype)._calls  # all_to_allv travels point to point: not here
-        super().__init__(REGISTERED, dtype, {op: fn for op, fn in calls.items() if op != "all_to_allv"},
-                         c.barrier)
+        super().__init__(REGISTERED, dtype, braid_backend(c, dtype)._calls, c.barrier)
         self._c = c
 
     def bind(self, op: str, send: np.ndarray, out_count: int | None
@@ -218,7 +221,15 @@ def gloo_backend(dtype: str) -> TorchBackend:
         "all_to_all": lambda out, x: dist.all_to_all_single(out, x),
         "all_to_allv": lambda out, x: dist.all_to_all_single(
             out, x, **_split_kwargs(dist.get_rank(), dist.get_world_size(), x.numel())),
+        "send_recv": _gloo_send_recv,
     }, dist.barrier)
+
+
+def _gloo_send_recv(out: torch.Tensor, x: torch.Tensor) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ops = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, out, (rank - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
 
 
 def deepspeed_backend(rank: int, world_size: int, config: "Config") -> TorchBackend:
@@ -434,7 +445,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                    help="ranks to spawn (default 2); ignored under torchrun, which sets WORLD_SIZE")
     p.add_argument("--ops", type=report.choice_list(protocol.ALL_OPS), default=protocol.OPS,
                    help=f"comma-separated collectives (default {','.join(protocol.OPS)}; also "
-                   f"{', '.join(protocol.EXTRA_OPS)}: all_to_all with equal and with skewed split sizes)")
+                   f"{', '.join(protocol.EXTRA_OPS)}: all_to_all with equal and with skewed split sizes, and "
+                   "point to point around a ring)")
     p.add_argument("--impls", type=report.choice_list(IMPLS), default=None,
                    help="comma-separated implementations (default: braid, gloo, and mpi and "
                    "deepspeed when available; deepspeed measures all_reduce only)")

@@ -9,7 +9,8 @@ When mpi4py and mpirun are available, the collectives benchmark starts its ranks
 so that Open MPI runs in the same processes as braid, gloo and DeepSpeed and its timed batches
 alternate with theirs at each op and size: a slow phase of the machine falls on all of them.
 Calls: Allreduce in place (MPI.IN_PLACE), Reduce_scatter_block, Allgather, Bcast, all with
-MPI.SUM where they reduce; Alltoall and Alltoallv for all_to_all and all_to_allv. MPI has no
+MPI.SUM where they reduce; Alltoall and Alltoallv for all_to_all and all_to_allv, Sendrecv for
+send_recv. MPI has no
 float16 or bfloat16 datatype: those dtypes leave Open MPI out.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ class MpiBackend:
         out = send if out_count is None else np.empty(out_count, send.dtype)
         rank, n = c.Get_rank(), c.Get_size()
         sends, recvs = ((), ())
-        if op in protocol.EXTRA_OPS:
+        if op in ("all_to_all", "all_to_allv"):
             sends, recvs = protocol.split_counts(op, rank, n, len(send))
         sdispls, rdispls = np.cumsum((0,) + sends[:-1]), np.cumsum((0,) + recvs[:-1])
         calls = {
@@ -51,6 +52,7 @@ class MpiBackend:
             "all_to_all": lambda: c.Alltoall(send, out),
             "all_to_allv": lambda: c.Alltoallv([send, (list(sends), list(sdispls))],
                                                [out, (list(recvs), list(rdispls))]),
+            "send_recv": lambda: c.Sendrecv(send, (rank + 1) % n, recvbuf=out, source=(rank - 1) % n),
         }
         return calls[op], lambda: out
 

@@ -29,13 +29,15 @@ import numpy as np
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # Measured on request (--ops): all_to_all with equal splits, and with the fixed skew of
-# split_counts() (an expert-parallel token exchange is rarely balanced).
-EXTRA_OPS = ("all_to_all", "all_to_allv")
+# split_counts() (an expert-parallel token exchange is rarely balanced); send_recv, point to point
+# around a ring (each rank sends its S bytes to the next rank and receives S from the previous
+# one, both posted together, as a pipeline stage or a ring-attention step does).
+EXTRA_OPS = ("all_to_all", "all_to_allv", "send_recv")
 ALL_OPS = OPS + EXTRA_OPS
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 REDOP = {"all_reduce": "sum", "reduce_scatter": "sum", "all_gather": "none", "broadcast": "none",
-         "all_to_all": "none", "all_to_allv": "none"}
+         "all_to_all": "none", "all_to_allv": "none", "send_recv": "none"}
 ROOT = 0  # broadcast source
 PERIOD = 13  # of the check pattern: values stay small, so every dtype holds every sum exactly
 # Integers up to 2**(mantissa bits + 1) are exact; float32 and wider types reach 2**24 or more.
@@ -148,7 +150,7 @@ def send_buffer(op: str, rank: int, world_size: int, count: int, dtype: str) -> 
 def output_count(op: str, world_size: int, count: int) -> int | None:
     """Elements of the separate output buffer; None for the in-place ops."""
     return {"reduce_scatter": count // world_size, "all_gather": count, "all_to_all": count,
-            "all_to_allv": count}.get(op)
+            "all_to_allv": count, "send_recv": count}.get(op)
 
 
 def expected_output(op: str, rank: int, world_size: int, count: int, dtype: str) -> np.ndarray:
@@ -167,6 +169,8 @@ def expected_output(op: str, rank: int, world_size: int, count: int, dtype: str)
             sends = split_counts(op, q, n, count)[0]
             pieces.append(periodic(sends[rank], dtype, q + 1, offset=sum(sends[:rank])))
         return np.concatenate(pieces)
+    if op == "send_recv":  # the previous rank's buffer
+        return periodic(count, dtype, (rank - 1) % n + 1)
     return periodic(count, dtype, ROOT + 1)
 
 
@@ -227,10 +231,13 @@ def count_wrong(op: str, count: int, dtype: str, backend: Backend, rank: int, wo
 
 
 def record(impl: str, op: str, world_size: int, count: int, dtype: str, seconds: float,
-           iters: int, wrong: int) -> dict:
+           iters: int, wrong: int, size: int | None = None) -> dict:
+    """One measurement. ``size``: the size asked for, which ``bytes`` (what was moved) may round
+    down (to whole chunks per rank); the tables line ops up by it."""
     nbytes = count * ITEMSIZE[dtype]
     algbw = nbytes / seconds / 1e9
-    return {"impl": impl, "op": op, "world_size": world_size, "bytes": nbytes, "count": count,
+    return {"impl": impl, "op": op, "world_size": world_size, "size": nbytes if size is None else size,
+            "bytes": nbytes, "count": count,
             "dtype": dtype, "time_us": _round(seconds * 1e6), "algbw_gbps": _round(algbw),
             "busbw_gbps": _round(algbw * bus_factor(op, world_size)), "wrong": wrong, "iters": iters}
 
@@ -274,7 +281,7 @@ def run_suite(backends: Sequence[Backend], ops: Sequence[str], sizes: Sequence[i
             del calls  # frees the timing buffers before the checks allocate their own
             for backend, (seconds, k) in zip(here, timed):
                 wrong = count_wrong(op, count, dtype, backend, rank, world_size)
-                records.append(record(backend.name, op, world_size, count, dtype, seconds, k, wrong))
+                records.append(record(backend.name, op, world_size, count, dtype, seconds, k, wrong, nbytes))
     return records
 
 

@@ -106,14 +106,19 @@ def results_table(records: Sequence[dict], impl: str, op: str) -> str:
     return "\n".join(lines)
 
 
+def _size(r: dict) -> int:
+    """The size a record was asked for (the row it belongs to); records without it: its bytes."""
+    return r.get("size", r["bytes"])
+
+
 def ratio_table(records: Sequence[dict], impl: str, peer: str) -> str:
     """busbw of ``impl`` over busbw of ``peer`` per op and size (>1: ``impl`` faster). Equal to
     the peer's time over ``impl``'s: both measured the same bytes, and that also holds for 1 rank."""
     ops = [op for op in ops_of(records) if _select(records, impl, op) and _select(records, peer, op)]
     if not ops:
         return ""
-    by_key: dict[tuple, dict] = {(r["impl"], r["op"], r["bytes"]): r for r in records}
-    sizes = sorted({r["bytes"] for r in records if r["impl"] in (impl, peer) and r["op"] in ops})
+    by_key: dict[tuple, dict] = {(r["impl"], r["op"], _size(r)): r for r in records}
+    sizes = sorted({_size(r) for r in records if r["impl"] in (impl, peer) and r["op"] in ops})
     flagged = False
     lines = [f"# busbw ratio {impl} / {peer} (>1: {impl} faster)",
              f"#{'size (B)':>11}" + "".join(f" {op:>15}" for op in ops)]
@@ -141,7 +146,7 @@ def floor_table(records: Sequence[dict], impl: str, floor_gbps: dict) -> str:
     ops = [op for op in ops_of(records) if _select(records, impl, op)]
     if not ops or not floor_gbps:
         return ""
-    by_key: dict[tuple, dict] = {(r["op"], r["bytes"]): r for r in records if r["impl"] == impl}
+    by_key: dict[tuple, dict] = {(r["op"], _size(r)): r for r in records if r["impl"] == impl}
     lines = [f"# single-copy floor (GB/s: one copy of each byte that must move, at this machine's copy "
              f"rate) and {impl}'s busbw / floor",
              f"#{'size (B)':>11} {'floor':>9}" + "".join(f" {op:>15}" for op in ops)]

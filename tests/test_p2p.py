@@ -273,3 +273,40 @@ def test_a_transfer_wakes_only_its_receiver():
         if switches - liveness < messages // 4:
             return
     raise AssertionError(f"woken about once per message in every run: (switches, seconds asleep) = {seen}")
+
+
+def _waited_in_turn(rank, n, store_path):
+    """A batch of a large send (past the 4 MiB a pair buffers, so it cannot finish before the peer
+    receives) and a small receive, waited for receive first: the waiting thread moves the batch
+    itself until its receive is done and leaves the send, part way, to the progress thread, which
+    goes on from where it stopped (from a mailbox chunk, or from a pending offer of a registered
+    buffer's data). Both arrive exact."""
+    c = make_comm(rank, n, store_path)
+    try:
+        peer = 1 - rank
+        big = (6 << 20) // 4 + 3
+        for registered in (False, True):
+            src = c.empty(big) if registered else torch.empty(big)
+            src.copy_(_payload(rank, peer, 0, big))
+            got_big, got_small = torch.empty(big), torch.empty(5)
+            if rank == 0:  # sends big, receives small; waits for the small receive first
+                ops = [comm.P2POp("send", src, peer), comm.P2POp("recv", got_small, peer)]
+                send, recv = c.batch_isend_irecv(ops)
+                recv.wait()
+                assert torch.equal(got_small, _payload(peer, rank, 1, 5))
+                send.wait()
+                c.recv(got_big, peer)
+                assert torch.equal(got_big, _payload(peer, rank, 0, big)), registered
+            else:  # sends small first, then receives big, then sends big back
+                time.sleep(0.05)  # lets rank 0 wait with its send part way; no outcome rests on it
+                c.send(_payload(rank, peer, 1, 5), peer)
+                c.recv(got_big, peer)
+                assert torch.equal(got_big, _payload(peer, rank, 0, big)), registered
+                c.send(src, peer)
+        return True
+    finally:
+        c.close()
+
+
+def test_a_wait_moves_its_batch_and_leaves_the_rest_part_way():
+    assert run_ranks(_waited_in_turn, 2) == [True, True]

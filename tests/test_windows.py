@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 from helpers import braid_segments, make_input, outcome, reduce_reference
+from braid.comm import P2POp
 from helpers.ranks import FreshRanks, environment, make_comm, open_store, run_ranks
 
 ONESHOT_MAX_BYTES = 256  # small: most sizes below take the pipelined (and window) path
@@ -134,12 +135,14 @@ def _bad_arguments(rank, n, store_path):
     try:
         errors = []
         for call in (lambda: c.empty(-1), lambda: c.empty(2.5), lambda: c.empty(3, dtype="float32"),
-                     lambda: c.empty(True)):
+                     lambda: c.empty(True), lambda: c.empty(3 + rank)):
             try:
                 call()
                 errors.append(None)
             except (ValueError, TypeError) as e:
                 errors.append(type(e).__name__ + ": " + str(e).split(",")[0])
+        after = c.zeros(5)  # the next buffer is registered as usual
+        c.all_reduce(after)
         c.barrier()
         return errors
     finally:
@@ -147,9 +150,12 @@ def _bad_arguments(rank, n, store_path):
 
 
 def test_bad_arguments_name_themselves():
-    errors = run_ranks(_bad_arguments, 2)[0]
-    size, dtype = "ValueError: size must be", "TypeError: dtype must be"
-    assert [e.startswith(want) for e, want in zip(errors, (size, size, dtype, size))] == [True] * 4, errors
+    for errors in run_ranks(_bad_arguments, 2):
+        size, dtype = "ValueError: size must be", "TypeError: dtype must be"
+        differ = ("ValueError: empty/zeros must ask for the same number of bytes on every rank of a host: "
+                  "rank 0")
+        wants = (size, size, dtype, size, differ)
+        assert [e.startswith(want) for e, want in zip(errors, wants)] == [True] * 5, errors
 
 
 def _segments_go(rank, n, store_path):
@@ -276,6 +282,19 @@ def _killed_while_reading(rank, n, store_path, victim):
     raise AssertionError("the peer's death went unnoticed for 60 s")
 
 
+def _raised_peer_error(ranks, outcomes, victim, killed_at):
+    """The victim died; rank 0 raised PeerError naming it within 2 s; nothing left in /dev/shm."""
+    assert outcomes[victim][0] == "died", outcomes[victim]
+    kind, result = outcomes[0]
+    assert kind == "ok", result
+    seen = result["seen"]
+    assert seen["type"] == "PeerError", seen
+    assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
+    assert seen["at"] - killed_at < 2.0, seen
+    assert result["leaked"] == []
+    assert braid_segments(ranks.pids) == []
+
+
 def test_a_peer_killed_during_window_collectives_raises_peer_error():
     """A rank SIGKILLed while the ranks read each other's registered buffers: the survivors raise
     PeerError naming it within 2 s (the victim's memory stays mapped in the survivors, so a read in
@@ -288,12 +307,143 @@ def test_a_peer_killed_during_window_collectives_raises_peer_error():
         killed_at = time.monotonic()
         ranks.kill(victim)
         outcomes = ranks.outcomes()
-    assert outcomes[victim][0] == "died", outcomes[victim]
-    kind, result = outcomes[0]
-    assert kind == "ok", result
-    seen = result["seen"]
-    assert seen["type"] == "PeerError", seen
-    assert f"rank {victim} (pid {ranks.pids[victim]}" in seen["message"], seen
-    assert seen["at"] - killed_at < 2.0, seen
-    assert result["leaked"] == []
-    assert braid_segments(ranks.pids) == []
+    _raised_peer_error(ranks, outcomes, victim, killed_at)
+
+
+# -- point to point and all_to_all with split sizes from registered buffers --------------------------
+# A send from a registered buffer offers the receiver its data in place (csrc/core/transport/shm/
+# mailbox.cc) from 64 KiB on, where the send waits for its receiver anyway: inside an all_to_all
+# with split sizes at any size, a plain send only past the mailbox's eager 4 MiB.
+P2P_MIN = 64 << 10
+EAGER = 4 << 20
+
+
+def _last(c, kinds):
+    return [e for e in c.trace()["entries"] if e["kind"] in kinds][-1]
+
+
+def _point_to_point(rank, n, store_path):
+    c = make_comm(rank, n, store_path)
+    seen = []
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+            es = dtype.itemsize
+            # all_to_all with split sizes: rank i sends rank j (i + j + 1) * unit elements, pieces
+            # below the threshold at the small unit, either side of it at the large ones (odd counts)
+            for unit in (101, P2P_MIN // es // 2 + 7, 3 * P2P_MIN // es + 1):
+                sends = [(rank + j + 1) * unit for j in range(n)]
+                recvs = [(i + rank + 1) * unit for i in range(n)]
+                # the input at an offset in its window (the same size on every rank: the largest)
+                win = c.empty(n * (2 * n - 1) * unit + 3, dtype=dtype)
+                win = win[:sum(sends) + 3]
+                mine = make_input(unit, rank, sum(sends), dtype)
+                win[3:].copy_(mine)
+                out = torch.empty(sum(recvs), dtype=dtype)
+                c.all_to_all(out, win[3:], output_split_sizes=recvs, input_split_sizes=sends)
+                pieces = []
+                for i in range(n):
+                    theirs = [(i + j + 1) * unit for j in range(n)]
+                    src = make_input(unit, i, sum(theirs), dtype)
+                    pieces.append(src[sum(theirs[:rank]):sum(theirs[:rank + 1])])
+                assert torch.equal(out, torch.cat(pieces)), ("all_to_all_v", dtype, unit)
+                algorithm = _last(c, ("all_to_all_v",))["algorithm"]
+                # private copies of the same inputs: the same bits through the mailboxes
+                private = torch.empty_like(out)
+                c.all_to_all(private, mine.clone(), output_split_sizes=recvs, input_split_sizes=sends)
+                assert torch.equal(private, out), ("all_to_all_v private", dtype, unit)
+                in_place = min(s for j, s in enumerate(sends) if j != rank) * es >= P2P_MIN
+                seen.append(("all_to_all_v", str(dtype), unit, algorithm, in_place))
+            # a ring of sends past the eager capacity (in place) and below it (through the mailbox)
+            for count in (EAGER // es + 5, EAGER // es - 5, P2P_MIN // es):
+                win = c.empty(count, dtype=dtype)
+                win.copy_(make_input(count, rank, count, dtype))
+                got = torch.empty(count, dtype=dtype)
+                nxt, prv = (rank + 1) % n, (rank - 1) % n
+                if rank % 2 == 0:
+                    c.send(win, nxt)
+                    c.recv(got, prv)
+                else:
+                    c.recv(got, prv)
+                    c.send(win, nxt)
+                assert torch.equal(got, make_input(count, prv, count, dtype)), ("send", dtype, count)
+                send = [e for e in c.trace()["entries"] if e["kind"] == "send"][-1]
+                seen.append(("send", str(dtype), count, send["algorithm"], count * es > EAGER))
+                # async sends and receives in one batch, the same way
+                works = c.batch_isend_irecv([P2POp("send", win, nxt), P2POp("recv", got, prv)])
+                for w in works:
+                    w.wait()
+                assert torch.equal(got, make_input(count, prv, count, dtype)), ("batch", dtype, count)
+        return seen
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_point_to_point_from_registered_buffers(n):
+    """all_to_all with split sizes and sends read in place from registered buffers (the recorder
+    says "window" where they were, on every rank), exact against the reference and bitwise the
+    mailbox path's, either side of the 64 KiB threshold and of the 4 MiB eager capacity."""
+    results = run_ranks(_point_to_point, n)
+    assert len({tuple(r) for r in results}) == 1, "the ranks disagree on the path"
+    for kind, dtype, count, algorithm, in_place in results[0]:
+        assert algorithm == ("window" if in_place else None), (kind, dtype, count, algorithm)
+    assert {r[4] for r in results[0]} == {True, False}  # both paths were taken
+
+
+def _declined(rank, n, store_path):
+    """The receiver no longer maps the sender's window (it dropped its tensor of that id): it
+    declines the offer and the data comes through the mailbox, exact; the next window is read in
+    place again."""
+    c = make_comm(rank, n, store_path)
+    try:
+        count = (EAGER >> 2) + 1000
+        gone = c.empty(count)
+        kept = c.empty(count)
+        if rank == 1:
+            del gone  # rank 1's mappings of that window go with its tensor
+            got = torch.empty(count)
+            names = []
+            for _ in range(2):
+                c.recv(got, 0)
+                assert torch.equal(got, torch.arange(count, dtype=torch.float32)), names
+                names.append(_last(c, ("recv",))["algorithm"])
+            return names
+        names = []
+        for t in (gone, kept):
+            t.copy_(torch.arange(count, dtype=torch.float32))
+            c.send(t, 1)
+            names.append(_last(c, ("send",))["algorithm"])
+        return names
+    finally:
+        c.close()
+
+
+def test_an_offer_the_receiver_cannot_read_goes_through_the_mailbox():
+    assert run_ranks(_declined, 2) == [[None, "window"], [None, "window"]]
+
+
+def _killed_while_offering(rank, n, store_path, victim):
+    """Rank 0 sends 8 MiB from a registered buffer to the victim, which never receives it: the
+    send waits on its offer until the test kills the victim."""
+    c = make_comm(rank, n, store_path, timeout=30.0)
+    store = open_store(store_path)
+    win = c.empty(1 << 21)
+    c.barrier()
+    store.set(f"offering{rank}", "1")
+    if rank == victim:
+        time.sleep(120)  # killed long before
+        raise AssertionError("not killed")
+    seen = outcome(c.send, win, victim)
+    return {"seen": seen, "leaked": braid_segments([os.getpid()])}
+
+
+def test_a_receiver_killed_while_offered_raises_peer_error():
+    n, victim = 2, 1
+    with FreshRanks(n) as ranks:
+        ranks.start(_killed_while_offering, victim)
+        open_store(ranks.store_path).wait([f"offering{r}" for r in range(n)], timedelta(seconds=60))
+        time.sleep(0.3)  # lets rank 0's offer go out; no outcome rests on it
+        killed_at = time.monotonic()
+        ranks.kill(victim)
+        outcomes = ranks.outcomes()
+    _raised_peer_error(ranks, outcomes, victim, killed_at)

@@ -712,7 +712,8 @@ class Communicator(CompressionHost, Group):
         through braid's staging slots: all_gather's and all_to_all's and reduce_scatter's input,
         broadcast's tensor, an all_reduce's tensor (in place). Any other tensor works as before.
 
-        Collective: every rank calls it, in the same order as its other ``empty`` / ``zeros``
+        Collective: every rank calls it, with the same number of bytes (a ValueError on every
+        rank of a host where they differ), in the same order as its other ``empty`` / ``zeros``
         calls (the ranks of each host create and map their segments together, through the
         store, then a barrier of the whole communicator). Its contents are uninitialized. The
         memory is freed when the tensor and every view of it are gone. Where this rank is alone on
@@ -731,6 +732,7 @@ class Communicator(CompressionHost, Group):
         self._windows += 1
         here = [r for r, h in enumerate(self._hosts) if h == self._hosts[self._rank]]
         raw = None
+        mismatch = ""
         nbytes = shape.numel() * dtype.itemsize
         if len(here) > 1:
             key = f"{self._prefix}window{wid}/"
@@ -741,16 +743,21 @@ class Communicator(CompressionHost, Group):
                 except Exception as e:  # a /dev/shm too small, a refused segment: the host falls back
                     logger.warning("braid: rank %d could not make a registered buffer of %d bytes (%s); "
                                    "the host's ranks use plain tensors for it", self._rank, nbytes, e)
-            self._store.set(f"{key}{self._rank}", name)
-            names = [self._store.get(f"{key}{r}").decode() for r in here]  # local rank order
-            if "" in names:  # some rank of the host has none: plain tensors there, the same path
+            self._store.set(f"{key}{self._rank}", f"{nbytes}/{name}")
+            sizes, names = zip(*(self._store.get(f"{key}{r}").decode().split("/", 1) for r in here))
+            if len(set(sizes)) > 1:  # every rank refuses, after the barrier below
+                mismatch = ("empty/zeros must ask for the same number of bytes on every rank of a host: "
+                            + ", ".join(f"rank {r} asked for {b}" for r, b in zip(here, sizes)))
+            if "" in names or mismatch:  # some rank of the host has none: plain tensors there, the same path
                 if name:
                     self._c.window_free(wid)
             else:
-                raw = self._c.window_attach(wid, names)
+                raw = self._c.window_attach(wid, list(names))
         # Every rank of the communicator, whatever its host did: each host's ranks have mapped
         # every segment of theirs once it returns, so the names can go.
         self.barrier()
+        if mismatch:
+            raise ValueError(mismatch)
         if raw is None:
             return torch.empty(shape, dtype=dtype)
         self._c.window_unlink(wid)
@@ -806,13 +813,19 @@ class Communicator(CompressionHost, Group):
         if isinstance(ops, P2POp) or not isinstance(ops, Sequence):
             raise TypeError(f"ops must be a sequence of braid.comm.P2POp, got {type(ops).__name__}")
         spec = []
+        on_host = True
         for i, op in enumerate(ops):
             if not isinstance(op, P2POp):
                 raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
-            spec.append((op.op == "send", op.peer))
+            spec.append((op.op == "send", op.tensor, op.peer))
+            on_host = on_host and not op.tensor.is_cuda
+        if on_host:  # host tensors, the common case (a ring's every step): straight to the core
+            works = self._c.p2p_batch(spec)
+            return [Work(w, f"send to rank {peer}" if is_send else f"recv from rank {peer}")
+                    for w, (is_send, _, peer) in zip(works, spec)]
 
         def post(t: list, _async_op: bool) -> list:
-            return self._c.p2p_batch([(is_send, tensor, peer) for (is_send, peer), tensor in zip(spec, t)])
+            return self._c.p2p_batch([(is_send, tensor, peer) for (is_send, _, peer), tensor in zip(spec, t)])
 
         works = self._on_host([(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)],
                               post, True)
@@ -832,7 +845,7 @@ class Communicator(CompressionHost, Group):
         are left to the binding's checks."""
         device = None
         for name, t, _ in named:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            if not isinstance(t, torch.Tensor) or not t.is_cuda:
                 continue
             problem = self.device_problem(t.device)
             if problem is not None:

@@ -64,6 +64,8 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
   }
   if (world_ > 1)
     engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
+    engine_->set_p2p_here_runner(
+        [this](std::vector<std::shared_ptr<Work>>& batch, const Work* until) { run_p2p(batch, until); });
   if (const char* dir = std::getenv("BRAID_TRACE_DIR")) trace_dir_ = dir;
   install_trace_signal();
 }
@@ -397,6 +399,7 @@ void Communicator::execute(Request& r) {
       execute_local(r);
     } else if (p2p) {
       execute_p2p(r);
+      if (r.in_place) d.algo = static_cast<decltype(d.algo)>(Algo::kWindow);
     } else if (r.scope == Scope::kCross || (topo_.multi_host() && r.scope == Scope::kHost)) {
       execute_scoped(r, d);
     } else if (topo_.multi_host()) {

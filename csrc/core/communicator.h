@@ -69,6 +69,12 @@ struct Request {
   // send/recv: bytes already moved when it was issued (Communicator::p2p_now); the progress
   // thread goes on from there.
   size_t moved = 0;
+  // send: part of an all-to-all with split sizes (P2POp::exchange), and the state of a
+  // data-in-place offer made when it was issued (P2POp::offer, declined).
+  bool exchange = false;
+  uint64_t offer = 0;
+  bool declined = false;
+  bool in_place = false;  // read from the sender's registered buffer where it lies (P2POp::in_place)
   // The flight recorder's entry (0: recorded when it starts), and the caller's stack for it
   // (BRAID_TRACE_STACK=1; empty otherwise). `trace_here`: run at once by the thread that issued
   // it, which records the call as it starts (Communicator::execute).
@@ -246,7 +252,8 @@ class Communicator {
   // Point-to-point routed by the peer's host: shared memory on this host, TCP to others.
   bool p2p_advance(P2POp& op);
   void p2p_wait(P2POp* const* ops, int nops, const std::function<bool()>& interrupted);
-  void p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype);
+  // Returns whether the data was read in place (from the sender's registered buffer).
+  bool p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype);
   // An async send or receive with a peer on this host, issued while nothing else is queued or
   // running: moves what it can at once on the calling thread (a send into the peer's mailbox, a
   // receive whose message is already there). Returns the finished (or failed) work, or null when
@@ -259,7 +266,10 @@ class Communicator {
   // The first of `peers` (in ring order after this rank) with a message waiting, else -1.
   int p2p_first_incoming(const std::vector<int>& peers);
   // Runs the point-to-point works the engine hands over together (ProgressEngine::P2PRunner).
-  void run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept;
+  // `until` (a waiting thread runs them: ProgressEngine::run_p2p_here): stops once that work is
+  // done, its progress kept in the requests, and leaves the unfinished works in `batch`; runs
+  // nothing where a transfer crosses hosts (TCP keeps state of its own per transfer).
+  void run_p2p(std::vector<std::shared_ptr<Work>>& batch, const Work* until = nullptr) noexcept;
   // Records the first communication error and tells the peers. `in_p2p`: it came from a
   // point-to-point transfer, which runs after every collective issued before it had finished.
   void poison(const CommError& e, bool in_p2p = false);

@@ -21,12 +21,12 @@ void Communicator::execute_p2p(Request& r) {
   }
   const size_t bytes = r.count * dtype_size(r.dtype);
   if (r.kind == CollKind::kSend)
-    p2p_blocking(r.peer, true, const_cast<void*>(r.in), bytes, r.dtype);
+    r.in_place = p2p_blocking(r.peer, true, const_cast<void*>(r.in), bytes, r.dtype);
   else
-    p2p_blocking(r.peer, false, r.out, bytes, r.dtype);
+    r.in_place = p2p_blocking(r.peer, false, r.out, bytes, r.dtype);
 }
 
-void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype) {
+bool Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, DType dtype) {
   P2POp op;
   op.peer = peer;
   op.send = send;
@@ -35,6 +35,7 @@ void Communicator::p2p_blocking(int peer, bool send, void* data, size_t bytes, D
   op.dtype = dtype;
   P2POp* ops[] = {&op};
   while (!p2p_advance(op)) p2p_wait(ops, 1, [] { return false; });
+  return op.in_place;
 }
 
 namespace {
@@ -47,6 +48,9 @@ P2POp op_of(const Request& r) {
   op.bytes = r.count * dtype_size(r.dtype);
   op.dtype = r.dtype;
   op.off = r.moved;
+  op.exchange = r.exchange;
+  op.offer = r.offer;
+  op.declined = r.declined;
   return op;
 }
 }  // namespace
@@ -67,6 +71,9 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
     try {
       finished = p2p_advance(op);
       r.moved = op.off;
+      r.offer = op.offer;
+      r.declined = op.declined;
+      r.in_place = op.in_place;
       if (finished && r.epilogue) r.epilogue();
     } catch (const CommError& e) {
       poison(e, true);
@@ -97,7 +104,7 @@ void Communicator::trace_p2p_done(const Request& r, const char* error) {
   }
   const uint64_t bytes = r.count * dtype_size(r.dtype);
   const bool here = r.peer < 0 || topo_.host_of[static_cast<size_t>(r.peer)] == topo_.host;
-  trace_.complete(r.trace_id, nullptr, here ? bytes : 0, here ? 0 : bytes);
+  trace_.complete(r.trace_id, r.in_place ? algo_name(Algo::kWindow) : nullptr, here ? bytes : 0, here ? 0 : bytes);
 }
 
 std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Request> reqs,
@@ -106,7 +113,8 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
   check_open();
   check_not_poisoned();
   if (!async) check_may_block();
-  for (const Request& r : reqs) {
+  for (Request& r : reqs) {
+    r.exchange = true;  // every receive is waited for: a send may wait for its receiver at any size
     if (r.kind != CollKind::kSend && r.kind != CollKind::kRecv)
       throw std::invalid_argument("submit_exchange takes send and recv requests only");
     if (world_ == 1) throw std::invalid_argument("point-to-point needs a peer: this communicator has one rank");
@@ -133,8 +141,13 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
     }
     std::vector<std::shared_ptr<Work>> mine = batch;  // run_p2p may append works queued meanwhile
     run_p2p(batch);
-    for (const auto& w : mine)
+    bool in_place = false;
+    for (const auto& w : mine) {
       if (!w->succeeded()) throw CommError(w->error_kind(), w->error_message());
+      in_place = in_place || static_cast<const Request*>(w->p2p().get())->in_place;
+    }
+    // The recorder names the window path where a transfer was read in place (run here only).
+    if (in_place && header.trace_id != 0) trace_.set_algo(header.trace_id, algo_name(Algo::kWindow));
     if (epilogue) epilogue();
   };
   if (engine_->on_progress_thread()) return run_on_progress_thread(here, async);
@@ -205,7 +218,15 @@ std::shared_ptr<Work> Communicator::submit_exchange(DType dtype, std::vector<Req
   return all;
 }
 
-void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
+void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch, const Work* until) noexcept {
+  if (until != nullptr) {
+    for (const auto& w : batch) {
+      const auto* r = static_cast<const Request*>(w->p2p().get());
+      const bool here = r->peer == kAnySource ? !topo_.multi_host()
+                                              : topo_.host_of[static_cast<size_t>(r->peer)] == topo_.host;
+      if (!here) return;  // the batch goes back as it came
+    }
+  }
   struct Active {
     std::shared_ptr<Work> work;
     Request* req;
@@ -213,6 +234,21 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
   };
   std::vector<Active> active;  // issue order
   size_t admitted = 0;
+  // Where a waiting thread runs the batch (`until`): what is left once its work is done, the
+  // progress of each kept in its request for whoever goes on with it.
+  auto hand_back = [&] {
+    std::vector<std::shared_ptr<Work>> left;
+    for (auto& a : active) {
+      Request& r = *a.req;
+      r.peer = a.op.peer;  // a receive from any source keeps the peer it matched
+      r.moved = a.op.off;
+      r.offer = a.op.offer;
+      r.declined = a.op.declined;
+      left.push_back(std::move(a.work));
+    }
+    for (size_t i = admitted; i < batch.size(); ++i) left.push_back(std::move(batch[i]));
+    batch = std::move(left);
+  };
   size_t unmatched = 0;  // receives from any source without a peer yet: none, no looking for them
   auto admit = [&] {
     for (; admitted < batch.size(); ++admitted) {
@@ -277,11 +313,16 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
         }
         const size_t before = active[i].op.off;
         if (p2p_advance(active[i].op)) {
+          active[i].req->in_place = active[i].op.in_place;
           if (active[i].req->epilogue) active[i].req->epilogue();
           trace_p2p_done(*active[i].req, nullptr);
           std::shared_ptr<Work> w = std::move(active[i].work);
           active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
           w->complete();
+          if (w.get() == until) {
+            hand_back();
+            return;
+          }
           moved = true;
           continue;
         }
@@ -323,6 +364,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch) noexcept {
     for (auto& a : active) a.work->fail(ErrorKind::kGeneric, e.what());
     for (size_t i = admitted; i < batch.size(); ++i) batch[i]->fail(ErrorKind::kGeneric, e.what());
   }
+  if (until != nullptr) batch.clear();  // every work is finished: none goes back
 }
 
 bool Communicator::p2p_advance(P2POp& op) {

@@ -31,6 +31,31 @@ void ProgressEngine::take_p2p(std::vector<std::shared_ptr<Work>>& batch) {
   }
 }
 
+bool ProgressEngine::run_p2p_here(const Work* w) {
+  std::vector<std::shared_ptr<Work>> batch;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (busy_ || stop_ || !p2p_here_runner_) return false;
+    size_t k = 0;
+    bool found = false;
+    for (; k < queue_.size() && queue_[k]->p2p(); ++k) found = found || queue_[k].get() == w;
+    if (!found) return false;
+    for (size_t i = 0; i < k; ++i) {
+      batch.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    }
+    busy_ = true;
+    inline_owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  }
+  p2p_here_runner_(batch, w);  // noexcept: failures complete the works
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto it = batch.rbegin(); it != batch.rend(); ++it) queue_.push_front(std::move(*it));
+  inline_owner_.store(std::thread::id{}, std::memory_order_relaxed);
+  busy_ = false;
+  if (!queue_.empty() || stop_) cv_.notify_all();
+  return true;
+}
+
 namespace {
 thread_local const ProgressEngine* t_engine = nullptr;
 }  // namespace

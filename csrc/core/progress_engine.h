@@ -51,6 +51,17 @@ class ProgressEngine {
   void set_p2p_runner(P2PRunner runner) { p2p_runner_ = std::move(runner); }
   // Appends to `batch` the point-to-point works now at the head of the queue.
   void take_p2p(std::vector<std::shared_ptr<Work>>& batch);
+  // A thread that waits for a point-to-point work the progress thread has not taken yet runs the
+  // point-to-point works at the head of the queue itself (run_p2p_here): waking the progress
+  // thread and then being woken by it costs more than a small transfer takes. The runner gets
+  // them and the awaited work, moves them until that one is done, and leaves in `batch` the works
+  // it did not finish (their progress kept in their requests), which go back to the head of the
+  // queue in order; it may leave every work untouched (a transfer it cannot run there).
+  using P2PHereRunner = std::function<void(std::vector<std::shared_ptr<Work>>& batch, const Work* until)>;
+  void set_p2p_here_runner(P2PHereRunner runner) { p2p_here_runner_ = std::move(runner); }
+  // Runs the point-to-point works at the head of the queue on the calling thread when `w` is among
+  // them and nothing runs; returns whether it did. Work::wait calls it.
+  bool run_p2p_here(const Work* w);
   // Counts enqueue() calls: a runner that waits watches it to notice new work.
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_seq_cst); }
   // Runs what is queued, then stops the thread. Later submissions are refused by the owner.
@@ -80,6 +91,7 @@ class ProgressEngine {
   bool stop_ = false;
   std::thread thread_;
   P2PRunner p2p_runner_;
+  P2PHereRunner p2p_here_runner_;
   std::atomic<uint64_t> enqueued_{0};
   std::atomic<std::thread::id> inline_owner_{};  // the thread in run_if_idle's fn, if any
 };

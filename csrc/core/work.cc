@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <thread>
 #include <utility>
 
 #include "interrupt.h"
@@ -90,6 +91,20 @@ bool Work::wait(std::chrono::nanoseconds timeout, bool interruptible) {
   std::unique_lock<std::mutex> lk(mu_);
   if (!done_ && engine_ != nullptr && engine_ == ProgressEngine::current_engine())
     throw CommError(ErrorKind::kGeneric, std::string(kOnProgressThread));
+  // An untimed wait for a transfer the progress thread has not taken yet: run it here.
+  if (!done_ && p2p_ && engine_ != nullptr && timeout.count() <= 0) {
+    lk.unlock();
+    static_cast<ProgressEngine*>(const_cast<void*>(engine_))->run_p2p_here(this);
+    lk.lock();
+    // Taken by the progress thread: a small transfer completes within microseconds, sooner than a
+    // sleeping thread would be woken. Poll a little, yielding the core to that thread meanwhile.
+    const auto until = Clock::now() + std::chrono::microseconds(50);
+    while (!done_ && Clock::now() < until) {
+      lk.unlock();
+      std::this_thread::yield();
+      lk.lock();
+    }
+  }
   if (interruptible && interrupt_hook_installed()) {
     const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
     while (!done_) {

@@ -35,6 +35,16 @@ struct P2POp {
   const CollectiveDesc* desc = nullptr;
   size_t off = 0;        // bytes moved so far
   bool done = false;     // a zero-byte transfer still moves one (empty) chunk
+  // send: part of an all-to-all with split sizes, which waits for every receive anyway: a
+  // transport may hold the send until its receiver has read the data where it lies (on one host,
+  // from a registered buffer: ShmGroup::advance) at any size, not only past its eager capacity.
+  bool exchange = false;
+  // send: the transport's state of a data-in-place offer awaiting the receiver (ShmGroup: the
+  // mailbox chunk number + 1 of the offer; 0: none). Kept with the op so that a send stopped part
+  // way resumes where it was.
+  uint64_t offer = 0;
+  bool declined = false;  // the receiver could not read in place: the data goes through chunks
+  bool in_place = false;  // the receiver read the data where the sender holds it (both sides)
   std::string describe() const;
 };
 

@@ -213,6 +213,10 @@ class ShmGroup : public Transport {
   // Mailboxes (mailbox.cc).
   bool p2p_ready(const P2POp& op) const;
   size_t lane(const P2POp& op) const;   // index of op's (channel, peer) in sent_/taken_
+  // Data in place from a registered buffer: the sender's test, the receiver's read (false: this
+  // rank does not map the sender's window, and declines).
+  bool offers_in_place(const P2POp& op, int64_t* id, uint64_t* off);
+  bool take_in_place(P2POp& op, int peer, const MailboxChunk& c);
 
   // The id of the window holding [data, data + bytes), or -1.
   int64_t window_of(const void* data, size_t bytes, uint64_t* offset);

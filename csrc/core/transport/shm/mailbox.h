@@ -18,10 +18,23 @@ struct MailboxChunk {
   uint64_t offset;       // of this chunk in it
   uint64_t bytes;        // in this chunk
   uint32_t dtype;
+  // An offer instead of data (>= 0): the whole message lies in the sender's registered buffer
+  // of this id, at `window_off`, and stays there until the receiver has read it (bytes 0).
+  int64_t window_id;
+  uint64_t window_off;
 };
 constexpr size_t kChunkHeader = 64;
 static_assert(sizeof(MailboxChunk) <= kChunkHeader, "a chunk's header fits before its data");
 // One chunk's place in the segment: header and data, in whole pages.
 constexpr size_t kMailboxSlot = (kChunkHeader + kMailboxChunkBytes + 4095) / 4096 * 4096;
+
+// What a sender may have in flight before its send waits for the receiver (the eager capacity).
+constexpr size_t kMailboxEagerBytes = kMailboxDepth * kMailboxChunkBytes;
+// A send from a registered buffer (ShmGroup's windows) of at least this many bytes offers the
+// receiver its data in place, one copy instead of two, where the send waits for its receiver
+// anyway: past the eager capacity, or as part of an all-to-all with split sizes. Below it the
+// handshake costs more than the copy it saves (measured: docs/design/one-host.md, "Point-to-point
+// from registered buffers").
+constexpr size_t kWindowP2PMinBytes = size_t{64} << 10;
 
 }  // namespace braid

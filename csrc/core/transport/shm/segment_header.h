@@ -13,7 +13,7 @@
 
 namespace braid {
 
-constexpr uint64_t kSegmentMagic = 0x6272616964736d33ull;  // "braidsm3"
+constexpr uint64_t kSegmentMagic = 0x6272616964736d34ull;  // "braidsm4"
 // SegmentHeader::state
 constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
 constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
@@ -60,6 +60,9 @@ struct SegmentHeader {
   // Indexed by lane: channel * kMaxLocalRanks + peer (see Channel).
   alignas(kLine) std::atomic<uint64_t> mailbox_sent[kNumChannels * kMaxLocalRanks];
   alignas(kLine) std::atomic<uint64_t> mailbox_taken[kNumChannels * kMaxLocalRanks];
+  // The chunk number + 1 of the last offer (MailboxChunk::window_id) this rank declined from each
+  // source (it does not map the sender's window): written before the offer is marked taken.
+  alignas(kLine) std::atomic<uint64_t> mailbox_declined[kNumChannels * kMaxLocalRanks];
 };
 
 static_assert(sizeof(CollectiveDesc) == 24, "descriptor layout is shared between processes");
