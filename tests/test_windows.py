@@ -312,9 +312,10 @@ def test_a_peer_killed_during_window_collectives_raises_peer_error():
 
 # -- point to point and all_to_all with split sizes from registered buffers --------------------------
 # A send from a registered buffer offers the receiver its data in place (csrc/core/transport/shm/
-# mailbox.cc) from 64 KiB on, where the send waits for its receiver anyway: inside an all_to_all
-# with split sizes at any size, a plain send only past the mailbox's eager 4 MiB.
-P2P_MIN = 64 << 10
+# mailbox.cc) from 16 KiB on (BRAID_P2P_WINDOW_MIN_BYTES), where the send waits for its receiver
+# anyway: inside an all_to_all with split sizes at any size, a plain send only past the mailbox's
+# eager 4 MiB.
+P2P_MIN = 16 << 10
 EAGER = 4 << 20
 
 
@@ -382,7 +383,7 @@ def _point_to_point(rank, n, store_path):
 def test_point_to_point_from_registered_buffers(n):
     """all_to_all with split sizes and sends read in place from registered buffers (the recorder
     says "window" where they were, on every rank), exact against the reference and bitwise the
-    mailbox path's, either side of the 64 KiB threshold and of the 4 MiB eager capacity."""
+    mailbox path's, either side of the 16 KiB threshold and of the 4 MiB eager capacity."""
     results = run_ranks(_point_to_point, n)
     assert len({tuple(r) for r in results}) == 1, "the ranks disagree on the path"
     for kind, dtype, count, algorithm, in_place in results[0]:

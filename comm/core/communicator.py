@@ -813,24 +813,21 @@ class Communicator(CompressionHost, Group):
         if isinstance(ops, P2POp) or not isinstance(ops, Sequence):
             raise TypeError(f"ops must be a sequence of braid.comm.P2POp, got {type(ops).__name__}")
         spec = []
-        on_host = True
         for i, op in enumerate(ops):
             if not isinstance(op, P2POp):
                 raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
             spec.append((op.op == "send", op.tensor, op.peer))
-            on_host = on_host and not op.tensor.is_cuda
-        if on_host:  # host tensors, the common case (a ring's every step): straight to the core
+        named = [(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)]
+        stage = self._staging(named)
+        if stage is None:  # host tensors, the common case (a ring's every step): straight to the core
             works = self._c.p2p_batch(spec)
-            return [Work(w, f"send to rank {peer}" if is_send else f"recv from rank {peer}")
-                    for w, (is_send, _, peer) in zip(works, spec)]
+        else:
+            def post(t: list, _async_op: bool) -> list:
+                return self._c.p2p_batch([(s, tensor, peer) for (s, _, peer), tensor in zip(spec, t)])
 
-        def post(t: list, _async_op: bool) -> list:
-            return self._c.p2p_batch([(is_send, tensor, peer) for (is_send, _, peer), tensor in zip(spec, t)])
-
-        works = self._on_host([(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)],
-                              post, True)
-        return [Work(w, f"send to rank {op.peer}" if op.op == "send" else f"recv from rank {op.peer}")
-                for w, op in zip(works, ops)]
+            works = _through_host(stage, [(t, written) for _, t, written in named], post, True)
+        return [Work(w, f"send to rank {peer}" if is_send else f"recv from rank {peer}")
+                for w, (is_send, _, peer) in zip(works, spec)]
 
     def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
         """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together

@@ -61,6 +61,7 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     group_ = std::make_unique<ShmGroup>(topo_.local_rank(), local_world, layout, policy, tun_.stream_min_bytes,
                                         tun_.skew_rounds != 0);
     if (topo_.multi_host()) group_->set_global_ranks(topo_.hosts[static_cast<size_t>(topo_.host)]);
+    group_->set_p2p_window_min_bytes(tun_.p2p_window_min_bytes);
   }
   if (world_ > 1)
     engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });

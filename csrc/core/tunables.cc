@@ -141,6 +141,7 @@ Tunables Tunables::from_env() {
     t.oneshot_max_bytes = env_size_as<int64_t>("BRAID_ONESHOT_MAX_BYTES", 0);
   t.slot_bytes = env_size("BRAID_SLOT_BYTES", t.slot_bytes);
   t.nslots = env_size_as<int>("BRAID_NSLOTS", t.nslots);
+  t.p2p_window_min_bytes = env_size("BRAID_P2P_WINDOW_MIN_BYTES", t.p2p_window_min_bytes);
   if (env("BRAID_STREAM_MIN_BYTES") != nullptr)
     t.stream_min_bytes = env_size_as<int64_t>("BRAID_STREAM_MIN_BYTES", 0);
   t.spin_us = env_double("BRAID_SPIN_US", t.spin_us);

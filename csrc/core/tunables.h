@@ -54,6 +54,13 @@ struct Tunables {
   // BRAID_NSLOTS: pipeline depth (slots in flight per rank). At least 2: the ring writes slot
   // p while its right neighbour still reads slot p - 1.
   int nslots = 4;
+  // BRAID_P2P_WINDOW_MIN_BYTES: a send from a registered buffer of at least this many bytes that
+  // waits for its receiver anyway (inside an all_to_all with split sizes, or past the mailbox's
+  // eager 4 MiB) offers the receiver its data in place, one copy instead of two
+  // (transport/shm/mailbox.cc). all_to_allv at 2 ranks: pieces of 16-32 KiB 1.2x faster in place,
+  // 64 KiB and more 1.4-1.6x, below 16 KiB no difference beyond the noise (measured:
+  // docs/design/one-host.md, "Point-to-point from registered buffers").
+  size_t p2p_window_min_bytes = 16 * 1024;
   // BRAID_SPIN_US / BRAID_YIELD_US: busy-poll, then sched_yield, before a futex sleep. When a
   // host runs more ranks than it has cores, the spin defaults to 0 so waiting ranks give their
   // core to the ranks that compute.

@@ -128,6 +128,8 @@ class ShmGroup : public Transport {
 
   // Whether an output of `bytes` is written around the caches (see copy_streaming).
   bool streaming(size_t bytes) const { return bytes >= stream_min_bytes_; }
+  // Sends from registered buffers of at least `bytes` may be read in place (mailbox.cc).
+  void set_p2p_window_min_bytes(size_t bytes) { p2p_window_min_bytes_ = bytes; }
   bool skewed_rounds() const { return skewed_rounds_; }
 
   // Point-to-point, in issue order per (sender, receiver, channel), a chunk at a time so that
@@ -226,6 +228,7 @@ class ShmGroup : public Transport {
   ShmLayout layout_;
   WaitPolicy policy_;
   size_t stream_min_bytes_;
+  size_t p2p_window_min_bytes_ = 16 * 1024;
   bool skewed_rounds_;
   ShmSegment own_;
   std::vector<ShmSegment> peers_;   // index = rank; this rank's entry stays empty

@@ -31,11 +31,11 @@ bool ShmGroup::p2p_ready(const P2POp& op) const {
   return header(op.peer)->mailbox_sent[me].load(std::memory_order_acquire) > taken_[lane(op)];
 }
 
-// Whether `op`, a send not yet begun, offers its data in place (see kWindowP2PMinBytes): a user
-// transfer from a registered buffer that waits for its receiver anyway. The window's id and the
-// data's offset in it go to `id` and `off`.
+// Whether `op`, a send not yet begun, offers its data in place (Tunables::p2p_window_min_bytes):
+// a user transfer from a registered buffer that waits for its receiver anyway. The window's id and
+// the data's offset in it go to `id` and `off`.
 bool ShmGroup::offers_in_place(const P2POp& op, int64_t* id, uint64_t* off) {
-  if (op.off != 0 || op.declined || op.channel != Channel::kUser || op.bytes < kWindowP2PMinBytes) return false;
+  if (op.off != 0 || op.declined || op.channel != Channel::kUser || op.bytes < p2p_window_min_bytes_) return false;
   if (!op.exchange && op.bytes <= kMailboxEagerBytes) return false;  // an eager send returns at once
   *id = window_of(op.data, op.bytes, off);
   return *id >= 0;

@@ -30,11 +30,5 @@ constexpr size_t kMailboxSlot = (kChunkHeader + kMailboxChunkBytes + 4095) / 409
 
 // What a sender may have in flight before its send waits for the receiver (the eager capacity).
 constexpr size_t kMailboxEagerBytes = kMailboxDepth * kMailboxChunkBytes;
-// A send from a registered buffer (ShmGroup's windows) of at least this many bytes offers the
-// receiver its data in place, one copy instead of two, where the send waits for its receiver
-// anyway: past the eager capacity, or as part of an all-to-all with split sizes. Below it the
-// handshake costs more than the copy it saves (measured: docs/design/one-host.md, "Point-to-point
-// from registered buffers").
-constexpr size_t kWindowP2PMinBytes = size_t{64} << 10;
 
 }  // namespace braid
