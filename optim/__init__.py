@@ -16,6 +16,10 @@ gradient and write the low-precision copy of the parameter in the same pass::
     braid.optim.adam_step(master, grad_bf16, exp_avg, exp_avg_sq, step=t, lr=1e-4,
                           weight_decay=0.01, param_copy=param_bf16)
 
+FSDP2's parameters (DTensors) step shard by shard, each rank its local shard, the state kept as
+DTensors like torch's optimizers keep it: with ``CPUOffloadPolicy`` the shards, their gradients
+and the state live in host memory, and braid's step replaces torch's there.
+
 The arithmetic, per element, is spelled out in core/optim/step.h; tests/test_optim.py checks the
 kernels bit for bit against that sequence written in torch, and against torch's optimizers to
 rounding.
@@ -31,6 +35,18 @@ import braid.comm._C as _C  # the extension module
 __all__ = ["Adam", "AdamW", "ParamStepper", "SGD", "adam_step", "sgd_step"]
 
 _STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+try:  # FSDP2's parameters (fully_shard): each rank steps its local shard
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = ()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a step reads and writes of ``t``: a DTensor's local shard (FSDP2's parameters, their
+    gradients, and the state made like them, which stays a DTensor for distributed checkpoints),
+    else ``t`` itself. Optimizer steps are elementwise, so each rank's shard steps alone."""
+    return t._local_tensor if isinstance(t, _DTensor) else t
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -91,7 +107,7 @@ def _check_param(p: torch.Tensor, where: str) -> None:
     if p.dtype != torch.float32:
         raise TypeError(f"{where}: braid.optim steps float32 parameters (keep float32 master weights), "
                         f"got {p.dtype}")
-    if not p.is_contiguous():
+    if not _local(p).is_contiguous():
         raise ValueError(f"{where}: the parameter must be contiguous")
     if p.grad is not None and (p.grad.is_sparse or p.grad.dtype not in _STEP_DTYPES):
         raise TypeError(f"{where}: the gradient must be dense float32, bfloat16 or float16, got "
@@ -99,7 +115,7 @@ def _check_param(p: torch.Tensor, where: str) -> None:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1)
+    return _local(t).contiguous().view(-1)
 
 
 def _group_of(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
@@ -188,8 +204,9 @@ class Adam(ParamStepper):
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
         state["step"] += 1
-        adam_step(p.view(-1), _flat(grad), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                  state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None,
+        adam_step(_local(p).view(-1), _flat(grad), _local(state["exp_avg"]).view(-1),
+                  _local(state["exp_avg_sq"]).view(-1),
+                  _local(state["max_exp_avg_sq"]).view(-1) if group["amsgrad"] else None,
                   step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
                   weight_decay=group["weight_decay"], decoupled=self._decoupled, maximize=group["maximize"])
 
@@ -236,7 +253,7 @@ class SGD(ParamStepper):
                 buf = torch.empty_like(p, memory_format=torch.contiguous_format)
                 state["momentum_buffer"] = buf
                 first = True
-            buf = buf.view(-1)
-        sgd_step(p.view(-1), _flat(grad), buf, lr=group["lr"], momentum=group["momentum"],
+            buf = _local(buf).view(-1)
+        sgd_step(_local(p).view(-1), _flat(grad), buf, lr=group["lr"], momentum=group["momentum"],
                  dampening=group["dampening"], weight_decay=group["weight_decay"],
                  nesterov=group["nesterov"], maximize=group["maximize"], first=first)

@@ -182,3 +182,52 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="op 'band' needs an integer tensor"):  # gradients are floats
         rs(torch.zeros(1), torch.zeros(1), None, dist.ReduceOp.BAND)
     c.close()
+
+
+def _run_with_braid_optim(rank, world_size, store_path, offload):
+    """FSDP2 on gloo, stepped by braid.optim (AdamW, then SGD with momentum) and by torch's
+    optimizer: the same losses and parameters to rounding; braid's state are DTensors sharded like
+    the parameters, and a state_dict of one loads into the other."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from braid import optim
+
+    def sharded():
+        m = lm_model()
+        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh, **kw)
+        return fully_shard(m, mesh=mesh, **kw)
+
+    with process_group(rank, world_size, store_path):
+        mesh = init_device_mesh("cpu", (world_size,))
+        for braid_cls, torch_cls, kw in ((optim.AdamW, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                                         (optim.SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+            ours, theirs = sharded(), sharded()
+            opt_ours, opt_theirs = braid_cls(ours.parameters(), **kw), torch_cls(theirs.parameters(), **kw)
+            # One step from the same gradients: the parameters equal to rounding (after more steps
+            # Adam would magnify the rounding where a gradient is all but zero, as the key bias's).
+            for m, o in ((ours, opt_ours), (theirs, opt_theirs)):
+                train_steps(m, o, rank, 1, 1, None)
+            for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                assert isinstance(p, DTensor)
+                torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, n=f"{braid_cls.__name__} {name}": f"{n}: {m}")
+            pairs = ((ours, opt_ours), (theirs, opt_theirs))
+            losses = [train_steps(m, o, rank, 4, 1, None) for m, o in pairs]
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-4)
+            assert losses[0][-1] < losses[0][0]  # it trains
+            state = opt_ours.state[next(iter(ours.parameters()))]
+            assert all(isinstance(v, DTensor) for k, v in state.items() if k != "step"), state.keys()
+            opt_theirs.load_state_dict(opt_ours.state_dict())  # the same layout both ways
+            opt_ours.load_state_dict(opt_theirs.state_dict())
+    return True
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp2_steps_with_braid_optim(offload):
+    """braid.optim steps FSDP2's sharded parameters (each rank its local shard), as torch's
+    optimizer does, with or without CPUOffloadPolicy (the recipe: docs/usage/optim.md)."""
+    assert run_ranks(_run_with_braid_optim, 2, offload) == [True, True]
