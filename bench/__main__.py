@@ -23,6 +23,7 @@ BENCHMARKS = {
     "gpufloor": "processes sharing a GPU, no braid: concurrent copy, event and device-flag round trips (GPU)",
     "recorder": "the flight recorder's cost on a 4 KiB all_reduce: recording on vs off, same processes",
     "moe": "MoE layer forward+backward tokens/s, one host and across hosts: braid vs all_to_all on gloo",
+    "delayed": "ZeRO-Offload's delayed parameter update vs the usual one: a small LM's loss per lr",
     "optim": "CPU AdamW step GB/s: braid.optim's C++ step vs torch's fused and foreach AdamW, copy rate",
     "plan": "the planner's predicted step time and memory against a small GPT trained with 13 layouts",
     "ft": "a killed worker: braid.ft's survivors go on vs torchrun's restart from a checkpoint; quorum cost",

@@ -9,13 +9,14 @@ Communicator and a gloo group, with gradient accumulation, clipping, mixed preci
 GPU run (pinned buffers, async copies, events) is in ``make gpu-test``.
 """
 import threading
+from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 from braid import comm, optim
 from braid.comm import zero
-from helpers.sharding import small_lm, small_lm_loss
+from helpers.sharding import TOL, small_lm, small_lm_loss
 from helpers.ranks import make_comm, process_group, run_ranks
 
 # Small buckets: the model's parameters spread over several, some straddling shards.
@@ -171,6 +172,106 @@ def test_offloaded_training_resumes_bitwise_from_a_sharded_checkpoint(stage):
 def test_offload_argument_is_checked():
     with pytest.raises(TypeError, match="offload_optimizer must be True or False"):
         zero.shard(small_lm(), None, offload_optimizer="cpu")
+
+
+def _delayed_reference(n: int, steps: int, delay_from: Optional[int]) -> tuple:
+    """The dense model trained in one process as the ranks train it together: each step's
+    gradient the mean of every rank's. From step ``delay_from`` on (None: never) ZeRO-Offload's
+    delayed update, written out: the forward and backward of step t use the parameters before the
+    update of step t - 1, which runs meanwhile. Returns (losses per step and rank, final
+    parameters)."""
+    compute, master = small_lm(), small_lm()
+    opt = optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        delay = delay_from is not None and step >= delay_from
+        if step == delay_from:  # no update is pending: the delayed steps start from the masters
+            with torch.no_grad():
+                for p, q in zip(compute.parameters(), master.parameters()):
+                    p.copy_(q)
+        model = compute if delay else master
+        model.zero_grad()
+        row = []
+        for rank in range(n):
+            loss = small_lm_loss(model, rank, step, 0)
+            (loss / n).backward()
+            row.append(loss.item())
+        losses.append(row)
+        with torch.no_grad():
+            for p, q in zip(master.parameters(), model.parameters()):
+                p.grad = q.grad.clone()
+            if delay:  # the next step computes with the parameters as they are before this update
+                for p, q in zip(compute.parameters(), master.parameters()):
+                    p.copy_(q)
+        opt.step()
+    return losses, master.state_dict()
+
+
+def delayed_update(rank, n, store_path, carrier, stage, steps, delay_from):
+    with process_group(rank, n, store_path):
+        with make_comm(rank, n, store_path) as c:
+            group = c if carrier == "communicator" else dist.group.WORLD
+            sharded = zero.shard(small_lm(), group, stage=stage, bucket_cap_mb=BUCKET_CAP_MB,
+                                 offload_optimizer=True)
+            opt = optim.AdamW(sharded.parameters(), lr=1e-2, weight_decay=0.1)
+            threads = set()
+            step_param = opt.step_param
+
+            def recorded(p, grad):
+                threads.add(threading.current_thread().name.split("_")[0])
+                step_param(p, grad)
+
+            opt.step_param = recorded
+            losses, grads_after = [], []
+            for step in range(steps):
+                if step in (0, delay_from):
+                    sharded.step_in_backward(opt, delay=step == delay_from)
+                sharded.zero_grad()
+                loss = small_lm_loss(sharded, rank, step, 0)
+                loss.backward()
+                losses.append(loss.item())
+                if step >= delay_from:
+                    grads_after.append(all(p.grad is None for p in sharded.parameters()))
+            params = sharded.full_state_dict()  # waits for the last delayed step
+            return losses, params, threads, all(grads_after)
+
+
+@pytest.mark.parametrize("carrier,world_size,stage,delay_from", (
+    ("communicator", 2, 1, 0), ("communicator", 2, 2, 0), ("communicator", 2, 3, 0), ("gloo", 3, 3, 0),
+    ("communicator", 2, 2, 2)))
+def test_delayed_update_trains_one_step_stale(carrier, world_size, stage, delay_from):
+    """step_in_backward(opt, delay=True): every step's forward and backward use the parameters from
+    before the previous step's update, which the host thread runs meanwhile; the losses and the
+    final parameters follow the delayed update written out in one process (to float32 rounding:
+    the mean over ranks is summed in another order there), and not the undelayed one. The delay
+    may start after some steps without it (``delay_from``)."""
+    steps = 6
+    ref_losses, ref_params = _delayed_reference(world_size, steps, delay_from)
+    _, undelayed = _delayed_reference(world_size, steps, None)
+    for rank, (losses, params, threads, grads_gone) in enumerate(
+            run_ranks(delayed_update, world_size, carrier, stage, steps, delay_from)):
+        torch.testing.assert_close(losses, [row[rank] for row in ref_losses], **TOL)
+        assert params.keys() == ref_params.keys()
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, **TOL, msg=lambda m, k=k: f"{k}: {m}")
+        assert max((params[k] - v).abs().max().item() for k, v in undelayed.items()) > 1e-3
+        assert threads == {"braid-offload"}, threads
+        assert grads_gone  # the gradients went to the delayed steps
+
+
+def _delay_arguments(rank, n, store_path):
+    with make_comm(rank, n, store_path) as c:
+        sharded = zero.shard(small_lm(), c, stage=1)
+        opt = optim.AdamW(sharded.parameters())
+        with pytest.raises(ValueError, match=r"delay=True\) needs offload_optimizer=True"):
+            sharded.step_in_backward(opt, delay=True)
+        with pytest.raises(TypeError, match="delay must be True or False"):
+            sharded.step_in_backward(opt, delay=1)
+    return True
+
+
+def test_delay_needs_offload_and_a_bool():
+    assert run_ranks(_delay_arguments, 1) == [True]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

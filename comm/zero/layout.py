@@ -61,6 +61,9 @@ class Bucket:
     uploaded_version: int = -1    # shard._version when ``on_device`` was last copied from it; -1: stale
     grad_staging: Any = None      # offload_optimizer on a GPU: pinned host buffer the reduced shard
                                   # gradient is copied into
+    frozen: bool = False          # a delayed step of the master runs meanwhile (step_in_backward's
+                                  # delay): ``on_device`` holds the master as it was before it; the
+                                  # master is neither uploaded nor compared with the last gather
 
 
 @dataclass

@@ -125,6 +125,8 @@ class Schedule:
         self.root = root
         self.sync = True
         self.optimizer: Any = None        # stepped per bucket as its reduce-scatter lands (step_in_backward)
+        self.delay = False                # step_in_backward's delay: the steps run during the next step
+        self.delayed_jobs: list = []      # their futures on the host thread
         self.finish_queued = False
         self.in_flight: list[Unit] = []   # units with all-gathers launched, oldest first
         self.pending: list = []           # (bucket, work, finish, gradient) per reduce-scatter
@@ -157,15 +159,69 @@ class Schedule:
             yield from unit.buckets
 
     def check_idle(self, what: str) -> None:
-        """Raises when called during a backward (reduce-scatters or host steps pending)."""
+        """Raises when called during a backward (reduce-scatters or host steps pending); between
+        steps, completes the delayed steps still running (step_in_backward's delay)."""
         if self.pending or self.finish_queued or self.host_jobs:
             raise RuntimeError(f"{what} during a backward pass: call it between steps")
+        self.finish_delayed()
+
+    def finish_delayed(self) -> None:
+        """Waits for the delayed steps (step_in_backward's delay) and lets the next forward
+        gather the masters they updated; the first error is raised."""
+        jobs, self.delayed_jobs = self.delayed_jobs, []
+        errors = [job.exception() for job in jobs]
+        for b in self.buckets():
+            if b.frozen:
+                b.frozen = False
+                b.synced_version = b.uploaded_version = -1
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _delay_steps(self) -> None:
+        """The end of a synchronized backward under step_in_backward's delay (ZeRO-Offload's
+        delayed parameter update): the previous step's updates are done; every master as it is now
+        goes to its image, which the next forward and backward compute with, and its step with
+        the gradient just reduced runs on the host thread meanwhile. The gradient leaves the
+        shard's ``.grad`` for that step, so that the next backward starts a fresh one."""
+        self.finish_delayed()
+        stepped = [b for b in self.buckets() if b.trainable and b.shard.grad is not None]
+        if not stepped:
+            return
+        ready = None
+        with torch.no_grad():
+            for b in stepped:
+                b.on_device.copy_(b.shard.detach(), non_blocking=True)
+            device = stepped[0].on_device.device
+            if device.type != "cpu":  # the uploads read the masters: the steps start after them
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
+        if self.host_pool is None:
+            self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="braid-offload")
+        for b in stepped:
+            grad, b.shard.grad = b.shard.grad, None
+            b.frozen = True
+            b.synced_version = b.uploaded_version = -1
+            self.delayed_jobs.append(self.host_pool.submit(self._delayed_step, b, grad, ready))
+
+    def _delayed_step(self, b: Bucket, grad: torch.Tensor, ready: Any) -> None:
+        if ready is not None:
+            ready.synchronize()
+        with torch.no_grad():
+            self.optimizer.step_param(b.shard, grad)
 
     # -- gathers -----------------------------------------------------------------------------
     def _stale(self, unit: Unit) -> bool:
         if self.stage == 3:
             return not unit.gathered
-        return any(b.shard._version != b.synced_version for b in unit.buckets)
+        return any(self._bucket_stale(b) for b in unit.buckets)
+
+    @staticmethod
+    def _bucket_stale(b: Bucket) -> bool:
+        """Whether the bucket's full buffer must be gathered again (ZeRO stages 1, 2): its shard
+        changed since the last gather. A frozen bucket's master changes on the host thread at no
+        time the ranks agree on: it is stale only until its image is gathered once."""
+        return b.synced_version == -1 if b.frozen else b.shard._version != b.synced_version
 
     def _launch_gather(self, unit: Unit, force: bool = False) -> None:
         """Starts the all-gathers of ``unit``'s buckets: at ZeRO stage 3 all of them, at ZeRO stages 1 and 2
@@ -176,10 +232,10 @@ class Schedule:
             self._wait_gather(self.in_flight[0])
         c = self.communicator
         for b in unit.buckets:
-            if self.stage != 3 and not force and b.shard._version == b.synced_version:
+            if self.stage != 3 and not force and not self._bucket_stale(b):
                 continue
             alloc(b.full)
-            b.synced_version = b.shard._version
+            b.synced_version = -2 if b.frozen else b.shard._version
             self._upload(b)
             # A process group's all-gather bumps the full buffer's version counter (which the
             # shard, a view of it at ZeRO stages 1 and 2, and the forward's saved views share) when it
@@ -212,7 +268,7 @@ class Schedule:
         """offload_optimizer: copies the master shard to its image on the device when the master
         changed since (asynchronously from pinned memory, ordered before the all-gather that reads
         it, which the caller issues next on the same stream)."""
-        if b.on_device is not None and b.uploaded_version != b.shard._version:
+        if b.on_device is not None and not b.frozen and b.uploaded_version != b.shard._version:
             with torch.no_grad():
                 b.on_device.copy_(b.shard.detach(), non_blocking=True)
             b.uploaded_version = b.shard._version
@@ -514,6 +570,8 @@ class Schedule:
             self.grad_compression.end_step()
         self._retire(0)
         self._drain_host()
+        if self.sync and self.delay and self.optimizer is not None:
+            self._delay_steps()
         if not self.sync:
             # Remember the shard gradients as they are now: if they are cleared before the next
             # backward, so is the local gradient these no_sync() backwards accumulated. A shard
@@ -564,7 +622,7 @@ class Schedule:
                 b.shard.grad = reduced if ready is None else reduced.clone()
             else:
                 b.shard.grad += reduced
-            if self.optimizer is not None:
+            if self.optimizer is not None and not self.delay:
                 self.optimizer.step_param(b.shard, b.shard.grad)
 
     def _to_host(self, b: Bucket, reduced: torch.Tensor) -> None:

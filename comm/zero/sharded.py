@@ -283,7 +283,7 @@ class ShardedModule(nn.Module):
         finally:
             self._schedule.sync = previous
 
-    def step_in_backward(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def step_in_backward(self, optimizer: Optional[torch.optim.Optimizer], delay: bool = False) -> None:
         """Steps ``optimizer`` (a ``braid.optim`` optimizer over this module's shards) bucket by
         bucket as each bucket's averaged gradient lands in its shard, during the backward that
         synchronizes, while the later buckets' reduce-scatters are in flight: ZeRO-Offload's
@@ -291,12 +291,30 @@ class ShardedModule(nn.Module):
         the backward leaves them, bit for bit; call ``zero_grad()`` as usual and not
         ``optimizer.step()`` (it raises). The whole gradient's norm is not known before a shard
         steps, so ``clip_grad_norm_`` cannot be used with it. ``None`` detaches the optimizer
-        (``step()`` works again)."""
+        (``step()`` works again).
+
+        ``delay=True`` (with ``offload_optimizer=True``): ZeRO-Offload's delayed parameter update.
+        The step of each shard runs on the host thread while the *next* step's forward and
+        backward compute, with the parameters as they were before it: the gradient of step t is
+        computed with the parameters of step t - 1 (one step stale), and the optimizer's work
+        leaves the critical path entirely instead of only overlapping the backward. The
+        gradients go to the optimizer when the backward ends (``.grad`` is then None). Calls
+        that read or change the shards between steps (state dicts, ``step_in_backward``,
+        ``clip_grad_norm_``) first wait for the delayed steps. The effect on convergence: see
+        docs/usage/sharding.md (the ZeRO-Offload paper applies it after some thousands of steps
+        of training without it)."""
+        if not isinstance(delay, bool):
+            raise TypeError(f"delay must be True or False, got {type(delay).__name__}")
+        if delay and not self.offload_optimizer:
+            raise ValueError("step_in_backward(delay=True) needs offload_optimizer=True: the delayed steps "
+                             "run on the host thread of the offloaded optimizer")
         previous = self._schedule.optimizer
         if optimizer is None:
+            self._schedule.check_idle("step_in_backward")
             if previous is not None:
                 previous.stepped_by = None
             self._schedule.optimizer = None
+            self._schedule.delay = False
             return
         steps_params = callable(getattr(optimizer, "step_param", None))
         if not steps_params or not isinstance(optimizer, torch.optim.Optimizer):
@@ -312,6 +330,13 @@ class ShardedModule(nn.Module):
             previous.stepped_by = None
         optimizer.stepped_by = "braid's ZeRO wrapper (step_in_backward)"
         self._schedule.optimizer = optimizer
+        self._schedule.delay = delay
+
+    def finish_steps(self) -> None:
+        """Waits for the optimizer steps still running on the host thread under
+        ``step_in_backward(opt, delay=True)`` (e.g. before saving the optimizer's ``state_dict``);
+        the next forward then computes with the parameters they updated. Between steps only."""
+        self._schedule.check_idle("finish_steps")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the shard gradients and any local gradient accumulated under ``no_sync``."""
