@@ -81,6 +81,20 @@ def records_calls(rank, n, store_path):
             "off_enabled": off_enabled}
 
 
+def exchange_behind_queued_work(rank, n, store_path):
+    """A blocking all_to_all with split sizes issued while an async all_reduce is still queued or
+    running: it goes through the progress thread, its transfers with it. Entries of every call."""
+    with make_comm(rank, n, store_path) as c:
+        kinds = []
+        for _ in range(5):
+            w = c.all_reduce(torch.ones(1 << 20), async_op=True)  # 4 MiB: the next call queues behind
+            c.all_to_all(torch.empty(4 * n), torch.ones(4 * n), output_split_sizes=[4] * n,
+                         input_split_sizes=[4] * n)
+            w.wait()
+            kinds.append([e["kind"] for e in c.trace()["entries"]][-2:])
+        return kinds
+
+
 def one_rank_stops(rank, n, store_path, directory, layout, quiet):
     """Rank ``quiet`` stops issuing collectives after two (it sleeps, as a rank busy elsewhere
     would); the others time out on the third. Every rank should dump, the quiet one included."""
@@ -147,6 +161,14 @@ def dumps_on_request(rank, n, store_path, directory):
 
 # ----------------------------------------------------------------------------------------------
 # Tests.
+
+def test_an_exchange_run_by_the_progress_thread_is_one_entry():
+    """The transfers of an all_to_all with split sizes are part of its entry, run on the calling
+    thread or queued behind other work (each used to leave a send and a recv entry of its own when
+    queued, so that the trace depended on timing)."""
+    for kinds in run_ranks(exchange_behind_queued_work, 2):
+        assert kinds == [["all_reduce", "all_to_all_v"]] * 5, kinds
+
 
 def test_the_recorder_keeps_each_call():
     """Kinds, sizes, op, root, peer, algorithm, bytes, states and times as the calls made them;

@@ -261,7 +261,9 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if (engine_->on_progress_thread()) return run_on_progress_thread([&] { execute(req); }, async);
   if (!async && engine_->run_if_idle([&] { execute(req); })) return nullptr;
   req.trace_here = false;
-  if (trace_.on())
+  // The transfers of an all-to-all with split sizes are part of its entry: none of their own,
+  // whichever thread runs them.
+  if (trace_.on() && !req.exchange)
     req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.rank_named(), nullptr, &req.trace_stack);
   std::shared_ptr<Work> work;
   if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
