@@ -252,6 +252,9 @@ gpu-bench:
 	  [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m braid.bench attention --json $(GPU_OUT)/attention.json --plot $(GPU_OUT)/attention.png 2>&1 \
 	  | tee $(GPU_OUT)/attention.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
+	$(GPU_PY) -m braid.bench sharding --nproc 1 --carrier nccl --json $(GPU_OUT)/offload.json \
+	  --impls fsdp2-nccl,fsdp2-nccl-offload,fsdp2-nccl-offload-braid-optim,braid-zero3-on-nccl,braid-zero3-offload-on-nccl,braid-zero3-offload-delayed-on-nccl \
+	  2>&1 | tee $(GPU_OUT)/offload.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	exit $$status
 
 bench-peers:

@@ -31,7 +31,14 @@ unit / ``fully_shard`` module) and the same batches:
   int8 weights and int4 gradients summed exactly inside the host and quantized across;
 - ``fsdp2-nocomm``: FSDP2 with stand-in collectives that move nothing (bench/tp.py
   ``LocalCommunicator``): FSDP2's own work plus the arithmetic, the floor of FSDP2 on any backend;
-- ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step.
+- ``local``: no communication, each rank trains an unsharded copy: the compute floor of a step;
+- ``braid-zero3-offload``, ``braid-zero3-offload-delayed``: ZeRO-Offload in braid's wrapper
+  (``offload_optimizer=True``, braid.optim's AdamW stepped on the host thread during the backward
+  by ``step_in_backward``, or one step later with ``delay=True``); ``fsdp2-gloo-offload``,
+  ``fsdp2-gloo-offload-braid-optim``: FSDP2 with ``CPUOffloadPolicy``, torch's AdamW or
+  braid.optim's; ``braid-zero3-offload-on-nccl``, ``braid-zero3-offload-delayed-on-nccl``,
+  ``fsdp2-nccl-offload``, ``fsdp2-nccl-offload-braid-optim``: the same on an NCCL group. On the
+  CPU the optimizer state is where it was; on a GPU these rows compare ZeRO-Offload with FSDP2's.
 
 A step is ``zero_grad``, forward, cross-entropy loss, backward and an AdamW step. Timing: the
 implementations take turns (so a slow phase of the machine hits them alike), in an order that
@@ -67,7 +74,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from braid import comm
+from braid import comm, optim
 from braid.comm import fsdp2, zero
 
 from . import launch, report, turns
@@ -97,23 +104,25 @@ DEFAULT_MODEL = ModelShape(8192, 512, 8, 2048, 5)
 
 
 def _fsdp2(model: LanguageModel, c, braid_comms: bool, overlap: bool = False,
-           group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+           group: dist.ProcessGroup | None = None, offload: bool = False) -> torch.nn.Module:
     """``fully_shard`` per block and at the root, on a mesh over ``group`` (default: the gloo
     default group). ``overlap``: FSDP2 on CPU runs every all-gather
     synchronously (its implicit prefetch relies on CUDA streams), so its collectives never overlap
     compute; async unshards with explicit forward prefetch of the next block (and FSDP2's default
-    backward prefetch, then async too) let them."""
+    backward prefetch, then async too) let them. ``offload``: ``CPUOffloadPolicy`` (the shards,
+    gradients and optimizer state in host memory, pinned on a GPU)."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     device = next(model.parameters()).device.type
     if group is None:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     else:
         mesh = DeviceMesh.from_group(group, device)
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=device == "cuda")} if offload else {}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     if braid_comms:
         fsdp2.use_braid_comms(model, c)
     if overlap:
@@ -147,7 +156,7 @@ def _split(c: comm.Communicator):
 
 
 def _braid_wrapper(model: LanguageModel, c, stage: int, weights: str | None = None,
-                   grads: str | None = None, hosts: bool = False) -> torch.nn.Module:
+                   grads: str | None = None, hosts: bool = False, offload: bool = False) -> torch.nn.Module:
     """braid's wrapper; ``weights`` / ``grads``: "int8" or "int4" quantized gathers (qwZ) /
     reduce-scatters (qgZ), ZeRO++'s compression across slow links ("auto" for the gradients:
     ``comm.Adaptive()``, chosen per bucket from the measured link); ``hosts``: hierarchical
@@ -156,7 +165,7 @@ def _braid_wrapper(model: LanguageModel, c, stage: int, weights: str | None = No
                   "auto": comm.Adaptive}
     q = quantizers[grads]()
     wrapped = zero.shard(model, c, stage=stage, param_compression=quantizers[weights](), grad_compression=q,
-                         hierarchical=_split(c) if hosts else False)
+                         hierarchical=_split(c) if hosts else False, offload_optimizer=offload)
     if isinstance(q, comm.Adaptive):
         _adaptive[id(wrapped)] = q  # its decisions go in the row
     return wrapped
@@ -203,14 +212,48 @@ IMPLS: dict[str, Callable] = {
     "fsdp2-nccl": lambda model, c: _fsdp2(model, c, braid_comms=False, group=_nccl()),
     "fsdp2-braid-comms-on-nccl": lambda model, c: _fsdp2(model, None, braid_comms=True, group=_nccl()),
     "braid-zero3-on-nccl": lambda model, c: _braid_wrapper(model, _nccl(), stage=3),
+    # ZeRO-Offload: the optimizer state and the float32 masters in host memory. braid's wrapper
+    # with braid.optim's AdamW stepping each bucket on its host thread during the backward
+    # (step_in_backward), and with the delayed update (each step during the next step); FSDP2
+    # with CPUOffloadPolicy and torch's AdamW, and with braid.optim's AdamW (OPTIMIZERS).
+    "braid-zero3-offload": lambda model, c: _braid_wrapper(model, c, stage=3, offload=True),
+    "braid-zero3-offload-delayed": lambda model, c: _braid_wrapper(model, c, stage=3, offload=True),
+    "fsdp2-gloo-offload": lambda model, c: _fsdp2(model, c, braid_comms=False, offload=True),
+    "fsdp2-gloo-offload-braid-optim": lambda model, c: _fsdp2(model, c, braid_comms=False, offload=True),
+    # The same on an NCCL group (--carrier nccl): the GPU's comparison of ZeRO-Offload with FSDP2's.
+    "braid-zero3-offload-on-nccl": lambda model, c: _braid_wrapper(model, _nccl(), stage=3, offload=True),
+    "braid-zero3-offload-delayed-on-nccl": lambda model, c: _braid_wrapper(model, _nccl(), stage=3,
+                                                                           offload=True),
+    "fsdp2-nccl-offload": lambda model, c: _fsdp2(model, c, braid_comms=False, group=_nccl(), offload=True),
+    "fsdp2-nccl-offload-braid-optim": lambda model, c: _fsdp2(model, c, braid_comms=False, group=_nccl(),
+                                                              offload=True),
     # FSDP2's step with collectives that move nothing (FSDP2's own work and the arithmetic): the
     # floor of FSDP2 on any backend.
     "fsdp2-nocomm": lambda model, c: _fsdp2(model, LocalCommunicator(c.rank, c.world_size), braid_comms=True),
     # No communication at all: each rank trains its own unsharded copy. The floor of a step.
     "local": lambda model, c: model,
 }
-# Stand-ins that compute something else on purpose: their losses are not checked.
-UNCHECKED = ("fsdp2-nocomm", "local")
+
+
+def _optimizer(impl: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The AdamW an implementation trains with: torch's, or braid.optim's where the row names it
+    (stepped by the wrapper itself under step_in_backward: the step then calls no ``step()``)."""
+    if impl not in OPTIMIZERS:
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = optim.AdamW(model.parameters(), lr=lr)
+    if OPTIMIZERS[impl] is not None:
+        model.step_in_backward(opt, delay=OPTIMIZERS[impl] == "delayed")
+    return opt
+
+
+# Rows with braid.optim's AdamW: stepped by the wrapper during the backward ("in backward"), one
+# step later ("delayed"), or after the backward by the loop (None).
+OPTIMIZERS = {"braid-zero3-offload": "in backward", "braid-zero3-offload-delayed": "delayed",
+              "fsdp2-gloo-offload-braid-optim": None, "braid-zero3-offload-on-nccl": "in backward",
+              "braid-zero3-offload-delayed-on-nccl": "delayed", "fsdp2-nccl-offload-braid-optim": None}
+# Stand-ins that compute something else on purpose, and the delayed update (each step's gradient
+# computed with the parameters before the previous update): their losses are not checked.
+UNCHECKED = ("fsdp2-nocomm", "local", "braid-zero3-offload-delayed", "braid-zero3-offload-delayed-on-nccl")
 # Quantized runs follow the exact one within rounding of their weights and gradients: measured
 # within 0.06-0.9% of the loss in tests/test_fsdp.py; the bound is 1% of a loss of order 10.
 COMPRESSED = ("braid-zero3-int8-weights", "braid-zero3-int4-grads", "braid-zero3-int8-weights-int4-grads",
@@ -227,6 +270,10 @@ CARRIER_OF = {
     "braid-zero3-hpz": "braid", "braid-zero3-int8-weights-int4-grads-hpz": "braid",
     "fsdp2-nccl": "nccl", "fsdp2-braid-comms-on-nccl": "nccl", "braid-zero3-on-nccl": "nccl",
     "fsdp2-nocomm": None, "local": None,
+    "braid-zero3-offload": "braid", "braid-zero3-offload-delayed": "braid",
+    "fsdp2-gloo-offload": "gloo", "fsdp2-gloo-offload-braid-optim": "gloo",
+    "braid-zero3-offload-on-nccl": "nccl", "braid-zero3-offload-delayed-on-nccl": "nccl",
+    "fsdp2-nccl-offload": "nccl", "fsdp2-nccl-offload-braid-optim": "nccl",
 }
 
 
@@ -269,7 +316,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
     logits = model(ids[:, :-1])
     loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
     loss.backward()
-    opt.step()
+    if getattr(opt, "stepped_by", None) is None:  # else the wrapper stepped it in the backward
+        opt.step()
     return loss.item()
 
 
@@ -286,7 +334,7 @@ def _bench(c, rank: int, world_size: int, config: Config, progress: report.Progr
         dense = LanguageModel(shape.vocab, shape.dim, shape.heads, shape.hidden, shape.layers).to(device)
         nparams = sum(p.numel() for p in dense.parameters())
         models[impl] = IMPLS[impl](dense, c)
-        opts[impl] = torch.optim.AdamW(models[impl].parameters(), lr=1e-4)
+        opts[impl] = _optimizer(impl, models[impl], lr=1e-4)
         progress(impl, "warmup", 4 * nparams)
         losses[impl] = [_step(models[impl], opts[impl], ids, shape.vocab) for _ in range(run.warmup)]
     uplink = turns.UplinkCounter(config.uplink, reads=c.local_rank == 0, link_mbit=config.link_mbit)
