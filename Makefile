@@ -202,6 +202,7 @@ bench: install
 	$(PY) -m braid.bench moe --json results/moe.json
 	$(PY) -m braid.bench recorder --sizes 4K,64M --json results/recorder.json
 	$(PY) -m braid.bench optim --json results/optim.json
+	$(PY) -m braid.bench delayed --json results/delayed.json
 	$(PY) -m braid.bench ft --json results/ft.json
 	$(PY) -m braid.bench ft --skip recovery,torchrun --hosts 2 --link-mbit 1000 --json results/ft-2hosts.json
 	$(PY) -m braid.bench plan --json results/plan.json

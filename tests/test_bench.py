@@ -706,6 +706,25 @@ def test_optim_benchmark_reports_every_implementation(tmp_path, capsys):
     assert all(r[i]["gbps"] > 0 for r in records for i in ("braid", "torch-fused", "torch-foreach"))
 
 
+def test_delayed_benchmark_trains_both_updates(tmp_path, capsys):
+    """`python -m braid.bench delayed` at its shortest: a row per update, the JSON with every loss;
+    the two runs start from the same parameters and batches, so their first losses agree, and the
+    second does not (the delayed run computes it still with the first parameters)."""
+    import json
+
+    from braid.bench.__main__ import main
+
+    out = tmp_path / "delayed.json"
+    assert main(["delayed", "--lrs", "1e-2", "--steps", "50", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "usual" in text and "delayed" in text, text
+    usual, delayed = json.loads(out.read_text())["records"]
+    assert (usual["update"], delayed["update"]) == ("usual", "delayed")
+    assert usual["losses"][0] == delayed["losses"][0]
+    assert usual["losses"][1] != delayed["losses"][1]
+    assert usual["loss_100"] is None and usual["loss_last_50"] < usual["losses"][0]  # it trains
+
+
 @pytest.mark.slow
 def test_ft_benchmark_measures_both_recoveries_and_the_overhead(tmp_path, capsys):
     """`python -m braid.bench ft` at its smallest: one kill under braid.ft and one under torchrun,
