@@ -357,13 +357,13 @@ class Trainer:
         return tracker.peak
 
 
-def _compute_rate(x: Layout, warmup: int, steps: int) -> float:
-    """FLOP/s of one rank's forward + backward of the whole model on the batch share of pure data
-    parallelism, every rank computing at once (the ranks share the machine's cores)."""
+def _compute_rate(dp: int, warmup: int, steps: int) -> float:
+    """FLOP/s of one rank's forward + backward of the whole model on the batch share of ``dp``-way
+    data parallelism, every rank computing at once (the ranks share the machine's cores)."""
     model = _model()
-    ids, target = (t[: BATCH // x.dp] for t in _batch())
+    ids, target = (t[: BATCH // dp] for t in _batch())
     shape = _shape(model)
-    flops = 3 * (shape.layers * shape.layer_forward_flops() + shape.head_forward_flops()) * (BATCH // x.dp)
+    flops = 3 * (shape.layers * shape.layer_forward_flops() + shape.head_forward_flops()) * (BATCH // dp)
     times = []
     for i in range(warmup + steps):
         dist.barrier()
@@ -429,7 +429,7 @@ def rank_main(settings: dict) -> int:
         whole = dist.new_group(backend="braid", timeout=timedelta(seconds=settings["timeout"]))
         links = measure_links(whole)
         # the slowest rank's rate sets the pace
-        rate = -_max([-_compute_rate(LAYOUTS[0], 1, 3)])[0]
+        rate = -_max([-_compute_rate(LAYOUTS[0].dp, 1, 3)])[0]
         optimizer = _max([_optimizer_rate(1, 3)])[0]
         layouts = [x for x in LAYOUTS if x.name in settings["layouts"]]
         times: dict = {x.name: [] for x in layouts}

@@ -207,8 +207,9 @@ def _run_with_braid_optim(rank, world_size, store_path, offload):
                                          (optim.SGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
             ours, theirs = sharded(), sharded()
             opt_ours, opt_theirs = braid_cls(ours.parameters(), **kw), torch_cls(theirs.parameters(), **kw)
-            # One step from the same gradients: the parameters equal to rounding (after more steps
-            # Adam would magnify the rounding where a gradient is all but zero, as the key bias's).
+            # One step from the same gradients: the parameters equal to rounding, test_optim.py's
+            # TORCH_TOL against torch (torch fuses multiply-adds, braid does not); after more steps
+            # Adam would magnify the rounding where a gradient is all but zero, as the key bias's.
             for m, o in ((ours, opt_ours), (theirs, opt_theirs)):
                 train_steps(m, o, rank, 1, 1, None)
             for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):

@@ -48,7 +48,8 @@ class Bucket:
     reduce_dtype: torch.dtype = None   # gradients are reduced in it (mixed precision), else compute_dtype
     full: torch.Tensor = None     # flat, ``padded`` elements; storage freed when resharded (ZeRO stage 3)
     shard: nn.Parameter = None
-    synced_version: int = -1      # shard._version at the last all-gather (ZeRO stages 1, 2); -1: stale
+    synced_version: int = -1      # shard._version at the last all-gather (ZeRO stages 1, 2); -1: stale;
+                                  # -2: gathered from a frozen image (``frozen``)
     local_guard: Any = None       # (shard.grad, its _version) after a no_sync() backward
     work: Any = None              # in-flight all-gather: (work, version keeper, decode or None)
     unit: Any = None              # the Unit holding it

@@ -189,13 +189,13 @@ class Schedule:
         if not stepped:
             return
         ready = None
-        with torch.no_grad():
-            for b in stepped:
-                b.on_device.copy_(b.shard.detach(), non_blocking=True)
-            device = stepped[0].on_device.device
-            if device.type != "cpu":  # the uploads read the masters: the steps start after them
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(device))
+        for b in stepped:
+            b.uploaded_version = -1  # the image the next step computes with: the master as it is now
+            self._upload(b)
+        device = stepped[0].on_device.device
+        if device.type != "cpu":  # the uploads read the masters: the steps start after them
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
         if self.host_pool is None:
             self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="braid-offload")
         for b in stepped:

@@ -53,6 +53,16 @@ P2POp op_of(const Request& r) {
   op.declined = r.declined;
   return op;
 }
+
+// The reverse of op_of: what a transfer stopped part way has done, kept in its request for the
+// thread that goes on with it (a receive from any source keeps the peer it matched).
+void keep_progress(Request& r, const P2POp& op) {
+  r.peer = op.peer;
+  r.moved = op.off;
+  r.offer = op.offer;
+  r.declined = op.declined;
+  r.in_place = op.in_place;
+}
 }  // namespace
 
 std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
@@ -70,10 +80,7 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
     P2POp op = op_of(r);
     try {
       finished = p2p_advance(op);
-      r.moved = op.off;
-      r.offer = op.offer;
-      r.declined = op.declined;
-      r.in_place = op.in_place;
+      keep_progress(r, op);
       if (finished && r.epilogue) r.epilogue();
     } catch (const CommError& e) {
       poison(e, true);
@@ -239,11 +246,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch, const Work
   auto hand_back = [&] {
     std::vector<std::shared_ptr<Work>> left;
     for (auto& a : active) {
-      Request& r = *a.req;
-      r.peer = a.op.peer;  // a receive from any source keeps the peer it matched
-      r.moved = a.op.off;
-      r.offer = a.op.offer;
-      r.declined = a.op.declined;
+      keep_progress(*a.req, a.op);
       left.push_back(std::move(a.work));
     }
     for (size_t i = admitted; i < batch.size(); ++i) left.push_back(std::move(batch[i]));
@@ -313,7 +316,7 @@ void Communicator::run_p2p(std::vector<std::shared_ptr<Work>>& batch, const Work
         }
         const size_t before = active[i].op.off;
         if (p2p_advance(active[i].op)) {
-          active[i].req->in_place = active[i].op.in_place;
+          keep_progress(*active[i].req, active[i].op);
           if (active[i].req->epilogue) active[i].req->epilogue();
           trace_p2p_done(*active[i].req, nullptr);
           std::shared_ptr<Work> w = std::move(active[i].work);

@@ -20,6 +20,7 @@
 #include "../../collective.h"
 #include "../../dtype.h"
 #include "../../errors.h"
+#include "../../tunables.h"
 #include "../transport.h"
 #include "mailbox.h"
 #include "segment.h"
@@ -228,7 +229,7 @@ class ShmGroup : public Transport {
   ShmLayout layout_;
   WaitPolicy policy_;
   size_t stream_min_bytes_;
-  size_t p2p_window_min_bytes_ = 16 * 1024;
+  size_t p2p_window_min_bytes_ = Tunables{}.p2p_window_min_bytes;
   bool skewed_rounds_;
   ShmSegment own_;
   std::vector<ShmSegment> peers_;   // index = rank; this rank's entry stays empty
