@@ -13,7 +13,7 @@ CUDA_CHECK_DIR ?= build/cuda-check
 CXX_FLAGS := $(shell grep '^-' csrc/flags.txt)
 CUDA_ARCH := $(shell sed -n 's/^cuda_arch=//p' csrc/flags.txt)
 
-.PHONY: all install core-lib deps test test-py test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
+.PHONY: all install core-lib deps test test-py test-py-one test-py-ranks test-slow test-all test-cpp test-cpp-build test-cpp-run docs bench bench-peers sanitize cuda-check cuda-binding-check clean conformance
 
 all: install
 
@@ -68,21 +68,23 @@ core-lib:
 	  echo "the core's cmake build failed: setup.py builds the core"; \
 	fi
 
-# make test: the build of the C++ tests, the CUDA sources' checks and the documentation run at the
-# lowest CPU priority beside the Python tests (whose multi-rank tests leave a core idle a good part
-# of the time while ranks wait on one another; the Python tests barely notice work at nice 19),
-# then the C++ tests run alone. The background's output follows the Python tests'; any failure
+# make test: first the tests that run in one process, with the build of the C++ tests, the CUDA
+# sources' checks and the documentation beside them (all CPU-bound: the two cores are shared
+# evenly), then the C++ tests, then the tests with ranks alone. Measured: work of any kind beside
+# the multi-rank tests slows them by more than it takes alone, as their ranks wait on each other
+# for the core it holds. The background's output follows the one-process tests'; any failure
 # fails the target.
 test: install
 	@mkdir -p build
-	@( nice -n 19 $(MAKE) --no-print-directory cuda-check test-cpp-build docs > build/test-background.log 2>&1; \
+	@( $(MAKE) --no-print-directory cuda-check test-cpp-build docs > build/test-background.log 2>&1; \
 	   echo $$? > build/test-background.rc ) & bg=$$!; \
-	 $(MAKE) --no-print-directory test-py; py=$$?; \
-	 wait $$bg; echo "== C++ test build, CUDA checks, docs (run beside the Python tests):"; \
+	 $(MAKE) --no-print-directory test-py-one; one=$$?; \
+	 wait $$bg; echo "== C++ test build, CUDA checks, docs (run beside the one-process tests):"; \
 	 cat build/test-background.log; \
 	 if [ "$$(cat build/test-background.rc)" != 0 ]; then echo "make test: the background step failed"; exit 1; fi; \
 	 $(MAKE) --no-print-directory test-cpp-run || exit 1; \
-	 exit $$py
+	 $(MAKE) --no-print-directory test-py-ranks; ranks=$$?; \
+	 [ $$one = 0 ] && exit $$ranks; exit $$one
 
 # The documentation site from docs/ into site/, the API reference from the docstrings
 # (mkdocstrings reads the sources: the package is linked under build/docs-src as it is imported,
@@ -140,8 +142,10 @@ cuda-binding-check:
 ONE_PROCESS_TESTS := tests/test_attention.py tests/test_attention_varlen.py tests/test_device_discipline.py tests/test_optim.py \
   tests/test_plan.py tests/test_reduce_kernel.py tests/test_compression_cuda.py \
   tests/test_compression_kernels.py tests/test_attention_sm90.py tests/test_trace.py
-test-py:
+test-py: test-py-one test-py-ranks
+test-py-one:
 	$(PY) -m pytest $(ONE_PROCESS_TESTS) -q -m "not slow" -n 2
+test-py-ranks:
 	$(PY) -m pytest tests -q -m "not slow" $(addprefix --ignore=,$(ONE_PROCESS_TESTS))
 
 test-slow: install

@@ -8,8 +8,11 @@
 
 A rank runs ``fn(rank, world_size, store_path, *args)``; ``fn`` must be a module-level function
 (it travels by pickle, by reference) and its result a picklable value. Importing torch costs
-1-2 s per process here, so ``run_ranks`` reuses one pool of spawned workers: a call with world
-size N uses workers 0..N-1. A worker that misses its deadline or dies is killed and replaced.
+1-2 s per process here, so ``run_ranks`` reuses one pool of workers (a call with world size N
+uses workers 0..N-1; one that misses its deadline or dies is killed and replaced), and every
+worker, pooled or fresh, is forked from a server process that imported torch and braid once
+(multiprocessing's forkserver): a new rank starts in milliseconds. Each worker takes the test
+process's environment as it is when the worker starts, as a spawned process would.
 """
 from __future__ import annotations
 
@@ -41,7 +44,10 @@ DEFAULT_DEADLINE_S = 120.0
 COMM_TIMEOUT_S = 20.0
 STORE_TIMEOUT = timedelta(seconds=COMM_TIMEOUT_S)
 
-_CTX = mp.get_context("spawn")
+# Forked from a server that has imported torch and braid (no threads of torch's running: none
+# starts at import), instead of a fresh interpreter that imports them again per rank.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "braid.comm"])
 _store_dir: str | None = None
 _store_ids = itertools.count()
 _comm_ids: dict[str, itertools.count[int]] = {}  # in a rank: communicators made per call (store)
@@ -51,8 +57,12 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or missed the deadline; the message holds every rank's story."""
 
 
-def _worker_main(conn) -> None:
-    """Worker loop: receive (fn, rank, world_size, store_path, args), run it, send back the outcome."""
+def _worker_main(conn, environ: dict) -> None:
+    """Worker loop: receive (fn, rank, world_size, store_path, args), run it, send back the outcome.
+    ``environ``: the test process's environment when it started the worker (the fork server holds
+    the one it had when the server started)."""
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     from braid import comm  # noqa: F401  (loads the extension once per worker, not in the first test)
 
@@ -80,7 +90,7 @@ def _worker_main(conn) -> None:
 class _Worker:
     def __init__(self) -> None:
         self.conn, child = _CTX.Pipe(duplex=True)
-        self.proc = _CTX.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc = _CTX.Process(target=_worker_main, args=(child, dict(os.environ)), daemon=True)
         self.proc.start()
         child.close()
 
