@@ -9,7 +9,15 @@ trains ``--steps`` steps, then on until a step has every replica (and while ``--
 exists). ``--die STEP:PHASE`` makes the process SIGKILL itself at the first step from STEP on
 that every replica takes part in; ``--die-file`` names a file whose appearance orders the same
 at once. Phases: "backward" (inside the gradient all-reduces), "step" (after the backward,
-before the vote), "join" (while loading the state a healthy replica sent it)."""
+before the vote), "join" (while loading the state a healthy replica sent it).
+
+``--ranks-per-replica R`` (R > 1): a replica is R processes (``--local-rank``, or torchrun's
+``LOCAL_RANK`` under a torchrun job of R workers, whose default group is then the replica's)
+that shard the model with braid's ZeRO wrapper (``--stage``) over a braid Communicator on
+``--replica-store`` (or over the torchrun job's gloo group); each rank trains on its own batches,
+the wrapper averages them inside the replica, and ``Manager.average_gradients`` averages the
+shards over the replicas. The phase "backward" then dies just before that exchange (the peers
+wait in it). Records and digests are per rank; the final parameters are rank 0's full state."""
 
 import argparse
 import hashlib
@@ -22,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from braid import ft
+from braid.comm.core.group import as_group
 
 IN, HIDDEN, OUT, BATCH = 8, 32, 4, 16
 
@@ -35,14 +44,14 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def batch(step: int, replica: int):
-    g = torch.Generator().manual_seed(100_003 * step + replica)
+def batch(step: int, replica: int, rank: int = 0):
+    g = torch.Generator().manual_seed(100_003 * step + replica + 7_919 * rank)
     return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
 
 
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for p in model.parameters():
+    for p in model.parameters():  # a sharded replica's: this rank's flat shards
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -69,22 +78,47 @@ def main() -> None:
     ap.add_argument("--secret", default="job-a")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--compression", default=None)
+    ap.add_argument("--ranks-per-replica", type=int, default=1)
+    ap.add_argument("--local-rank", type=int, default=None)
+    ap.add_argument("--replica-store", default="", help="FileStore of the replica's own group")
+    ap.add_argument("--stage", type=int, default=3, help="ZeRO stage inside a replica of several ranks")
     args = ap.parse_args()
     torch.set_num_threads(1)
     die_step, die_phase = (int(args.die.split(":")[0]), args.die.split(":")[1]) if args.die else (-1, "")
 
+    sharded = args.ranks_per_replica > 1
+    local, group = 0, None
+    if sharded:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun job per replica: its group is ours
+            dist.init_process_group("gloo")
+            local, group = dist.get_rank(), dist.group.WORLD
+            assert dist.get_world_size() == args.ranks_per_replica, dist.get_world_size()
+        else:
+            from braid.comm import Communicator
+
+            local = args.local_rank
+            group = Communicator(dist.FileStore(args.replica_store, -1), local, args.ranks_per_replica,
+                                 timeout=20.0)
     model = make_model(args.replica)  # replicas start apart: the first epoch gives them one state
+    if sharded:
+        from braid.comm import zero
+
+        model = zero.shard(model, group, stage=args.stage)
     opt = make_optimizer(model)
+
+    def state():
+        weights = model.sharded_state_dict() if sharded else model.state_dict()
+        return {"model": weights, "opt": opt.state_dict()}
 
     def load(state):
         if die_phase == "join":
             die()
-        model.load_state_dict(state["model"])
+        (model.load_sharded_state_dict if sharded else model.load_state_dict)(state["model"])
         opt.load_state_dict(state["opt"])
 
     store = dist.FileStore(args.store, -1)
     manager = ft.Manager(
-        lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
+        state,
         load,
         replica_id=args.replica,
         num_replicas=args.replicas,
@@ -93,8 +127,9 @@ def main() -> None:
         timeout=20.0,
         quorum_timeout=60.0,
         dead_after_s=1.0,
+        replica_group=group,
     )
-    ddp = ft.DistributedDataParallel(manager, model, compression=args.compression)
+    ddp = model if sharded else ft.DistributedDataParallel(manager, model, compression=args.compression)
     optimizer = ft.Optimizer(manager, opt)
     def due() -> bool:  # the first step from die_step on that every replica takes part in
         return manager.current_step() >= die_step and manager.num_participants() == args.replicas
@@ -104,12 +139,13 @@ def main() -> None:
 
     ordered_phase = ""
 
-    if die_phase == "backward":
+    if die_phase == "backward" and not sharded:
         model[0].weight.register_hook(lambda g: die() if due() else None)
-    if args.die_file:
+    if args.die_file and not sharded:
         model[0].weight.register_hook(lambda g: die() if ordered("backward") else None)
     global LOG
-    log = LOG = open(os.path.join(args.out, f"replica{args.replica}.jsonl"), "a", buffering=1)
+    name = f"replica{args.replica}" + (f".rank{local}" if local else "")
+    log = LOG = open(os.path.join(args.out, f"{name}.jsonl"), "a", buffering=1)
     log.write(json.dumps({"start": time.time(), "pid": os.getpid()}) + "\n")
     # Past --steps training goes on until a step is committed by every replica of the job, so that
     # a replica restarted late still rejoins; every member sees that step, so all stop at it.
@@ -121,15 +157,21 @@ def main() -> None:
                 ordered_phase = f.read().strip()
             os.unlink(args.die_file)  # an order is carried out once
         step = manager.current_step()
-        x, y = batch(step, args.replica)
+        x, y = batch(step, args.replica, local)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
+        if sharded:  # the wrapper averaged the replica's gradients; now across the replicas
+            if (die_phase == "backward" and due()) or ordered("backward"):
+                die()
+            manager.average_gradients(model.parameters())
         if (die_phase == "step" and due()) or ordered("step"):
             die()
         members = manager.participants()
         hold = None
         if args.hold_file:  # agreed among the members: the step commits only if this arrived
             hold = manager.all_reduce(torch.tensor([float(os.path.exists(args.hold_file))]), op="max")
+            if sharded:  # and the same on every rank of the replica (its lanes read the file apart)
+                as_group(group).all_reduce(hold, op="max")
         if optimizer.step():
             last_members = members
             holding = hold is not None and hold.item() > 0
@@ -138,6 +180,7 @@ def main() -> None:
                     {
                         "step": manager.current_step(),
                         "members": members,
+                        "rank": local,
                         "digest": digest(model),
                         "epoch": manager.epoch,
                         "time": time.time(),
@@ -147,10 +190,10 @@ def main() -> None:
             )
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    torch.save(
-        {k: v.clone() for k, v in model.state_dict().items()},
-        os.path.join(args.out, f"final{args.replica}.pt"),
-    )
+    final = model.full_state_dict() if sharded else model.state_dict()
+    if local == 0:
+        path = os.path.join(args.out, f"final{args.replica}.pt")
+        torch.save({k: v.clone() for k, v in final.items()}, path)
     log.write(json.dumps({"events": manager.events}) + "\n")
     manager.shutdown()
 

@@ -1,15 +1,23 @@
 """The Manager: per-step quorum, commit and live recovery of a data-parallel job over replicas.
 
-Each replica (one process) trains a full copy of the model. A step runs in the epoch in force at
-its start; its gradients are averaged over that epoch's members by braid (``ft.ddp``). At the
-optimizer step the members vote (one small all-reduce: did everyone's gradients arrive, does
-anyone wait to join) and the vote is settled in the store (compare-and-set of the step's key), so
-every member commits or discards the step alike even when a member died half-way through the
-vote. A discarded step, or a pending join, makes the next ``start_step`` form a new epoch: the
-survivors and joiners register, the dead are found by their stopped heartbeats, and a new
-communicator is built over the members. A member that is behind (a restarted or new process)
-receives the state of the most advanced member, streamed over braid, before the first step of the
-new epoch.
+Each replica trains a full copy of the model: one process, or several (a *replica group*: the
+ranks of one host sharding the model with braid's ZeRO wrapper or FSDP2, or splitting it with
+TP), which live and die together (torchrun's agent restarts a host's workers as one). Rank ``i``
+of every replica meets rank ``i`` of the others in *lane* ``i``: a braid communicator over the
+epoch's members that averages that rank's gradients (or gradient shards) and carries its part of
+a live recovery. Membership is decided per replica, once, by each replica's rank 0, and handed to
+its other ranks through the replica group, so every lane has the same members.
+
+A step runs in the epoch in force at its start; its gradients are averaged over that epoch's
+members by braid (``ft.ddp``, or ``Manager.average_gradients`` for a sharded replica). At the
+optimizer step the members vote (one small all-reduce per lane, then one over the replica group:
+did everyone's gradients arrive, does anyone wait to join) and the vote is settled in the store
+(compare-and-set of the step's key), so every member commits or discards the step alike even when
+a member died half-way through the vote. A discarded step, or a pending join, makes the next
+``start_step`` form a new epoch: the survivors and joiners register, the dead are found by their
+stopped heartbeats, and new lane communicators are built over the members. A member that is
+behind (a restarted or new replica) receives the state of the most advanced member, streamed
+over braid lane by lane, before the first step of the new epoch.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch.distributed as dist
 
 from braid.comm import Communicator
 from braid.comm.core.errors import CommError
+from braid.comm.core.group import as_group
 
 from . import quorum
 from .quorum import Epoch, FTError, Registration
@@ -66,7 +75,9 @@ class Manager:
 
     Args:
         state_dict: returns everything a joining replica needs (model, optimizer, data position)
-            as nested dicts / lists of tensors and plain values.
+            as nested dicts / lists of tensors and plain values; in a replica of several ranks,
+            this rank's part (its shards), which rank ``i`` of a healthy replica sends to rank
+            ``i`` of the joining one.
         load_state_dict: loads what ``state_dict`` returned on a healthy replica (tensors arrive
             on the CPU).
         min_replicas: the fewest replicas an epoch may have; fewer, and the quorum waits for
@@ -85,6 +96,11 @@ class Manager:
         quorum_timeout: how long forming an epoch may wait for replicas that still run.
         dead_after_s: a replica whose heartbeat (every ``heartbeat_s``) has not moved for this
             long is taken as dead and not waited for.
+        replica_group: the ranks of this replica, when it has several: a braid Communicator or a
+            torch ProcessGroup over them (e.g. the default group of the replica's torchrun job);
+            every replica of the job has the same number of ranks. None: a replica is this one
+            process. A failure of this group (one of the replica's ranks died) raises FTError:
+            the replica must restart as a whole, as torchrun does.
     """
 
     def __init__(
@@ -102,6 +118,7 @@ class Manager:
         quorum_timeout: float = 120.0,
         heartbeat_s: float = 0.1,
         dead_after_s: float = 2.0,
+        replica_group: Any = None,
     ):
         if not callable(state_dict) or not callable(load_state_dict):
             raise TypeError(
@@ -129,6 +146,10 @@ class Manager:
             raise ValueError(
                 f"dead_after_s ({dead_after_s}) must exceed three heartbeats ({heartbeat_s} s each)"
             )
+        self._replica_group = None if replica_group is None else as_group(
+            replica_group, "replica_group", "braid.ft.Manager")
+        self.local_rank = 0 if self._replica_group is None else self._replica_group.rank
+        self.ranks_per_replica = 1 if self._replica_group is None else self._replica_group.world_size
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.replica_id, self.num_replicas, self.min_replicas = replica_id, num_replicas, min_replicas
         self._timeout_s, self._quorum_timeout_s = float(timeout), float(quorum_timeout)
@@ -136,10 +157,13 @@ class Manager:
         self._store = dist.PrefixStore(prefix, base)
         secret = os.environ.get("BRAID_FT_SECRET", "") if secret is None else secret
         quorum.check_secret(self._store, secret)
-        self._incarnation = secrets.token_hex(6)
+        quorum.check_ranks_per_replica(self._store, self.ranks_per_replica)
+        # One incarnation per start of the replica (all its ranks): rank 0's, handed to the others.
+        self._incarnation = self._in_replica("broadcast", self._broadcast_text, secrets.token_hex(6))
         # Its own connection: a blocking store call of the main thread must not stop the heartbeat.
-        self._heartbeat = quorum.Heartbeat(self._store.clone(), replica_id, float(heartbeat_s))
-        liveness = quorum.Liveness(self._store, float(dead_after_s))
+        self._heartbeat = quorum.Heartbeat(
+            self._store.clone(), replica_id, float(heartbeat_s), self.local_rank)
+        liveness = quorum.Liveness(self._store, float(dead_after_s), self.ranks_per_replica)
         self._rules = quorum.Rules(num_replicas, min_replicas, liveness, self._quorum_timeout_s, log.warning)
         self._epoch: Optional[Epoch] = None
         self._comm: Optional[Communicator] = None
@@ -216,30 +240,63 @@ class Manager:
 
     def should_commit(self) -> bool:
         """Ends the step: True when every member's gradients arrived (commit: apply the optimizer
-        step), False when the step is discarded. Every member gets the same answer."""
+        step), False when the step is discarded. Every member gets the same answer (in a replica
+        of several ranks: every rank of every member)."""
         comm = self._require_comm()
         epoch = self._epoch
         joins_pending = self._heartbeat.joins > epoch.joins_upto
         vote = torch.tensor([0.0 if self._error is not None else 1.0, 0.0 if joins_pending else 1.0])
-        voted = True
         try:
             comm.all_reduce(vote, op="min")
         except CommError as e:
             self.note_error(e)
-            voted = False
-        healthy = voted and vote[0].item() == 1.0
+            vote[0] = 0.0
+        if self._replica_group is not None:  # the lanes' votes together: one vote per replica
+            self._in_replica("all_reduce", self._replica_group.all_reduce, vote, op="min")
+        healthy = vote[0].item() == 1.0
         key = f"e{epoch.number}/s{self._step}"
         decision = self._store.compare_set(key, "", "commit" if healthy else "discard").decode()
-        if comm.rank == 0 and self._step >= 2:  # every member has read the decision two steps back
-            self._heartbeat.delete_later(f"e{epoch.number}/s{self._step - 2}")
+        if comm.rank == 0 and self.local_rank == 0 and self._step >= 2:
+            self._heartbeat.delete_later(f"e{epoch.number}/s{self._step - 2}")  # read by all by now
         if decision == "commit":
             self._step += 1
             self._heartbeat.committed = self._step
         else:
             self._event("discard")
-        if decision != "commit" or not voted or vote[0].item() != 1.0 or vote[1].item() != 1.0:
+        if decision != "commit" or not healthy or vote[1].item() != 1.0:
             self._needs_quorum = True
         return decision == "commit"
+
+    def average_gradients(self, parameters: Any) -> None:
+        """Averages the gradients of ``parameters`` over the epoch's members (this rank's lane), in
+        place: what ``ft.DistributedDataParallel``'s hook does for a replicated module, for a
+        replica that shards or splits its model (braid's ZeRO wrapper's ``parameters()``, FSDP2's
+        DTensor parameters, TP layers), called after the backward and before ``optimizer.step()``.
+        Gradients of one dtype travel as one flat buffer (summed in member order, then divided by
+        the number of members). A failure marks the step failed (it will be discarded)."""
+        grads = []
+        for p in parameters:
+            g = p.grad
+            if g is None:
+                continue
+            grads.append(g._local_tensor if hasattr(g, "_local_tensor") else g)
+        if self._error is not None or not grads:
+            return
+        comm = self._require_comm()
+        by_dtype: dict = {}
+        for g in grads:
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+        try:
+            for group in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in group])
+                comm.all_reduce(flat, op="sum")
+                flat.div_(len(self._epoch.members))
+                offset = 0
+                for g in group:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        except CommError as e:
+            self.note_error(e)
 
     def attach_ddp(self, hook_state: Any, on_new_members: Callable[[], None]) -> None:
         """Used by ``ft.DistributedDataParallel``: the hook state whose carrier is set to each
@@ -274,12 +331,16 @@ class Manager:
         entry = dict(
             kind=kind, replica=self.replica_id, step=self._step, epoch=self.epoch, time=time.time(), **detail
         )
+        if self.ranks_per_replica > 1:
+            entry["rank"] = self.local_rank
         self.events.append(entry)
         log.info("braid.ft %s", entry)
         trace_dir = os.environ.get("BRAID_TRACE_DIR")
+        rank = f".rank{self.local_rank}" if self.local_rank else ""
         if trace_dir:  # beside the flight recorder's dumps, which name the failure itself
             try:
-                with open(os.path.join(trace_dir, f"braid-ft-replica{self.replica_id}.jsonl"), "a") as f:
+                name = f"braid-ft-replica{self.replica_id}{rank}.jsonl"
+                with open(os.path.join(trace_dir, name), "a") as f:
                     f.write(json.dumps(entry, default=str) + "\n")
             except OSError as e:
                 log.warning("braid.ft: could not write its events to BRAID_TRACE_DIR: %s", e)
@@ -295,6 +356,52 @@ class Manager:
         quorum.request_join(self._store, self.replica_id, self._incarnation)
         return latest + 1
 
+    def _in_replica(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs ``fn(*args, **kwargs)`` (a collective over the replica group); its failure means
+        one of this replica's ranks died, and the replica must restart as a whole."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise FTError(
+                f"replica {self.replica_id} rank {self.local_rank}: the replica group's {what} failed "
+                f"({type(e).__name__}: {e}); a rank of this replica died, so the replica must restart "
+                "as a whole (torchrun --max-restarts restarts a host's workers together)"
+            ) from e
+
+    def _broadcast_text(self, text: str) -> str:
+        """``text`` of the replica's rank 0, on every rank of the replica (as it is without one)."""
+        group = self._replica_group
+        if group is None:
+            return text
+        raw = torch.tensor(list(text.encode()), dtype=torch.uint8) if self.local_rank == 0 else None
+        size = torch.tensor([0 if raw is None else raw.numel()], dtype=torch.int64)
+        group.broadcast(size, 0)
+        if raw is None:
+            raw = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if raw.numel():
+            group.broadcast(raw, 0)
+        return bytes(raw.tolist()).decode()
+
+    def _agree_as_leader(self, joining: bool) -> tuple:
+        """Rank 0 of the replica: registers for the next epoch and returns ``(outcome, text)``:
+        ("epoch", the published epoch as "<number>;<Epoch.text>"), ("left-out", "") when the epoch
+        was decided without this replica, or ("lost", the message) when no member holds the
+        job's state."""
+        number = self._next_number(joining)
+        continuing = self._synced and self._epoch is not None and self._epoch.number == number - 1
+        me = Registration(self.replica_id, self._incarnation, self._step, continuing)
+        epoch = quorum.agree(self._store, number, me, self._rules)
+        if epoch.lost:
+            return "lost", (
+                f"replica {self.replica_id}: no replica holding the job's state is alive (epoch "
+                f"{number} found only {epoch.participants_text()}): restart the job from a checkpoint"
+            )
+        rank = epoch.rank_of(self.replica_id)
+        if rank is None or epoch.members[rank].incarnation != self._incarnation:
+            self._event("left-out", wanted=number)
+            return "left-out", ""
+        return "epoch", f"{number};{epoch.text()}"
+
     def _form_epoch(self) -> None:
         began = time.monotonic()
         if self._comm is not None:
@@ -302,29 +409,37 @@ class Manager:
             self._comm = None
         joining = self._epoch is None
         while True:
-            number = self._next_number(joining)
-            continuing = self._synced and self._epoch is not None and self._epoch.number == number - 1
-            me = Registration(self.replica_id, self._incarnation, self._step, continuing)
-            epoch = quorum.agree(self._store, number, me, self._rules)
-            if epoch.lost:
-                raise FTError(
-                    f"replica {self.replica_id}: no replica holding the job's state is alive (epoch "
-                    f"{number} found only {epoch.participants_text()}): restart the job from a checkpoint"
-                )
-            rank = epoch.rank_of(self.replica_id)
-            if rank is None or epoch.members[rank].incarnation != self._incarnation:
-                self._event("left-out", wanted=number)
+            told = "|".join(self._agree_as_leader(joining)) if self.local_rank == 0 else ""
+            told = self._in_replica("broadcast", self._broadcast_text, told)
+            outcome, _, text = told.partition("|")
+            if outcome == "lost":
+                raise FTError(text)
+            if outcome == "left-out":
                 joining = True
                 continue
+            number_text, _, members_text = text.partition(";")
+            epoch = Epoch.parse(int(number_text), members_text)
             self._epoch = epoch
-            comm = None
+            comm, failed = None, None
+            lane = "comm" if self.local_rank == 0 else f"lane{self.local_rank}"
             try:
                 comm = Communicator(
-                    self._store, rank, len(epoch.members), timeout=self._timeout_s, prefix=f"e{number}/comm/"
+                    self._store,
+                    epoch.rank_of(self.replica_id),
+                    len(epoch.members),
+                    timeout=self._timeout_s,
+                    prefix=f"e{epoch.number}/{lane}/",
                 )
                 received = self._recover(epoch, comm)
             except CommError as e:  # a member died meanwhile: the next epoch goes on without it
-                self._event("recovery-failed", error=f"{type(e).__name__}: {e}")
+                failed = e
+            if self._replica_group is not None:  # every lane of the replica made it, or none goes on
+                ok = torch.tensor([0.0 if failed is not None else 1.0])
+                self._in_replica("all_reduce", self._replica_group.all_reduce, ok, op="min")
+                if failed is None and ok.item() != 1.0:
+                    failed = CommError("another lane of this replica failed to form the epoch")
+            if failed is not None:
+                self._event("recovery-failed", error=f"{type(failed).__name__}: {failed}")
                 if comm is not None:
                     comm.abort()
                 joining = False

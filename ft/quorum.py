@@ -15,7 +15,9 @@ Keys, under the Manager's prefix::
     joins                  counter of join requests; join/<i> = "<replica>:<incarnation>"
     committed              steps the job has committed (written off the training thread, so
                            it may lag by a heartbeat)
-    hb/<replica>           heartbeat counter of the replica's running process
+    ranks_per_replica      the ranks of every replica (the first process sets it)
+    hb/<replica>           heartbeat counter of the replica's running process (its rank 0);
+                           hb/<replica>.<i> of its rank i in a replica of several ranks
     e<E>/alive/<replica>   a registration: "<incarnation>:<step>:<member of E-1: 0|1>"
     e<E>/decider           the replica deciding epoch E
     e<E>/members           the published epoch (``Epoch.text``)
@@ -123,6 +125,21 @@ def check_secret(store: dist.Store, secret: str) -> None:
         )
 
 
+def check_ranks_per_replica(store: dist.Store, ranks: int) -> None:
+    """Every replica of a job has the same number of ranks (rank i of each meets the others' in
+    lane i); the first process records it, a process of another shape is refused."""
+    held = store.compare_set("ranks_per_replica", "", str(ranks)).decode()
+    if held != str(ranks):
+        raise FTError(
+            f"refused to join: this replica has {ranks} rank(s) (its replica_group), the job's "
+            f"replicas have {held}"
+        )
+
+
+def heartbeat_key(replica: int, rank: int = 0) -> str:
+    return f"hb/{replica}" if rank == 0 else f"hb/{replica}.{rank}"
+
+
 def _get(store: dist.Store, key: str) -> Optional[str]:
     return store.get(key).decode() if store.check([key]) else None
 
@@ -131,9 +148,9 @@ class Heartbeat:
     """Bumps ``hb/<replica>`` every ``period_s`` from a daemon thread, and reads the join counter
     while it is at it (so a pending join costs the training loop no store call)."""
 
-    def __init__(self, store: dist.Store, replica: int, period_s: float):
+    def __init__(self, store: dist.Store, replica: int, period_s: float, rank: int = 0):
         self._store = store
-        self._key = f"hb/{replica}"
+        self._key = heartbeat_key(replica, rank)
         self._period_s = period_s
         self._stop = threading.Event()
         self.joins = 0
@@ -168,24 +185,28 @@ class Heartbeat:
 
 
 class Liveness:
-    """Who is dead, judged by heartbeats: a replica whose counter has not moved for ``dead_after_s``
-    since this watcher first looked. A replica without a counter has not started yet (at the first
-    epoch, one still importing torch): it is waited for, up to the quorum timeout."""
+    """Who is dead, judged by heartbeats: a replica one of whose ranks' counters has not moved for
+    ``dead_after_s`` since this watcher first looked (a replica lives and dies with all its
+    ranks). A rank without a counter has not started yet (at the first epoch, one still importing
+    torch): it is waited for, up to the quorum timeout."""
 
-    def __init__(self, store: dist.Store, dead_after_s: float):
+    def __init__(self, store: dist.Store, dead_after_s: float, ranks_per_replica: int = 1):
         self._store = store
         self._dead_after_s = dead_after_s
-        self._seen: Dict[int, tuple] = {}
+        self._ranks = ranks_per_replica
+        self._seen: Dict[str, tuple] = {}
 
     def dead(self, replica: int) -> bool:
-        key = f"hb/{replica}"
+        return any(self._stopped(heartbeat_key(replica, i)) for i in range(self._ranks))
+
+    def _stopped(self, key: str) -> bool:
         if not self._store.check([key]):
             return False
         value = self._store.add(key, 0)
         now = time.monotonic()
-        last = self._seen.get(replica)
+        last = self._seen.get(key)
         if last is None or last[0] != value:
-            self._seen[replica] = (value, now)
+            self._seen[key] = (value, now)
             return False
         return now - last[1] >= self._dead_after_s
 

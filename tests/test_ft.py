@@ -331,6 +331,149 @@ def test_a_process_of_another_job_is_refused(tmp_path):
     check_job(job)
 
 
+class _ReplicaProcesses:
+    """The processes of one replica, seen as one: it runs while all run; when one ended badly the
+    others are killed at once (as torchrun's agent does with a host's workers) and the replica's
+    code is SIGKILL's when one was killed, else the first bad code."""
+
+    def __init__(self, procs: list):
+        self.procs = procs
+
+    def poll(self):
+        codes = [p.poll() for p in self.procs]
+        if all(c == 0 for c in codes):
+            return 0
+        bad = [c for c in codes if c not in (None, 0)]
+        if not bad:
+            return None
+        self.kill()
+        return -signal.SIGKILL if -signal.SIGKILL in bad else bad[0]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def wait(self, timeout=None):
+        return max((p.wait(timeout=timeout) for p in self.procs), key=abs)
+
+
+class ShardedJob(Job):
+    """Replicas of ``ranks`` processes each, sharding the model with braid's ZeRO wrapper over a
+    braid Communicator of their own; a replica restarts as a whole (every rank, a new replica
+    store) when one of its processes dies. ``--die`` goes to the replica's last rank."""
+
+    def __init__(self, tmp_path, replicas: int, steps: int, ranks: int = 2, **kwargs):
+        super().__init__(tmp_path, replicas, steps, ranks_per_replica=ranks, **kwargs)
+        self.ranks = ranks
+
+    def launch(self, replica: int, die: str = "") -> None:
+        self.starts[replica] += 1
+        store = os.path.join(self.dir, f"replica{replica}-store{self.starts[replica]}")
+        procs = []
+        for rank in range(self.ranks):
+            err = open(os.path.join(self.dir, f"stderr{replica}.txt"), "a")
+            argv = self.args(replica, die if rank == self.ranks - 1 else "")
+            argv += ["--local-rank", str(rank), "--replica-store", store]
+            procs.append(subprocess.Popen(argv, stdout=err, stderr=err, env=self.env))
+        self.procs[replica] = _ReplicaProcesses(procs)
+
+    def records(self, replica: int) -> list:
+        out = []
+        for rank in range(self.ranks):
+            name = f"replica{replica}" + (f".rank{rank}" if rank else "")
+            path = os.path.join(self.dir, f"{name}.jsonl")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out += [json.loads(line) for line in f if line.strip() and '"step"' in line[:10]]
+        return out
+
+
+def sharded_reference(members_at: dict, steps: int, first_source: int, ranks: int) -> dict:
+    """The model a single process gets by averaging, at each step, each member's ranks' gradients
+    (the wrapper's reduce-scatter inside the replica), then the members' averages summed in member
+    order and divided by their number, and stepping the optimizer on the whole model."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = ft_replica.make_model(first_source)
+        opt = ft_replica.make_optimizer(model)
+        for step in range(steps):
+            averages = []
+            for r in members_at[step]:
+                per_rank = []
+                for rank in range(ranks):
+                    model.zero_grad()
+                    x, y = ft_replica.batch(step, r, rank)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    per_rank.append([p.grad.clone() for p in model.parameters()])
+                count = len(per_rank[0])
+                averages.append([_in_order([g[i] for g in per_rank]) / ranks for i in range(count)])
+            for i, p in enumerate(model.parameters()):
+                p.grad = _in_order([a[i] for a in averages]) / len(averages)
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _in_order(tensors: list) -> torch.Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+def check_sharded_job(job: ShardedJob) -> dict:
+    """Every committed step: each rank's shards bitwise the same on every replica that logged the
+    step (one digest per step and rank), one member list; the finals (each replica's full state)
+    equal each other and the reference."""
+    by_step = {}
+    for r in range(job.replicas):
+        for rec in job.records(r):
+            by_step.setdefault(rec["step"], []).append((r, rec))
+    last = max(by_step)
+    assert last >= job.steps and sorted(by_step) == list(range(1, last + 1)), sorted(by_step)
+    members_at = {}
+    for step, recs in by_step.items():
+        for rank in range(job.ranks):
+            digests = {rec["digest"] for _, rec in recs if rec["rank"] == rank}
+            assert len(digests) == 1, (step, rank, recs)
+        assert len({tuple(rec["members"]) for _, rec in recs}) == 1, (step, recs)
+        members_at[step - 1] = recs[0][1]["members"]
+        want = sorted((m, rank) for m in members_at[step - 1] for rank in range(job.ranks))
+        assert sorted((r, rec["rank"]) for r, rec in recs) == want, (step, recs)
+    want = sharded_reference(members_at, last, min(members_at[0]), job.ranks)
+    finished = [r for r in range(job.replicas) if r not in job.stopped]
+    assert finished, "no replica finished"
+    for r in finished:
+        got = job.final(r)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (r, name, (got[name] - tensor).abs().max())
+    return members_at
+
+
+@pytest.mark.slow
+def test_sharded_replicas_drop_a_replica_that_lost_a_rank_and_take_it_back(tmp_path):
+    """Replicas of two ranks sharding the model (braid's ZeRO-3 over their own communicator):
+    replica 1's second rank is killed just before the gradient exchange across replicas, its
+    other rank is killed with it (as torchrun's agent would), both restart, and the new rank 1
+    dies again while loading the state sent to it; later replica 2's rank dies before the vote.
+    Each time the survivors discard the step in flight alike and go on; the killed replica comes
+    back, receives each rank's shards and optimizer state from the same rank of a healthy
+    replica, and every replica ends bitwise equal to the reference computed in one process."""
+    job = ShardedJob(tmp_path, replicas=3, steps=10, ranks=2, step_sleep=0.02)
+    job.run(orders=[(1, "backward"), (2, "step")], restart_dies={1: "0:join"})
+    members_at = check_sharded_job(job)
+    assert [r for r, _ in job.killed] == [1, 1, 2], job.killed
+    assert members_at[0] == [0, 1, 2]
+    for victim in (1, 2):
+        assert any(victim not in m for m in members_at.values()), (victim, members_at)
+    assert members_at[max(members_at)] == [0, 1, 2], members_at
+
+
 def test_bad_arguments_are_named(tmp_path):
     from braid import ft
     import torch.distributed as dist
@@ -349,6 +492,35 @@ def test_bad_arguments_are_named(tmp_path):
         ft.Manager(dict, lambda s: None, dead_after_s=0.2, heartbeat_s=0.1, **ok)
     with pytest.raises(ValueError, match="BRAID_FT_STORE"):
         ft.Manager(dict, lambda s: None, replica_id=0, num_replicas=1)
+    with pytest.raises(TypeError, match="replica_group must be"):
+        ft.Manager(dict, lambda s: None, replica_group="host0", **ok)
+
+
+class _TwoRanks:
+    """A stand-in replica group of two ranks (never used for a collective: refused before)."""
+
+    rank, world_size = 0, 2
+
+    def _never(self, *args, **kwargs):
+        raise AssertionError("no collective expected")
+
+    all_reduce = all_gather = reduce_scatter = broadcast = _never
+
+
+def test_a_replica_of_another_shape_is_refused(tmp_path):
+    """Every replica of a job has the same number of ranks (rank i of each meets the others' in
+    lane i): a replica of two ranks on a job of one-rank replicas is refused, naming both."""
+    from braid import ft
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "s"), -1)
+    first = ft.Manager(dict, lambda s: None, replica_id=0, num_replicas=2, store=store)
+    try:
+        with pytest.raises(ft.FTError, match=r"this replica has 2 rank\(s\).*the job's replicas have 1"):
+            ft.Manager(dict, lambda s: None, replica_id=1, num_replicas=2, store=store,
+                       replica_group=_TwoRanks())
+    finally:
+        first.shutdown()
 
 
 @pytest.mark.timeout(60)  # the readline below waits for the server's first line
