@@ -152,7 +152,9 @@ def main() -> None:
     last_members, holding = [], bool(args.hold_file)
     while manager.current_step() < args.steps or len(last_members) < args.replicas or holding:
         optimizer.zero_grad()
-        if args.die_file and os.path.exists(args.die_file):
+        # In a replica of several ranks its last rank takes the orders (one rank dies; its peers
+        # go with it, stopped by the launcher).
+        if args.die_file and local == args.ranks_per_replica - 1 and os.path.exists(args.die_file):
             with open(args.die_file) as f:
                 ordered_phase = f.read().strip()
             os.unlink(args.die_file)  # an order is carried out once

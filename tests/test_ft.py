@@ -307,6 +307,49 @@ def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_restarts_a_sharded_replica_whose_rank_was_killed(tmp_path):
+    """Each replica its own `torchrun --nproc-per-node 2 --max-restarts 2` whose two workers shard
+    the model with braid's ZeRO-3 over the torchrun job's gloo group: one worker of replica 1 is
+    killed before the exchange across replicas, torchrun's agent stops its other worker and
+    starts both again, and the replica rejoins; every replica ends bitwise equal to the
+    reference."""
+    job = ShardedJob(tmp_path, replicas=2, steps=8, ranks=2, step_sleep=0.02)
+    hold = os.path.join(job.dir, "hold")
+    open(hold, "w").close()
+    procs = []
+    for r in range(2):
+        worker = job.args(r)[1:]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
+        err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
+        procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
+    deadline = time.monotonic() + DEADLINE_S
+    ordered = alone = False
+    try:
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, [job.stderr(r) for r in range(2)]
+            last = job.last_record()
+            alone = alone or last["members"] == [0]
+            if not ordered and last["members"] == [0, 1]:
+                with open(job.die_file(1), "w") as f:
+                    f.write("backward")
+                ordered = True
+            elif alone and os.path.exists(hold) and last["members"] == [0, 1]:
+                os.unlink(hold)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [job.stderr(r) for r in range(2)]
+    members_at = check_sharded_job(job)
+    assert any(m == [0] for m in members_at.values()), members_at
+    with open(os.path.join(job.dir, "replica1.jsonl")) as f:
+        starts = [rec for rec in map(json.loads, f) if "start" in rec]
+    assert len(starts) == 2, starts  # torchrun started replica 1's rank 0 twice
+
+
+@pytest.mark.slow
 def test_a_process_of_another_job_is_refused(tmp_path):
     """A process with another secret on the job's store and prefix is refused at once with an
     error naming the secret; the job is not disturbed."""
