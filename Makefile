@@ -172,6 +172,18 @@ recipes-check:
 	$(PY) -m pytest tests/test_recipes.py -k "lightning or accelerate" -v -rs -p no:cacheprovider 2>&1 \
 	  | tee -a results/recipes.log; exit $${PIPESTATUS[0]}
 
+# Opt-in: installs SLURM (slurmctld, slurmd, munge; Debian packages) and runs braid.ft's SLURM test:
+# a one-node cluster started in a temporary folder, each replica an srun step in a retry loop, a
+# task killed, the step started again, the replica rejoining bitwise equal. Root only.
+.PHONY: slurm-check
+slurm-check: install
+	mkdir -p results
+	command -v slurmctld >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -q slurmctld slurmd slurm-client munge)
+	(slurmctld -V; $(PY) -c "import torch; print('torch', torch.__version__)") | tee results/slurm.log
+	$(PY) -m pytest tests/test_ft.py -m slow -k slurm -v -rs -p no:cacheprovider 2>&1 \
+	  | tee -a results/slurm.log; exit $${PIPESTATUS[0]}
+
 # The suites run side by side (-j): their multi-rank tests spend most of their time waiting.
 test-cpp: test-cpp-build test-cpp-run
 test-cpp-build:

@@ -14,7 +14,8 @@ before the vote), "join" (while loading the state a healthy replica sent it).
 ``--ranks-per-replica R`` (R > 1): a replica is R processes (``--local-rank``, or torchrun's
 ``LOCAL_RANK`` under a torchrun job of R workers, whose default group is then the replica's)
 that shard the model with braid's ZeRO wrapper (``--stage``) over a braid Communicator on
-``--replica-store`` (or over the torchrun job's gloo group); each rank trains on its own batches,
+``--replica-store`` (or over the torchrun job's gloo group, or a braid Communicator from the
+environment of the srun step that runs the replica); each rank trains on its own batches,
 the wrapper averages them inside the replica, and ``Manager.average_gradients`` averages the
 shards over the replicas. The phase "backward" then dies just before that exchange (the peers
 wait in it). Records and digests are per rank; the final parameters are rank 0's full state."""
@@ -93,6 +94,12 @@ def main() -> None:
             dist.init_process_group("gloo")
             local, group = dist.get_rank(), dist.group.WORLD
             assert dist.get_world_size() == args.ranks_per_replica, dist.get_world_size()
+        elif os.environ.get("SLURM_STEP_ID") and args.local_rank is None:  # an srun step per replica
+            from braid import comm
+
+            group = comm.init(timeout=20.0)  # SLURM_PROCID, SLURM_NTASKS, the step's own store
+            local = group.rank
+            assert group.world_size == args.ranks_per_replica, group.world_size
         else:
             from braid.comm import Communicator
 

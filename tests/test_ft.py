@@ -8,7 +8,10 @@ of the members' gradients (in member order, as braid's all-reduce sums) with the
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from braid.bench import ft_replica
+from helpers.ranks import listen_ports
 
 DEADLINE_S = 150.0
 
@@ -265,6 +269,25 @@ def test_soak_twenty_kills(tmp_path):
     assert len(job.killed) >= 20
 
 
+def kill_one_and_await_its_return(job: Job, hold: str, running) -> None:
+    """Supervises a 2-replica job launched elsewhere while ``running()``: once both replicas
+    commit a step together, orders replica 1 to die in its backward; once replica 0 has trained
+    alone and replica 1 is back, removes ``hold`` so the job can end."""
+    deadline = time.monotonic() + DEADLINE_S
+    ordered = alone = False
+    while running():
+        assert time.monotonic() < deadline, [job.stderr(r) for r in range(2)]
+        last = job.last_record()
+        alone = alone or last["members"] == [0]
+        if not ordered and last["members"] == [0, 1]:
+            with open(job.die_file(1), "w") as f:
+                f.write("backward")
+            ordered = True
+        elif alone and os.path.exists(hold) and last["members"] == [0, 1]:
+            os.unlink(hold)  # replica 1 is back: let the job end
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
     """Each replica its own `torchrun --max-restarts 2` (one process): replica 1 is killed in its
@@ -280,20 +303,8 @@ def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
                 "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
         err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
         procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
-    deadline = time.monotonic() + DEADLINE_S
-    ordered = alone = False
     try:
-        while any(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, [job.stderr(r) for r in range(2)]
-            last = job.last_record()
-            alone = alone or last["members"] == [0]
-            if not ordered and last["members"] == [0, 1]:
-                with open(job.die_file(1), "w") as f:
-                    f.write("backward")
-                ordered = True
-            elif alone and os.path.exists(hold) and last["members"] == [0, 1]:
-                os.unlink(hold)  # replica 1 is back: let the job end
-            time.sleep(0.05)
+        kill_one_and_await_its_return(job, hold, lambda: any(p.poll() is None for p in procs))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -323,20 +334,8 @@ def test_torchrun_restarts_a_sharded_replica_whose_rank_was_killed(tmp_path):
                 "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
         err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
         procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
-    deadline = time.monotonic() + DEADLINE_S
-    ordered = alone = False
     try:
-        while any(p.poll() is None for p in procs):
-            assert time.monotonic() < deadline, [job.stderr(r) for r in range(2)]
-            last = job.last_record()
-            alone = alone or last["members"] == [0]
-            if not ordered and last["members"] == [0, 1]:
-                with open(job.die_file(1), "w") as f:
-                    f.write("backward")
-                ordered = True
-            elif alone and os.path.exists(hold) and last["members"] == [0, 1]:
-                os.unlink(hold)
-            time.sleep(0.05)
+        kill_one_and_await_its_return(job, hold, lambda: any(p.poll() is None for p in procs))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -347,6 +346,125 @@ def test_torchrun_restarts_a_sharded_replica_whose_rank_was_killed(tmp_path):
     with open(os.path.join(job.dir, "replica1.jsonl")) as f:
         starts = [rec for rec in map(json.loads, f) if "start" in rec]
     assert len(starts) == 2, starts  # torchrun started replica 1's rank 0 twice
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path):
+    """A one-node SLURM cluster under ``tmp_path``: munged with a key and socket of its own,
+    slurmctld and slurmd in the foreground on ports of their own; yields the environment that
+    points sbatch at it, and stops all three at the end. Skips where SLURM is not installed
+    (``make slurm-check`` installs it) or not root (slurmd starts the tasks as their user)."""
+    if not all(shutil.which(b) for b in ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")):
+        pytest.skip("SLURM is not installed here (make slurm-check installs it and runs this test)")
+    if os.geteuid() != 0:
+        pytest.skip("a one-node SLURM cluster needs root for slurmd")
+    base = tmp_path / "slurm"
+    munge = base / "munge"
+    for d in (base / "state", base / "spool", base / "log"):
+        d.mkdir(parents=True)
+    munge.mkdir(mode=0o700)
+    key = munge / "key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    host = socket.gethostname()
+    ctld_port, node_port = listen_ports(2)
+    (base / "slurm.conf").write_text(f"""ClusterName=braidft
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge}/sock
+StateSaveLocation={base}/state
+SlurmdSpoolDir={base}/spool
+SlurmctldPidFile={base}/slurmctld.pid
+SlurmdPidFile={base}/slurmd.pid
+SlurmctldPort={ctld_port}
+SlurmdPort={node_port}
+SlurmctldLogFile={base}/log/slurmctld.log
+SlurmdLogFile={base}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName={host} CPUs=16 State=UNKNOWN
+PartitionName=ft Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+""")
+    env = dict(os.environ, SLURM_CONF=str(base / "slurm.conf"))
+    log = open(base / "log" / "daemons.txt", "a")
+    daemons = [subprocess.Popen(
+        ["munged", "--foreground", "--force", "-S", str(munge / "sock"), "--key-file", str(key),
+         "--pid-file", str(munge / "pid"), "--log-file", str(munge / "log"),
+         "--seed-file", str(munge / "seed")],
+        stdout=log, stderr=log)]
+    try:
+        deadline = time.monotonic() + 30
+        while not (munge / "sock").exists():
+            said = (base / "log" / "daemons.txt").read_text
+            assert time.monotonic() < deadline and daemons[0].poll() is None, said()
+            time.sleep(0.05)
+        for daemon in ("slurmctld", "slurmd"):
+            daemons.append(subprocess.Popen([daemon, "-D"], stdout=log, stderr=log, env=env))
+        while True:
+            sinfo = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env)
+            state = sinfo.stdout
+            if state.strip() == "idle":
+                break
+            assert time.monotonic() < deadline, f"the SLURM node is not idle: {state!r}"
+            time.sleep(0.2)
+        yield env
+    finally:
+        for d in reversed(daemons):
+            d.terminate()
+            try:
+                d.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait()
+
+
+@pytest.mark.slow
+def test_slurm_restarts_a_sharded_replica_step_which_rejoins(tmp_path, slurm_cluster):
+    """Under SLURM, each replica one `srun --ntasks 2 --kill-on-bad-exit` step of a batch job, in
+    a retry loop (the recipe of docs/usage/ft.md); its two tasks shard the model with braid's
+    ZeRO-3 over a Communicator built from the step's environment (braid.comm.init). One task of
+    replica 1 is killed before the exchange across replicas: srun stops the step, the loop starts
+    a new one, the replica rejoins, and every replica ends bitwise equal to the reference."""
+    job = ShardedJob(tmp_path, replicas=2, steps=8, ranks=2, step_sleep=0.02)
+    hold = os.path.join(job.dir, "hold")
+    open(hold, "w").close()
+    loops = []
+    for r in range(2):
+        worker = " ".join(shlex.quote(a) for a in job.args(r))
+        out = shlex.quote(os.path.join(job.dir, f"stderr{r}.txt"))
+        loops.append(f"""(for attempt in 1 2 3; do
+  srun --overlap --ntasks 2 --kill-on-bad-exit=1 --open-mode=append --output {out} {worker} && exit 0
+done; exit 1) &""")
+    script = os.path.join(job.dir, "job.sh")
+    with open(script, "w") as f:
+        f.write("#!/bin/bash\n" + "\n".join(loops) + "\nfail=0\n"
+                "for p in $(jobs -p); do wait $p || fail=1; done\nexit $fail\n")
+    argv = ["sbatch", "--wait", "--ntasks", "4", "--output", os.path.join(job.dir, "batch.txt"), script]
+    batch = subprocess.Popen(argv, env=slurm_cluster, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        kill_one_and_await_its_return(job, hold, lambda: batch.poll() is None)
+    finally:
+        if batch.poll() is None:
+            subprocess.run(["scancel", "--user", "root"], env=slurm_cluster)
+            batch.kill()
+    assert batch.returncode == 0, (batch.stdout.read(), [job.stderr(r) for r in range(2)])
+    members_at = check_sharded_job(job)
+    assert any(m == [0] for m in members_at.values()), members_at
+    with open(os.path.join(job.dir, "replica1.jsonl")) as f:
+        starts = [rec for rec in map(json.loads, f) if "start" in rec]
+    assert len(starts) == 2, starts  # the loop ran replica 1's step twice
 
 
 @pytest.mark.slow
@@ -587,3 +705,24 @@ def test_the_store_server_serves_until_terminated():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_slurm_steps_derive_stores_of_their_own(monkeypatch):
+    """braid.comm.init under srun: every task of a step derives the same store address (the
+    step's first host), step 0 the job's port as before, and other steps of the job (replicas
+    side by side, a restarted step) ports of their own."""
+    from braid.comm.core import launch_env
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[07-09],gpu1")
+    assert launch_env.master_addr() == "node07"
+    ports = []
+    for step in ("0", "1", "2", "3"):
+        monkeypatch.setenv("SLURM_STEP_ID", step)
+        ports.append(launch_env.master_port())
+    assert ports[0] == 20000 + 4242
+    assert len(set(ports)) == 4 and all(20000 <= p < 40000 for p in ports), ports
+    monkeypatch.delenv("SLURM_STEP_ID")
+    assert launch_env.master_port() == ports[0]  # the batch script itself: the job's port

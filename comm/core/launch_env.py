@@ -63,13 +63,17 @@ def master_addr() -> str:
 
 
 def master_port() -> int:
-    """The store's port: MASTER_PORT, else one derived from SLURM_JOB_ID."""
+    """The store's port: MASTER_PORT, else one derived from SLURM_JOB_ID and SLURM_STEP_ID."""
     if os.environ.get("MASTER_PORT"):
         return int(os.environ["MASTER_PORT"])
     job = os.environ.get("SLURM_JOB_ID")
     if job and job.isdigit():
-        # Every task of the job derives the same port; jobs sharing a node rarely collide.
-        return 20000 + int(job) % 20000
+        # Every task of the step derives the same port; jobs sharing a node rarely collide, and
+        # steps of one job running side by side (a replica each, braid.ft) or one after another
+        # (a restarted step) take ports of their own. Step 0 keeps the job's port.
+        step = os.environ.get("SLURM_STEP_ID", "0")
+        step = int(step) if step.isdigit() else 0
+        return 20000 + (int(job) + 1009 * step) % 20000
     return int(env_value("MASTER_PORT"))
 
 
