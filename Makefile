@@ -246,7 +246,8 @@ GPU_TEST_WORKERS ?= 8
 gpu-test:
 	mkdir -p $(GPU_OUT)
 	status=0; \
-	$(GPU_PY) -m pytest tests/test_cuda_ipc.py tests/test_moe.py tests/test_fsdp2_cuda.py tests/test_zero_offload.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
+	$(GPU_PY) -m pytest tests/test_cuda_ipc.py tests/test_moe.py tests/test_fsdp2_cuda.py tests/test_zero_offload.py \
+	  tests/test_ft.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
 	  | tee $(GPU_OUT)/test.log; [ $${PIPESTATUS[0]} -eq 0 ] || status=1; \
 	$(GPU_PY) -m pytest tests/test_cuda_comm.py tests/test_cuda_backend.py tests/test_group.py tests/test_pg_compression.py \
 	  tests/test_compression_cuda.py tests/test_compression_kernels.py tests/test_cp.py::test_ring_attention_on_gpu \

@@ -53,7 +53,7 @@ def batch(step: int, replica: int, rank: int = 0):
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():  # a sharded replica's: this rank's flat shards
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--local-rank", type=int, default=None)
     ap.add_argument("--replica-store", default="", help="FileStore of the replica's own group")
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage inside a replica of several ranks")
+    ap.add_argument("--device", default="cpu", help="where the model trains (cuda: every replica on the GPU)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     die_step, die_phase = (int(args.die.split(":")[0]), args.die.split(":")[1]) if args.die else (-1, "")
@@ -106,7 +107,7 @@ def main() -> None:
             local = args.local_rank
             group = Communicator(dist.FileStore(args.replica_store, -1), local, args.ranks_per_replica,
                                  timeout=20.0)
-    model = make_model(args.replica)  # replicas start apart: the first epoch gives them one state
+    model = make_model(args.replica).to(args.device)  # replicas start apart: the first epoch unites them
     if sharded:
         from braid.comm import zero
 
@@ -166,7 +167,7 @@ def main() -> None:
                 ordered_phase = f.read().strip()
             os.unlink(args.die_file)  # an order is carried out once
         step = manager.current_step()
-        x, y = batch(step, args.replica, local)
+        x, y = (t.to(args.device) for t in batch(step, args.replica, local))
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         if sharded:  # the wrapper averaged the replica's gradients; now across the replicas
@@ -202,7 +203,7 @@ def main() -> None:
     final = model.full_state_dict() if sharded else model.state_dict()
     if local == 0:
         path = os.path.join(args.out, f"final{args.replica}.pt")
-        torch.save({k: v.clone() for k, v in final.items()}, path)
+        torch.save({k: v.detach().cpu().clone() for k, v in final.items()}, path)
     log.write(json.dumps({"events": manager.events}) + "\n")
     manager.shutdown()
 

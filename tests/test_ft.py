@@ -269,6 +269,29 @@ def test_soak_twenty_kills(tmp_path):
     assert len(job.killed) >= 20
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replicas_on_a_gpu_drop_a_killed_one_and_take_it_back(tmp_path):
+    """Three one-process replicas training a CUDA model (braid's DDP hook carries CUDA buckets,
+    the state a joiner receives crosses through the host): replica 1 is killed in its backward,
+    the others go on, it rejoins; every committed step's parameters are bitwise equal on every
+    replica (GPU kernels are not the CPU reference's, so no reference is compared)."""
+    job = Job(tmp_path, replicas=3, steps=10, step_sleep=0.02, device="cuda")
+    job.run(orders=[(1, "backward")])
+    by_step = {}
+    for r in range(job.replicas):
+        for rec in job.records(r):
+            by_step.setdefault(rec["step"], []).append(rec)
+    assert max(by_step) >= job.steps
+    for step, recs in by_step.items():
+        assert len({rec["digest"] for rec in recs}) == 1, (step, recs)
+    assert [r for r, _ in job.killed] == [1], job.killed
+    assert any(len(recs[0]["members"]) == 2 for recs in by_step.values())
+    finals = [job.final(r) for r in range(job.replicas)]
+    for name in finals[0]:
+        assert all(torch.equal(f[name], finals[0][name]) for f in finals), name
+
+
 def kill_one_and_await_its_return(job: Job, hold: str, running) -> None:
     """Supervises a 2-replica job launched elsewhere while ``running()``: once both replicas
     commit a step together, orders replica 1 to die in its backward; once replica 0 has trained
