@@ -52,7 +52,8 @@ def batch(step: int, replica: int, rank: int = 0):
 
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for p in model.parameters():  # a sharded replica's: this rank's flat shards
+    for p in model.parameters():  # a sharded replica's: this rank's flat shards, or local shards
+        p = p.to_local() if hasattr(p, "to_local") else p
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -83,6 +84,8 @@ def main() -> None:
     ap.add_argument("--local-rank", type=int, default=None)
     ap.add_argument("--replica-store", default="", help="FileStore of the replica's own group")
     ap.add_argument("--stage", type=int, default=3, help="ZeRO stage inside a replica of several ranks")
+    ap.add_argument("--inner", choices=("zero", "fsdp2"), default="zero",
+                    help="what shards the model inside a replica of several ranks")
     ap.add_argument("--device", default="cpu", help="where the model trains (cuda: every replica on the GPU)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -95,6 +98,11 @@ def main() -> None:
             dist.init_process_group("gloo")
             local, group = dist.get_rank(), dist.group.WORLD
             assert dist.get_world_size() == args.ranks_per_replica, dist.get_world_size()
+        elif args.inner == "fsdp2":  # FSDP2 needs the default process group: gloo over the replica
+            local = args.local_rank
+            dist.init_process_group("gloo", store=dist.FileStore(args.replica_store, -1), rank=local,
+                                    world_size=args.ranks_per_replica)
+            group = dist.group.WORLD
         elif os.environ.get("SLURM_STEP_ID") and args.local_rank is None:  # an srun step per replica
             from braid import comm
 
@@ -108,19 +116,31 @@ def main() -> None:
             group = Communicator(dist.FileStore(args.replica_store, -1), local, args.ranks_per_replica,
                                  timeout=20.0)
     model = make_model(args.replica).to(args.device)  # replicas start apart: the first epoch unites them
-    if sharded:
+    fsdp2 = sharded and args.inner == "fsdp2"
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(torch.device(args.device).type, (args.ranks_per_replica,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif sharded:
         from braid.comm import zero
 
         model = zero.shard(model, group, stage=args.stage)
     opt = make_optimizer(model)
 
-    def state():
-        weights = model.sharded_state_dict() if sharded else model.state_dict()
+    def state():  # an FSDP2 module's DTensors travel as their local shards
+        weights = model.sharded_state_dict() if sharded and not fsdp2 else model.state_dict()
         return {"model": weights, "opt": opt.state_dict()}
 
     def load(state):
         if die_phase == "join":
             die()
+        if fsdp2:
+            ft.load_local_shards(model, opt, state["model"], state["opt"])
+            return
         (model.load_sharded_state_dict if sharded else model.load_state_dict)(state["model"])
         opt.load_state_dict(state["opt"])
 
@@ -200,7 +220,10 @@ def main() -> None:
             )
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    final = model.full_state_dict() if sharded else model.state_dict()
+    if fsdp2:  # every rank gathers each parameter whole
+        final = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
+    else:
+        final = model.full_state_dict() if sharded else model.state_dict()
     if local == 0:
         path = os.path.join(args.out, f"final{args.replica}.pt")
         torch.save({k: v.detach().cpu().clone() for k, v in final.items()}, path)

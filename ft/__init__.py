@@ -15,5 +15,6 @@ See docs/usage/ft.md.
 from .ddp import DistributedDataParallel, Optimizer
 from .manager import Manager
 from .quorum import FTError
+from .transfer import load_local_shards
 
-__all__ = ["DistributedDataParallel", "FTError", "Manager", "Optimizer"]
+__all__ = ["DistributedDataParallel", "FTError", "Manager", "Optimizer", "load_local_shards"]

@@ -5,7 +5,9 @@ tensor, without a checkpoint file.
 The sender first sends the structure (the nested dicts and lists with every tensor replaced by a
 placeholder of its shape and dtype, pickled) and then each tensor's bytes in order. Tensors travel
 as raw bytes, so every dtype crosses bit for bit; the receiver allocates each on the CPU and the
-``load_state_dict`` callback copies it where it belongs (a GPU, a pinned buffer).
+``load_state_dict`` callback copies it where it belongs (a GPU, a pinned buffer). A DTensor (an
+FSDP2 module's or its optimizer's state) travels as its local shard: rank i of a replica sends to
+rank i of the joiner, whose shards have the same places; :func:`load_local_shards` puts them back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import OrderedDict
 from typing import Any, List, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from braid.comm import Communicator
 
@@ -35,6 +38,8 @@ def _dict_like(value: dict) -> type:
 def _flatten(value: Any, tensors: List[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         t = value.detach()
+        if isinstance(t, DTensor):
+            t = t.to_local()
         tensors.append(t)
         return _Slot(len(tensors) - 1, tuple(t.shape), t.dtype, bool(value.requires_grad))
     if isinstance(value, dict):  # dict and OrderedDict (a module's state_dict) keep their type
@@ -110,3 +115,43 @@ def recv_state(comm: Communicator, src: int) -> Tuple[Any, int]:
             comm.recv(raw, src)  # a view of t: the bytes land in it
         tensors[slot.index] = t
     return _fill(skeleton, tensors), step
+
+
+def load_local_shards(module: torch.nn.Module, optimizer: Any, model_state: dict,
+                      optimizer_state: Any = None) -> None:
+    """Loads, on an FSDP2 module (``fully_shard``) and its optimizer, the state that the same rank
+    of a healthy replica sent (its ``module.state_dict()`` and ``optimizer.state_dict()``, whose
+    DTensors travelled as their local shards): each parameter's and buffer's local shard is
+    copied in place; in the optimizer's state, a tensor shaped like its parameter's local shard
+    becomes a DTensor of that parameter's mesh and placements, then ``load_state_dict`` takes it.
+    ``optimizer`` may be None (the module only)."""
+    own = dict(module.named_parameters())
+    own.update(module.named_buffers())
+    missing = sorted(set(model_state) ^ set(own))
+    if missing:
+        raise KeyError(f"load_local_shards: the received state and the module differ in {missing[:5]}")
+    with torch.no_grad():
+        for name, value in model_state.items():
+            target = own[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if local.shape != value.shape:
+                raise ValueError(
+                    f"load_local_shards: {name}'s local shard is {tuple(local.shape)} here but "
+                    f"{tuple(value.shape)} on the sender (replicas must shard alike)"
+                )
+            local.copy_(value)
+    if optimizer is None or optimizer_state is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in optimizer_state.get("state", {}).items():
+        param = params[index]
+        if not isinstance(param, DTensor):
+            continue
+        shard_shape = param.to_local().shape
+        for key, value in list(entry.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard_shape:
+                entry[key] = DTensor.from_local(
+                    value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                    shape=param.shape, stride=param.stride(),
+                )
+    optimizer.load_state_dict(optimizer_state)

@@ -640,15 +640,18 @@ def check_sharded_job(job: ShardedJob) -> dict:
 
 
 @pytest.mark.slow
-def test_sharded_replicas_drop_a_replica_that_lost_a_rank_and_take_it_back(tmp_path):
-    """Replicas of two ranks sharding the model (braid's ZeRO-3 over their own communicator):
+@pytest.mark.parametrize("inner", ("zero", "fsdp2"))
+def test_sharded_replicas_drop_a_replica_that_lost_a_rank_and_take_it_back(tmp_path, inner):
+    """Replicas of two ranks sharding the model (braid's ZeRO-3 over their own communicator, or
+    FSDP2's fully_shard over a gloo group of theirs, its state received through
+    ``ft.load_local_shards``):
     replica 1's second rank is killed just before the gradient exchange across replicas, its
     other rank is killed with it (as torchrun's agent would), both restart, and the new rank 1
     dies again while loading the state sent to it; later replica 2's rank dies before the vote.
     Each time the survivors discard the step in flight alike and go on; the killed replica comes
     back, receives each rank's shards and optimizer state from the same rank of a healthy
     replica, and every replica ends bitwise equal to the reference computed in one process."""
-    job = ShardedJob(tmp_path, replicas=3, steps=10, ranks=2, step_sleep=0.02)
+    job = ShardedJob(tmp_path, replicas=3, steps=10, ranks=2, step_sleep=0.02, inner=inner)
     job.run(orders=[(1, "backward"), (2, "step")], restart_dies={1: "0:join"})
     members_at = check_sharded_job(job)
     assert [r for r, _ in job.killed] == [1, 1, 2], job.killed

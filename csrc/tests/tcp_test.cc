@@ -418,8 +418,10 @@ BRAID_TEST(strangers_cannot_stall_the_handshake) {
     braid::Fd garbage = braid::connect_to(to, deadline, "rank 0");
     const std::vector<char> junk = pattern(48, 3);
     (void)!::write(garbage.get(), junk.data(), junk.size());
-    dribbler = std::thread([&] {
-      braid::Fd slow = braid::connect_to(to, deadline, "rank 0");
+    // Connected here, before rank 1 starts: connected in the thread, it could come after rank 0
+    // stopped listening (rank 1 done), and the refused connect would end the test process.
+    braid::Fd slow = braid::connect_to(to, deadline, "rank 0");
+    dribbler = std::thread([&, slow = std::move(slow)] {
       for (int i = 0; i < 40 && !stop.load(); ++i) {
         (void)!::write(slow.get(), "\x42", 1);
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
