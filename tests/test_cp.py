@@ -87,7 +87,7 @@ CASES = [(dtype, causal, balanced, shape)
 def _instrument(communicator, events):
     """Records, in order, the ring's transfers being posted and waited for and the blocks computed."""
     forward, backward = cp._block_forward, cp._block_backward
-    post = communicator.batch_isend_irecv
+    post, post_pair = communicator.batch_isend_irecv, communicator.send_recv
 
     class Recorded:
         def __init__(self, work):
@@ -101,6 +101,10 @@ def _instrument(communicator, events):
         events.append("post")
         return [Recorded(w) for w in post(ops)]
 
+    def send_recv(*args):  # a Communicator's send_recv posts straight to the core
+        events.append("post")
+        return Recorded(post_pair(*args))
+
     def block_forward(*args):
         events.append("compute")
         return forward(*args)
@@ -110,6 +114,7 @@ def _instrument(communicator, events):
         return backward(*args)
 
     communicator.batch_isend_irecv = batch_isend_irecv
+    communicator.send_recv = send_recv
     cp._block_forward, cp._block_backward = block_forward, block_backward
     return lambda: setattr(cp, "_block_forward", forward) or setattr(cp, "_block_backward", backward)
 

@@ -810,11 +810,11 @@ class Communicator(CompressionHost, Group):
         checked before any is posted. CUDA tensors take the fallback path (:meth:`all_to_all`):
         what is sent copied to pinned host memory first, what is received copied back at the
         op's ``wait()``."""
-        if isinstance(ops, P2POp) or not isinstance(ops, Sequence):
+        if type(ops) not in (list, tuple) and (isinstance(ops, P2POp) or not isinstance(ops, Sequence)):
             raise TypeError(f"ops must be a sequence of braid.comm.P2POp, got {type(ops).__name__}")
         spec = []
         for i, op in enumerate(ops):
-            if not isinstance(op, P2POp):
+            if type(op) is not P2POp and not isinstance(op, P2POp):
                 raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
             spec.append((op.op == "send", op.tensor, op.peer))
         named = [(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)]
@@ -822,6 +822,7 @@ class Communicator(CompressionHost, Group):
         if stage is None:  # host tensors, the common case (a ring's every step): straight to the core
             works = self._c.p2p_batch(spec)
         else:
+
             def post(t: list, _async_op: bool) -> list:
                 return self._c.p2p_batch([(s, tensor, peer) for (s, _, peer), tensor in zip(spec, t)])
 
@@ -833,6 +834,13 @@ class Communicator(CompressionHost, Group):
         """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together
         (:meth:`batch_isend_irecv`, CUDA tensors included); returns a work whose ``wait()``
         completes both."""
+        if (type(send) is torch.Tensor and type(recv) is torch.Tensor
+                and self._staging((("send", send, False), ("recv", recv, True))) is None):
+            # Host tensors, the common case (a ring's every step): straight to the core. The
+            # Python before posting is on every small exchange's latency path.
+            dst, src = _index(dst, "dst"), _index(src, "src")
+            sent, received = self._c.p2p_batch([(True, send, dst), (False, recv, src)])
+            return WorkList([Work(sent, f"send to rank {dst}"), Work(received, f"recv from rank {src}")])
         return WorkList(self.batch_isend_irecv([P2POp("send", send, dst), P2POp("recv", recv, src)]))
 
     def _staging(self, named: Sequence[tuple]) -> Optional[_HostStaging]:
