@@ -150,6 +150,12 @@ class Manager:
             replica_group, "replica_group", "braid.ft.Manager")
         self.local_rank = 0 if self._replica_group is None else self._replica_group.rank
         self.ranks_per_replica = 1 if self._replica_group is None else self._replica_group.world_size
+        # Where the replica group's small tensors live: the host, unless the group serves only a
+        # device (an NCCL group of the host's GPUs): then the current CUDA device.
+        self._replica_device = torch.device("cpu")
+        problem = getattr(self._replica_group, "device_problem", None)  # a stand-in may have none
+        if problem is not None and problem(self._replica_device):
+            self._replica_device = torch.device("cuda", torch.cuda.current_device())
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.replica_id, self.num_replicas, self.min_replicas = replica_id, num_replicas, min_replicas
         self._timeout_s, self._quorum_timeout_s = float(timeout), float(quorum_timeout)
@@ -252,7 +258,7 @@ class Manager:
             self.note_error(e)
             vote[0] = 0.0
         if self._replica_group is not None:  # the lanes' votes together: one vote per replica
-            self._in_replica("all_reduce", self._replica_group.all_reduce, vote, op="min")
+            vote = self._replica_min(vote)
         healthy = vote[0].item() == 1.0
         key = f"e{epoch.number}/s{self._step}"
         decision = self._store.compare_set(key, "", "commit" if healthy else "discard").decode()
@@ -368,16 +374,25 @@ class Manager:
                 "as a whole (torchrun --max-restarts restarts a host's workers together)"
             ) from e
 
+    def _replica_min(self, values: torch.Tensor) -> torch.Tensor:
+        """The minimum of ``values`` (a small host tensor) over the replica's ranks, on the host."""
+        moved = values.to(self._replica_device)
+        self._in_replica("all_reduce", self._replica_group.all_reduce, moved, op="min")
+        return moved.cpu()
+
     def _broadcast_text(self, text: str) -> str:
         """``text`` of the replica's rank 0, on every rank of the replica (as it is without one)."""
         group = self._replica_group
         if group is None:
             return text
-        raw = torch.tensor(list(text.encode()), dtype=torch.uint8) if self.local_rank == 0 else None
-        size = torch.tensor([0 if raw is None else raw.numel()], dtype=torch.int64)
+        device = self._replica_device
+        raw = None
+        if self.local_rank == 0:
+            raw = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+        size = torch.tensor([0 if raw is None else raw.numel()], dtype=torch.int64, device=device)
         group.broadcast(size, 0)
         if raw is None:
-            raw = torch.zeros(int(size.item()), dtype=torch.uint8)
+            raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
         if raw.numel():
             group.broadcast(raw, 0)
         return bytes(raw.tolist()).decode()
@@ -434,8 +449,7 @@ class Manager:
             except CommError as e:  # a member died meanwhile: the next epoch goes on without it
                 failed = e
             if self._replica_group is not None:  # every lane of the replica made it, or none goes on
-                ok = torch.tensor([0.0 if failed is not None else 1.0])
-                self._in_replica("all_reduce", self._replica_group.all_reduce, ok, op="min")
+                ok = self._replica_min(torch.tensor([0.0 if failed is not None else 1.0]))
                 if failed is None and ok.item() != 1.0:
                     failed = CommError("another lane of this replica failed to form the epoch")
             if failed is not None:

@@ -311,19 +311,17 @@ def kill_one_and_await_its_return(job: Job, hold: str, running) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
-def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
-    """Each replica its own `torchrun --max-restarts 2` (one process): replica 1 is killed in its
-    gradient all-reduce, torchrun restarts it with the same arguments, and it rejoins; the job
-    ends with every replica bitwise equal to the reference."""
-    job = Job(tmp_path, replicas=2, steps=12, step_sleep=0.02)
+def run_under_torchrun(job: Job, nproc_per_node: int) -> None:
+    """Runs each of a 2-replica job's replicas as its own `torchrun --max-restarts 2` job (as many
+    workers as the replica has ranks), has replica 1 killed and waits for its return
+    (:func:`kill_one_and_await_its_return`); both torchrun jobs must end with 0."""
     hold = os.path.join(job.dir, "hold")
     open(hold, "w").close()
     procs = []
     for r in range(2):
         worker = job.args(r)[1:]  # "-m braid.bench.ft_replica ..." under torchrun
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                str(nproc_per_node), "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
         err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
         procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
     try:
@@ -333,6 +331,15 @@ def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [0, 0], [job.stderr(r) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_replica_which_rejoins(tmp_path):
+    """Each replica its own `torchrun --max-restarts 2` (one process): replica 1 is killed in its
+    gradient all-reduce, torchrun restarts it with the same arguments, and it rejoins; the job
+    ends with every replica bitwise equal to the reference."""
+    job = Job(tmp_path, replicas=2, steps=12, step_sleep=0.02)
+    run_under_torchrun(job, nproc_per_node=1)
     members_at = check_job(job)
     assert any(m == [0] for m in members_at.values()), members_at  # trained alone while 1 restarted
     starts = [rec for rec in (json.loads(line) for line in open(os.path.join(job.dir, "replica1.jsonl")))
@@ -348,22 +355,7 @@ def test_torchrun_restarts_a_sharded_replica_whose_rank_was_killed(tmp_path):
     starts both again, and the replica rejoins; every replica ends bitwise equal to the
     reference."""
     job = ShardedJob(tmp_path, replicas=2, steps=8, ranks=2, step_sleep=0.02)
-    hold = os.path.join(job.dir, "hold")
-    open(hold, "w").close()
-    procs = []
-    for r in range(2):
-        worker = job.args(r)[1:]
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "2", "--monitor-interval", "0.1", *worker]
-        err = open(os.path.join(job.dir, f"stderr{r}.txt"), "a")
-        procs.append(subprocess.Popen(argv, stdout=err, stderr=err))
-    try:
-        kill_one_and_await_its_return(job, hold, lambda: any(p.poll() is None for p in procs))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [job.stderr(r) for r in range(2)]
+    run_under_torchrun(job, nproc_per_node=2)
     members_at = check_sharded_job(job)
     assert any(m == [0] for m in members_at.values()), members_at
     with open(os.path.join(job.dir, "replica1.jsonl")) as f:

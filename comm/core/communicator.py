@@ -818,11 +818,17 @@ class Communicator(CompressionHost, Group):
                 raise TypeError(f"ops[{i}] must be a braid.comm.P2POp, got {type(op).__name__}")
             spec.append((op.op == "send", op.tensor, op.peer))
         named = [(f"ops[{i}].tensor", op.tensor, op.op == "recv") for i, op in enumerate(ops)]
+        return self._post_p2p(spec, named)
+
+    def _post_p2p(self, spec: list, named: Sequence[tuple]) -> list:
+        """Posts checked transfers (``spec``: (is_send, tensor, peer) triples; ``named``: their
+        (name, tensor, written) for :meth:`_staging`) and returns one :class:`Work` per transfer.
+        Host tensors, the common case (a ring's every step), go straight to the core: the Python
+        before posting is on every small exchange's latency path."""
         stage = self._staging(named)
-        if stage is None:  # host tensors, the common case (a ring's every step): straight to the core
+        if stage is None:
             works = self._c.p2p_batch(spec)
         else:
-
             def post(t: list, _async_op: bool) -> list:
                 return self._c.p2p_batch([(s, tensor, peer) for (s, _, peer), tensor in zip(spec, t)])
 
@@ -832,16 +838,14 @@ class Communicator(CompressionHost, Group):
 
     def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
         """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together
-        (:meth:`batch_isend_irecv`, CUDA tensors included); returns a work whose ``wait()``
+        (as :meth:`batch_isend_irecv`, CUDA tensors included); returns a work whose ``wait()``
         completes both."""
-        if (type(send) is torch.Tensor and type(recv) is torch.Tensor
-                and self._staging((("send", send, False), ("recv", recv, True))) is None):
-            # Host tensors, the common case (a ring's every step): straight to the core. The
-            # Python before posting is on every small exchange's latency path.
-            dst, src = _index(dst, "dst"), _index(src, "src")
-            sent, received = self._c.p2p_batch([(True, send, dst), (False, recv, src)])
-            return WorkList([Work(sent, f"send to rank {dst}"), Work(received, f"recv from rank {src}")])
-        return WorkList(self.batch_isend_irecv([P2POp("send", send, dst), P2POp("recv", recv, src)]))
+        for name, t in (("send", send), ("recv", recv)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        dst, src = _index(dst, "dst"), _index(src, "src")
+        return WorkList(self._post_p2p([(True, send, dst), (False, recv, src)],
+                                       (("send", send, False), ("recv", recv, True))))
 
     def _staging(self, named: Sequence[tuple]) -> Optional[_HostStaging]:
         """The fallback path's copies for a call on ``named``'s tensors ((name, tensor, written)
