@@ -4,23 +4,25 @@ A small GPT (bench.models.LanguageModel, float32, AdamW) is trained on 4 ranks s
 simulated hosts (``--setups``: 2 hosts x 2 ranks and 4 x 1, on links shaped to 1 Gbit and
 unshaped) with 13 layouts braid runs today: DDP with braid's hook (exact and int8), the ZeRO
 wrapper at stages 1-3 (and stage 3 with int4 gradients, ZeRO++'s qgZ), TP x DP and TP 4 (the loss
-vocabulary-parallel), PP x DP and PP 4 (1F1B), CP x DP and CP 4 (ring attention) and TP x PP.
-Each rank runs under a CPU quota (:class:`CpuShares`) so that it behaves as a device of its own.
+vocabulary-parallel), PP x DP and PP 4 (1F1B), CP x DP and CP 4 (ring attention) and TP x PP; and
+its mixture-of-experts form (:data:`MOE`) with 3 more: every expert on every rank under DDP, and
+braid's expert parallelism EP 2 and EP 4 inside 4-way data parallelism. Each rank runs under a CPU
+quota (:class:`CpuShares`) so that it behaves as a device of its own.
 Per setup the ranks first measure what the planner needs, every rank at once: the links
 (``braid.plan.measure.measure_links``, the same probe as ``python -m braid.plan --measure``), the
-FLOP/s of the model's forward and backward, and torch AdamW's time per parameter. The planner then
+FLOP/s of each model's forward and backward, and torch AdamW's time per parameter. The planner then
 predicts each layout's step time and peak memory on a cluster with those figures
 (``braid.plan.evaluate``); the table puts them beside the measured ones, with Kendall's rank
-correlation, whether the planner's first choice is within 10% of the measured best, and the
-memory ratios.
+correlation over all layouts, whether the planner's first choice for each model is within 10% of
+that model's measured best, and the memory ratios.
 
 Each layout is built fresh in each round (rounds rotate the order), runs warm-up steps, then timed
 steps between barriers (the slowest rank's time, median over rounds); its peak memory is read in
 one more, untimed step under :class:`PeakMemory` (the storage of every tensor an operator touches:
 parameters, gradients, optimizer state, activations and temporaries; what braid's C++ core holds
 out of the operators' sight is not in it). Every layout's first loss over the whole batch is
-printed: they start from the same weights and batch, and the first loss comes before any update,
-so they agree to rounding.
+printed: a model's layouts start from the same weights and batch, and the first loss comes before
+any update, so they agree to rounding.
 """
 from __future__ import annotations
 
@@ -54,29 +56,44 @@ STORE_PORT = 29731
 # The model and batch (one optimizer step); small enough for 4 ranks on 2 cores, large enough that
 # the gradient exchange at 1 Gbit costs about as much as the compute.
 MODEL = {"vocab": 2048, "dim": 256, "heads": 8, "hidden": 1024, "layers": 4}
+# The same GPT with every MLP a mixture of experts (braid.comm.moe: 4 experts of width 512, top 2,
+# dropless): a token's expert FLOPs equal the dense MLP's, the expert weights are twice its.
+MOE = {"experts": 4, "top_k": 2, "expert_hidden": 512}
 SEQ, BATCH = 128, 16
 BUCKET_MB = 4  # DDP's and the ZeRO wrapper's bucket; the planner's bucket_bytes
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to train the model on 4 ranks: degrees (mesh pp, dp, cp, tp, tp fastest, as the
-    planner numbers ranks), ZeRO stage, micro-batches and gradient compression."""
+    """One way to train a model on 4 ranks: degrees (mesh pp, dp, cp, tp, tp fastest, as the
+    planner numbers ranks; ep the inner factor of dp), ZeRO stage, micro-batches and gradient
+    compression; ``moe``: the mixture-of-experts model (:data:`MOE`) instead of the dense one."""
 
     name: str
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     zero: int = 0
     micro_batches: int = 1
     compression: str = "none"
+    moe: bool = False
     what: str = ""
+
+    @property
+    def dpe(self) -> int:
+        """Data-parallel replicas of one expert-parallel group: dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def model(self) -> str:
+        return "moe" if self.moe else "dense"
 
     def candidate(self):
         from braid.plan import Candidate
 
-        return Candidate(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
+        return Candidate(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                          micro_batches=self.micro_batches, compression=self.compression)
 
 
@@ -94,8 +111,14 @@ LAYOUTS = (
     Layout("cp2-dp2", dp=2, cp=2, what="braid.comm.cp ring attention x DDP"),
     Layout("cp4", cp=4, what="braid.comm.cp ring attention"),
     Layout("tp2-pp2", tp=2, pp=2, micro_batches=4, what="tp.parallelize x pipelining 1F1B"),
+    Layout("moe-dp4", dp=4, moe=True, what="MoE model, every expert on every rank, torch DDP, braid hook"),
+    Layout("moe-ep2-dp4", dp=4, ep=2, moe=True,
+           what="MoE model, braid.comm.moe EP 2 x DP: DDP without the experts, moe.reduce_gradients"),
+    Layout("moe-ep4-dp4", dp=4, ep=4, moe=True,
+           what="MoE model, braid.comm.moe EP 4 x DP: DDP without the experts"),
 )
 LAYOUT_NAMES = tuple(x.name for x in LAYOUTS)
+_BY_NAME = {x.name: x for x in LAYOUTS}
 
 
 def parse_setups(text: str) -> list[tuple[int, int, int]]:
@@ -125,17 +148,23 @@ def parse_layouts(text: str) -> list[str]:
 
 
 # -- the ranks -------------------------------------------------------------------------------------
+MESH = ("pp", "dpe", "ep", "cp", "tp")  # slowest to fastest; dp is dpe x ep
+
+
 def _coords(rank: int, x: Layout) -> dict:
-    return {"pp": rank // (x.tp * x.cp * x.dp), "dp": (rank // (x.tp * x.cp)) % x.dp,
+    dp = (rank // (x.tp * x.cp)) % x.dp
+    return {"pp": rank // (x.tp * x.cp * x.dp), "dp": dp, "dpe": dp // x.ep, "ep": dp % x.ep,
             "cp": (rank // x.tp) % x.cp, "tp": rank % x.tp}
 
 
 def group_members(x: Layout, dims: tuple[str, ...], world: int) -> list[tuple[int, ...]]:
-    """The groups along mesh dimensions ``dims`` of layout ``x``: ranks that differ only there."""
+    """The groups along mesh dimensions ``dims`` of layout ``x`` (of pp, dp, cp, tp, ep and dpe,
+    dp being dpe x ep): ranks that differ only there."""
+    along = {e for d in dims for e in (("dpe", "ep") if d == "dp" else (d,))}
     groups: dict = {}
     for r in range(world):
         c = _coords(r, x)
-        groups.setdefault(tuple(c[d] for d in ("pp", "dp", "cp", "tp") if d not in dims), []).append(r)
+        groups.setdefault(tuple(c[d] for d in MESH if d not in along), []).append(r)
     return [tuple(g) for g in groups.values()]
 
 
@@ -148,6 +177,7 @@ class Groups:
         self._made: dict = {}
 
     def of(self, rank: int, x: Layout, dims: tuple[str, ...]) -> dist.ProcessGroup | None:
+        """This rank's group along ``dims``; None where it would hold this rank alone."""
         if all(getattr(x, d) == 1 for d in dims):
             return None
         mine = None
@@ -164,10 +194,44 @@ class Groups:
                 mine = self._made[key]
         return mine
 
+    def alone(self, rank: int) -> dist.ProcessGroup:
+        """A group of this rank alone (an expert-parallel group of one)."""
+        if "alone" not in self._made:
+            timeout = timedelta(seconds=self.timeout)
+            self._made["alone"] = {r: dist.new_group([r], backend="braid", timeout=timeout)
+                                   for r in range(self.world)}
+        return self._made["alone"][rank]
+
 
 def _model() -> LanguageModel:
     torch.manual_seed(0)
     return LanguageModel(MODEL["vocab"], MODEL["dim"], MODEL["heads"], MODEL["hidden"], MODEL["layers"])
+
+
+class MoEMLP(torch.nn.Module):
+    """A block's MLP as a braid MoE layer (its routing losses left out: coefficients 0)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.moe = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0]
+
+
+def _moe_model(group) -> LanguageModel:
+    """:func:`_model`'s GPT with every block's MLP a mixture of experts (:data:`MOE`) split over
+    ``group`` (expert parallelism; a group of one holds every expert). Every rank draws the same
+    weights, all experts included, and keeps its share: every layout trains the same model."""
+    from braid.comm import moe
+
+    model = _model()
+    dim, experts = MODEL["dim"], MOE["experts"]
+    for block in model.blocks:
+        router = torch.nn.Linear(dim, experts, bias=False)
+        dense = [moe.ExpertMLP(dim, MOE["expert_hidden"]) for _ in range(experts)]
+        block.mlp = MoEMLP(moe.MoE.from_dense(router, dense, group, top_k=MOE["top_k"]))
+    return model
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,10 +341,10 @@ class Trainer:
     the loss where this rank computes it (else None)."""
 
     def __init__(self, x: Layout, rank: int, groups: Groups):
-        from braid.comm import cp, tp, zero
+        from braid.comm import cp, moe, tp, zero
         from braid import comm
 
-        model = _model()
+        model = _moe_model(groups.of(rank, x, ("ep",)) or groups.alone(rank)) if x.moe else _model()
         self.x, self.rank = x, rank
         co = _coords(rank, x)
         ids, target = _batch()
@@ -299,6 +363,20 @@ class Trainer:
             self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=g_tp)
         replicas = groups.of(rank, x, ("dp", "cp"))
         self.pipe = None
+        self.experts_apart = None  # the group reducing the experts' gradients apart from DDP's
+        if x.moe and x.ep > 1:
+            if x.pp > 1 or x.zero or x.tp > 1 or x.compression != "none":
+                raise ValueError(f"layout {x.name}: expert parallelism is benchmarked with DDP alone")
+            # DDP for the dense weights; the experts (different on the ranks of an EP group) are
+            # reduced over their replicas after the backward, as the planner's snippet does
+            ids_of_experts = {id(p) for p in moe.expert_parameters(model)}
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                model, [n for n, p in model.named_parameters() if id(p) in ids_of_experts])
+            # (a replica group of one still divides by the world: an expert's gradient sums the
+            # losses of its whole EP group)
+            self.experts_apart = (replicas, groups.of(rank, x, ("dpe", "cp", "tp")) or groups.alone(rank))
         if x.pp > 1:
             from torch.distributed import pipelining
 
@@ -344,6 +422,10 @@ class Trainer:
             out = self.loss_fn(self.net(self.ids), self.target)
             out.backward()
             loss = float(out.detach())
+        if self.experts_apart is not None:
+            from braid.comm import moe
+
+            moe.reduce_gradients(self.params_of, *self.experts_apart, dense=False)
         self.opt.step()
         return loss
 
@@ -357,12 +439,13 @@ class Trainer:
         return tracker.peak
 
 
-def _compute_rate(dp: int, warmup: int, steps: int) -> float:
+def _compute_rate(dp: int, warmup: int, steps: int, alone=None) -> float:
     """FLOP/s of one rank's forward + backward of the whole model on the batch share of ``dp``-way
-    data parallelism, every rank computing at once (the ranks share the machine's cores)."""
-    model = _model()
+    data parallelism, every rank computing at once (the ranks share the machine's cores); with
+    ``alone`` (a group of this rank alone), of the MoE model holding every expert."""
+    model = _model() if alone is None else _moe_model(alone)
     ids, target = (t[: BATCH // dp] for t in _batch())
-    shape = _shape(model)
+    shape = _shape(model, moe=alone is not None)
     flops = 3 * (shape.layers * shape.layer_forward_flops() + shape.head_forward_flops()) * (BATCH // dp)
     times = []
     for i in range(warmup + steps):
@@ -391,14 +474,31 @@ def _optimizer_rate(warmup: int, steps: int) -> float:
     return statistics.median(times) / sum(p.numel() for p in params)
 
 
-def _shape(model: torch.nn.Module | None = None):
+def _overlap(group) -> dict:
+    """How much of the backward the whole gradient's all-reduce hides behind on these ranks
+    (``braid.plan.measure.measure_overlap``): DDP's exchange, 4 MiB buckets, beside the backward
+    of one rank's share of the batch under 4-way data parallelism."""
+    from braid.plan.measure import measure_overlap
+
+    model = _model()
+    ids, target = (t[: BATCH // 4] for t in _batch())
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    return measure_overlap(group, lambda loss: loss.backward(), nbytes, bucket_bytes=BUCKET_MB << 20,
+                           prepare=lambda: _loss(model(ids), target))
+
+
+def _shape(model: torch.nn.Module | None = None, moe: bool = False):
+    """The planner's description of the dense GPT or (``moe``) its MoE form; ``model``, when given,
+    supplies the parameter count (the MoE model's whole: holding every expert)."""
     from braid.plan import TransformerShape
 
     params = None if model is None else sum(p.numel() for p in model.parameters())
+    experts = {"experts": MOE["experts"], "top_k": MOE["top_k"], "ffn": MOE["expert_hidden"]} if moe else {
+        "ffn": MODEL["hidden"]}
     return TransformerShape(layers=MODEL["layers"], hidden=MODEL["dim"], heads=MODEL["heads"],
-                            vocab=MODEL["vocab"], seq=SEQ, batch=BATCH, ffn=MODEL["hidden"], dtype="fp32",
+                            vocab=MODEL["vocab"], seq=SEQ, batch=BATCH, dtype="fp32",
                             optimizer="adam", gated=False, flash_attention=True, params=params,
-                            name="bench GPT")
+                            name="bench GPT (MoE)" if moe else "bench GPT", **experts)
 
 
 def _global_loss(loss: float | None, x: Layout, rank: int) -> float:
@@ -428,10 +528,15 @@ def rank_main(settings: dict) -> int:
         groups = Groups(world, settings["timeout"])
         whole = dist.new_group(backend="braid", timeout=timedelta(seconds=settings["timeout"]))
         links = measure_links(whole)
-        # the slowest rank's rate sets the pace
-        rate = -_max([-_compute_rate(LAYOUTS[0].dp, 1, 3)])[0]
-        optimizer = _max([_optimizer_rate(1, 3)])[0]
         layouts = [x for x in LAYOUTS if x.name in settings["layouts"]]
+        # the slowest rank's rate sets the pace; the MoE model's measured apart (its routing and
+        # its experts' small matrices run at a rate of their own)
+        rate = -_max([-_compute_rate(LAYOUTS[0].dp, 1, 3)])[0]
+        rate_moe = None
+        if any(x.moe for x in layouts):
+            rate_moe = -_max([-_compute_rate(LAYOUTS[0].dp, 1, 3, alone=groups.alone(rank))])[0]
+        optimizer = _max([_optimizer_rate(1, 3)])[0]
+        overlap = _overlap(whole)
         times: dict = {x.name: [] for x in layouts}
         memory: dict = {}
         losses: dict = {}
@@ -457,15 +562,17 @@ def rank_main(settings: dict) -> int:
                 gc.collect()
         progress.close()
         names = [x.name for x in layouts]
-        step = {n: statistics.median(_max(times[n])) for n in names}
+        rounds = {n: _max(times[n]) for n in names}  # per round, the slowest rank's
+        step = {n: statistics.median(rounds[n]) for n in names}
         peak = dict(zip(names, _max([float(memory[n]) for n in names])))
         launch.end_gloo_use()
     finally:
         dist.destroy_process_group()
     if rank == 0:
         with open(settings["out"], "w") as f:
-            json.dump({"links": dataclasses.asdict(links), "rate": rate, "optimizer_s_per_param": optimizer,
-                       "step": step, "peak": peak, "loss": losses}, f)
+            json.dump({"links": dataclasses.asdict(links), "rate": rate, "rate_moe": rate_moe,
+                       "optimizer_s_per_param": optimizer, "overlap": overlap,
+                       "step": step, "step_rounds": rounds, "peak": peak, "loss": losses}, f)
     return 0
 
 
@@ -567,8 +674,9 @@ def run_setup(hosts: int, per_host: int, mbit: int, args: argparse.Namespace) ->
         return measured
 
 
-def predict(measured: dict, hosts: int, per_host: int) -> tuple:
-    """(cluster, assumptions, {layout: planner Layout}) for one setup's measured links and rate."""
+def predict(measured: dict, hosts: int, per_host: int, overlap: float | None = None) -> tuple:
+    """(cluster, assumptions, {layout: planner Layout}) for one setup's measured links, rates and
+    overlap (``overlap``: this figure instead of the measured one)."""
     from braid.plan import Assumptions, Cluster, evaluate
 
     links = measured["links"]
@@ -578,19 +686,38 @@ def predict(measured: dict, hosts: int, per_host: int) -> tuple:
     for a, b in (("intra", "inter"), ("inter", "intra")):
         lat.setdefault(a, lat.get(b))
         bw.setdefault(a, bw.get(b))
-    rate = measured["rate"]
     memory_per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (hosts * per_host)
-    cluster = Cluster(hosts=hosts, devices_per_host=per_host, device_memory=memory_per_rank, peak_flops=rate,
-                      fp32_peak_flops=rate, intra_bandwidth=bw["intra"], inter_bandwidth=bw["inter"],
-                      intra_latency=lat["intra"], inter_latency=lat["inter"],
-                      name=f"{hosts}x{per_host} measured")
-    # the measured rate is what the ranks sustain on this model: full efficiency, no small-batch knee
+
+    def cluster_at(rate: float) -> "Cluster":
+        return Cluster(hosts=hosts, devices_per_host=per_host, device_memory=memory_per_rank, peak_flops=rate,
+                       fp32_peak_flops=rate, intra_bandwidth=bw["intra"], inter_bandwidth=bw["inter"],
+                       intra_latency=lat["intra"], inter_latency=lat["inter"],
+                       name=f"{hosts}x{per_host} measured")
+
+    # each model's measured rate is what the ranks sustain on it: full efficiency, no small-batch knee
+    clusters = {"dense": cluster_at(measured["rate"])}
+    if measured.get("rate_moe"):
+        clusters["moe"] = cluster_at(measured["rate_moe"])
+    overlap = measured["overlap"]["overlap"] if overlap is None else overlap
     assumptions = Assumptions(efficiency=1.0, half_efficiency_tokens=0, bucket_bytes=BUCKET_MB << 20,
-                              optimizer_seconds_per_param=measured["optimizer_s_per_param"])
-    model = _shape(_model())
+                              optimizer_seconds_per_param=measured["optimizer_s_per_param"], overlap=overlap)
+    dense = _model()
+    models = {"dense": _shape(dense), "moe": _shape(moe=True)}
+    models["moe"] = dataclasses.replace(models["moe"], params=moe_parameters(dense))
     chosen = {x.name: x for x in LAYOUTS}
-    return cluster, assumptions, {n: evaluate(model, cluster, chosen[n].candidate(), assumptions=assumptions)
-                                  for n in measured["step"]}
+    return clusters["dense"], assumptions, {
+        n: evaluate(models[chosen[n].model], clusters[chosen[n].model], chosen[n].candidate(),
+                    assumptions=assumptions) for n in measured["step"]}
+
+
+def moe_parameters(dense: LanguageModel) -> int:
+    """Parameters of the whole MoE model (every expert) from the dense one's: each block's MLP
+    traded for a router and :data:`MOE`'s experts."""
+    dim, hid, experts = MODEL["dim"], MOE["expert_hidden"], MOE["experts"]
+    mlp = sum(p.numel() for p in dense.blocks[0].mlp.parameters())
+    expert = dim * hid + hid + hid * dim + dim
+    per_block = dim * experts + experts * expert - mlp
+    return sum(p.numel() for p in dense.parameters()) + MODEL["layers"] * per_block
 
 
 def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -614,16 +741,30 @@ def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
     return (concordant - discordant) / denom if denom else 0.0
 
 
-def compare(measured: dict, predicted: dict) -> dict:
-    """The validation's figures for one setup."""
+def compare(measured: dict, predicted: dict, model_of: dict | None = None) -> dict:
+    """The validation's figures for one setup: Kendall's tau over every layout (both models: the
+    planner predicts across them too), per model (``model_of``: layout -> model; default one
+    model) the planner's first choice, the measured best and the first's measured time over the
+    best's, and the memory ratios."""
     names = list(measured["step"])
+    model_of = model_of or dict.fromkeys(names, "dense")
     pred = [predicted[n].step for n in names]
     meas = [measured["step"][n] for n in names]
-    first = min(names, key=lambda n: predicted[n].step)
-    best = min(names, key=lambda n: measured["step"][n])
+    choices = {}
+    for model in dict.fromkeys(model_of[n] for n in names):
+        mine = [n for n in names if model_of[n] == model]
+        first = min(mine, key=lambda n: predicted[n].step)
+        best = min(mine, key=lambda n: measured["step"][n])
+        choices[model] = {"first_choice": first, "measured_best": best,
+                          "first_over_best": measured["step"][first] / measured["step"][best]}
     mem = {n: predicted[n].memory.total / measured["peak"][n] for n in names if measured["peak"].get(n)}
-    return {"kendall_tau": kendall_tau(pred, meas), "first_choice": first, "measured_best": best,
-            "first_over_best": measured["step"][first] / measured["step"][best],
+    # how well the measurement agrees with itself: tau between every two rounds' measured times
+    # (each round builds every layout anew), the ceiling no prediction can be held above
+    rounds = measured.get("step_rounds") or {}
+    count = min((len(rounds.get(n, ())) for n in names), default=0)
+    between = [kendall_tau([rounds[n][i] for n in names], [rounds[n][j] for n in names])
+               for i in range(count) for j in range(i + 1, count)]
+    return {"kendall_tau": kendall_tau(pred, meas), "rounds_tau": between, "choices": choices,
             "memory_ratio": mem, "memory_within_15": sum(abs(r - 1) <= 0.15 for r in mem.values())}
 
 
@@ -642,11 +783,26 @@ def table(record: dict) -> str:
         lines.append(f"{n:<11} {p[n]['label']:<28} {ps * 1e3:8.1f} {ms * 1e3:8.1f} {ps / ms:5.2f} "
                      f"{pm / 2**20:8.1f} {mm / 2**20 if mm else float('nan'):8.1f} "
                      f"{pm / mm if mm else float('nan'):5.2f} {m['loss'][n]:8.4f}")
-    lines.append(f"Kendall tau {c['kendall_tau']:.2f} (target >= 0.7); the planner's first choice "
-                 f"{c['first_choice']} runs at {c['first_over_best']:.2f}x the measured best "
-                 f"({c['measured_best']}; target <= 1.10); "
+    lines.append(f"Kendall tau {c['kendall_tau']:.2f} over the {len(m['step'])} layouts (target >= 0.7); "
                  f"memory within 15%: {c['memory_within_15']} of {len(c['memory_ratio'])}")
+    if c.get("rounds_tau"):
+        lines.append("the measurement against itself: Kendall tau between rounds "
+                     + ", ".join(f"{t:.2f}" for t in c["rounds_tau"]))
+    for model, ch in c["choices"].items():
+        lines.append(f"{model} model: the planner's first choice {ch['first_choice']} runs at "
+                     f"{ch['first_over_best']:.2f}x the measured best ({ch['measured_best']}; "
+                     "target <= 1.10)")
     return "\n".join(lines)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--overlap must be a number from 0 to 1, got {text!r}")
+    return value
 
 
 def _parser(prog: str | None) -> argparse.ArgumentParser:
@@ -664,6 +820,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     p.add_argument("--rank-cores", type=float, default=cores / 4,
                    help=f"CPU time each rank may use, in cores (a cgroup quota; default this machine's "
                         f"{cores} cores / 4 ranks; 0: no limit)")
+    p.add_argument("--overlap", type=_fraction, default=None,
+                   help="the planner's overlap (0-1) instead of the one measured on the ranks")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of one collective (s)")
     p.add_argument("--deadline", type=float, default=1800.0, help="deadline of one setup (s)")
     p.add_argument("--json", type=report.output_path(".json"), help="write the records to this path")
@@ -693,25 +851,32 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         name = setup_name(hosts, per_host, mbit)
         print(f"\n## {name}", flush=True)
         measured = run_setup(hosts, per_host, mbit, args)
-        cluster, assumptions, predicted = predict(measured, hosts, per_host)
+        cluster, assumptions, predicted = predict(measured, hosts, per_host, args.overlap)
         record = {
             "setup": name, "hosts": hosts, "per_host": per_host, "link_mbit": mbit, "measured": measured,
             "cluster": cluster.to_dict(), "assumptions": assumptions.to_dict(),
             "predicted": {n: {"label": lay.candidate.label(), "step_s": lay.time.step,
                               "memory_bytes": lay.memory.total, "time": lay.time.to_dict(),
                               "memory": lay.memory.to_dict()} for n, lay in predicted.items()},
-            "comparison": compare(measured, predicted),
+            "comparison": compare(measured, predicted, {n: x.model for n, x in _BY_NAME.items()}),
         }
-        links = measured["links"]
-        print(f"links: in a host {_link(links, 'intra')}; between hosts {_link(links, 'inter')}; "
-              f"compute {measured['rate'] / 1e9:.2f} GFLOP/s per rank, AdamW "
+        links, ov = measured["links"], measured["overlap"]
+        print(f"links: in a host {_link(links, 'intra')}; between hosts {_link(links, 'inter')}")
+        moe_rate = f" (MoE model {measured['rate_moe'] / 1e9:.2f})" if measured.get("rate_moe") else ""
+        print(f"compute {measured['rate'] / 1e9:.2f} GFLOP/s per rank{moe_rate}, AdamW "
               f"{measured['optimizer_s_per_param'] * 1e9:.2f} ns per parameter (all ranks at once)")
+        if args.overlap is not None:
+            print(f"overlap {assumptions.overlap:.2f} (given)")
+        else:
+            print(f"overlap {assumptions.overlap:.2f}{' or more' if ov['bound'] else ''} (measured: backward "
+                  f"{ov['compute_s'] * 1e3:.0f} ms, gradient all-reduce {ov['comm_s'] * 1e3:.0f} ms, "
+                  f"both at once {ov['both_s'] * 1e3:.0f} ms)")
         print(table(record), flush=True)
         records.append(record)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "plan", "machine": report.machine_info(), "model": MODEL, "seq": SEQ,
-                       "batch": BATCH, "records": records}, f, indent=1)
+            json.dump({"benchmark": "plan", "machine": report.machine_info(), "model": MODEL, "moe": MOE,
+                       "seq": SEQ, "batch": BATCH, "records": records}, f, indent=1)
     return 0
 
 

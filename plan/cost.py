@@ -732,14 +732,21 @@ def step_time(
             k_dense = max(1, -(-int(g_dense) // cfg.bucket_bytes))
             k_expert = max(1, -(-int(g_expert) // cfg.bucket_bytes))
         reduce_op = all_reduce if c.zero == 0 else reduce_scatter
-        red = reduce_op(cluster, g_dense, sp["dense"], wire, codec, k_dense) + reduce_op(
-            cluster, g_expert, sp["expert"], wire, codec, k_expert
-        )
+        # Experts that differ between the ranks of a data-parallel group (EP, or TP-split experts)
+        # stay out of the data-parallel wrapper: their gradients are all-reduced over their replicas
+        # after the backward (moe.reduce_gradients, one flat collective), nothing to hide behind.
+        apart = model.moe and (c.ep > 1 or c.tp > 1)
+        red = reduce_op(cluster, g_dense, sp["dense"], wire, codec, k_dense)
+        red_apart = 0.0
+        if apart:
+            red_apart = all_reduce(cluster, g_expert, sp["expert"], wire, codec, 1) if n_edp > 1 else 0.0
+        else:
+            red += reduce_op(cluster, g_expert, sp["expert"], wire, codec, k_expert)
         gather = 0.0
         if c.zero >= 1:
-            gather = all_gather(cluster, g_dense, sp["dense"], count=k_dense) + all_gather(
-                cluster, g_expert, sp["expert"], count=k_expert
-            )
+            gather = all_gather(cluster, g_dense, sp["dense"], count=k_dense)
+            if not apart:
+                gather += all_gather(cluster, g_expert, sp["expert"], count=k_expert)
         ov = cfg.overlap
         level = _level(sp["dense"]) if n_dp > 1 else _level(sp["expert"])
         what = ("all-reduce" if c.zero == 0 else "reduce-scatter") + (
@@ -747,6 +754,15 @@ def step_time(
         )
         backward = t_b + t_rc
         red_exposed = max(0.0, red - ov * backward)
+        if red_apart:  # once per step, after the last micro-batch's backward
+            comms["expert_dp"] = Comm(
+                red_apart,
+                red_apart,
+                _level(sp["expert"]),
+                "experts' gradient all-reduce over their replicas after the backward, exposed"
+                if detail
+                else "",
+            )
         if c.zero <= 1:
             comms["dp"] = Comm(
                 red,

@@ -24,7 +24,7 @@ import hashlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -168,3 +168,78 @@ def measure_links(group: Any = None, *, sizes: Sequence[int] = SIZES, repeats: i
         fields[f"{prefix}_latency"], fields[f"{prefix}_bandwidth"] = latency, bandwidth
         fields["samples"][name] = samples
     return MeasuredLinks(**fields)
+
+
+def measure_overlap(group: Any, compute: Callable[[Any], Any], nbytes: int, *,
+                    prepare: Optional[Callable[[], Any]] = None, bucket_bytes: int = 4 << 20,
+                    repeats: int = REPEATS, device: Optional[torch.device] = None) -> Dict[str, float]:
+    """How much of ``compute`` a gradient exchange hides behind here: the planner's ``overlap``
+    (``Assumptions.overlap``), measured. Every rank of ``group`` calls it.
+
+    Three timings, each the median of ``repeats`` on every rank, then the slowest rank's (after
+    warm-up; ``prepare()``, when given, runs untimed before each and its result is ``compute``'s
+    argument, e.g. the forward whose backward is timed): ``compute`` alone; all-reduces of
+    ``nbytes`` in buckets of ``bucket_bytes`` alone (queued at once, as DDP queues its buckets);
+    and both, the all-reduces queued just before ``compute`` and waited after it. The hidden time
+    is alone + alone - both; the planner charges a collective ``max(0, comm - overlap x
+    compute)``, so ``overlap`` = hidden / compute, held within [0, 1]. Where the exchange hid
+    (nearly) whole, the figure is a lower bound (``"bound": 1``): size ``nbytes`` to the largest
+    exchange the layouts make (the whole gradient). Returns ``overlap``, ``compute_s``,
+    ``comm_s``, ``both_s`` and ``bound``."""
+    from braid.comm.core.group import as_group
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if not isinstance(nbytes, int) or nbytes < 4:
+        raise ValueError(f"nbytes must be an int of at least 4, got {nbytes!r}")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 4:
+        raise ValueError(f"bucket_bytes must be an int of at least 4, got {bucket_bytes!r}")
+    g = as_group(group, "group", "measure_overlap")
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    buckets = list(buf.split(max(1, bucket_bytes // 4)))
+
+    def exchange() -> list:
+        return [g.all_reduce(b, async_op=True) for b in buckets]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(run: Callable[[Any], None]) -> float:
+        times = []
+        for i in range(WARMUP + repeats):
+            arg = prepare() if prepare is not None else None
+            sync()
+            g.barrier()
+            began = time.perf_counter()
+            run(arg)
+            sync()
+            if i >= WARMUP:
+                times.append(time.perf_counter() - began)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        g.all_reduce(slowest, op="max")
+        return float(slowest[0])
+
+    def comm_alone(_: Any) -> None:
+        for w in exchange():
+            w.wait()
+
+    def both(arg: Any) -> None:
+        works = exchange()
+        compute(arg)
+        for w in works:
+            w.wait()
+
+    return overlap_of(timed(compute), timed(comm_alone), timed(both))
+
+
+def overlap_of(compute_s: float, comm_s: float, both_s: float) -> Dict[str, float]:
+    """:func:`measure_overlap`'s figure from its three times: hidden = compute + comm - both,
+    overlap = hidden / compute within [0, 1]; ``bound`` 1 where the exchange hid (nearly) whole."""
+    hidden = compute_s + comm_s - both_s
+    overlap = min(1.0, max(0.0, hidden / compute_s)) if compute_s > 0 else 0.0
+    return {"overlap": overlap, "compute_s": compute_s, "comm_s": comm_s, "both_s": both_s,
+            "bound": float(hidden >= 0.95 * comm_s)}

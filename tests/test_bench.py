@@ -766,8 +766,10 @@ def test_groups_are_the_planners(layout, per_host):
     (pp, dp, cp, tp), tp fastest), and every group of a dimension partitions the ranks."""
     world = 4
     assert layout.dp * layout.tp * layout.pp * layout.cp == world
-    want = spans(layout.tp, layout.cp, layout.dp, 1, layout.pp, per_host)
-    for dims, key in ((("tp",), "tp"), (("cp",), "cp"), (("pp",), "pp"), (("dp", "cp"), "dense")):
+    assert layout.dp % layout.ep == 0 and layout.dpe * layout.ep == layout.dp
+    want = spans(layout.tp, layout.cp, layout.dp, layout.ep, layout.pp, per_host)
+    for dims, key in ((("tp",), "tp"), (("cp",), "cp"), (("pp",), "pp"), (("dp", "cp"), "dense"),
+                      (("ep",), "ep"), (("dpe", "cp", "tp"), "expert")):
         groups = bench_plan.group_members(layout, dims, world)
         assert sorted(r for g in groups for r in g) == list(range(world))
         size = 1
@@ -812,7 +814,37 @@ def test_compare_names_the_first_choice_and_the_best():
     measured = {"step": {"a": 1.0, "b": 2.0, "c": 3.0}, "peak": {"a": 100, "b": 100, "c": 100}}
     predicted = {"a": layout(2.0, 100), "b": layout(1.0, 110), "c": layout(3.0, 130)}
     c = bench_plan.compare(measured, predicted)
-    assert c["first_choice"] == "b" and c["measured_best"] == "a"
-    assert c["first_over_best"] == pytest.approx(2.0)
+    assert c["choices"] == {"dense": {"first_choice": "b", "measured_best": "a", "first_over_best": 2.0}}
     assert c["kendall_tau"] == pytest.approx(1 / 3)
     assert c["memory_within_15"] == 2
+    # per model: the first choice and the best among that model's layouts only; tau over all
+    measured["step"]["d"], measured["peak"]["d"], predicted["d"] = 0.5, 100, layout(0.1, 100)
+    c = bench_plan.compare(measured, predicted, {"a": "dense", "b": "dense", "c": "moe", "d": "moe"})
+    assert c["choices"]["dense"]["first_choice"] == "b" and c["choices"]["dense"]["measured_best"] == "a"
+    assert c["choices"]["moe"] == {"first_choice": "d", "measured_best": "d", "first_over_best": 1.0}
+    assert c["kendall_tau"] == pytest.approx(bench_plan.kendall_tau([2, 1, 3, 0.1], [1, 2, 3, 0.5]))
+    assert c["rounds_tau"] == []  # no rounds recorded
+    # the measurement against itself: tau between every two rounds
+    measured["step_rounds"] = {"a": [1, 1, 3], "b": [2, 3, 2], "c": [3, 2, 1], "d": [4, 4, 4]}
+    c = bench_plan.compare(measured, predicted)
+    assert c["rounds_tau"] == pytest.approx([bench_plan.kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]),
+                                             bench_plan.kendall_tau([1, 2, 3, 4], [3, 2, 1, 4]),
+                                             bench_plan.kendall_tau([1, 3, 2, 4], [3, 2, 1, 4])])
+
+
+def test_moe_parameter_count_by_hand():
+    """The MoE model's whole parameter count the planner is given, against the modules themselves:
+    the dense GPT with each block's MLP traded for a router and the experts."""
+    from braid.comm import moe
+
+    dense = bench_plan._model()
+    swapped = bench_plan._model()
+    for block in swapped.blocks:
+        block.mlp = torch.nn.ModuleList(
+            [torch.nn.Linear(bench_plan.MODEL["dim"], bench_plan.MOE["experts"], bias=False)]
+            + [moe.ExpertMLP(bench_plan.MODEL["dim"], bench_plan.MOE["expert_hidden"])
+               for _ in range(bench_plan.MOE["experts"])])
+    assert bench_plan.moe_parameters(dense) == sum(p.numel() for p in swapped.parameters())
+    shape = bench_plan._shape(moe=True)
+    # the planner's own count from the shape agrees with the modules (biases aside: within 1%)
+    assert shape.param_count() == pytest.approx(bench_plan.moe_parameters(dense), rel=0.01)

@@ -229,6 +229,26 @@ def test_moe_gives_expert_parallel_layouts():
     assert m.active_param_count() < m.param_count()
 
 
+def test_experts_apart_reduce_after_the_backward():
+    """EP (experts that differ inside a data-parallel group) keeps the experts out of the wrapper:
+    their gradients are all-reduced over their replicas after the backward, fully exposed, and the
+    dense gradients alone hide behind it; with every expert on every rank they all hide."""
+    m = tiny(experts=4, top_k=2, batch=16)
+    cl = small_cluster(hosts=2, devices_per_host=2)
+    a = Assumptions(bucket_bytes=1 << 40)
+    ep2 = evaluate(m, cl, Candidate(dp=4, tp=1, pp=1, cp=1, ep=2), assumptions=a)
+    # 2 of the 4 experts per rank, replicated over ranks r and r + 2 (the other host)
+    experts = m.layers * 2 * m.mlp_params() * m.dtype_bytes
+    want = all_reduce(cl, experts, (1, 2))
+    assert ep2.time.comms["expert_dp"].exposed == pytest.approx(want)
+    assert ep2.time.comms["expert_dp"].total == pytest.approx(want)
+    assert ep2.step >= ep2.time.comms["expert_dp"].exposed + ep2.time.compute
+    # EP over all 4: no replica, nothing to reduce apart; EP 1: no comm of its own
+    ep4 = evaluate(m, cl, Candidate(dp=4, tp=1, pp=1, cp=1, ep=4), assumptions=a)
+    ep1 = evaluate(m, cl, Candidate(dp=4, tp=1, pp=1, cp=1, ep=1), assumptions=a)
+    assert "expert_dp" not in ep4.time.comms and "expert_dp" not in ep1.time.comms
+
+
 def test_compression_when_the_link_is_slow():
     m = TransformerShape(layers=4, hidden=2048, heads=16, vocab=32000, seq=1024, batch=32)
     cl = small_cluster(

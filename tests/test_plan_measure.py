@@ -1,16 +1,18 @@
 """The planner's measured links (``braid.plan.measure``, ``python -m braid.plan --measure``): the
 fit on an exact line, the pairing of ranks by host, the measurement on ranks of simulated
 hosts (``BRAID_HOST_ID``) over a gloo group and a braid Communicator, and the command line run by
-every rank of a job (rank 0 prints, the measured fields fill what was not given)."""
+every rank of a job (rank 0 prints, the measured fields fill what was not given); the measured
+overlap of a gradient exchange with compute."""
 import contextlib
 import io
 import json
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 from braid.plan.__main__ import main
-from braid.plan.measure import _pairs, fit, measure_links
+from braid.plan.measure import WARMUP, _pairs, fit, measure_links, measure_overlap, overlap_of
 from helpers.ranks import environment, make_comm, process_group, run_ranks
 
 SIZES = (1 << 12, 1 << 16, 1 << 20)
@@ -95,3 +97,52 @@ def test_the_command_measures_on_every_rank_and_rank0_prints():
     text = run_ranks(_command, 2, [])[0][1]
     assert "in a host: " in text and "between hosts: not measured" in text
     assert "(measured where a pair of ranks crossed the level, else given)" in text
+
+
+def test_overlap_from_its_three_times():
+    # half of a 100 ms compute hides 50 ms of an 80 ms exchange: 130 ms both
+    assert overlap_of(0.1, 0.08, 0.13) == {"overlap": pytest.approx(0.5), "compute_s": 0.1, "comm_s": 0.08,
+                                           "both_s": 0.13, "bound": 0.0}
+    # nothing hidden (or worse: the two slow each other down): 0
+    assert overlap_of(0.1, 0.08, 0.2)["overlap"] == 0.0
+    # the exchange hid whole: 0.3 or more, a lower bound
+    o = overlap_of(0.1, 0.03, 0.1)
+    assert o["overlap"] == pytest.approx(0.3) and o["bound"] == 1.0
+    assert overlap_of(0.1, 0.3, 0.2)["overlap"] == 1.0  # held within [0, 1]
+
+
+def _overlap(rank, n, store_path, carrier):
+    with process_group(rank, n, store_path), contextlib.ExitStack() as stack:
+        group = dist.group.WORLD
+        if carrier == "communicator":
+            group = stack.enter_context(make_comm(rank, n, store_path))
+        calls = {"prepare": 0, "compute": 0}
+        a = torch.randn(64, 64)
+
+        def prepare():
+            calls["prepare"] += 1
+            return a
+
+        def compute(x):
+            assert x is a  # prepare's result
+            calls["compute"] += 1
+            (x @ x).sum()
+
+        with pytest.raises(ValueError, match="nbytes"):
+            measure_overlap(group, compute, 2)
+        with pytest.raises(ValueError, match="repeats"):
+            measure_overlap(group, compute, 1 << 16, repeats=0)
+        out = measure_overlap(group, compute, 1 << 16, prepare=prepare, bucket_bytes=1 << 14, repeats=2)
+        return out, calls
+
+
+@pytest.mark.parametrize("carrier", ("gloo", "communicator"))
+def test_overlap_is_measured_on_every_rank(carrier):
+    results = run_ranks(_overlap, 2, carrier)
+    assert results[0][0] == results[1][0], "every rank returns the same (the slowest rank's) times"
+    out, calls = results[0]
+    runs = WARMUP + 2
+    # prepare before every timed run (compute alone, exchange alone, both); compute in two of them
+    assert calls == {"prepare": 3 * runs, "compute": 2 * runs}
+    assert all(out[k] > 0 for k in ("compute_s", "comm_s", "both_s"))
+    assert out == overlap_of(out["compute_s"], out["comm_s"], out["both_s"])
