@@ -306,6 +306,21 @@ MODEL_PRESETS: Dict[str, Dict[str, Any]] = {
         seq=4096,
         batch=1024,
     ),
+    # Qwen3-30B-A3B (its published configuration: 128 experts of width 768, top 8, heads of 128
+    # wider than hidden / heads); seq and batch as NeMo AutoModel's H100 benchmark trains it.
+    "qwen3-30b-a3b": dict(
+        layers=48,
+        hidden=2048,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        ffn=768,
+        vocab=151936,
+        experts=128,
+        top_k=8,
+        seq=4096,
+        batch=512,
+    ),
     # GPT-3 175B as Megatron-LM's scaling runs give it (vocab 131072, seq 4096, GeLU MLP of 4 h).
     "gpt3-175b": dict(layers=96, hidden=12288, heads=96, vocab=131072, seq=4096, batch=1152, gated=False),
 }

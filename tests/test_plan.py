@@ -362,6 +362,9 @@ def test_presets_and_sizes():
     assert (
         round(mixtral.param_count() / 1e9, 1) == 46.7 and round(mixtral.active_param_count() / 1e9, 1) == 12.9
     )
+    qwen = TransformerShape.preset("qwen3-30b-a3b")  # published: 30.5B, 3.3B activated
+    assert round(qwen.param_count() / 1e9, 1) == 30.5
+    assert qwen.active_param_count() == pytest.approx(3.3e9, rel=0.02)
     cl = Cluster.preset("h100x8:64")
     assert cl.devices == 512 and cl.device_memory == 80 * GiB
 
