@@ -3,11 +3,12 @@
 A small GPT (bench.models.LanguageModel, float32, AdamW) is trained on 4 ranks spread over
 simulated hosts (``--setups``: 2 hosts x 2 ranks and 4 x 1, on links shaped to 1 Gbit and
 unshaped) with 13 layouts braid runs today: DDP with braid's hook (exact and int8), the ZeRO
-wrapper at stages 1-3 (and stage 3 with int4 gradients, ZeRO++'s qgZ), TP x DP and TP 4 (the loss
-vocabulary-parallel), PP x DP and PP 4 (1F1B), CP x DP and CP 4 (ring attention) and TP x PP; and
-its mixture-of-experts form (:data:`MOE`) with 3 more: every expert on every rank under DDP, and
-braid's expert parallelism EP 2 and EP 4 inside 4-way data parallelism. Each rank runs under a CPU
-quota (:class:`CpuShares`) so that it behaves as a device of its own.
+wrapper at stages 1-3 (and stage 3 with int4 gradients, ZeRO++'s qgZ), TP x DP and TP 4
+(sequence-parallel, the loss vocabulary-parallel), PP x DP and PP 4 (1F1B), CP x DP and CP 4 (ring
+attention) and TP x PP; and its mixture-of-experts form (:data:`MOE`) with 3 more: every expert
+on every rank under DDP, and braid's expert parallelism EP 2 and EP 4 inside 4-way data
+parallelism. Each rank runs under a CPU quota (:class:`CpuShares`) so that it behaves as a device
+of its own.
 Per setup the ranks first measure what the planner needs, every rank at once: the links
 (``braid.plan.measure.measure_links``, the same probe as ``python -m braid.plan --measure``), the
 FLOP/s of each model's forward and backward, and torch AdamW's time per parameter. The planner then
@@ -19,8 +20,9 @@ that model's measured best, and the memory ratios.
 Each layout is built fresh in each round (rounds rotate the order), runs warm-up steps, then timed
 steps between barriers (the slowest rank's time, median over rounds); its peak memory is read in
 one more, untimed step under :class:`PeakMemory` (the storage of every tensor an operator touches:
-parameters, gradients, optimizer state, activations and temporaries; what braid's C++ core holds
-out of the operators' sight is not in it). Every layout's first loss over the whole batch is
+parameters, gradients, optimizer state, activations and temporaries, and a compressor's
+error-feedback residuals; what else braid's C++ core holds out of the operators' sight is not in
+it). Every layout's first loss over the whole batch is
 printed: a model's layouts start from the same weights and batch, and the first loss comes before
 any update, so they agree to rounding.
 """
@@ -50,7 +52,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import launch, report
-from .models import BLOCK_PLAN, LanguageModel, lm_plan
+from .models import BLOCK_SEQUENCE_PLAN, LanguageModel, lm_plan
 
 STORE_PORT = 29731
 # The model and batch (one optimizer step); small enough for 4 ranks on 2 cores, large enough that
@@ -251,28 +253,26 @@ def _tp_plan(plan: dict, head: str) -> dict:
     return {**plan, head: "colwise"}
 
 
-def _ddp(module: torch.nn.Module, group, compression: str):
-    """torch DDP over ``group`` with braid's hook (``compression``: none, int8)."""
+def _ddp(module: torch.nn.Module, group, compressor):
+    """torch DDP over ``group`` with braid's hook (``compressor``: None for the exact exchange)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from braid import comm
     from braid.comm import ddp
 
     net = DDP(module, process_group=group, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
-    q = {"none": None, "int8": comm.Int8Quantizer}[compression]
-    state, hook = ddp.comm_hook(group, None if q is None else q())
+    state, hook = ddp.comm_hook(group, compressor)
     net.register_comm_hook(state, hook)
     return net
 
 
 def _stage_plan(stage) -> dict:
     """The tensor-parallel plan of a pipeline stage (bench.pipeline.Stage: the model's modules
-    numbered in order), as lm_plan gives the whole model's."""
-    whole = _tp_plan(lm_plan(False), "head")
+    numbered in order), as lm_plan gives the whole model's (sequence-parallel)."""
+    whole = _tp_plan(lm_plan(True), "head")
     plan: dict = {}
     for k, source in enumerate(stage.sources):
         if source.startswith("blocks."):
-            plan.update({f"{k}.{name}": style for name, style in BLOCK_PLAN.items()})
+            plan.update({f"{k}.{name}": style for name, style in BLOCK_SEQUENCE_PLAN.items()})
         elif source in whole:
             plan[str(k)] = whole[source]
     return plan
@@ -350,8 +350,11 @@ class Trainer:
         ids, target = _batch()
         per_dp = BATCH // x.dp
         ids, target = (t[co["dp"] * per_dp:(co["dp"] + 1) * per_dp] for t in (ids, target))
+        # tensor parallelism sequence-parallel (Megatron's split), as the planner models it: what
+        # the heads do not split (norms, residuals) is split along the sequence
         if x.tp > 1 and x.pp == 1:
-            tp.parallelize(model, groups.of(rank, x, ("tp",)), _tp_plan(lm_plan(False), "head"))
+            tp.parallelize(model, groups.of(rank, x, ("tp",)), _tp_plan(lm_plan(True), "head"),
+                           sequence_parallel=True)
         if x.cp > 1:
             g_cp = groups.of(rank, x, ("cp",))
             cp.parallelize(model, g_cp, ["blocks.*.attn"])
@@ -362,6 +365,8 @@ class Trainer:
             g_tp = groups.of(rank, x, ("tp",))
             self.loss_fn = functools.partial(tp.vocab_parallel_cross_entropy, group=g_tp)
         replicas = groups.of(rank, x, ("dp", "cp"))
+        q = {"none": None, "int8": comm.Int8Quantizer, "int4": comm.Int4Quantizer}[x.compression]
+        self.compressor = None if q is None else q()  # its error-feedback residuals count in the peak
         self.pipe = None
         self.experts_apart = None  # the group reducing the experts' gradients apart from DDP's
         if x.moe and x.ep > 1:
@@ -384,9 +389,9 @@ class Trainer:
 
             stage = Stage(model, co["pp"], x.pp)
             if x.tp > 1:
-                tp.parallelize(stage, groups.of(rank, x, ("tp",)), _stage_plan(stage))
+                tp.parallelize(stage, groups.of(rank, x, ("tp",)), _stage_plan(stage), sequence_parallel=True)
             self.params_of = stage
-            net = _ddp(stage, replicas, x.compression) if replicas is not None else stage
+            net = _ddp(stage, replicas, self.compressor) if replicas is not None else stage
             self.pipe = pipelining.Schedule1F1B(
                 pipelining.PipelineStage(net, co["pp"], x.pp, torch.device("cpu"),
                                          group=groups.of(rank, x, ("pp",))),
@@ -394,12 +399,11 @@ class Trainer:
             self.first, self.last = co["pp"] == 0, co["pp"] == x.pp - 1
             self.net = net
         elif x.zero:
-            q = {"none": None, "int4": comm.Int4Quantizer}[x.compression]
             self.net = zero.shard(model, replicas, stage=x.zero, bucket_cap_mb=BUCKET_MB,
-                                  grad_compression=None if q is None else q())
+                                  grad_compression=self.compressor)
             self.params_of = self.net
         elif replicas is not None:
-            self.net = _ddp(model, replicas, x.compression)
+            self.net = _ddp(model, replicas, self.compressor)
             self.params_of = model
         else:
             self.net = self.params_of = model
@@ -434,6 +438,9 @@ class Trainer:
         roots = [*self.params_of.parameters(), *self.params_of.buffers()]
         roots += [p.grad for p in roots if p.grad is not None]
         roots += [v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        # the compressor's error-feedback residuals, which braid's codecs update in C++ (no operator
+        # the tracker sees touches them)
+        roots += list(getattr(self.compressor, "_residuals", {}).values())
         with PeakMemory(roots) as tracker:
             self.step()
         return tracker.peak
