@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--overlap",
         type=float,
-        default=0.8,
-        help="fraction of backward/forward compute a data-parallel collective hides behind (0.8)",
+        default=None,
+        help="fraction of backward/forward compute a data-parallel collective hides behind "
+        "(default 0.8; with --measure, measured)",
     )
     a.add_argument(
         "--codec-gbps",
@@ -263,7 +264,7 @@ def _assumptions(args: argparse.Namespace) -> Assumptions:
         raise _UsageError(f"--bucket-mb must be positive, got {args.bucket_mb}")
     return Assumptions(
         efficiency=args.efficiency,
-        overlap=args.overlap,
+        overlap=0.8 if args.overlap is None else args.overlap,
         codec_seconds_per_byte=1 / (args.codec_gbps * 1e9),
         bucket_bytes=int(args.bucket_mb * 1024**2),
         half_efficiency_tokens=args.half_efficiency_tokens,
@@ -369,7 +370,7 @@ def _measure(args: argparse.Namespace) -> Optional[Any]:
     import torch
     import torch.distributed as dist
 
-    from .measure import measure_links
+    from .measure import measure_links, measure_matmul_overlap
 
     started = False
     if not dist.is_initialized():
@@ -383,6 +384,7 @@ def _measure(args: argparse.Namespace) -> Optional[Any]:
         started = True
     try:
         links = measure_links(None)
+        overlap = measure_matmul_overlap(None)
         rank = dist.get_rank()
     finally:
         if started:
@@ -395,10 +397,12 @@ def _measure(args: argparse.Namespace) -> Optional[Any]:
         "intra_latency_us": None if links.intra_latency is None else links.intra_latency * 1e6,
         "inter_latency_us": None if links.inter_latency is None else links.inter_latency * 1e6,
     }
+    if args.overlap is None:
+        args.overlap = round(overlap["overlap"], 2)
     for name, value in given.items():
         if getattr(args, name) is None and value is not None:
             setattr(args, name, value)
-    return links if rank == 0 else None
+    return (links, overlap) if rank == 0 else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -428,11 +432,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         out = result.to_dict()
         if measured is not None:
-            out["measured"] = {**measured.cluster_fields(), "samples": measured.samples}
+            links, overlap = measured
+            out["measured"] = {**links.cluster_fields(), "samples": links.samples, "overlap": overlap}
         print(json.dumps(out, indent=2))
     else:
         if measured is not None:
-            print(measured.describe())
+            from .measure import OVERLAP_BYTES
+
+            links, overlap = measured
+            print(links.describe())
+            print(f"overlap: {overlap['overlap']:.2f}{' or more' if overlap['bound'] else ''} "
+                  f"({overlap['products']:.0f} matrix products {overlap['compute_s'] * 1e3:.1f} ms, "
+                  f"a {OVERLAP_BYTES >> 20} MiB all-reduce {overlap['comm_s'] * 1e3:.1f} ms, both at once "
+                  f"{overlap['both_s'] * 1e3:.1f} ms)")
         print(report(result, links="measured where a pair of ranks crossed the level, else given"
                      if measured is not None else "given, not measured"))
     return 0

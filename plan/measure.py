@@ -243,3 +243,54 @@ def overlap_of(compute_s: float, comm_s: float, both_s: float) -> Dict[str, floa
     overlap = min(1.0, max(0.0, hidden / compute_s)) if compute_s > 0 else 0.0
     return {"overlap": overlap, "compute_s": compute_s, "comm_s": comm_s, "both_s": both_s,
             "bound": float(hidden >= 0.95 * comm_s)}
+
+
+OVERLAP_BYTES = 1 << 24  # the exchange --measure hides behind matrix products (16 MiB)
+
+
+def measure_matmul_overlap(group: Any = None, nbytes: int = OVERLAP_BYTES, *, repeats: int = REPEATS,
+                           device: Optional[torch.device] = None) -> Dict[str, float]:
+    """:func:`measure_overlap` with matrix products standing in for a backward (what
+    ``python -m braid.plan --measure`` times, knowing no model): square products (bfloat16 of
+    4096 on a GPU, float32 of 256 on the CPU), as many as last about as long as the exchange of
+    ``nbytes`` alone (the most rank's count), so that the figure is neither capped by a short
+    exchange nor by a short compute. Every rank of ``group`` calls it; returns
+    :func:`measure_overlap`'s dict with ``products``, the count."""
+    from braid.comm.core.group import as_group
+
+    g = as_group(group, "group", "measure_matmul_overlap")
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+    cuda = device.type == "cuda"
+    size, dtype = (4096, torch.bfloat16) if cuda else (256, torch.float32)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+
+    def clocked(run: Callable[[], Any]) -> float:
+        times = []
+        for i in range(WARMUP + repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            run()
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    one = clocked(lambda: a @ a)
+    g.barrier()
+    exchange = clocked(lambda: g.all_reduce(buf))
+    count = torch.tensor([max(1, round(exchange / max(one, 1e-9)))], dtype=torch.float64, device=device)
+    g.all_reduce(count, op="max")
+    products = int(min(count[0], 100_000))
+
+    def compute(_: Any) -> None:
+        for _ in range(products):
+            a @ a
+
+    out = measure_overlap(g, compute, nbytes, repeats=repeats, device=device)
+    out["products"] = float(products)
+    return out

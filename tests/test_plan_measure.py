@@ -94,8 +94,17 @@ def test_the_command_measures_on_every_rank_and_rank0_prints():
                                                                           measured["devices_per_host"])
     assert cluster["intra_bandwidth"] == pytest.approx(measured["intra_bandwidth"])
     assert cluster["inter_bandwidth"] == 12.5e9 != measured["inter_bandwidth"]
+    # the overlap: measured beside matrix products, and the planner's unless given
+    overlap = measured["overlap"]
+    assert 0 <= overlap["overlap"] <= 1 and overlap["products"] >= 1
+    assert overlap == overlap_of(overlap["compute_s"], overlap["comm_s"], overlap["both_s"]) | {
+        "products": overlap["products"]}
+    assert printed["assumptions"]["overlap"] == round(overlap["overlap"], 2)
+    given = json.loads(run_ranks(_command, 2, ["--json", "--overlap", "0.5"])[0][1])
+    assert given["assumptions"]["overlap"] == 0.5 and "overlap" in given["measured"]
     text = run_ranks(_command, 2, [])[0][1]
     assert "in a host: " in text and "between hosts: not measured" in text
+    assert "overlap: " in text and "matrix products" in text
     assert "(measured where a pair of ranks crossed the level, else given)" in text
 
 
