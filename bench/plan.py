@@ -572,6 +572,11 @@ def rank_main(settings: dict) -> int:
         rounds = {n: _max(times[n]) for n in names}  # per round, the slowest rank's
         step = {n: statistics.median(rounds[n]) for n in names}
         peak = dict(zip(names, _max([float(memory[n]) for n in names])))
+        # every rank's peak too: which pipeline stage (or shard) holds the largest
+        mine = torch.tensor([float(memory[n]) for n in names], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        peak_by_rank = {n: [float(t[i]) for t in every] for i, n in enumerate(names)}
         launch.end_gloo_use()
     finally:
         dist.destroy_process_group()
@@ -579,7 +584,8 @@ def rank_main(settings: dict) -> int:
         with open(settings["out"], "w") as f:
             json.dump({"links": dataclasses.asdict(links), "rate": rate, "rate_moe": rate_moe,
                        "optimizer_s_per_param": optimizer, "overlap": overlap,
-                       "step": step, "step_rounds": rounds, "peak": peak, "loss": losses}, f)
+                       "step": step, "step_rounds": rounds, "peak": peak, "peak_by_rank": peak_by_rank,
+                       "loss": losses}, f)
     return 0
 
 
