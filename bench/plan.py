@@ -440,7 +440,8 @@ class Trainer:
         roots += [v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         # the compressor's error-feedback residuals, which braid's codecs update in C++ (no operator
         # the tracker sees touches them)
-        roots += list(getattr(self.compressor, "_residuals", {}).values())
+        if self.compressor is not None:
+            roots += self.compressor.residuals()
         with PeakMemory(roots) as tracker:
             self.step()
         return tracker.peak

@@ -379,6 +379,13 @@ def optimizer_bytes_per_param(model: TransformerShape) -> int:
     return moments + (4 if model.dtype == "bf16" else 0)
 
 
+def experts_apart(model: TransformerShape, c: Candidate) -> bool:
+    """Whether the experts differ between the ranks of a data-parallel group (EP, or TP with MoE):
+    they then stay out of the data-parallel wrapper and ``moe.reduce_gradients`` all-reduces their
+    gradients over their replicas, exactly, after the backward."""
+    return model.moe and (c.ep > 1 or c.tp > 1)
+
+
 def dp_sizes(c: Candidate) -> Tuple[int, int]:
     """(ranks holding the same dense weights: dp x cp, ranks holding the same experts:
     dp x cp x tp / ep)."""
@@ -732,14 +739,13 @@ def step_time(
             k_dense = max(1, -(-int(g_dense) // cfg.bucket_bytes))
             k_expert = max(1, -(-int(g_expert) // cfg.bucket_bytes))
         reduce_op = all_reduce if c.zero == 0 else reduce_scatter
-        # Experts that differ between the ranks of a data-parallel group (EP, or TP-split experts)
-        # stay out of the data-parallel wrapper: their gradients are all-reduced over their replicas
-        # after the backward (moe.reduce_gradients, one flat collective), nothing to hide behind.
-        apart = model.moe and (c.ep > 1 or c.tp > 1)
+        # experts apart: one exact flat all-reduce over their replicas after the backward, nothing
+        # to hide behind (none where an expert has no replica)
+        apart = experts_apart(model, c)
         red = reduce_op(cluster, g_dense, sp["dense"], wire, codec, k_dense)
         red_apart = 0.0
         if apart:
-            red_apart = all_reduce(cluster, g_expert, sp["expert"], wire, codec, 1) if n_edp > 1 else 0.0
+            red_apart = all_reduce(cluster, g_expert, sp["expert"])
         else:
             red += reduce_op(cluster, g_expert, sp["expert"], wire, codec, k_expert)
         gather = 0.0

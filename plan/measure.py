@@ -106,6 +106,33 @@ def _pairs(hosts: List[int]) -> Tuple[Dict[int, int], Dict[int, int]]:
     return intra, inter
 
 
+def _default_device() -> torch.device:
+    """CUDA where the ranks have a GPU (the current one), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(run: Callable[[Any], Any], repeats: int, device: torch.device,
+                    setup: Callable[[], Any]) -> float:
+    """The median seconds of ``run(setup())`` over ``repeats`` runs after ``WARMUP`` untimed ones,
+    ``setup`` untimed before each, the device's queue drained at the end of each."""
+    times = []
+    for i in range(WARMUP + repeats):
+        arg = setup()
+        began = time.perf_counter()
+        run(arg)
+        _sync(device)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
 def _time_level(g: Any, partner: Optional[int], sizes: Sequence[int], repeats: int,
                 device: torch.device) -> List[Tuple[int, float]]:
     """Each size's time: median of this rank's repeats, then the slowest rank's (a collective: every
@@ -114,17 +141,14 @@ def _time_level(g: Any, partner: Optional[int], sizes: Sequence[int], repeats: i
     for size in sizes:
         send = torch.ones(size // 4, dtype=torch.float32, device=device)
         recv = torch.empty_like(send)
-        times = []
-        for i in range(WARMUP + repeats):
-            g.barrier()
-            began = time.perf_counter()
+
+        def exchange(_: Any, send: torch.Tensor = send, recv: torch.Tensor = recv) -> None:
             if partner is not None:
                 g.send_recv(send, partner, recv, partner).wait()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            if i >= WARMUP:
-                times.append(time.perf_counter() - began)
-        mine = statistics.median(times) if partner is not None else 0.0
+
+        # every rank takes part in the barriers, a rank without a partner times nothing
+        timed = _median_seconds(exchange, repeats, device, g.barrier)
+        mine = timed if partner is not None else 0.0
         slowest = torch.tensor([mine], dtype=torch.float64, device=device)
         g.all_reduce(slowest, op="max")
         out.append((size, float(slowest[0])))
@@ -146,9 +170,7 @@ def measure_links(group: Any = None, *, sizes: Sequence[int] = SIZES, repeats: i
     if len(sizes) < 2 or sizes[0] < 4:
         raise ValueError(f"sizes must hold two sizes or more, each at least 4 bytes, got {sizes}")
     g = as_group(group, "group", "measure_links")
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
+    device = device or _default_device()
     n = g.world_size
     mine = torch.tensor([_host_key(host_identity())], dtype=torch.int64, device=device)
     every = torch.empty(n, dtype=torch.int64, device=device)
@@ -195,31 +217,22 @@ def measure_overlap(group: Any, compute: Callable[[Any], Any], nbytes: int, *,
     if not isinstance(bucket_bytes, int) or bucket_bytes < 4:
         raise ValueError(f"bucket_bytes must be an int of at least 4, got {bucket_bytes!r}")
     g = as_group(group, "group", "measure_overlap")
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
+    device = device or _default_device()
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
     buckets = list(buf.split(max(1, bucket_bytes // 4)))
 
     def exchange() -> list:
         return [g.all_reduce(b, async_op=True) for b in buckets]
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def timed(run: Callable[[Any], None]) -> float:
-        times = []
-        for i in range(WARMUP + repeats):
+        def setup() -> Any:
             arg = prepare() if prepare is not None else None
-            sync()
+            _sync(device)
             g.barrier()
-            began = time.perf_counter()
-            run(arg)
-            sync()
-            if i >= WARMUP:
-                times.append(time.perf_counter() - began)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            return arg
+
+        mine = _median_seconds(run, repeats, device, setup)
+        slowest = torch.tensor([mine], dtype=torch.float64, device=device)
         g.all_reduce(slowest, op="max")
         return float(slowest[0])
 
@@ -259,30 +272,17 @@ def measure_matmul_overlap(group: Any = None, nbytes: int = OVERLAP_BYTES, *, re
     from braid.comm.core.group import as_group
 
     g = as_group(group, "group", "measure_matmul_overlap")
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else torch.device("cpu"))
-    cuda = device.type == "cuda"
-    size, dtype = (4096, torch.bfloat16) if cuda else (256, torch.float32)
+    device = device or _default_device()
+    size, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
     a = torch.randn(size, size, dtype=dtype, device=device)
 
-    def clocked(run: Callable[[], Any]) -> float:
-        times = []
-        for i in range(WARMUP + repeats):
-            if cuda:
-                torch.cuda.synchronize(device)
-            began = time.perf_counter()
-            run()
-            if cuda:
-                torch.cuda.synchronize(device)
-            if i >= WARMUP:
-                times.append(time.perf_counter() - began)
-        return statistics.median(times)
+    def synced() -> None:  # nothing of the last run still queued
+        _sync(device)
 
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    one = clocked(lambda: a @ a)
+    one = _median_seconds(lambda _: a @ a, repeats, device, synced)
     g.barrier()
-    exchange = clocked(lambda: g.all_reduce(buf))
+    exchange = _median_seconds(lambda _: g.all_reduce(buf), repeats, device, synced)
     count = torch.tensor([max(1, round(exchange / max(one, 1e-9)))], dtype=torch.float64, device=device)
     g.all_reduce(count, op="max")
     products = int(min(count[0], 100_000))

@@ -19,6 +19,7 @@ from .cost import (
     StepTime,
     check,
     dp_sizes,
+    experts_apart,
     invalid_reason,
     memory,
     mfu,
@@ -838,9 +839,9 @@ def snippet(layout: Layout, model: TransformerShape, cluster: Cluster) -> str:
         else:
             add(f"model = {expr.replace('MOD', 'model')}")
 
-    experts_apart = model.moe and (c.ep > 1 or c.tp > 1)  # expert replicas != dense replicas
+    apart = experts_apart(model, c)  # expert replicas != dense replicas
     loop, ind, target = ("for ch in chunks:", "    ", "ch") if chunked else ("", "", "model")
-    if max(dp_sizes(c)) > 1 and not experts_apart:
+    if max(dp_sizes(c)) > 1 and not apart:
         if c.zero == 0:
             each("DDP(MOD, process_group=dp_group, gradient_as_bucket_view=True)")
             if comp != "none":

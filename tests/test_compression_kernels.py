@@ -406,6 +406,17 @@ def test_compressor_state_round_trips():
         comm.TopK(0.1).load_state_dict(q.state_dict())
 
 
+def test_residuals_are_the_held_tensors():
+    """residuals() hands out the residual tensors themselves (a memory count sees their storage),
+    every key's, and none after they were taken."""
+    q = comm.Int8Quantizer()
+    assert q.residuals() == []
+    a, b = q.residual_for("a", 10), q.residual_for("b", 20)
+    assert len(q.residuals()) == 2 and {id(t) for t in q.residuals()} == {id(a), id(b)}
+    q.take_residual("a")
+    assert [id(t) for t in q.residuals()] == [id(b)]
+
+
 def _fp8_reference(x: torch.Tensor, block: int, chunk: int) -> torch.Tensor:
     """FP8Quantizer's decoded values in plain torch: each chunk of ``chunk`` elements (zero padded)
     cut in blocks, scale = block absmax / 448, values rounded to float8 e4m3 (nearest even)."""

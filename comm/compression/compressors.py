@@ -121,6 +121,11 @@ class Compressor:
         """The error-feedback residual of ``key`` (None before its first compressed call)."""
         return self._residuals.get(key)
 
+    def residuals(self) -> list:
+        """Every key's error-feedback residual, the tensors themselves (not copies): what the
+        compressor holds besides its configuration."""
+        return list(self._residuals.values())
+
     def take_residual(self, key: Hashable) -> Optional[torch.Tensor]:
         """Removes and returns the residual of ``key`` (None if it has none): for a caller that moves
         a tensor's error feedback to another compressor (comm/compression/adaptive/)."""
