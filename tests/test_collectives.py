@@ -629,6 +629,48 @@ def test_streaming_threshold_shares_the_cache_among_local_ranks(monkeypatch):
     assert t.stream_min_bytes == 12345
 
 
+def test_oversubscription_is_judged_by_the_host_ranks_cpus_together():
+    """Spin and skew default on when the host's ranks have a CPU each, judged by the union of their
+    CPUs: ranks pinned one per core (as mpirun and taskset place them) see one CPU each but are not
+    oversubscribed. A knob set by hand stays as set."""
+    t = _C.Tunables()
+    t.resolve(2, 2)
+    assert (t.spin_us, t.skew_rounds) == (20.0, 1)
+    t = _C.Tunables()
+    t.resolve(4, 2)
+    assert (t.spin_us, t.skew_rounds) == (0.0, 0)
+    t = _C.Tunables()
+    t.spin_us = 3.0
+    t.resolve(4, 2)
+    assert t.spin_us == 3.0
+
+
+def pinned_tunables(rank, n, store_path, cpus):
+    """The resolved spin and skew of a communicator made with this rank pinned to ``cpus[rank]``."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[rank]})
+    try:
+        with make_comm(rank, n, store_path) as c:
+            t = torch.full((4,), float(rank))
+            c.all_reduce(t)  # the resolved settings agree across the ranks: the collectives line up
+            assert t.tolist() == [float(sum(range(n)))] * 4
+            return c._c.tunables.spin_us, c._c.tunables.skew_rounds
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_ranks_pinned_one_per_core_spin():
+    """Two ranks pinned to two CPUs spin and skew; two pinned to one CPU do neither."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    for name in ("BRAID_SPIN_US", "BRAID_SKEW_ROUNDS"):
+        if name in os.environ:
+            pytest.skip(f"{name} is set in the environment")
+    assert run_ranks(pinned_tunables, 2, cpus[:2]) == [(20.0, 1)] * 2
+    assert run_ranks(pinned_tunables, 2, [cpus[0]] * 2) == [(0.0, 0)] * 2
+
+
 def test_init_from_torchrun_environment():
     """comm.init() with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT only: rank 0 hosts a TCPStore and
     the ranks build a working communicator."""

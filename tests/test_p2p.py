@@ -48,6 +48,15 @@ def _bad_calls(c):
         (lambda: c.batch_isend_irecv([comm.P2POp("send", t, other),
                                       comm.P2POp("recv", torch.ones(2, dtype=torch.bool), other)]),
          TypeError, r"ops\[1\].tensor has unsupported dtype"),
+        # send_recv names its own arguments, and a bad receive posts the send neither.
+        (lambda: c.send_recv(t, r, t, other), ValueError, "dst must be another rank"),
+        (lambda: c.send_recv(t, other, t, n), ValueError, "src must be another rank"),
+        (lambda: c.send_recv(t, other, torch.ones(2, dtype=torch.bool), other), TypeError,
+         "recv has unsupported dtype"),
+        (lambda: c.send_recv(t, other, torch.zeros(1).expand(4), other), ValueError,
+         "recv has elements that share memory"),
+        (lambda: c.send_recv(t, other, torch.ones(3, device="meta"), other), ValueError,
+         "recv must be a CPU tensor"),
     ]
 
 
@@ -73,6 +82,22 @@ def _run_point_to_point(rank, world_size, store_path):
                 w.wait()
                 assert w.is_completed() and w.is_success()
             assert torch.equal(got, _payload(prv, rank, index, numel, dtype)), (numel, dtype)
+
+        # The same ring through send_recv (one work for both transfers, its future the received
+        # tensor), into a strided view for the copy back, past the 4 MiB a pair buffers too.
+        for index, (numel, dtype) in enumerate([(0, torch.float32), (1000, torch.int32),
+                                                (3 << 20, torch.float32), (9, torch.float16)]):
+            holder = torch.full((numel, 2), 7, dtype=dtype)
+            work = c.send_recv(_payload(rank, nxt, 30 + index, numel, dtype), nxt, holder[:, 1], prv)
+            assert isinstance(work, comm.Work)
+            if index == 1:  # the future's value: the receive's tensor, as it was passed, filled
+                value = work.get_future().wait()
+                expected = _payload(prv, rank, 30 + index, numel, dtype)
+                assert len(value) == 1 and torch.equal(value[0], expected)
+            work.wait()
+            assert work.is_completed() and work.is_success() and "done" in work.describe()
+            assert torch.equal(holder[:, 1], _payload(prv, rank, 30 + index, numel, dtype)), (numel, dtype)
+            assert torch.equal(holder[:, 0], torch.full((numel,), 7, dtype=dtype))
 
         # Async send/recv: several messages in flight to each neighbour, matched in issue order;
         # received in other shapes than sent (only dtype and element count must agree), one into a

@@ -836,14 +836,16 @@ class Communicator(CompressionHost, Group):
         return [Work(w, f"send to rank {peer}" if is_send else f"recv from rank {peer}")
                 for w, (is_send, _, peer) in zip(works, spec)]
 
-    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> WorkList:
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> Work:
         """Posts the send of ``send`` to ``dst`` and the receive of ``recv`` from ``src`` together
-        (as :meth:`batch_isend_irecv`, CUDA tensors included); returns a work whose ``wait()``
-        completes both."""
+        (as :meth:`batch_isend_irecv`, CUDA tensors included); returns a :class:`Work` whose
+        ``wait()`` completes both (its future: ``[recv]``)."""
         for name, t in (("send", send), ("recv", recv)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         dst, src = _index(dst, "dst"), _index(src, "src")
+        if not (send.is_cuda or recv.is_cuda):  # one call into the core: every ring step's latency
+            return Work(self._c.send_recv(send, dst, recv, src), f"send to rank {dst}, recv from rank {src}")
         return WorkList(self._post_p2p([(True, send, dst), (False, recv, src)],
                                        (("send", send, False), ("recv", recv, True))))
 

@@ -266,7 +266,9 @@ inline std::shared_ptr<Communicator> python_owned(Communicator* c) {
 // memory; CudaWork (cuda_comm_binding.cpp) is its counterpart for CUDA tensors.
 class HostWork {
  public:
-  HostWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs) : work_(std::move(w)), outputs_(std::move(outputs)) {}
+  // `also`: a second work this one completes with (the send of a send_recv, whose receive is `w`).
+  HostWork(std::shared_ptr<Work> w, std::vector<at::Tensor> outputs, std::shared_ptr<Work> also = nullptr)
+      : work_(std::move(w)), also_(std::move(also)), outputs_(std::move(outputs)) {}
 
   bool wait(py::object timeout) {
     std::chrono::nanoseconds ns{0};
@@ -277,17 +279,23 @@ class HostWork {
       ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
     py::gil_scoped_release nogil;
+    if (also_ && !also_->wait(ns, /*interruptible=*/true)) return false;
     return work_->wait(ns, /*interruptible=*/true);
   }
-  bool is_completed() const { return work_->is_completed(); }
-  bool is_success() const { return work_->succeeded(); }
+  bool is_completed() const { return work_->is_completed() && (!also_ || also_->is_completed()); }
+  bool is_success() const { return work_->succeeded() && (!also_ || also_->succeeded()); }
   py::object exception_message() const {
-    if (!work_->is_completed() || work_->succeeded()) return py::none();
-    return py::str(work_->error_message());
+    for (const Work* w : {also_.get(), work_.get()})
+      if (w != nullptr && w->is_completed() && !w->succeeded()) return py::str(w->error_message());
+    return py::none();
   }
   // Seconds on the steady clock (time.perf_counter()'s on Linux) when it completed, or None.
   py::object completed_at() const {
-    const auto at = work_->completed_at();
+    auto at = work_->completed_at();
+    if (at && also_) {
+      const auto other = also_->completed_at();
+      at = other ? std::max(*at, *other) : other;
+    }
     if (!at) return py::none();
     return py::float_(std::chrono::duration<double>(at->time_since_epoch()).count());
   }
@@ -295,13 +303,25 @@ class HostWork {
   c10::intrusive_ptr<c10::ivalue::Future> future() {
     work_->check_same_process();  // in a forked child nothing would ever complete the future
     if (!future_) {
-      future_ = future_of(*work_, outputs_);
+      if (!also_) {
+        future_ = future_of(*work_, outputs_);
+      } else {  // completed by the second of the two, or failed by the first that fails
+        future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+        also_->on_complete([w = work_, fut = future_, outputs = outputs_](const Work& first) {
+          if (!first.succeeded()) {
+            settle(first, *fut, outputs);
+            return;
+          }
+          complete_with(*w, fut, outputs);
+        });
+      }
     }
     return future_;
   }
 
  private:
   std::shared_ptr<Work> work_;
+  std::shared_ptr<Work> also_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

@@ -45,33 +45,36 @@ std::string python_stack() {
 // CudaWork) for async calls, None otherwise. `output` is the output and its contiguous copy (or
 // nothing, for barrier); `input` the contiguous input of out-of-place collectives. The blocking
 // CPU path allocates nothing here: it is the latency of every small collective.
+// An async CPU request's copy back into the caller's tensor (where `output` is not contiguous) and
+// what it keeps alive until it completes: the output's buffer and the contiguous input.
+void prepare_async(Request& req, const Contiguous* output, const at::Tensor* input) {
+  if (output != nullptr && output->copy_back()) req.epilogue = [s = *output] { s.user.copy_(s.buffer); };
+  auto keep = std::make_shared<std::vector<at::Tensor>>();
+  if (output != nullptr) keep->push_back(output->buffer);
+  if (input != nullptr) keep->push_back(*input);
+  req.keepalive = std::move(keep);
+}
+
 py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* output, const at::Tensor* input,
                     c10::Device device = c10::Device(c10::kCPU)) {
   if (g_trace_stack) req.trace_stack = python_stack();
 #ifdef BRAID_WITH_CUDA
   if (device.is_cuda()) return dispatch_cuda(c, device, std::move(req), *output, input ? *input : at::Tensor(), async);
 #endif
-  if (output != nullptr && output->copy_back()) {
-    req.epilogue = [s = *output] { s.user.copy_(s.buffer); };
-  }
   if (!async) {
+    if (output != nullptr && output->copy_back()) req.epilogue = [s = *output] { s.user.copy_(s.buffer); };
     py::gil_scoped_release nogil;
     c.submit(std::move(req), false);
     return py::none();
   }
-  auto keep = std::make_shared<std::vector<at::Tensor>>();
-  std::vector<at::Tensor> outputs;
-  if (output != nullptr) {
-    keep->push_back(output->buffer);
-    outputs.push_back(output->user);
-  }
-  if (input != nullptr) keep->push_back(*input);
-  req.keepalive = keep;
+  prepare_async(req, output, input);
   std::shared_ptr<Work> w;
   {
     py::gil_scoped_release nogil;
     w = c.submit(std::move(req), true);
   }
+  std::vector<at::Tensor> outputs;
+  if (output != nullptr) outputs.push_back(output->user);
   return py::cast(std::make_shared<HostWork>(std::move(w), std::move(outputs)));
 }
 
@@ -233,6 +236,29 @@ std::vector<py::object> p2p_batch(Communicator& c, const std::vector<std::tuple<
   return works;
 }
 
+// A send of `send` to `dst` and a receive into `recv` from `src`, posted together on host tensors
+// (the Python Communicator stages CUDA tensors itself): one work that completes with both. The
+// latency path of every ring step and pipeline hand-over: one call, one release of the GIL.
+py::object send_recv(Communicator& c, py::handle send, int dst, py::handle recv, int src) {
+  RECORD_USER_SCOPE("braid::send_recv");  // a named range in torch.profiler traces
+  P2PTransfer s = make_p2p(c, true, send, dst, "send", "dst");
+  P2PTransfer r = make_p2p(c, false, recv, src, "recv", "src");
+  TORCH_CHECK_VALUE(s.tensor.user.device().is_cpu(), "send must be a CPU tensor here, got one on ",
+                    s.tensor.user.device().str());
+  TORCH_CHECK_VALUE(r.tensor.user.device().is_cpu(), "recv must be a CPU tensor here, got one on ",
+                    r.tensor.user.device().str());
+  if (g_trace_stack) s.req.trace_stack = r.req.trace_stack = python_stack();
+  prepare_async(s.req, nullptr, &s.tensor.buffer);
+  prepare_async(r.req, &r.tensor, nullptr);
+  std::shared_ptr<Work> sent, received;
+  {
+    py::gil_scoped_release nogil;
+    sent = c.submit(std::move(s.req), true);
+    received = c.submit(std::move(r.req), true);
+  }
+  return py::cast(std::make_shared<HostWork>(std::move(received), std::vector<at::Tensor>{r.tensor.user}, std::move(sent)));
+}
+
 py::object barrier(Communicator& c, bool async) {
   RECORD_USER_SCOPE("braid::barrier");  // a named range in torch.profiler traces
   return dispatch(c, make_request(CollKind::kBarrier, DType::kFloat32, 0), async, nullptr, nullptr);
@@ -315,8 +341,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Tunables>(m, "Tunables")
       .def(py::init<>())
       .def_static("from_env", &Tunables::from_env)
-      .def("resolve", &Tunables::resolve, py::arg("local_world_size"),
-           "Fills in the defaults that depend on the number of local ranks and the host.")
+      .def("resolve", &Tunables::resolve, py::arg("local_world_size"), py::arg("host_cores") = 0,
+           "Fills in the defaults that depend on the number of local ranks and the host (host_cores: "
+           "the CPUs the host's ranks may run on together; 0: this process's own).")
       .def_property(
           "algo", [](const Tunables& t) { return std::string(algo_name(t.algo)); },
           [](Tunables& t, const std::string& s) { t.algo = parse_algo(s); })
@@ -437,6 +464,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("send", &send_tensor, py::arg("tensor"), py::arg("dst"), py::arg("async_op"))
       .def("recv", &recv_tensor, py::arg("tensor"), py::arg("src"), py::arg("async_op"))
       .def("p2p_batch", &p2p_batch, py::arg("ops"))
+      .def("send_recv", &send_recv, py::arg("send"), py::arg("dst"), py::arg("recv"), py::arg("src"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>());
 

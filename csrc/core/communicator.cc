@@ -34,6 +34,7 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     : rank_(rank),
       world_(world_size),
       tun_(tunables),
+      given_(tunables),
       owner_pid_(static_cast<int>(::getpid())),
       // Past the bound nothing is allocated: validate() below raises for it.
       trace_(tunables.trace_buffer <= Tunables::kMaxTraceBuffer ? tunables.trace_buffer : 0) {
@@ -99,6 +100,15 @@ void Communicator::attach(const std::vector<PeerInfo>& peers) {
   std::vector<PeerInfo> local;
   for (int r : topo_.hosts[static_cast<size_t>(topo_.host)]) local.push_back(peers[static_cast<size_t>(r)]);
   group_->attach(local);
+  // The constructor guessed from this process's CPUs alone; ranks pinned one per core see one
+  // each. Decide again from the union of the host's ranks' CPUs (the knobs set in the
+  // environment stay as set), before the first collective.
+  Tunables t = given_;
+  t.resolve(topo_.local_world(), group_->host_cores());
+  tun_.spin_us = t.spin_us;
+  tun_.skew_rounds = t.skew_rounds;
+  group_->set_spin(std::chrono::nanoseconds(static_cast<int64_t>(tun_.spin_us * 1e3)));
+  group_->set_skewed_rounds(tun_.skew_rounds != 0);
 }
 
 std::string Communicator::listen_tcp(const std::string& bind_ip, const std::vector<uint8_t>& secret) {

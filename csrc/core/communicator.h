@@ -299,6 +299,7 @@ class Communicator {
   int rank_;
   int world_;
   Tunables tun_;
+  Tunables given_;  // as passed in, before resolve(): attach() resolves again with the host's CPUs
   size_t oneshot_max_ = 0;  // tun_.oneshot_max_bytes once resolved
   std::chrono::nanoseconds timeout_{};  // every wait's deadline
   Topology topo_;

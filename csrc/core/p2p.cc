@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "communicator.h"
+#include "cpu_relax.h"
 
 namespace braid {
 
@@ -80,6 +81,17 @@ std::shared_ptr<Work> Communicator::p2p_now(Request& r) {
     P2POp op = op_of(r);
     try {
       finished = p2p_advance(op);
+      // A transfer whose peer is at it too (a ring's exchange, a pipeline's hand-over) is often
+      // done within microseconds: poll for it here, as a waiting rank would, for at most the
+      // host's spin budget, before handing it to the progress thread (waking that thread and
+      // later waiting on it costs two context switches, more than a small transfer).
+      if (!finished) {
+        const auto until = std::chrono::steady_clock::now() + group_->spin_budget();
+        while (!finished && std::chrono::steady_clock::now() < until) {
+          for (int i = 0; i < 8; ++i) BRAID_CPU_RELAX();
+          finished = p2p_advance(op);
+        }
+      }
       keep_progress(r, op);
       if (finished && r.epilogue) r.epilogue();
     } catch (const CommError& e) {

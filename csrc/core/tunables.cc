@@ -164,10 +164,12 @@ Tunables Tunables::from_env() {
   return t;
 }
 
-void Tunables::resolve(int local_world_size) {
+void Tunables::resolve(int local_world_size, int host_cores) {
   if (oneshot_max_bytes < 0) oneshot_max_bytes = local_world_size == 2 ? (1 << 20) : (32 << 10);
   if (stream_min_bytes < 0) stream_min_bytes = static_cast<int64_t>(last_level_cache_bytes() / 2 / local_world_size);
-  const bool oversubscribed = local_world_size > usable_cores();
+  // Ranks pinned one per core (as mpirun and `taskset` place them) each see one CPU of their own:
+  // the host's ranks together are oversubscribed only when they outnumber the union of their CPUs.
+  const bool oversubscribed = local_world_size > (host_cores > 0 ? host_cores : usable_cores());
   if (spin_us < 0) spin_us = oversubscribed ? 0.0 : 20.0;
   if (skew_rounds < 0) skew_rounds = oversubscribed ? 0 : 1;
 }

@@ -127,8 +127,10 @@ struct Tunables {
 
   static Tunables from_env();
   // Fills in what depends on the world size and the host: one-shot limit, streaming threshold,
-  // spin budget, skew.
-  void resolve(int local_world_size);
+  // spin budget, skew. `host_cores`: the CPUs the host's ranks may run on together (the union of
+  // their affinity masks); 0 takes this process's own count, the first guess before the host's
+  // ranks have met (Communicator::attach resolves again with the union).
+  void resolve(int local_world_size, int host_cores = 0);
   void validate() const;  // throws std::invalid_argument naming the knob
 };
 

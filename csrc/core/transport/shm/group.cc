@@ -4,6 +4,7 @@
 // mailbox.cc.
 #include "group.h"
 
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -48,6 +49,13 @@ ShmGroup::ShmGroup(int rank, int world_size, const ShmLayout& layout, const Wait
   h->rank = rank;
   h->world_size = world_size;
   h->pid = static_cast<int32_t>(::getpid());
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (::sched_getaffinity(0, sizeof(cpus), &cpus) != 0)
+    for (int c = 0, n = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)); c < n && c < CPU_SETSIZE; ++c)
+      CPU_SET(c, &cpus);
+  for (size_t c = 0; c < kCpuMaskWords * 64 && c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &cpus)) h->cpus[c / 64] |= uint64_t{1} << (c % 64);
   headers_.assign(world_, nullptr);
   bases_.assign(world_, nullptr);
   pidfds_.assign(world_, -1);
@@ -85,6 +93,17 @@ void ShmGroup::attach(const std::vector<PeerInfo>& peers) {
 #endif
   }
   hub_ = headers_[0];
+}
+
+int ShmGroup::host_cores() const {
+  int n = 0;
+  for (size_t w = 0; w < kCpuMaskWords; ++w) {
+    uint64_t any = 0;
+    for (const SegmentHeader* h : headers_)
+      if (h != nullptr) any |= h->cpus[w];
+    n += __builtin_popcountll(any);
+  }
+  return n;
 }
 
 uint64_t ShmGroup::arrive(const CollectiveDesc& d) {

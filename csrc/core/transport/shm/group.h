@@ -86,6 +86,9 @@ class ShmGroup : public Transport {
   void set_global_ranks(std::vector<int> global) { global_ = std::move(global); }
   int world_size() const { return world_; }
   const ShmLayout& layout() const { return layout_; }
+  // How long a waiting rank busy-polls before it yields its core (BRAID_SPIN_US; 0 where the
+  // host has more ranks than cores).
+  std::chrono::nanoseconds spin_budget() const { return policy_.spin; }
 
   // Registered buffers ("windows", windows.cc): one shared-memory segment per rank of the host,
   // made together under one id, each rank mapping every peer's, so that a collective whose data
@@ -132,6 +135,11 @@ class ShmGroup : public Transport {
   // Sends from registered buffers of at least `bytes` may be read in place (mailbox.cc).
   void set_p2p_window_min_bytes(size_t bytes) { p2p_window_min_bytes_ = bytes; }
   bool skewed_rounds() const { return skewed_rounds_; }
+  // The CPUs the host's ranks may run on together (the union of their affinity masks), once
+  // attached; the wait policy's spin and the skew, set again from it before the first collective.
+  int host_cores() const;
+  void set_spin(std::chrono::nanoseconds spin) { policy_.spin = spin; }
+  void set_skewed_rounds(bool on) { skewed_rounds_ = on; }
 
   // Point-to-point, in issue order per (sender, receiver, channel), a chunk at a time so that
   // several advance together (a receive must name the size and dtype of the matching send; a

@@ -13,10 +13,11 @@
 
 namespace braid {
 
-constexpr uint64_t kSegmentMagic = 0x6272616964736d34ull;  // "braidsm4"
+constexpr uint64_t kSegmentMagic = 0x6272616964736d35ull;  // "braidsm5"
 // SegmentHeader::state
 constexpr uint32_t kStateAlive = 0, kStateLeft = 1, kStateFailed = 2;
-constexpr size_t kLine = 128;  // two cache lines: keeps the adjacent-line prefetcher from sharing
+constexpr size_t kLine = 128;
+constexpr size_t kCpuMaskWords = 16;  // CPUs 0..1023  // two cache lines: keeps the adjacent-line prefetcher from sharing
 
 struct SegmentHeader {
   uint64_t magic;
@@ -27,6 +28,9 @@ struct SegmentHeader {
   int32_t rank;
   int32_t world_size;
   int32_t pid;
+  // The CPUs this rank may run on (its affinity mask when it made the segment; CPU i is bit i % 64
+  // of word i / 64): the host's ranks are oversubscribed only when they outnumber the union.
+  uint64_t cpus[kCpuMaskWords];
   // One cache line that a waiting peer reads as a whole: the progress counter, the CPU and the
   // descriptors. `cpu` is where this rank ran when it last posted: a waiter whose missing peer
   // last ran on the waiter's own CPU yields instead of spinning, which would only burn the time

@@ -18,19 +18,12 @@
 #include <chrono>
 #include <string>
 
+#include "../../cpu_relax.h"
 #include "../../errors.h"
 #include "../../interrupt.h"
 #include "group.h"
 #include "segment_header.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define BRAID_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define BRAID_CPU_RELAX() asm volatile("yield" ::: "memory")
-#else
-#define BRAID_CPU_RELAX() ((void)0)
-#endif
 
 namespace braid {
 
