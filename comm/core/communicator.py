@@ -62,6 +62,8 @@ def _splits(sizes, name: str) -> Optional[list]:
     torch integer scalars included; floats and bools are refused naming ``name``."""
     if sizes is None:
         return None
+    if type(sizes) is list and all(type(v) is int for v in sizes):  # the common case, on the call's latency
+        return sizes
     if isinstance(sizes, torch.Tensor):
         sizes = sizes.tolist()
     try:
@@ -679,6 +681,9 @@ class Communicator(CompressionHost, Group):
             return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
         out_splits = _splits(output_split_sizes, "output_split_sizes")
         in_splits = _splits(input_split_sizes, "input_split_sizes")
+        if not (getattr(output, "is_cuda", False) or getattr(input, "is_cuda", False)):  # host tensors
+            w = self._c.all_to_all_v(output, input, out_splits, in_splits, _async_flag(async_op))
+            return None if w is None else Work(w, "all_to_all")
         if self._device_to_device(output, input):
             return _wrap(self._c.all_to_all_v(output, input, out_splits, in_splits, _async_flag(async_op)),
                          "all_to_all")

@@ -278,6 +278,10 @@ class HostWork {
       s = std::min(s, kMaxTimeoutSeconds);
       ns = std::chrono::nanoseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1e9)));
     }
+    if (is_completed()) {  // done on the posting thread (most small transfers): no GIL round trip
+      if (also_) also_->wait(ns, false);
+      return work_->wait(ns, false);  // both raise a failure's error
+    }
     py::gil_scoped_release nogil;
     if (also_ && !also_->wait(ns, /*interruptible=*/true)) return false;
     return work_->wait(ns, /*interruptible=*/true);
