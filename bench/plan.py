@@ -417,7 +417,7 @@ class Trainer:
             if self.first:
                 self.pipe.step(self.ids)
             elif self.last:
-                self.pipe.step(target=self.target, losses=losses)
+                self.pipe.step(target=self.target, losses=losses, return_outputs=False)
             else:
                 self.pipe.step()
             if self.last:
@@ -442,6 +442,12 @@ class Trainer:
         # the tracker sees touches them)
         if self.compressor is not None:
             roots += self.compressor.residuals()
+        # braid's ZeRO wrapper: its flat buffers, ZeRO-1's persistent full gradient among them (the
+        # backward writes into it only after the step's peak, as the loss's backward starts)
+        schedule = getattr(self.net, "_schedule", None)
+        if schedule is not None:
+            for bucket in schedule.buckets():
+                roots += [t for t in (bucket.full, getattr(bucket.full, "grad", None)) if t is not None]
         with PeakMemory(roots) as tracker:
             self.step()
         return tracker.peak
@@ -721,7 +727,15 @@ def predict(measured: dict, hosts: int, per_host: int, overlap: float | None = N
     chosen = {x.name: x for x in LAYOUTS}
     return clusters["dense"], assumptions, {
         n: evaluate(models[chosen[n].model], clusters[chosen[n].model], chosen[n].candidate(),
-                    assumptions=assumptions) for n in measured["step"]}
+                    assumptions=dataclasses.replace(assumptions, loss_logits=_loss_logits(chosen[n])))
+        for n in measured["step"]}
+
+
+def _loss_logits(x: Layout) -> int:
+    """The float32 logits-sized tensors the layout's loss holds as its backward starts (the
+    planner's ``loss_logits``): F.cross_entropy's log-softmax, its gradient and the logits'
+    gradient; tp.vocab_parallel_cross_entropy's kept exponentials and their gradient."""
+    return 2 if x.tp > 1 else 3
 
 
 def moe_parameters(dense: LanguageModel) -> int:

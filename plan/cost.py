@@ -44,6 +44,12 @@ class Assumptions:
             (sharded from ZeRO-1); default 0: the step is left out, as it is small beside the
             matrix work on accelerators. On CPUs it is not: measure it (``python -m braid.bench
             plan`` does).
+        loss_logits: float32 tensors of the logits' size the loss holds as its backward starts, on
+            the last stage: 1 for a fused or vocabulary-parallel cross-entropy that computes its
+            gradient in place (Megatron-LM's, braid's ``tp.vocab_parallel_cross_entropy``; the
+            default), 3 for ``torch.nn.functional.cross_entropy`` on the full logits (its
+            log-softmax kept for the backward, that output's gradient and the logits' gradient;
+            measured, docs/usage/plan.md).
     """
 
     efficiency: float = 0.4
@@ -52,6 +58,7 @@ class Assumptions:
     bucket_bytes: int = 25 * MiB
     half_efficiency_tokens: float = 128
     optimizer_seconds_per_param: float = 0.0
+    loss_logits: float = 1.0
 
     def __post_init__(self) -> None:
         for name, low_open in (("efficiency", True), ("overlap", False)):
@@ -66,7 +73,7 @@ class Assumptions:
         b = self.bucket_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {b!r}")
-        for name in ("half_efficiency_tokens", "optimizer_seconds_per_param"):
+        for name in ("half_efficiency_tokens", "optimizer_seconds_per_param", "loss_logits"):
             k = getattr(self, name)
             if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 <= k < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {k!r}")
@@ -462,9 +469,18 @@ def memory(
       times 1 + (pp-1)/(pp v) with v interleaved chunks;
       per micro-batch and block ``activation_bytes_per_layer``, or with recomputation only the
       block input s'b h / t x dtype_bytes plus one block's full activations (the one being
-      recomputed); the last stage adds float32 logits 4 s'b V / t;
-    - buffers: two gradient buckets when gradients are exchanged, and with ZeRO-3 two gathered
-      units (the largest block, the embedding or the head) at dtype_bytes;
+      recomputed); the last stage adds the loss's working set as its backward starts,
+      ``loss_logits`` float32 tensors of the logits' size 4 s'b V / t (the snippet's pipeline
+      schedules run with ``return_outputs=False``, so no micro-batch's logits are kept past its
+      loss);
+    - buffers: two gradient buckets in flight where they are not the gradients themselves (DDP's
+      buckets are, with ``gradient_as_bucket_view``, and so is ZeRO-1's persistent flat gradient):
+      from ZeRO-2 (the full gradients of the buckets being reduce-scattered) or with compression
+      (the encoded and decoded copies); with ZeRO-3 also two gathered units (the largest block,
+      the embedding or the head) at dtype_bytes. The loss's working set is gone before the
+      backward has a bucket ready, so on the last stage only the buckets beyond it count. With PP
+      and several micro-batches, one more copy of the stage's gradients (torch's pipeline stages
+      compute a micro-batch's weight gradients whole before accumulating them);
     - residual: with compression, the float32 error-feedback residual of the stage's gradients.
     """
     assumptions = assumptions or Assumptions()
@@ -483,7 +499,10 @@ def memory(
     shard_o = (n_dp, n_edp) if c.zero >= 1 else (1, 1)
     factor = _interleave_factor(c)
     last = c.pp - 1
-    base_buffers = 2 * assumptions.bucket_bytes if max(n_dp, n_edp) > 1 else 0
+    in_flight_buckets = c.zero >= 2 or c.compression != "none"
+    exchanged = n_dp > 1 or (model.moe and n_edp > 1)  # a dense model has no experts' replicas
+    base_buffers = 2 * assumptions.bucket_bytes if exchanged and in_flight_buckets else 0
+    logits = s_loc * b * model.vocab / c.tp
     best: Tuple[float, ...] = ()
     for i in _stages_to_check(stages):
         n_layers = stages[i]
@@ -496,9 +515,16 @@ def memory(
             acts = in_flight * n_layers * layer_input + act_layer
         else:
             acts = in_flight * n_layers * act_layer
-        if i == last:
-            acts += 4 * s_loc * b * model.vocab / c.tp
         buffers = base_buffers
+        if c.pp > 1 and m > 1:
+            # torch's pipeline stage computes a micro-batch's weight gradients whole before adding
+            # them to the accumulated ones: a second copy of the stage's gradients (measured: the
+            # bench's pipeline stages hold every weight's fresh gradient at their peak)
+            buffers += a * (dense / shard_p[0] + experts / shard_p[1])
+        if i == last:
+            loss = assumptions.loss_logits * 4 * logits  # gone before a bucket is ready: the larger counts
+            acts += loss
+            buffers = max(0.0, base_buffers - loss)
         if c.zero >= 3:
             unit = per["layer_dense"] + per["layer_experts"]
             if i == 0:

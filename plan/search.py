@@ -903,8 +903,9 @@ def snippet(layout: Layout, model: TransformerShape, cluster: Cluster) -> str:
             add(f"schedule = Schedule1F1B(stage, n_microbatches={c.micro_batches}, loss_fn=loss_fn)")
         add(
             f"# each step: {model.batch // c.dp} sequences per data-parallel rank in {c.micro_batches} "
-            f"micro-batches of {b}: schedule.step(ids) on the first rank, schedule.step(target=labels) on "
-            "the last, schedule.step() between; then optimizer.step()"
+            f"micro-batches of {b}: schedule.step(ids) on the first rank, schedule.step(target=labels, "
+            "losses=losses, return_outputs=False) on the last (the logits are not kept), schedule.step() "
+            "between; then optimizer.step()"
         )
     elif c.micro_batches > 1:
         add(

@@ -24,7 +24,8 @@ from braid.plan import (
     search,
 )
 from braid.plan.__main__ import main
-from braid.plan.cost import activation_bytes_per_layer, all_reduce, memory, reduce_scatter, stage_layers
+from braid.plan.cost import (activation_bytes_per_layer, all_reduce, device_params, memory, reduce_scatter,
+                             stage_layers)
 
 GiB = 1024**3
 
@@ -66,7 +67,7 @@ def test_parameter_count_by_hand():
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_states_by_zero_stage(zero):
     m, cl = tiny(), small_cluster()
-    a = Assumptions(bucket_bytes=1000)
+    a = Assumptions(bucket_bytes=100_000)
     c = Candidate(dp=4, tp=1, pp=1, cp=1, zero=zero)
     mem = memory(m, cl, c, a)
     p = 86848
@@ -75,8 +76,30 @@ def test_states_by_zero_stage(zero):
     assert mem.gradients == 2 * p / (4 if zero >= 2 else 1)
     assert mem.optimizer == 12 * p / (4 if zero >= 1 else 1)
     largest_unit = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64  # one block's parameters
-    assert mem.buffers == 2 * 1000 + (2 * 2 * largest_unit if zero == 3 else 0)
+    # Two buckets in flight from ZeRO-2 (DDP's and ZeRO-1's buckets are the gradients themselves),
+    # beyond the loss's working set (by default one float32 tensor of the logits' size, gone before
+    # the first bucket is ready)
+    loss = 4 * 32 * 2 * 100
+    buckets = 2 * 100_000 - loss if zero >= 2 else 0
+    assert mem.buffers == buckets + (2 * 2 * largest_unit if zero == 3 else 0)
     assert mem.residual == 0
+
+
+def test_buckets_only_where_gradients_are_exchanged_apart_from_themselves():
+    m, cl = tiny(), small_cluster()
+    a = Assumptions(bucket_bytes=100_000)
+    loss = 4 * 32 * 2 * 100
+    # a compressed exchange encodes and decodes copies of its buckets, even without ZeRO
+    int8 = Candidate(dp=4, tp=1, pp=1, cp=1, compression="int8")
+    assert memory(m, cl, int8, a).buffers == 2 * 100_000 - loss
+    # a dense model on tensor parallelism alone exchanges no gradients: no buckets at any stage
+    assert memory(m, cl, Candidate(dp=1, tp=4, pp=1, cp=1, zero=2), a).buffers == 0
+    # torch's F.cross_entropy holds three such tensors: its working set leaves the buckets less
+    int8_three = memory(m, cl, int8, Assumptions(bucket_bytes=100_000, loss_logits=3))
+    assert int8_three.buffers == 2 * 100_000 - 3 * loss
+    # a large working set of the loss leaves the buckets nothing to add
+    zero2 = Candidate(dp=4, tp=1, pp=1, cp=1, zero=2)
+    assert memory(m, cl, zero2, Assumptions(bucket_bytes=1000)).buffers == 0
 
 
 def test_fp32_sgd_states():
@@ -96,11 +119,15 @@ def test_activations_by_hand():
     assert per_layer == 106496
     c = Candidate(dp=4, tp=1, pp=1, cp=1)
     assert activation_bytes_per_layer(m, c) == per_layer
-    logits = 4 * s * b * v  # float32 logits on the last stage
-    assert memory(m, cl, c).activations == 2 * per_layer + logits
+    # the loss's working set on the last stage: float32 logits-sized tensors, one by default (a
+    # fused or vocabulary-parallel loss), three for F.cross_entropy (the log-softmax, its gradient
+    # and the logits' gradient)
+    loss = 4 * s * b * v
+    assert memory(m, cl, c).activations == 2 * per_layer + loss
+    assert memory(m, cl, c, Assumptions(loss_logits=3)).activations == 2 * per_layer + 3 * loss
     # full recomputation: each block keeps its 2-byte input, plus one block recomputed at a time
     c_rc = Candidate(dp=4, tp=1, pp=1, cp=1, recompute=True)
-    assert memory(m, cl, c_rc).activations == 2 * (2 * sbh) + per_layer + logits
+    assert memory(m, cl, c_rc).activations == 2 * (2 * sbh) + per_layer + loss
     # tensor (sequence) parallelism and context parallelism divide it
     assert activation_bytes_per_layer(m, Candidate(dp=2, tp=2, pp=1, cp=1)) == 2 * per_layer / 2  # b = 4
     assert activation_bytes_per_layer(m, Candidate(dp=2, tp=1, pp=1, cp=2)) == 2 * per_layer / 2
@@ -132,11 +159,18 @@ def test_pipeline_in_flight():
     cl = small_cluster(devices_per_host=2)
     c = Candidate(dp=1, tp=1, pp=2, cp=1, micro_batches=4)  # b = 4, one block per stage
     one = activation_bytes_per_layer(m, c)
-    logits = 4 * 32 * 4 * 100
+    logits = 32 * 4 * 100
     mem = memory(m, cl, c)
-    # 1F1B: stage 0 keeps min(pp, m) = 2 micro-batches, the last stage 1 (plus its logits)
-    stage0, stage1 = 2 * one, one + logits
+    # 1F1B: stage 0 keeps min(pp, m) = 2 micro-batches, the last stage 1 plus the loss's working
+    # set (one float32 tensor of the logits' size; the schedule keeps no logits past their loss)
+    stage0, stage1 = 2 * one, one + 4 * logits
     assert mem.activations == max(stage0, stage1) and mem.stage == (0 if stage0 > stage1 else 1)
+    # torch's pipeline stage computes a micro-batch's weight gradients whole before accumulating
+    # them: one more copy of the stage's gradients among the buffers (no data parallelism here)
+    per = device_params(m, c)
+    ends = per["embedding"] if mem.stage == 0 else per["head"] + per["final_norm"]
+    stage_grads = 2 * (per["layer_dense"] + ends)
+    assert mem.buffers == stage_grads
 
 
 def test_stage_layers_and_compression_residual():
