@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="nanoseconds of the optimizer step per parameter a device updates (0: left out)",
     )
+    a.add_argument(
+        "--loss-logits",
+        type=float,
+        default=1.0,
+        help="float32 logits-sized tensors the loss holds as its backward starts: 1 for a fused or "
+        "vocabulary-parallel cross-entropy (default), 3 for F.cross_entropy on the full logits",
+    )
 
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to list (5)")
@@ -269,6 +276,7 @@ def _assumptions(args: argparse.Namespace) -> Assumptions:
         bucket_bytes=int(args.bucket_mb * 1024**2),
         half_efficiency_tokens=args.half_efficiency_tokens,
         optimizer_seconds_per_param=args.optimizer_ns_per_param * 1e-9,
+        loss_logits=args.loss_logits,
     )
 
 

@@ -579,6 +579,23 @@ def test_cli_optimizer_term():
     assert "+ optimizer " in out.getvalue()
 
 
+def test_cli_loss_logits():
+    """--loss-logits reaches the memory model: F.cross_entropy's three logits-sized tensors cost
+    more than a fused loss's one on the last stage."""
+    def memory_of(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["--model", "llama3-8b", "--cluster", "h100x8:1", "--top", "1", "--json",
+                         "--tp", "8", "--pp", "1", "--cp", "1", "--zero", "0", *extra]) == 0
+        d = json.loads(out.getvalue())
+        return d["layouts"][0], d["model"]
+    (fused, model), (torch_ce, _) = memory_of(), memory_of("--loss-logits", "3")
+    assert (fused["dp"], fused["micro_batches"]) == (torch_ce["dp"], torch_ce["micro_batches"])
+    b = model["batch"] // (fused["dp"] * fused["micro_batches"])
+    logits = 4 * model["seq"] * b * model["vocab"] / 8  # float32, the vocabulary split over tp 8
+    assert torch_ce["memory"]["activations"] - fused["memory"]["activations"] == pytest.approx(2 * logits)
+
+
 def test_bubble_counts_each_other_stage_once():
     """Filling and draining: every stage but the slowest once, scaled by its work (the last stage
     also runs the head), over v interleaved chunks."""
