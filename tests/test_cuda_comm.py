@@ -171,6 +171,8 @@ def fallback_path(rank, n, store_path):
     want = _uneven_reference(rank, n)
     with make_comm(rank, n, store_path) as c, pytest.MonkeyPatch.context() as patch:
         patch.setattr(Communicator, "_staging", staging)
+        # the host tensors' fast path skips _staging: the stand-ins stand for CUDA tensors
+        patch.setattr(Communicator, "_host_tensors", staticmethod(lambda a, b: False))
 
         # Blocking: the input copied down and waited for, the core writes the output's stand-in,
         # copied back before the call returns.

@@ -681,7 +681,7 @@ class Communicator(CompressionHost, Group):
             return _wrap(self._c.all_to_all(output, input, _async_flag(async_op)), "all_to_all")
         out_splits = _splits(output_split_sizes, "output_split_sizes")
         in_splits = _splits(input_split_sizes, "input_split_sizes")
-        if not (getattr(output, "is_cuda", False) or getattr(input, "is_cuda", False)):  # host tensors
+        if self._host_tensors(output, input):
             w = self._c.all_to_all_v(output, input, out_splits, in_splits, _async_flag(async_op))
             return None if w is None else Work(w, "all_to_all")
         if self._device_to_device(output, input):
@@ -849,10 +849,17 @@ class Communicator(CompressionHost, Group):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         dst, src = _index(dst, "dst"), _index(src, "src")
-        if not (send.is_cuda or recv.is_cuda):  # one call into the core: every ring step's latency
+        if self._host_tensors(send, recv):  # one call into the core: every ring step's latency
             return Work(self._c.send_recv(send, dst, recv, src), f"send to rank {dst}, recv from rank {src}")
         return WorkList(self._post_p2p([(True, send, dst), (False, recv, src)],
                                        (("send", send, False), ("recv", recv, True))))
+
+    @staticmethod
+    def _host_tensors(a: Any, b: Any) -> bool:
+        """Whether a call on ``a`` and ``b`` goes straight to the core, neither being on a CUDA
+        device: the fast path of the latency-bound calls (send_recv, all_to_all with split sizes),
+        which skips :meth:`_staging`. Anything else is left to that method and the binding."""
+        return not (getattr(a, "is_cuda", False) or getattr(b, "is_cuda", False))
 
     def _staging(self, named: Sequence[tuple]) -> Optional[_HostStaging]:
         """The fallback path's copies for a call on ``named``'s tensors ((name, tensor, written)

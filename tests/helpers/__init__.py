@@ -120,7 +120,7 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
 # braid's SegmentHeader (csrc/core/transport/shm/group.cc) starts with u64 magic, u64 total_bytes,
 # u64 oneshot_bytes, u64 slot_bytes, u32 nslots, i32 rank, i32 world_size, i32 pid.
 _HEADER = struct.Struct("<QQQQIiii")
-_MAGIC = 0x6272616964736D34  # "braidsm4"
+_MAGIC = 0x6272616964736D35  # "braidsm5"
 
 
 def braid_segments(pids: Iterable[int]) -> list[str]:
