@@ -64,10 +64,11 @@ Communicator::Communicator(int rank, int world_size, Tunables tunables, double t
     if (topo_.multi_host()) group_->set_global_ranks(topo_.hosts[static_cast<size_t>(topo_.host)]);
     group_->set_p2p_window_min_bytes(tun_.p2p_window_min_bytes);
   }
-  if (world_ > 1)
+  if (world_ > 1) {
     engine_->set_p2p_runner([this](std::vector<std::shared_ptr<Work>>& batch) { run_p2p(batch); });
     engine_->set_p2p_here_runner(
         [this](std::vector<std::shared_ptr<Work>>& batch, const Work* until) { run_p2p(batch, until); });
+  }
   if (const char* dir = std::getenv("BRAID_TRACE_DIR")) trace_dir_ = dir;
   install_trace_signal();
 }
@@ -258,6 +259,11 @@ std::shared_ptr<Work> Communicator::run_on_progress_thread(const std::function<v
   return work;
 }
 
+namespace {
+// How long a lazily queued receive waits for its waiter before the progress thread starts it.
+constexpr std::chrono::milliseconds kLazyReceive{1};
+}  // namespace
+
 std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   check_open();
   check_not_poisoned();
@@ -276,9 +282,12 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
   if (trace_.on() && !req.exchange)
     req.trace_id = trace_.issue(req.kind, req.dtype, req.op, req.count, req.rank_named(), nullptr, &req.trace_stack);
   std::shared_ptr<Work> work;
+  bool lazy = false;
   if (world_ > 1 && (req.kind == CollKind::kSend || req.kind == CollKind::kRecv)) {
     if (async)
       if (auto now = p2p_now(req)) return now;
+    lazy = async && req.kind == CollKind::kRecv && req.peer >= 0 && req.peer < world_ && group_ &&
+           topo_.host_of[static_cast<size_t>(req.peer)] == topo_.host && group_->spin_budget().count() == 0;
     auto shared = std::make_shared<Request>(std::move(req));
     work = std::make_shared<Work>([this, shared] { execute(*shared); });
     work->set_p2p(shared);
@@ -286,7 +295,14 @@ std::shared_ptr<Work> Communicator::submit(Request req, bool async) {
     work = std::make_shared<Work>([this, r = std::move(req)]() mutable { execute(r); });
   }
   work->set_engine(engine_.get());
-  engine_->enqueue(work);  // behind the async work issued before it
+  // Behind the async work issued before it. A receive from a peer on this host where the host's
+  // ranks outnumber its cores (no spin budget) is queued lazily: its waiter usually comes first
+  // and runs it, sparing the progress thread a wake and a core it would take from a rank
+  // (enqueue_lazy). Sends keep the progress thread: past the mailbox they push as room frees.
+  if (lazy)
+    engine_->enqueue_lazy(work, kLazyReceive);
+  else
+    engine_->enqueue(work);
   if (p2p_waiting_.load(std::memory_order_seq_cst)) {
     if (group_) group_->wake();
     if (tcp_) tcp_->wake();

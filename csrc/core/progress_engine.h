@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <deque>
@@ -40,8 +41,17 @@ class ProgressEngine {
     fn();
     return true;
   }
-  // Non-blocking: queues `w` for the progress thread.
+  // Non-blocking: queues `w` for the progress thread. Everything queued before it becomes due
+  // now too (enqueue_lazy's works included): issue order holds.
   void enqueue(const std::shared_ptr<Work>& w);
+  // Queues `w` for the progress thread to start no sooner than `delay` from now, unless a thread
+  // that waits for it runs it first (run_p2p_here) or an enqueue() behind it makes it due. Where
+  // the waiter comes within `delay` (the usual exchange: post, then wait), the progress thread is
+  // neither woken nor given a core: on a host with more threads than cores that hand-off costs
+  // more than a small transfer. Progress without a waiter is delayed by `delay` at most. While
+  // works come this way the thread looks at the queue at least every `delay` (for kLinger after
+  // the last one it ran), so a lazy enqueue usually wakes nothing.
+  void enqueue_lazy(const std::shared_ptr<Work>& w, std::chrono::nanoseconds delay);
 
   // Point-to-point works (Work::p2p()) at the head of the queue are handed to `runner` together,
   // all the consecutive ones, instead of one at a time: a send that waits for its receiver must
@@ -84,11 +94,21 @@ class ProgressEngine {
   void loop();
   void end_inline();
 
+  using Clock = std::chrono::steady_clock;
+  // How long the thread keeps looking at the queue every lazy delay after running a lazy work.
+  static constexpr std::chrono::milliseconds kLinger{100};
+  struct Queued {
+    std::shared_ptr<Work> work;
+    Clock::time_point due;  // Clock::time_point::min(): at once
+  };
+
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::shared_ptr<Work>> queue_;
+  std::deque<Queued> queue_;
   bool busy_ = false;   // a work is executing (inline or on the thread)
   bool stop_ = false;
+  bool untimed_wait_ = false;  // the thread sleeps until notified (enqueue_lazy must wake it)
+  std::chrono::nanoseconds lazy_delay_{0};  // the last enqueue_lazy's: the thread's look-again period
   std::thread thread_;
   P2PRunner p2p_runner_;
   P2PHereRunner p2p_here_runner_;

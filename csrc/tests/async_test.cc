@@ -1,10 +1,14 @@
 // Async submissions: many calls in flight on the progress thread, waited out of order, mixed
 // with blocking calls, and completed by close().
+#include <chrono>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "check.h"
 #include "collective_check.h"
 #include "rank_group.h"
+#include "core/progress_engine.h"
 
 using braid::Algo;
 using braid::CollKind;
@@ -102,4 +106,44 @@ BRAID_TEST(close_completes_queued_work) {
     }
     CHECK_THROWS_KIND(braid::ErrorKind::kClosed, ctx.comm.submit(braid::Request{}, false));
   });
+}
+
+// A lazily queued work (enqueue_lazy) waits its delay for a waiter, then the progress thread
+// starts it anyway: no progress is lost when nobody waits. An enqueue() behind it makes it due at
+// once, so issue order never holds back an ordinary work.
+BRAID_TEST(lazy_work_runs_after_its_delay_or_behind_an_eager_one) {
+  using Clock = std::chrono::steady_clock;
+  {
+    braid::ProgressEngine engine;
+    Clock::time_point ran{};
+    auto w = std::make_shared<braid::Work>([&] { ran = Clock::now(); });
+    const auto posted = Clock::now();
+    engine.enqueue_lazy(w, std::chrono::milliseconds(30));
+    const auto deadline = posted + std::chrono::seconds(5);
+    while (!w->is_completed() && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    CHECK(w->is_completed());
+    CHECK(ran - posted >= std::chrono::milliseconds(30));
+    // Again, the thread now looking at the queue on its own (no wake): the same delay, then it runs.
+    auto again = std::make_shared<braid::Work>([] {});
+    engine.enqueue_lazy(again, std::chrono::milliseconds(30));
+    const auto deadline2 = Clock::now() + std::chrono::seconds(5);
+    while (!again->is_completed() && Clock::now() < deadline2)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    CHECK(again->is_completed());
+  }
+  {
+    braid::ProgressEngine engine;
+    std::vector<int> order;
+    auto lazy = std::make_shared<braid::Work>([&] { order.push_back(1); });
+    auto eager = std::make_shared<braid::Work>([&] { order.push_back(2); });
+    const auto posted = Clock::now();
+    engine.enqueue_lazy(lazy, std::chrono::seconds(60));
+    engine.enqueue(eager);
+    CHECK(eager->wait(std::chrono::seconds(5)));
+    CHECK(lazy->is_completed());
+    CHECK(Clock::now() - posted < std::chrono::seconds(5));
+    CHECK_EQ(order.size(), size_t{2});
+    CHECK_EQ(order[0], 1);  // issue order
+  }
 }
