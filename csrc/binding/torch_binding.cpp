@@ -40,11 +40,6 @@ std::string python_stack() {
   }
 }
 
-// Sends a request to the core, by the device of its tensors (collective_device): CPU tensors
-// straight, CUDA tensors through the staging pipeline (dispatch_cuda). Returns a HostWork (a
-// CudaWork) for async calls, None otherwise. `output` is the output and its contiguous copy (or
-// nothing, for barrier); `input` the contiguous input of out-of-place collectives. The blocking
-// CPU path allocates nothing here: it is the latency of every small collective.
 // An async CPU request's copy back into the caller's tensor (where `output` is not contiguous) and
 // what it keeps alive until it completes: the output's buffer and the contiguous input.
 void prepare_async(Request& req, const Contiguous* output, const at::Tensor* input) {
@@ -55,6 +50,11 @@ void prepare_async(Request& req, const Contiguous* output, const at::Tensor* inp
   req.keepalive = std::move(keep);
 }
 
+// Sends a request to the core, by the device of its tensors (collective_device): CPU tensors
+// straight, CUDA tensors through the staging pipeline (dispatch_cuda). Returns a HostWork (a
+// CudaWork) for async calls, None otherwise. `output` is the output and its contiguous copy (or
+// nothing, for barrier); `input` the contiguous input of out-of-place collectives. The blocking
+// CPU path allocates nothing here: it is the latency of every small collective.
 py::object dispatch(Communicator& c, Request req, bool async, const Contiguous* output, const at::Tensor* input,
                     c10::Device device = c10::Device(c10::kCPU)) {
   if (g_trace_stack) req.trace_stack = python_stack();
@@ -256,7 +256,8 @@ py::object send_recv(Communicator& c, py::handle send, int dst, py::handle recv,
     sent = c.submit(std::move(s.req), true);
     received = c.submit(std::move(r.req), true);
   }
-  return py::cast(std::make_shared<HostWork>(std::move(received), std::vector<at::Tensor>{r.tensor.user}, std::move(sent)));
+  return py::cast(
+      std::make_shared<HostWork>(std::move(received), std::vector<at::Tensor>{r.tensor.user}, std::move(sent)));
 }
 
 py::object barrier(Communicator& c, bool async) {

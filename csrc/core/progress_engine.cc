@@ -91,8 +91,8 @@ void ProgressEngine::loop() {
   std::unique_lock<std::mutex> lk(mu_);
   Clock::time_point linger_until{};  // looks at the queue every lazy delay until then
   for (;;) {
-    if (busy_) {  // an inline call; it notifies when it leaves work queued, and so does a lazy
-      untimed_wait_ = true;  // enqueue meanwhile: the call may end before it, with nothing queued
+    if (busy_) {  // an inline call runs: it notifies when it ends with work queued, and a lazy
+      untimed_wait_ = true;  // enqueue after it ended with nothing queued must notify as well
       cv_.wait(lk);
       untimed_wait_ = false;
       continue;
