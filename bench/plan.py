@@ -724,10 +724,9 @@ def predict(measured: dict, hosts: int, per_host: int, overlap: float | None = N
     dense = _model()
     models = {"dense": _shape(dense), "moe": _shape(moe=True)}
     models["moe"] = dataclasses.replace(models["moe"], params=moe_parameters(dense))
-    chosen = {x.name: x for x in LAYOUTS}
     return clusters["dense"], assumptions, {
-        n: evaluate(models[chosen[n].model], clusters[chosen[n].model], chosen[n].candidate(),
-                    assumptions=dataclasses.replace(assumptions, loss_logits=_loss_logits(chosen[n])))
+        n: evaluate(models[_BY_NAME[n].model], clusters[_BY_NAME[n].model], _BY_NAME[n].candidate(),
+                    assumptions=dataclasses.replace(assumptions, loss_logits=_loss_logits(_BY_NAME[n])))
         for n in measured["step"]}
 
 

@@ -516,15 +516,15 @@ def memory(
         else:
             acts = in_flight * n_layers * act_layer
         buffers = base_buffers
+        if i == last:
+            loss = assumptions.loss_logits * 4 * logits  # gone before a bucket is ready: the larger counts
+            acts += loss
+            buffers = max(0.0, base_buffers - loss)
         if c.pp > 1 and m > 1:
             # torch's pipeline stage computes a micro-batch's weight gradients whole before adding
             # them to the accumulated ones: a second copy of the stage's gradients (measured: the
             # bench's pipeline stages hold every weight's fresh gradient at their peak)
             buffers += a * (dense / shard_p[0] + experts / shard_p[1])
-        if i == last:
-            loss = assumptions.loss_logits * 4 * logits  # gone before a bucket is ready: the larger counts
-            acts += loss
-            buffers = max(0.0, base_buffers - loss)
         if c.zero >= 3:
             unit = per["layer_dense"] + per["layer_experts"]
             if i == 0:

@@ -171,6 +171,11 @@ def test_pipeline_in_flight():
     ends = per["embedding"] if mem.stage == 0 else per["head"] + per["final_norm"]
     stage_grads = 2 * (per["layer_dense"] + ends)
     assert mem.buffers == stage_grads
+    # the last stage too, where the loss's working set is: a large vocabulary makes it the fullest
+    big = tiny(batch=16, vocab=5000)
+    last = memory(big, cl, c)
+    per = device_params(big, c)
+    assert last.stage == 1 and last.buffers == 2 * (per["layer_dense"] + per["head"] + per["final_norm"])
 
 
 def test_stage_layers_and_compression_residual():
